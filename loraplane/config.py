@@ -1,0 +1,41 @@
+"""Configuration from environment variables (prefix LORAPLANE_) and keyword overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAPLANE_", extra="ignore")
+
+    # Where `loraplane up` keeps server data, logs and its state file.
+    data_dir: Path = Path(".loraplane")
+
+    # External Redis / S3. Empty = `loraplane up` starts embedded Valkey / SeaweedFS.
+    redis_url: str = ""
+    s3_endpoint: str = ""
+    s3_access_key: str = "loraplane"
+    s3_secret_key: str = "loraplane-secret"
+    s3_bucket: str = "loraplane"
+    s3_secure: bool = False
+    s3_region: str = ""
+    # Every Redis key of the registry starts with this; lets several registries share one Redis.
+    key_prefix: str = "lp:"
+
+    host: str = "127.0.0.1"
+    registry_port: int = 0
+    trainer_port: int = 0
+    sampler_port: int = 0
+    # Addresses of running services (host:port), used by clients and by services that call each other.
+    registry_address: str = ""
+    trainer_address: str = ""
+    sampler_address: str = ""
+
+    base_model: str = "tiny"
+    device: str = "cpu"
+
+
+def load_settings(**overrides) -> Settings:
+    return Settings(**overrides)

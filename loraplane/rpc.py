@@ -1,0 +1,188 @@
+"""gRPC plumbing shared by the three services: the one place where domain errors become status codes, and the
+server builder that adds health checking, reflection and message-size limits."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from loraplane import errors
+
+log = logging.getLogger(__name__)
+
+ERROR_DOMAIN = "loraplane.dev"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+_STATUS_OF: list[tuple[type[errors.LoraplaneError], grpc.StatusCode]] = [
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DataLoss, grpc.StatusCode.DATA_LOSS),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.Aborted, grpc.StatusCode.ABORTED),
+    (errors.Cancelled, grpc.StatusCode.CANCELLED),
+]
+
+
+def status_code_of(exc: BaseException) -> grpc.StatusCode:
+    for exc_type, code in _STATUS_OF:
+        if isinstance(exc, exc_type):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def to_rpc_status(exc: errors.LoraplaneError) -> grpc.Status:
+    code = status_code_of(exc)
+    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=ERROR_DOMAIN)
+    if exc.field:
+        info.metadata["field"] = exc.field
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=exc.message, details=[detail])
+    return rpc_status.to_status(status)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, errors.LoraplaneError):
+        await context.abort_with_status(to_rpc_status(exc))
+    log.exception("unhandled error in RPC", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def _passthrough(exc: BaseException) -> bool:
+    # abort() raises grpc's own AbortError; it must propagate untouched, as must cancellation.
+    return isinstance(exc, (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit))
+
+
+def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorates a servicer method (unary or server-streaming, async) so domain errors become statuses."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream_wrapper(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except BaseException as exc:  # noqa: BLE001
+                if _passthrough(exc):
+                    raise
+                await _abort(context, exc)
+        return stream_wrapper
+
+    @functools.wraps(method)
+    async def unary_wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except BaseException as exc:  # noqa: BLE001
+            if _passthrough(exc):
+                raise
+            await _abort(context, exc)
+    return unary_wrapper
+
+
+def map_servicer_errors(cls: type) -> type:
+    """Class decorator: applies `map_errors` to every public coroutine / async generator method."""
+    for name, member in list(vars(cls).items()):
+        if name.startswith("_"):
+            continue
+        if inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member):
+            setattr(cls, name, map_errors(member))
+    return cls
+
+
+class GrpcServer:
+    """An asyncio gRPC server with health checking and reflection for the given services."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, options: Iterable[tuple[str, Any]] = ()):
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+            *options,
+        ])
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        self.host = host
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def add_service(self, full_name: str) -> None:
+        self._service_names.append(full_name)
+
+    async def start(self) -> None:
+        reflection.enable_server_reflection(self._service_names, self.server)
+        await self.server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self._service_names]:
+            result = self.health.set(name, status)
+            if inspect.isawaitable(result):
+                await result
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
+    """Synchronous health probe: True when the server answers SERVING."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def channel_options() -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+class BackgroundLoop:
+    """An asyncio loop on a daemon thread. Hosts async gRPC servers for synchronous callers (tests, benchmarks,
+    the CLI's embedded servers), so blocking stubs never run on the loop that serves them."""
+
+    def __init__(self, name: str = "loraplane-loop"):
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
