@@ -15,6 +15,9 @@ from loraplane.config import Settings
 from loraplane.local.processes import SeaweedS3Server, ValkeyServer, seaweed_s3_server, valkey_server
 from loraplane.rpc import BackgroundLoop
 
+# Each service's live-server fixtures live in their own module (owned by that service's code).
+pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.trainer", "tests.fixtures.sampler"]
+
 
 @pytest.fixture(scope="session")
 def server_root(tmp_path_factory) -> Path:
