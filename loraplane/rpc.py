@@ -186,3 +186,15 @@ class BackgroundLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+def domain_error_from_rpc(exc: grpc.RpcError, what: str = "") -> errors.LoraplaneError:
+    """The inverse mapping, for a service that calls another: keeps the status code and message of the callee
+    (a registry NOT_FOUND stays NOT_FOUND for the trainer's caller); transport failures become Unavailable."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    message = f"{what}: {details}" if what else (details or code.name)
+    for exc_type, mapped in _STATUS_OF:
+        if mapped == code:
+            return exc_type(message)
+    return errors.Unavailable(message)
