@@ -1,0 +1,126 @@
+"""The interface every sampling engine implements (in-process torch, SGLang over HTTP).
+
+The adapter manager decides which adapter versions exist; an engine only loads what it is told to load, under the
+name it is given (`<adapter>@v<N>`), and serves requests that name a loaded version or the base model (None).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling controls.
+
+    `temperature == 0` is greedy decoding. `top_k <= 0` and `top_p == 1` switch those filters off. The logprob an
+    engine reports for a sampled token is always taken from the UNMODIFIED model distribution (temperature 1, no
+    top-k/top-p filtering), whatever the sampling temperature: it is then directly comparable with the trainer's
+    Forward logprobs of the same tokens, which is what importance-sampling / PPO losses need as `q`.
+    """
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_tokens: tuple[int, ...]
+    options: SamplingOptions = field(default_factory=SamplingOptions)
+    num_samples: int = 1
+    # Engine-level adapter name (`<adapter>@v<N>`) or None for the base model.
+    adapter_key: str | None = None
+    include_prompt_logprobs: bool = False
+
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+
+
+@dataclass
+class GenerationUpdate:
+    """New tokens of one sequence since its previous update; `finish_reason` is set on its last update.
+    `prompt_logprobs` is set (once, on some update) when the request asked for it; entry 0 is NaN."""
+
+    sequence_index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class LoadedAdapterInfo:
+    key: str
+    rank: int
+
+
+class Engine(abc.ABC):
+    """A sampling engine. All methods are called from the asyncio loop of the sampler."""
+
+    name: str = "engine"
+
+    @property
+    @abc.abstractmethod
+    def base_model_name(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def max_context_length(self) -> int: ...
+
+    @property
+    def supports_stop_strings(self) -> bool:
+        return True
+
+    async def start(self) -> None:
+        """Brings the engine up (loads the model, starts workers or servers)."""
+
+    async def stop(self) -> None:
+        """Releases everything `start` acquired."""
+
+    @abc.abstractmethod
+    async def load_adapter(self, key: str, blob: bytes) -> LoadedAdapterInfo:
+        """Loads a PEFT safetensors adapter blob under `key`. Raises InvalidArgument / FailedPrecondition when the
+        blob does not fit the base model."""
+
+    @abc.abstractmethod
+    async def unload_adapter(self, key: str) -> None:
+        """Forgets `key`. The manager calls it only when no request holds the version."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        """Streams updates until every sample has finished. Closing the iterator early cancels the request."""
+
+    @abc.abstractmethod
+    async def compute_logprobs(self, tokens: Sequence[int], adapter_key: str | None) -> list[float]:
+        """logprob of tokens[i] given tokens[:i]; entry 0 is NaN."""
+
+    @property
+    def queue_depth(self) -> int:
+        return 0
+
+    @property
+    def running_requests(self) -> int:
+        return 0
+
+
+def nan_first(values: Sequence[float]) -> list[float]:
+    return [math.nan, *values]
