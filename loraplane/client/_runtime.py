@@ -1,0 +1,149 @@
+"""The client's I/O: one asyncio loop on a daemon thread per process, holding one grpc.aio channel per address.
+
+Every public call converts its inputs in the caller's thread (so bad input fails at once, before a seq_id is spent),
+then hands a coroutine to this loop and returns a future. Sharing one loop keeps channels (and their HTTP/2
+connections) shared by every client object of the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import concurrent.futures
+import os
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from loraplane.client.errors import APIError, error_from_rpc
+from loraplane.rpc import BackgroundLoop, channel_options
+
+T = TypeVar("T")
+
+_RETRYABLE_TRAINING = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Samples change no state, so a full queue (RESOURCE_EXHAUSTED) is worth waiting out too.
+_RETRYABLE_SAMPLING = frozenset({*_RETRYABLE_TRAINING, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Retries of a failed attempt with exponential backoff and jitter. A sequenced trainer call is retried with
+    its original seq_id, so the trainer applies it once however many attempts reach it."""
+
+    max_attempts: int = 10
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+    # Give up retrying once this much time has passed since the first attempt.
+    total_timeout_s: float = 300.0
+    # Deadline of each attempt. A sequenced call may wait on the trainer for its predecessors, so it is generous.
+    attempt_timeout_s: float | None = 600.0
+    codes: frozenset[grpc.StatusCode] = field(default=_RETRYABLE_TRAINING)
+
+    def for_sampling(self) -> RetryConfig:
+        return RetryConfig(self.max_attempts, self.initial_backoff_s, self.max_backoff_s, self.multiplier,
+                           self.total_timeout_s, self.attempt_timeout_s, _RETRYABLE_SAMPLING)
+
+
+NO_RETRY = RetryConfig(max_attempts=1)
+
+
+def _client_channel_options() -> list[tuple[str, Any]]:
+    return [
+        *channel_options(),
+        # Reconnect quickly after a dropped connection: the retry loop is the one that waits.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+    ]
+
+
+class ClientRuntime:
+    def __init__(self) -> None:
+        self._loop = BackgroundLoop("loraplane-client")
+        self.pid = os.getpid()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop.loop
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """Only on the runtime's loop: a grpc.aio channel belongs to the loop that creates it."""
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=_client_channel_options())
+            self._channels[address] = channel
+        return channel
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self.submit(coro).result(timeout)
+
+    async def _close_channels(self, addresses: list[str] | None) -> None:
+        for address in list(self._channels) if addresses is None else addresses:
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                await channel.close()
+
+    def close_channels(self, addresses: list[str] | None = None) -> None:
+        if not self.loop.is_closed():
+            self.run(self._close_channels(addresses), timeout=10)
+
+    def close(self) -> None:
+        self.close_channels()
+        self._loop.close()
+
+
+_runtime: ClientRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime() -> ClientRuntime:
+    global _runtime
+    with _runtime_lock:
+        # After a fork the parent's loop thread does not exist in the child: start a fresh one.
+        if _runtime is None or _runtime.pid != os.getpid() or _runtime.loop.is_closed():
+            _runtime = ClientRuntime()
+            atexit.register(_shutdown, _runtime)
+        return _runtime
+
+
+def _shutdown(rt: ClientRuntime) -> None:
+    # Closing channels before the interpreter tears down the loop thread avoids grpc's noisy exit-time errors.
+    with contextlib.suppress(Exception):
+        if rt.pid == os.getpid():
+            rt.close()
+
+
+async def call_with_retry(attempt: Callable[[float | None], Awaitable[T]], retry: RetryConfig, *, method: str,
+                          address: str) -> T:
+    """Runs `attempt(timeout)` until it succeeds, fails with a non-retryable status, or the retry budget is spent.
+    Raises the SDK's APIError subclass for the final status."""
+    started = time.monotonic()
+    backoff = retry.initial_backoff_s
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            return await attempt(retry.attempt_timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            elapsed = time.monotonic() - started
+            if code not in retry.codes or attempts >= retry.max_attempts or elapsed >= retry.total_timeout_s:
+                raise error_from_rpc(exc, method=method, address=address, attempts=attempts) from None
+        await asyncio.sleep(min(backoff, retry.max_backoff_s) * random.uniform(0.8, 1.2))
+        backoff *= retry.multiplier
+
+
+__all__ = ["NO_RETRY", "APIError", "ClientRuntime", "RetryConfig", "call_with_retry", "runtime"]

@@ -1,0 +1,36 @@
+"""Where the services are: an explicit address, else LORAPLANE_<SERVICE>_ADDRESS, else the state file that
+`loraplane up` wrote under the data dir (LORAPLANE_DATA_DIR, default ./.loraplane)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SERVICES = ("trainer", "sampler", "registry")
+
+
+def cluster_state_addresses(data_dir: str | Path | None = None) -> dict[str, str]:
+    directory = Path(data_dir or os.environ.get("LORAPLANE_DATA_DIR") or ".loraplane")
+    try:
+        from loraplane.local.cluster import read_cluster_state
+    except ImportError:
+        return {}
+    try:
+        state = read_cluster_state(directory)
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if state is None:
+        return {}
+    if isinstance(state, dict):
+        found = state.get("addresses", state)
+        return {k: v for k, v in found.items() if k in SERVICES and isinstance(v, str)}
+    return dict(state.addresses())
+
+
+def resolve_address(service: str, explicit: str | None = None, data_dir: str | Path | None = None) -> str | None:
+    if explicit:
+        return explicit
+    from_env = os.environ.get(f"LORAPLANE_{service.upper()}_ADDRESS")
+    if from_env:
+        return from_env
+    return cluster_state_addresses(data_dir).get(service)

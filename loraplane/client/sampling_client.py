@@ -1,0 +1,110 @@
+"""SamplingClient: samples from one adapter version (or the base model) on a sampler service."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraplane.client._runtime import RetryConfig, call_with_retry, runtime
+from loraplane.client.futures import APIFuture
+from loraplane.client.types import (
+    SampleResponse,
+    SamplingParams,
+    _prompt_logprobs,
+    adapter_ref,
+    as_model_input,
+    format_path,
+)
+from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+
+
+class SamplingClient:
+    """Immutable and picklable: (sampler address, adapter, version or alias). An empty adapter is the base model;
+    version 0 with no alias follows the adapter's latest loaded version.
+
+    `sample` returns an APIFuture; `sample_async` is a coroutine that returns the SampleResponse itself (Tinker's
+    sampling convention)."""
+
+    def __init__(self, sampler_address: str, adapter: str = "", version: int = 0, alias: str = "", *,
+                 retry: RetryConfig | None = None, trainer_address: str | None = None):
+        if not sampler_address:
+            raise ValueError("no sampler address: pass sampler=... or set LORAPLANE_SAMPLER_ADDRESS")
+        if version and alias:
+            raise ValueError("give a version or an alias, not both")
+        self.sampler_address = sampler_address
+        self.adapter = adapter
+        self.version = version
+        self.alias = alias
+        self.retry = (retry or RetryConfig()).for_sampling()
+        self.trainer_address = trainer_address
+
+    def __repr__(self) -> str:
+        target = self.path if self.adapter else "base model"
+        return f"SamplingClient({target} on {self.sampler_address})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    @property
+    def path(self) -> str:
+        return format_path(self.adapter, self.version, self.alias) if self.adapter else ""
+
+    def _stub(self) -> sampler_pb2_grpc.SamplerServiceStub:
+        return sampler_pb2_grpc.SamplerServiceStub(runtime().channel(self.sampler_address))
+
+    def _ref(self):
+        return adapter_ref(self.adapter, self.version, self.alias)
+
+    # ---- sample ---------------------------------------------------------------------------------------------
+
+    def _sample_request(self, prompt, num_samples: int, sampling_params: SamplingParams | None,
+                        include_prompt_logprobs: bool) -> sampler_pb2.SampleRequest:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        params = sampling_params or SamplingParams()
+        return sampler_pb2.SampleRequest(adapter=self._ref(), prompt_tokens=as_model_input(prompt).tokens,
+                                         num_samples=num_samples, sampling_params=params.to_proto(),
+                                         include_prompt_logprobs=include_prompt_logprobs)
+
+    async def _sample(self, request: sampler_pb2.SampleRequest) -> SampleResponse:
+        stub = self._stub()
+        reply = await call_with_retry(lambda timeout: stub.Sample(request, timeout=timeout), self.retry,
+                                      method="Sample", address=self.sampler_address)
+        return SampleResponse.from_proto(reply)
+
+    def sample(self, prompt, num_samples: int = 1, sampling_params: SamplingParams | None = None,
+               include_prompt_logprobs: bool = False) -> APIFuture[SampleResponse]:
+        request = self._sample_request(prompt, num_samples, sampling_params, include_prompt_logprobs)
+        return APIFuture(runtime().submit(self._sample(request)))
+
+    async def sample_async(self, prompt, num_samples: int = 1, sampling_params: SamplingParams | None = None,
+                           include_prompt_logprobs: bool = False) -> SampleResponse:
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs)
+
+    # ---- logprobs -------------------------------------------------------------------------------------------
+
+    async def _compute_logprobs(self, request: sampler_pb2.ComputeLogprobsRequest) -> list[float | None]:
+        stub = self._stub()
+        reply = await call_with_retry(lambda timeout: stub.ComputeLogprobs(request, timeout=timeout), self.retry,
+                                      method="ComputeLogprobs", address=self.sampler_address)
+        return _prompt_logprobs(reply.logprobs)
+
+    def compute_logprobs(self, prompt) -> APIFuture[list[float | None]]:
+        """Logprob of each token given the ones before it; entry 0 is None (no context)."""
+        request = sampler_pb2.ComputeLogprobsRequest(adapter=self._ref(), tokens=as_model_input(prompt).tokens)
+        return APIFuture(runtime().submit(self._compute_logprobs(request)))
+
+    async def compute_logprobs_async(self, prompt) -> list[float | None]:
+        return await self.compute_logprobs(prompt)
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+
+    def get_tokenizer(self):
+        if not self.trainer_address:
+            raise ValueError("this SamplingClient knows no trainer to ask for the tokenizer; "
+                             "use ServiceClient(...).get_tokenizer()")
+        from loraplane.client.service_client import fetch_tokenizer
+
+        return fetch_tokenizer(self.trainer_address)
