@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import concurrent.futures
+import contextlib
 import os
 import random
 import threading
