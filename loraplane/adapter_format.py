@@ -1,0 +1,231 @@
+"""Adapter blobs: the PEFT safetensors weights file and the trainer's training-state file.
+
+Weights blob: one safetensors file holding the PEFT LoRA tensors under PEFT key names, with the PEFT
+`adapter_config.json` content in its header metadata (key "adapter_config"), so HF PEFT / vLLM / SGLang can load an
+exported version after `materialize_peft_dir` splits it into adapter_model.safetensors + adapter_config.json.
+
+Training-state blob: also safetensors (never pickle): params under their PEFT keys, AdamW moments under
+`optimizer.exp_avg.<key>` / `optimizer.exp_avg_sq.<key>`, metadata "loraplane_training_state" = JSON with the
+step, the LoRA spec and the base model name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from loraplane.errors import DataLoss, InvalidArgument
+from loraplane.lora import TARGET_MODULES, LoraSpec, parse_peft_key
+
+ADAPTER_CONFIG_KEY = "adapter_config"
+TRAINING_STATE_KEY = "loraplane_training_state"
+FORMAT_KEY = "format"
+EXP_AVG = "optimizer.exp_avg."
+EXP_AVG_SQ = "optimizer.exp_avg_sq."
+
+
+def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name,
+        "r": spec.rank,
+        "lora_alpha": spec.effective_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(spec.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+        "revision": None,
+        "loraplane_seed": spec.seed,
+    }
+
+
+def _contiguous_cpu_f32(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(device="cpu", dtype=torch.float32).contiguous() for k, v in params.items()}
+
+
+def serialize_adapter(params: dict[str, torch.Tensor], spec: LoraSpec, base_model_name: str) -> bytes:
+    _check_params(params, spec, field="params")
+    metadata = {
+        FORMAT_KEY: "pt",
+        ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name), sort_keys=True),
+    }
+    return st_save(_contiguous_cpu_f32(params), metadata=metadata)
+
+
+def _read(blob: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) < 8:
+        raise DataLoss(f"{what} is not a safetensors file (too short)", field="blob")
+    header_len = int.from_bytes(bytes(blob[:8]), "little")
+    if header_len <= 0 or 8 + header_len > len(blob):
+        raise DataLoss(f"{what} is not a safetensors file (bad header length)", field="blob")
+    try:
+        header = json.loads(bytes(blob[8:8 + header_len]))
+        tensors = st_load(bytes(blob))
+    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+        raise DataLoss(f"{what} is not a valid safetensors file: {exc}", field="blob") from exc
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise DataLoss(f"{what}: safetensors metadata is not a string map", field="blob")
+    return tensors, metadata
+
+
+def _spec_from_peft_config(config: dict) -> LoraSpec:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise InvalidArgument(f"adapter peft_type {config.get('peft_type')!r} is not LORA", field="adapter_config")
+    for flag in ("use_dora", "use_rslora", "fan_in_fan_out"):
+        if config.get(flag):
+            raise InvalidArgument(f"adapter_config.{flag} is not supported", field=f"adapter_config.{flag}")
+    if config.get("bias", "none") != "none":
+        raise InvalidArgument("adapter_config.bias must be 'none'", field="adapter_config.bias")
+    targets = config.get("target_modules") or list(TARGET_MODULES)
+    if isinstance(targets, str):
+        raise InvalidArgument("adapter_config.target_modules must be a list", field="adapter_config.target_modules")
+    try:
+        rank = int(config["r"])
+        alpha = float(config.get("lora_alpha", rank))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"adapter_config lacks a valid r / lora_alpha: {exc}", field="adapter_config.r") from exc
+    return LoraSpec.create(rank, alpha, targets, int(config.get("loraplane_seed", 0) or 0),
+                           max_rank=1 << 20, field_prefix="adapter_config")
+
+
+def parse_adapter(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
+    """Reads a weights blob -> (params, spec, base model name). Shapes and keys are checked against the config."""
+    tensors, metadata = _read(blob, "adapter blob")
+    raw = metadata.get(ADAPTER_CONFIG_KEY)
+    if raw is None:
+        raise DataLoss("adapter blob has no adapter_config in its safetensors metadata", field="blob")
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise DataLoss(f"adapter_config metadata is not JSON: {exc}", field="blob") from exc
+    spec = _spec_from_peft_config(config)
+    params = {k: v.to(torch.float32) for k, v in tensors.items()}
+    _check_params(params, spec, field="blob")
+    return params, spec, str(config.get("base_model_name_or_path") or "")
+
+
+def _check_params(params: dict[str, torch.Tensor], spec: LoraSpec, *, field: str) -> None:
+    """Keys must form complete A/B pairs of the spec's target modules over layers 0..L-1 with rank-consistent
+    shapes and finite values."""
+    layers: set[int] = set()
+    pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    for key, tensor in params.items():
+        layer, module, which = parse_peft_key(key)
+        if module not in spec.target_modules:
+            raise InvalidArgument(f"{field}: {key} targets {module}, not in target_modules", field=field)
+        if tensor.ndim != 2:
+            raise InvalidArgument(f"{field}: {key} must be 2-D, got shape {tuple(tensor.shape)}", field=field)
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidArgument(f"{field}: {key} has non-finite values", field=field)
+        layers.add(layer)
+        pairs.setdefault((layer, module), {})[which] = tuple(tensor.shape)
+    if not params:
+        raise InvalidArgument(f"{field}: no LoRA tensors", field=field)
+    if layers != set(range(len(layers))):
+        raise InvalidArgument(f"{field}: layers {sorted(layers)} are not 0..{len(layers) - 1}", field=field)
+    for layer in layers:
+        for module in spec.target_modules:
+            shapes = pairs.get((layer, module), {})
+            if "A" not in shapes or "B" not in shapes:
+                raise InvalidArgument(f"{field}: layer {layer} {module} lacks lora_A or lora_B", field=field)
+            if shapes["A"][0] != spec.rank or shapes["B"][1] != spec.rank:
+                raise InvalidArgument(
+                    f"{field}: layer {layer} {module} shapes {shapes['A']}/{shapes['B']} disagree with rank "
+                    f"{spec.rank}", field=field)
+
+
+def materialize_peft_dir(blob: bytes, directory: str | Path) -> Path:
+    """Writes adapter_model.safetensors + adapter_config.json so HF PEFT / SGLang / vLLM can load the adapter."""
+    params, spec, base_name = parse_adapter(blob)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = peft_adapter_config(spec, base_name)
+    config.pop("loraplane_seed", None)
+    tmp_weights = directory / ".adapter_model.safetensors.tmp"
+    tmp_weights.write_bytes(st_save(_contiguous_cpu_f32(params), metadata={FORMAT_KEY: "pt"}))
+    tmp_weights.replace(directory / "adapter_model.safetensors")
+    tmp_config = directory / ".adapter_config.json.tmp"
+    tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
+    tmp_config.replace(directory / "adapter_config.json")
+    return directory
+
+
+@dataclass
+class TrainingState:
+    params: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    step: int
+    spec: LoraSpec
+    base_model_name: str
+
+
+def serialize_training_state(state: TrainingState) -> bytes:
+    _check_params(state.params, state.spec, field="params")
+    tensors = dict(_contiguous_cpu_f32(state.params))
+    for key in state.params:
+        tensors[EXP_AVG + key] = state.exp_avg[key].detach().to("cpu", torch.float32).contiguous()
+        tensors[EXP_AVG_SQ + key] = state.exp_avg_sq[key].detach().to("cpu", torch.float32).contiguous()
+    info = {
+        "step": int(state.step),
+        "rank": state.spec.rank,
+        "alpha": state.spec.effective_alpha,
+        "target_modules": list(state.spec.target_modules),
+        "seed": state.spec.seed,
+        "base_model": state.base_model_name,
+    }
+    metadata = {
+        FORMAT_KEY: "pt",
+        TRAINING_STATE_KEY: json.dumps(info, sort_keys=True),
+        ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(state.spec, state.base_model_name), sort_keys=True),
+    }
+    return st_save(tensors, metadata=metadata)
+
+
+def parse_training_state(blob: bytes) -> TrainingState:
+    tensors, metadata = _read(blob, "training-state blob")
+    raw = metadata.get(TRAINING_STATE_KEY)
+    if raw is None:
+        raise InvalidArgument("blob is not a training state (no loraplane_training_state metadata); "
+                              "LoadState needs a SaveState version", field="source")
+    try:
+        info = json.loads(raw)
+        spec = LoraSpec.create(int(info["rank"]), float(info["alpha"]), info["target_modules"], int(info["seed"]),
+                               max_rank=1 << 20, field_prefix="training_state")
+        step = int(info["step"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataLoss(f"training-state metadata is malformed: {exc}", field="blob") from exc
+    if step < 0 or not math.isfinite(step):
+        raise DataLoss("training-state step is negative", field="blob")
+    params = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    _check_params(params, spec, field="blob")
+    exp_avg, exp_avg_sq = {}, {}
+    for key, tensor in params.items():
+        m = tensors.get(EXP_AVG + key)
+        v = tensors.get(EXP_AVG_SQ + key)
+        if m is None or v is None or m.shape != tensor.shape or v.shape != tensor.shape:
+            raise DataLoss(f"training-state blob lacks matching AdamW moments for {key}", field="blob")
+        exp_avg[key] = m
+        exp_avg_sq[key] = v
+    extra = set(tensors) - set(params) - {EXP_AVG + k for k in params} - {EXP_AVG_SQ + k for k in params}
+    if extra:
+        raise DataLoss(f"training-state blob has unexpected tensors: {sorted(extra)[:3]}", field="blob")
+    return TrainingState(params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, spec=spec,
+                         base_model_name=str(info.get("base_model", "")))

