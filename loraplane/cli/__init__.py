@@ -9,3 +9,4 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 # Each command group lives in its own module; importing it attaches its commands to `app`.
 from loraplane.cli import cluster  # noqa: E402,F401
+from loraplane.cli import product  # noqa: E402,F401
