@@ -1,0 +1,62 @@
+"""`python -m sampler_svc`: runs a sampler until SIGINT/SIGTERM. Prints `SAMPLER_READY <address>` once serving."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from loraplane.config import Settings
+from sampler_svc.server import DEFAULT_MAX_LOADED, start_sampler_server
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    settings = Settings()
+    parser = argparse.ArgumentParser(prog="python -m sampler_svc", description=__doc__)
+    parser.add_argument("--registry-address", default=settings.registry_address,
+                        help="host:port of the adapter registry (LORAPLANE_REGISTRY_ADDRESS)")
+    parser.add_argument("--base-model", default=settings.base_model)
+    parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
+    parser.add_argument("--instance-id", default="sampler-0",
+                        help="names this sampler's persisted watch cursor; reuse it across restarts")
+    parser.add_argument("--keep-versions", type=int, default=2)
+    parser.add_argument("--max-loaded", type=int, default=DEFAULT_MAX_LOADED)
+    parser.add_argument("--max-batch-rows", type=int, default=16)
+    parser.add_argument("--watch-prefix", default="", help="only follow adapters whose name starts with this")
+    parser.add_argument("--host", default=settings.host)
+    parser.add_argument("--port", type=int, default=settings.sampler_port)
+    parser.add_argument("--sglang-url", action="append", default=[],
+                        help="URL of a running SGLang server (repeatable)")
+    parser.add_argument("--sglang-launch", type=int, default=0,
+                        help="start this many SGLang servers (one per GPU) instead of --sglang-url")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    settings = Settings()
+    if not args.registry_address:
+        raise SystemExit("--registry-address (or LORAPLANE_REGISTRY_ADDRESS) is required")
+    sampler = await start_sampler_server(
+        settings, registry_address=args.registry_address, base_model=args.base_model, engine=args.engine,
+        instance_id=args.instance_id, keep_versions=args.keep_versions, max_loaded=args.max_loaded,
+        host=args.host, port=args.port, watch_prefix=args.watch_prefix, sglang_urls=args.sglang_url,
+        sglang_launch=args.sglang_launch, max_batch_rows=args.max_batch_rows)
+    print(f"SAMPLER_READY {sampler.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await sampler.stop()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

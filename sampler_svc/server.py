@@ -1,0 +1,94 @@
+"""Builds and runs the sampler: engine + adapter manager + gRPC server (health, reflection)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loraplane import errors
+from loraplane.config import Settings
+from loraplane.registry_client import RegistryClient
+from loraplane.rpc import GrpcServer
+from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+from sampler_svc.adapter_manager import AdapterManager
+from sampler_svc.engines.base import Engine
+from sampler_svc.service import SamplerService
+from sampler_svc.servicer import SamplerServicer
+
+SERVICE_NAME = sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name
+DEFAULT_MAX_LOADED = 64
+
+
+@dataclass
+class RunningSampler:
+    server: GrpcServer
+    engine: Engine
+    manager: AdapterManager
+    service: SamplerService
+    registry: RegistryClient
+    settings: Settings
+    registry_address: str
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=1.0)
+        await self.manager.stop()
+        await self.engine.stop()
+        await self.registry.close()
+
+
+def build_engine(engine: str, base_model: str, settings: Settings, *, sglang_urls: Sequence[str] = (),
+                 sglang_launch: int = 0, max_batch_rows: int = 16) -> Engine:
+    if engine == "torch":
+        from sampler_svc.engines.torch_engine import TorchEngine
+
+        return TorchEngine(base_model, device=settings.device, max_batch_rows=max_batch_rows)
+    if engine == "sglang":
+        from sampler_svc.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine(base_model, urls=list(sglang_urls), launch_servers=sglang_launch,
+                            work_dir=settings.data_dir / "sglang")
+    raise errors.InvalidArgument(f"unknown engine {engine!r}: use 'torch' or 'sglang'", field="engine")
+
+
+async def start_sampler_server(
+    settings: Settings,
+    *,
+    registry_address: str,
+    base_model: str = "tiny",
+    engine: str | Engine = "torch",
+    instance_id: str = "sampler-0",
+    keep_versions: int = 2,
+    max_loaded: int = DEFAULT_MAX_LOADED,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    watch_prefix: str = "",
+    sglang_urls: Sequence[str] = (),
+    sglang_launch: int = 0,
+    max_batch_rows: int = 16,
+) -> RunningSampler:
+    engine_impl = engine if isinstance(engine, Engine) else build_engine(
+        engine, base_model, settings, sglang_urls=sglang_urls, sglang_launch=sglang_launch,
+        max_batch_rows=max_batch_rows)
+    await engine_impl.start()
+    registry = RegistryClient(registry_address)
+    manager = AdapterManager(engine_impl, registry, redis_url=settings.redis_url, key_prefix=settings.key_prefix,
+                             instance_id=instance_id, keep_versions=keep_versions, max_loaded=max_loaded,
+                             watch_prefix=watch_prefix)
+    service = SamplerService(engine_impl, manager, max_num_samples=max_batch_rows)
+    server = GrpcServer(host, port)
+    sampler_pb2_grpc.add_SamplerServiceServicer_to_server(SamplerServicer(service), server.server)
+    server.add_service(SERVICE_NAME)
+    try:
+        await manager.start()
+        await server.start()
+    except BaseException:
+        await manager.stop()
+        await engine_impl.stop()
+        await registry.close()
+        raise
+    return RunningSampler(server=server, engine=engine_impl, manager=manager, service=service, registry=registry,
+                          settings=settings, registry_address=registry_address)

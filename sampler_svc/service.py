@@ -1,0 +1,291 @@
+"""The sampler's domain API: validation of every request field, leases on adapter versions, engine calls.
+
+No grpc here: the servicer converts protobuf messages to these calls and back, and errors raised here are mapped to
+status codes by `loraplane.rpc`.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import re
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from loraplane import errors
+from sampler_svc.adapter_manager import AdapterManager, LoadedVersion
+from sampler_svc.engines.base import DEFAULT_MAX_TOKENS, Engine, GenerationRequest, GenerationUpdate, SamplingOptions
+
+ADAPTER_NAME = re.compile(r"^(?:[a-z0-9][a-z0-9._-]{0,62}/)?[a-z0-9][a-z0-9._-]{0,62}$")
+ALIAS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+MAX_TOKENS_LIMIT = 4096
+MAX_TEMPERATURE = 100.0
+MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+@dataclass(frozen=True)
+class AdapterSelector:
+    """AdapterRef in domain form: empty name = base model; version 0 and no alias = latest."""
+
+    name: str = ""
+    version: int = 0
+    alias: str = ""
+
+
+@dataclass(frozen=True)
+class SamplingInput:
+    """SamplingParams as received; None = the field was not set."""
+
+    max_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float]
+    served_version: int
+
+
+@dataclass
+class StreamChunk:
+    sequence_index: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    served_version: int
+
+
+@dataclass
+class SamplerStatus:
+    engine: str
+    base_model: str
+    loaded: list[LoadedVersion]
+    queue_depth: int
+    running_requests: int
+    watch_cursor: str
+    registry_connected: bool
+    keep_versions: int
+    max_loaded: int
+
+
+class SamplerService:
+    def __init__(self, engine: Engine, manager: AdapterManager, *, max_num_samples: int = 16):
+        self.engine = engine
+        self.manager = manager
+        self.max_num_samples = max_num_samples
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_adapter(self, selector: AdapterSelector, field_name: str = "adapter") -> None:
+        if selector.name and not ADAPTER_NAME.match(selector.name):
+            raise errors.InvalidArgument(
+                f"{field_name}.name {selector.name!r} is not a valid adapter name ({ADAPTER_NAME.pattern})",
+                field=f"{field_name}.name")
+        if not selector.name and (selector.version or selector.alias):
+            raise errors.InvalidArgument(f"{field_name}.version / {field_name}.alias need {field_name}.name "
+                                         "(an empty name means the base model)", field=f"{field_name}.name")
+        if selector.alias and not ALIAS_NAME.match(selector.alias):
+            raise errors.InvalidArgument(f"{field_name}.alias {selector.alias!r} is not a valid alias",
+                                         field=f"{field_name}.alias")
+
+    def _check_tokens(self, tokens: Sequence[int], field_name: str, *, reserve: int = 0) -> None:
+        if not tokens:
+            raise errors.InvalidArgument(f"{field_name} is empty; give at least one token", field=field_name)
+        limit = self.engine.max_context_length - reserve
+        if len(tokens) > limit:
+            raise errors.InvalidArgument(
+                f"{field_name} has {len(tokens)} tokens; the limit is {limit} (context length "
+                f"{self.engine.max_context_length}{f' minus {reserve} to generate' if reserve else ''})",
+                field=field_name)
+        vocab = self.engine.vocab_size
+        for index, token in enumerate(tokens):
+            if token < 0 or token >= vocab:
+                raise errors.InvalidArgument(
+                    f"{field_name}[{index}] = {token} is outside the vocabulary [0, {vocab})", field=field_name)
+
+    def _options(self, params: SamplingInput, prompt_length: int) -> SamplingOptions:
+        max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
+        if max_tokens > MAX_TOKENS_LIMIT:
+            raise errors.InvalidArgument(f"sampling_params.max_tokens {max_tokens} exceeds {MAX_TOKENS_LIMIT}",
+                                         field="sampling_params.max_tokens")
+        room = self.engine.max_context_length - prompt_length
+        if max_tokens > room:
+            raise errors.InvalidArgument(
+                f"sampling_params.max_tokens {max_tokens} plus the {prompt_length}-token prompt exceeds the context "
+                f"length {self.engine.max_context_length} (at most {room} new tokens)",
+                field="sampling_params.max_tokens")
+        temperature = 1.0 if params.temperature is None else float(params.temperature)
+        if not math.isfinite(temperature) or temperature < 0 or temperature > MAX_TEMPERATURE:
+            raise errors.InvalidArgument(
+                f"sampling_params.temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {temperature}",
+                field="sampling_params.temperature")
+        top_p = 1.0 if params.top_p is None else float(params.top_p)
+        if not math.isfinite(top_p) or top_p <= 0 or top_p > 1:
+            raise errors.InvalidArgument(f"sampling_params.top_p must be in (0, 1], got {top_p}",
+                                         field="sampling_params.top_p")
+        if params.top_k < -1:
+            raise errors.InvalidArgument(f"sampling_params.top_k must be >= -1 (0 or -1 = off), got {params.top_k}",
+                                         field="sampling_params.top_k")
+        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise errors.InvalidArgument(
+                f"sampling_params.stop_token_ids has {len(params.stop_token_ids)} entries; the limit is "
+                f"{MAX_STOP_TOKEN_IDS}", field="sampling_params.stop_token_ids")
+        vocab = self.engine.vocab_size
+        for token in params.stop_token_ids:
+            if token < 0 or token >= vocab:
+                raise errors.InvalidArgument(
+                    f"sampling_params.stop_token_ids: {token} is outside the vocabulary [0, {vocab})",
+                    field="sampling_params.stop_token_ids")
+        if len(params.stop_strings) > MAX_STOP_STRINGS:
+            raise errors.InvalidArgument(
+                f"sampling_params.stop_strings has {len(params.stop_strings)} entries; the limit is "
+                f"{MAX_STOP_STRINGS}", field="sampling_params.stop_strings")
+        for stop in params.stop_strings:
+            if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+                raise errors.InvalidArgument(
+                    f"sampling_params.stop_strings entries must have 1..{MAX_STOP_STRING_CHARS} characters, got "
+                    f"{len(stop)}", field="sampling_params.stop_strings")
+        if params.stop_strings and not self.engine.supports_stop_strings:
+            raise errors.InvalidArgument(f"the {self.engine.name} engine does not support stop_strings",
+                                         field="sampling_params.stop_strings")
+        return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                               top_k=max(params.top_k, 0), stop_token_ids=tuple(params.stop_token_ids),
+                               stop_strings=tuple(params.stop_strings), seed=params.seed)
+
+    def _generation_request(self, selector: AdapterSelector, prompt: Sequence[int], num_samples: int,
+                            params: SamplingInput, include_prompt_logprobs: bool) -> GenerationRequest:
+        self._check_adapter(selector)
+        num_samples = num_samples or 1
+        if num_samples < 1 or num_samples > self.max_num_samples:
+            raise errors.InvalidArgument(f"num_samples must be in [1, {self.max_num_samples}], got {num_samples}",
+                                         field="num_samples")
+        self._check_tokens(prompt, "prompt_tokens", reserve=1)
+        options = self._options(params, len(prompt))
+        return GenerationRequest(prompt_tokens=tuple(int(t) for t in prompt), options=options,
+                                 num_samples=num_samples, include_prompt_logprobs=include_prompt_logprobs)
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def sample(self, selector: AdapterSelector, prompt: Sequence[int], num_samples: int,
+                     params: SamplingInput, include_prompt_logprobs: bool = False) -> SampleResult:
+        request = self._generation_request(selector, prompt, num_samples, params, include_prompt_logprobs)
+        async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
+            request = _with_adapter(request, lease.adapter_key)
+            sequences = [SampledSequence() for _ in range(request.num_samples)]
+            prompt_logprobs: list[float] = []
+            stream = self.engine.generate(request)
+            try:
+                async for update in stream:
+                    _merge(sequences, update)
+                    if update.prompt_logprobs is not None:
+                        prompt_logprobs = update.prompt_logprobs
+            finally:
+                await stream.aclose()
+            return SampleResult(sequences=sequences, prompt_logprobs=prompt_logprobs, served_version=lease.version)
+
+    async def sample_stream(self, selector: AdapterSelector, prompt: Sequence[int], num_samples: int,
+                            params: SamplingInput) -> AsyncIterator[StreamChunk]:
+        request = self._generation_request(selector, prompt, num_samples, params, False)
+        async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
+            stream = self.engine.generate(_with_adapter(request, lease.adapter_key))
+            try:
+                async for update in stream:
+                    if update.tokens or update.finish_reason is not None:
+                        yield StreamChunk(sequence_index=update.sequence_index, tokens=update.tokens,
+                                          logprobs=update.logprobs, finish_reason=update.finish_reason,
+                                          served_version=lease.version)
+            finally:
+                await stream.aclose()
+
+    async def compute_logprobs(self, selector: AdapterSelector, tokens: Sequence[int]) -> tuple[list[float], int]:
+        self._check_adapter(selector)
+        self._check_tokens(tokens, "tokens")
+        async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
+            values = await self.engine.compute_logprobs([int(t) for t in tokens], lease.adapter_key)
+            return values, lease.version
+
+    def list_loaded(self, adapter: str, page_size: int, page_token: str) -> tuple[list[LoadedVersion], str]:
+        if adapter and not ADAPTER_NAME.match(adapter):
+            raise errors.InvalidArgument(f"adapter {adapter!r} is not a valid adapter name", field="adapter")
+        if page_size < 0:
+            raise errors.InvalidArgument(f"page_size must be >= 0, got {page_size}", field="page_size")
+        page_size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        entries = self.manager.list_loaded(adapter)
+        if page_token:
+            after = _decode_page_token(page_token, adapter)
+            entries = [e for e in entries if (e.adapter, e.version) > after]
+        page = entries[:page_size]
+        next_token = _encode_page_token(page[-1], adapter) if len(entries) > page_size else ""
+        return page, next_token
+
+    async def load_adapter(self, selector: AdapterSelector, pin: bool) -> LoadedVersion:
+        self._check_adapter(selector)
+        if not selector.name:
+            raise errors.InvalidArgument("adapter.name is required (the base model is always loaded)",
+                                         field="adapter.name")
+        return await self.manager.pin(selector.name, selector.version, selector.alias, pin=pin)
+
+    def unload_adapter(self, adapter: str, version: int) -> None:
+        if not adapter:
+            raise errors.InvalidArgument("adapter is required", field="adapter")
+        if not ADAPTER_NAME.match(adapter):
+            raise errors.InvalidArgument(f"adapter {adapter!r} is not a valid adapter name", field="adapter")
+        self.manager.unpin(adapter, version)
+
+    def status(self) -> SamplerStatus:
+        return SamplerStatus(
+            engine=self.engine.name, base_model=self.engine.base_model_name, loaded=self.manager.list_loaded(),
+            queue_depth=self.engine.queue_depth, running_requests=self.engine.running_requests,
+            watch_cursor=self.manager.cursor, registry_connected=self.manager.registry_connected,
+            keep_versions=self.manager.keep_versions, max_loaded=self.manager.max_loaded)
+
+
+def _with_adapter(request: GenerationRequest, key: str | None) -> GenerationRequest:
+    return GenerationRequest(prompt_tokens=request.prompt_tokens, options=request.options,
+                             num_samples=request.num_samples, adapter_key=key,
+                             include_prompt_logprobs=request.include_prompt_logprobs)
+
+
+def _merge(sequences: list[SampledSequence], update: GenerationUpdate) -> None:
+    if not update.tokens and update.finish_reason is None:
+        return
+    target = sequences[update.sequence_index]
+    target.tokens.extend(update.tokens)
+    target.logprobs.extend(update.logprobs)
+    if update.finish_reason is not None:
+        target.finish_reason = update.finish_reason
+
+
+def _encode_page_token(last: LoadedVersion, adapter_filter: str) -> str:
+    raw = f"{adapter_filter}\n{last.adapter}\n{last.version}".encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def _decode_page_token(token: str, adapter_filter: str) -> tuple[str, int]:
+    try:
+        scope, adapter, version = base64.urlsafe_b64decode(token.encode()).decode().split("\n")
+        position = (adapter, int(version))
+    except (ValueError, UnicodeDecodeError):
+        raise errors.InvalidArgument("page_token is malformed; pass a next_page_token unchanged",
+                                     field="page_token") from None
+    if scope != adapter_filter:
+        raise errors.InvalidArgument("page_token belongs to a listing with a different adapter filter",
+                                     field="page_token")
+    return position

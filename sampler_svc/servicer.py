@@ -1,0 +1,97 @@
+"""SamplerService over gRPC: protobuf <-> domain conversion only; errors are mapped by `map_servicer_errors`."""
+
+from __future__ import annotations
+
+from google.protobuf import timestamp_pb2
+
+from loraplane.rpc import map_servicer_errors
+from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
+from sampler_svc.adapter_manager import LoadedVersion
+from sampler_svc.engines.base import FINISH_LENGTH, FINISH_STOP
+from sampler_svc.service import AdapterSelector, SamplerService, SamplingInput
+
+_FINISH = {
+    None: sampler_pb2.FINISH_REASON_UNSPECIFIED,
+    FINISH_LENGTH: sampler_pb2.FINISH_REASON_LENGTH,
+    FINISH_STOP: sampler_pb2.FINISH_REASON_STOP,
+}
+
+
+def _selector(ref: common_pb2.AdapterRef) -> AdapterSelector:
+    which = ref.WhichOneof("selector")
+    return AdapterSelector(name=ref.name, version=ref.version if which == "version" else 0,
+                           alias=ref.alias if which == "alias" else "")
+
+
+def _sampling(params: common_pb2.SamplingParams) -> SamplingInput:
+    return SamplingInput(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature if params.HasField("temperature") else None,
+        top_p=params.top_p if params.HasField("top_p") else None,
+        top_k=params.top_k,
+        stop_token_ids=tuple(params.stop_token_ids),
+        stop_strings=tuple(params.stop_strings),
+        seed=params.seed if params.HasField("seed") else None,
+    )
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def _loaded(entry: LoadedVersion) -> sampler_pb2.LoadedAdapter:
+    return sampler_pb2.LoadedAdapter(
+        adapter=entry.adapter, version=entry.version, sha256=entry.sha256, pinned=entry.pinned,
+        active_requests=max(entry.active_requests, 0), rank=entry.rank, load_time=_timestamp(entry.load_time),
+        last_used_time=_timestamp(entry.last_used_time))
+
+
+@map_servicer_errors
+class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
+    def __init__(self, service: SamplerService):
+        self.service = service
+
+    async def Sample(self, request: sampler_pb2.SampleRequest, context) -> sampler_pb2.SampleResponse:
+        result = await self.service.sample(_selector(request.adapter), request.prompt_tokens, request.num_samples,
+                                           _sampling(request.sampling_params), request.include_prompt_logprobs)
+        return sampler_pb2.SampleResponse(
+            sequences=[sampler_pb2.SampledSequence(tokens=s.tokens, logprobs=s.logprobs,
+                                                   finish_reason=_FINISH[s.finish_reason])
+                       for s in result.sequences],
+            prompt_logprobs=result.prompt_logprobs, served_version=result.served_version)
+
+    async def SampleStream(self, request: sampler_pb2.SampleStreamRequest, context):
+        async for chunk in self.service.sample_stream(_selector(request.adapter), request.prompt_tokens,
+                                                      request.num_samples, _sampling(request.sampling_params)):
+            yield sampler_pb2.SampleStreamResponse(
+                sequence_index=chunk.sequence_index, tokens=chunk.tokens, logprobs=chunk.logprobs,
+                finish_reason=_FINISH[chunk.finish_reason], served_version=chunk.served_version)
+
+    async def ComputeLogprobs(self, request: sampler_pb2.ComputeLogprobsRequest,
+                              context) -> sampler_pb2.ComputeLogprobsResponse:
+        values, version = await self.service.compute_logprobs(_selector(request.adapter), request.tokens)
+        return sampler_pb2.ComputeLogprobsResponse(logprobs=values, served_version=version)
+
+    async def ListLoadedAdapters(self, request: sampler_pb2.ListLoadedAdaptersRequest,
+                                 context) -> sampler_pb2.ListLoadedAdaptersResponse:
+        page, token = self.service.list_loaded(request.adapter, request.page_size, request.page_token)
+        return sampler_pb2.ListLoadedAdaptersResponse(adapters=[_loaded(e) for e in page], next_page_token=token)
+
+    async def LoadAdapter(self, request: sampler_pb2.LoadAdapterRequest, context) -> sampler_pb2.LoadAdapterResponse:
+        entry = await self.service.load_adapter(_selector(request.adapter), request.pin)
+        return sampler_pb2.LoadAdapterResponse(adapter=_loaded(entry))
+
+    async def UnloadAdapter(self, request: sampler_pb2.UnloadAdapterRequest,
+                            context) -> sampler_pb2.UnloadAdapterResponse:
+        self.service.unload_adapter(request.adapter, request.version)
+        return sampler_pb2.UnloadAdapterResponse()
+
+    async def GetStatus(self, request: sampler_pb2.GetStatusRequest, context) -> sampler_pb2.GetStatusResponse:
+        status = self.service.status()
+        return sampler_pb2.GetStatusResponse(
+            engine=status.engine, base_model=status.base_model, loaded=[_loaded(e) for e in status.loaded],
+            queue_depth=status.queue_depth, running_requests=status.running_requests,
+            watch_cursor=status.watch_cursor, registry_connected=status.registry_connected,
+            keep_versions=status.keep_versions, max_loaded=status.max_loaded)
