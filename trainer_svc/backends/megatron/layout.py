@@ -1,0 +1,313 @@
+"""Pure-tensor layout rules between Hugging Face Llama weights / PEFT LoRA and megatron-core's fused layers.
+
+This module imports only torch, so CPU-only CI can check the layout without megatron-core installed.
+
+megatron-core (local layer spec) fuses
+  * q, k, v into ``linear_qkv`` with the GQA interleave: for each query group g the rows are
+    ``[q heads g*hpg .. (g+1)*hpg-1, k head g, v head g]`` (hpg = query heads per group);
+  * gate, up into ``linear_fc1`` as ``[gate; up]`` (``MLP.glu`` applies the activation to the first half).
+Under tensor parallelism a column-parallel layer keeps a contiguous chunk of its output rows. Query groups are
+contiguous in the interleave, so rank r holds groups ``[r*G/TP, (r+1)*G/TP)``; fc1 is stored per rank as
+``[gate_r; up_r]`` (so the global fc1 is ``[gate_0; up_0; gate_1; up_1; ...]``). A row-parallel layer keeps a
+contiguous chunk of its input columns.
+
+PEFT's per-projection LoRA maps onto this exactly: ``delta_q = scale * B_q A_q x`` and so on, where a rank holds
+A in full and the contiguous row-chunk r of every B for column-parallel targets (q, k, v, gate, up), and the
+column-chunk r of A plus B in full for row-parallel targets (o, down). The per-projection deltas are placed in
+the fused layout with the same interleave as the base weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+COLUMN_PARALLEL_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL_TARGETS = ("o_proj", "down_proj")
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+# Which megatron module of a decoder layer each HF projection lives in.
+MCORE_MODULE_OF_TARGET = {
+    "q_proj": "self_attention.linear_qkv",
+    "k_proj": "self_attention.linear_qkv",
+    "v_proj": "self_attention.linear_qkv",
+    "o_proj": "self_attention.linear_proj",
+    "gate_proj": "mlp.linear_fc1",
+    "up_proj": "mlp.linear_fc1",
+    "down_proj": "mlp.linear_fc2",
+}
+HF_MODULE_OF_TARGET = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The dimensions of a Llama-family decoder that the layout depends on."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raises ValueError when this shape cannot be split over ``tp`` ranks."""
+        problems = []
+        if self.num_kv_heads % tp:
+            problems.append(f"num_key_value_heads={self.num_kv_heads}")
+        if self.ffn_hidden_size % tp:
+            problems.append(f"intermediate_size={self.ffn_hidden_size}")
+        if self.vocab_size % tp:
+            problems.append(f"vocab_size={self.vocab_size}")
+        if problems:
+            raise ValueError(f"tensor_parallel_size={tp} must divide {', '.join(problems)}")
+
+    def out_features(self, target: str) -> int:
+        return {
+            "q_proj": self.num_heads * self.head_dim,
+            "k_proj": self.num_kv_heads * self.head_dim,
+            "v_proj": self.num_kv_heads * self.head_dim,
+            "o_proj": self.hidden_size,
+            "gate_proj": self.ffn_hidden_size,
+            "up_proj": self.ffn_hidden_size,
+            "down_proj": self.hidden_size,
+        }[target]
+
+    def in_features(self, target: str) -> int:
+        return {
+            "o_proj": self.num_heads * self.head_dim,
+            "down_proj": self.ffn_hidden_size,
+        }.get(target, self.hidden_size)
+
+
+def shape_from_hf_config(config) -> LlamaShape:
+    """LlamaShape of a transformers Llama/Qwen-style config object."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return LlamaShape(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        ffn_hidden_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fused qkv (GQA interleave)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def interleave_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int, head_dim: int, dim: int = 0
+) -> torch.Tensor:
+    """Fuses per-projection q, k, v along ``dim`` into megatron's GQA-interleaved layout.
+
+    Works for weights (``dim=0``: rows are output features) and for activations (``dim=-1``). ``num_groups`` is
+    the number of query groups present in the tensors (all of them, or one rank's share).
+    """
+    dim = dim % q.dim()
+    lead, tail = q.shape[:dim], q.shape[dim + 1 :]
+    qg = q.reshape(*lead, num_groups, -1, *tail)  # [..., G, hpg*hd, ...]
+    kg = k.reshape(*lead, num_groups, head_dim, *tail)
+    vg = v.reshape(*lead, num_groups, head_dim, *tail)
+    fused = torch.cat([qg, kg, vg], dim=dim + 1)
+    return fused.reshape(*lead, -1, *tail)
+
+
+def split_qkv(
+    fused: torch.Tensor, num_groups: int, heads_per_group: int, head_dim: int, dim: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`interleave_qkv`."""
+    dim = dim % fused.dim()
+    lead, tail = fused.shape[:dim], fused.shape[dim + 1 :]
+    g = fused.reshape(*lead, num_groups, (heads_per_group + 2) * head_dim, *tail)
+    q, k, v = torch.split(g, [heads_per_group * head_dim, head_dim, head_dim], dim=dim + 1)
+    return (
+        q.reshape(*lead, -1, *tail),
+        k.reshape(*lead, -1, *tail),
+        v.reshape(*lead, -1, *tail),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fused gate|up
+# --------------------------------------------------------------------------------------------------------------
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """One rank's fc1 layout: ``[gate; up]`` along ``dim`` (gate first: ``MLP.glu`` activates the first half)."""
+    return torch.cat([gate, up], dim=dim)
+
+
+def split_gate_up(fused: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = torch.chunk(fused, 2, dim=dim)
+    return gate, up
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tensor-parallel shards
+# --------------------------------------------------------------------------------------------------------------
+
+
+def chunk_for_rank(t: torch.Tensor, tp: int, rank: int, dim: int) -> torch.Tensor:
+    if t.shape[dim] % tp:
+        raise ValueError(f"dimension {dim} of size {t.shape[dim]} is not divisible by tensor_parallel_size={tp}")
+    return torch.chunk(t, tp, dim=dim)[rank]
+
+
+def hf_layer_to_mcore_shards(
+    hf_layer: dict[str, torch.Tensor], shape: LlamaShape, tp: int, rank: int
+) -> dict[str, torch.Tensor]:
+    """One decoder layer: HF weights (keys relative to ``model.layers.N.``) → this rank's mcore weights."""
+    groups_local = shape.num_kv_heads // tp
+    q = chunk_for_rank(hf_layer["self_attn.q_proj.weight"], tp, rank, 0)
+    k = chunk_for_rank(hf_layer["self_attn.k_proj.weight"], tp, rank, 0)
+    v = chunk_for_rank(hf_layer["self_attn.v_proj.weight"], tp, rank, 0)
+    gate = chunk_for_rank(hf_layer["mlp.gate_proj.weight"], tp, rank, 0)
+    up = chunk_for_rank(hf_layer["mlp.up_proj.weight"], tp, rank, 0)
+    return {
+        "input_layernorm.weight": hf_layer["input_layernorm.weight"],
+        "self_attention.linear_qkv.weight": interleave_qkv(q, k, v, groups_local, shape.head_dim, dim=0),
+        "self_attention.linear_proj.weight": chunk_for_rank(hf_layer["self_attn.o_proj.weight"], tp, rank, 1),
+        "pre_mlp_layernorm.weight": hf_layer["post_attention_layernorm.weight"],
+        "mlp.linear_fc1.weight": fuse_gate_up(gate, up, dim=0),
+        "mlp.linear_fc2.weight": chunk_for_rank(hf_layer["mlp.down_proj.weight"], tp, rank, 1),
+    }
+
+
+def hf_to_mcore_state_dict(
+    hf_sd: dict[str, torch.Tensor], shape: LlamaShape, tp: int = 1, rank: int = 0
+) -> dict[str, torch.Tensor]:
+    """Full HF Llama state dict (``model.…`` keys, tied or untied head) → this rank's GPTModel state dict."""
+    out: dict[str, torch.Tensor] = {
+        "embedding.word_embeddings.weight": chunk_for_rank(hf_sd["model.embed_tokens.weight"], tp, rank, 0),
+        "decoder.final_layernorm.weight": hf_sd["model.norm.weight"],
+    }
+    if "lm_head.weight" in hf_sd and not _same_storage(hf_sd["lm_head.weight"], hf_sd["model.embed_tokens.weight"]):
+        out["output_layer.weight"] = chunk_for_rank(hf_sd["lm_head.weight"], tp, rank, 0)
+    for i in range(shape.num_layers):
+        prefix = f"model.layers.{i}."
+        layer = {k[len(prefix) :]: v for k, v in hf_sd.items() if k.startswith(prefix)}
+        for k, v in hf_layer_to_mcore_shards(layer, shape, tp, rank).items():
+            out[f"decoder.layers.{i}.{k}"] = v
+    return out
+
+
+def mcore_to_hf_state_dict(
+    rank_sds: list[dict[str, torch.Tensor]], shape: LlamaShape, tied: bool = True
+) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`hf_to_mcore_state_dict` given every rank's state dict (index = TP rank)."""
+    tp = len(rank_sds)
+    groups_local = shape.num_kv_heads // tp
+    hpg = shape.heads_per_group
+    first = rank_sds[0]
+    hf: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.cat([sd["embedding.word_embeddings.weight"] for sd in rank_sds], 0),
+        "model.norm.weight": first["decoder.final_layernorm.weight"],
+    }
+    if tied:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    else:
+        hf["lm_head.weight"] = torch.cat([sd["output_layer.weight"] for sd in rank_sds], 0)
+    for i in range(shape.num_layers):
+        p = f"decoder.layers.{i}."
+        qs, ks, vs, gates, ups = [], [], [], [], []
+        for sd in rank_sds:
+            q, k, v = split_qkv(sd[p + "self_attention.linear_qkv.weight"], groups_local, hpg, shape.head_dim, 0)
+            qs.append(q), ks.append(k), vs.append(v)
+            g, u = split_gate_up(sd[p + "mlp.linear_fc1.weight"], 0)
+            gates.append(g), ups.append(u)
+        h = f"model.layers.{i}."
+        hf[h + "input_layernorm.weight"] = first[p + "input_layernorm.weight"]
+        hf[h + "post_attention_layernorm.weight"] = first[p + "pre_mlp_layernorm.weight"]
+        hf[h + "self_attn.q_proj.weight"] = torch.cat(qs, 0)
+        hf[h + "self_attn.k_proj.weight"] = torch.cat(ks, 0)
+        hf[h + "self_attn.v_proj.weight"] = torch.cat(vs, 0)
+        hf[h + "self_attn.o_proj.weight"] = torch.cat(
+            [sd[p + "self_attention.linear_proj.weight"] for sd in rank_sds], 1
+        )
+        hf[h + "mlp.gate_proj.weight"] = torch.cat(gates, 0)
+        hf[h + "mlp.up_proj.weight"] = torch.cat(ups, 0)
+        hf[h + "mlp.down_proj.weight"] = torch.cat([sd[p + "mlp.linear_fc2.weight"] for sd in rank_sds], 1)
+    return hf
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() or (a.shape == b.shape and torch.equal(a, b))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# LoRA shards and the fused LoRA delta
+# --------------------------------------------------------------------------------------------------------------
+
+
+def lora_shard(target: str, a: torch.Tensor, b: torch.Tensor, tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of one PEFT projection: B's row chunk for column-parallel targets, A's column chunk for
+    row-parallel ones; the other factor is held in full."""
+    if target in COLUMN_PARALLEL_TARGETS:
+        return a, chunk_for_rank(b, tp, rank, 0)
+    if target in ROW_PARALLEL_TARGETS:
+        return chunk_for_rank(a, tp, rank, 1), b
+    raise ValueError(f"unknown LoRA target {target!r}")
+
+
+def lora_unshard(target: str, shards: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`lora_shard` over all ranks (index = TP rank)."""
+    if target in COLUMN_PARALLEL_TARGETS:
+        return shards[0][0], torch.cat([b for _, b in shards], 0)
+    if target in ROW_PARALLEL_TARGETS:
+        return torch.cat([a for a, _ in shards], 1), shards[0][1]
+    raise ValueError(f"unknown LoRA target {target!r}")
+
+
+def projection_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """PEFT's LoRA term ``scale * B (A x)`` for activations ``x[..., in]``."""
+    return (x @ a.t()) @ b.t() * scale
+
+
+def place_qkv_delta(
+    dq: torch.Tensor | None,
+    dk: torch.Tensor | None,
+    dv: torch.Tensor | None,
+    groups_local: int,
+    heads_per_group: int,
+    head_dim: int,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """Per-projection deltas (any may be None = not a target) → one delta in the fused qkv layout (last dim)."""
+    lead = like.shape[:-1]
+
+    def filled(d: torch.Tensor | None, width: int) -> torch.Tensor:
+        return d if d is not None else like.new_zeros(*lead, width)
+
+    dq = filled(dq, groups_local * heads_per_group * head_dim)
+    dk = filled(dk, groups_local * head_dim)
+    dv = filled(dv, groups_local * head_dim)
+    return interleave_qkv(dq, dk, dv, groups_local, head_dim, dim=-1)
+
+
+def place_gate_up_delta(
+    dgate: torch.Tensor | None, dup: torch.Tensor | None, ffn_local: int, like: torch.Tensor
+) -> torch.Tensor:
+    lead = like.shape[:-1]
+    dgate = dgate if dgate is not None else like.new_zeros(*lead, ffn_local)
+    dup = dup if dup is not None else like.new_zeros(*lead, ffn_local)
+    return fuse_gate_up(dgate, dup, dim=-1)

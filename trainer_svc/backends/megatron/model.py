@@ -1,0 +1,185 @@
+"""Hugging Face Llama-family weights → megatron-core ``GPTModel`` (local, non-Transformer-Engine layer spec).
+
+The model runs in plain PyTorch: ``DotProductAttention`` (unfused softmax in fp32), ``torch.nn.RMSNorm``, the
+non-fused RoPE path (rotate-half convention, like HF Llama), ``ColumnParallelLinear`` / ``RowParallelLinear``.
+The base weights are frozen; only the LoRA tensors of :mod:`.lora` receive gradients.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .layout import LlamaShape, hf_to_mcore_state_dict, shape_from_hf_config
+
+
+@dataclass(frozen=True)
+class MegatronModelSpec:
+    shape: LlamaShape
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+
+def spec_from_hf_config(config) -> MegatronModelSpec:
+    if getattr(config, "rope_scaling", None) not in (None, {}) and (config.rope_scaling or {}).get(
+        "rope_type", (config.rope_scaling or {}).get("type", "default")
+    ) not in ("default", None):
+        raise ValueError(f"rope_scaling {config.rope_scaling!r} is not supported by the megatron backend")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise ValueError("biased attention/MLP projections are not supported by the megatron backend")
+    rope_theta = getattr(config, "rope_theta", None)
+    if rope_theta is None:  # transformers 5 keeps it in rope_parameters
+        rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return MegatronModelSpec(
+        shape=shape_from_hf_config(config),
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
+    )
+
+
+def init_parallel(tensor_parallel_size: int = 1, seed: int = 1234) -> None:
+    """Process group + megatron parallel state. Under torchrun the env vars come from the launcher; a single
+    process without them gets a private one-rank group (NCCL on CUDA, gloo on CPU)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            from loraplane.local.processes import free_port
+
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("LOCAL_RANK", "0")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.device):
+    """An empty megatron GPTModel of this shape (weights come from :func:`load_hf_weights`)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s = spec.shape
+    config = TransformerConfig(
+        num_layers=s.num_layers,
+        hidden_size=s.hidden_size,
+        num_attention_heads=s.num_heads,
+        num_query_groups=s.num_kv_heads,
+        kv_channels=s.head_dim,
+        ffn_hidden_size=s.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=_tp_size(),
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=s.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+    )
+    return model.to(device=device, dtype=dtype)
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+@torch.no_grad()
+def load_hf_weights(model, hf_state_dict: dict[str, torch.Tensor], spec: MegatronModelSpec) -> None:
+    """Copies HF weights into this rank's shards; every parameter must be covered (nothing silently random)."""
+    shards = hf_to_mcore_state_dict(hf_state_dict, spec.shape, tp=_tp_size(), rank=_tp_rank())
+    params = dict(model.named_parameters())
+    missing = [n for n in params if n not in shards]
+    unexpected = [n for n in shards if n not in params]
+    if missing or unexpected:
+        raise ValueError(f"HF → megatron mapping mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+    for name, p in params.items():
+        src = shards[name]
+        if tuple(src.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: HF shard shape {tuple(src.shape)} != megatron {tuple(p.shape)}")
+        p.copy_(src.to(dtype=p.dtype))
+        p.requires_grad_(False)
+
+
+def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device):
+    """(GPTModel with the HF model's weights, spec)."""
+    spec = spec_from_hf_config(hf_model.config)
+    spec.shape.check_tensor_parallel(_tp_size())
+    model = build_gpt_model(spec, dtype, device)
+    load_hf_weights(model, {k: v.detach() for k, v in hf_model.state_dict().items()}, spec)
+    model.eval()  # dropout is 0 anyway; eval keeps any train-only paths off
+    return model, spec
+
+
+def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Vocab-sharded logits ``[b, s, V/TP]`` for right-padded ``input_ids[b, s]`` (causal mask, so padding
+    after a sequence never affects its positions)."""
+    b, s = input_ids.shape
+    position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+    # True = masked out (megatron's convention); broadcast over batch and heads.
+    causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu_(1)[None, None]
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=causal)
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token log p(target) in fp32 from vocab-sharded logits; the full vocabulary is never gathered."""
+    if _tp_size() == 1:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    # [b, s, V/TP] → [s, b, V/TP] as the function expects; a fresh fp32 copy because it works in place.
+    ce = vocab_parallel_cross_entropy(
+        logits.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format, copy=True),
+        targets.transpose(0, 1).contiguous(),
+    )
+    return -ce.transpose(0, 1)
