@@ -1,0 +1,126 @@
+"""A sampler process SIGKILLed in the middle of a stream of publishes resumes from its persisted cursor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from loraplane.local.processes import free_port
+from loraplane.registry_client import RegistryClient
+from loraplane.rpc import check_health
+from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+from tests.fixtures.sampler import adapter_blob
+
+REPO = Path(__file__).resolve().parents[2]
+ADAPTERS = ("rs-a", "rs-b")
+VERSIONS = 6
+
+
+def start_sampler_process(registry, port: int, log_path: Path) -> subprocess.Popen:
+    settings = registry.settings
+    env = dict(os.environ, LORAPLANE_REDIS_URL=settings.redis_url, LORAPLANE_KEY_PREFIX=settings.key_prefix,
+               PYTHONPATH=str(REPO))
+    log = open(log_path, "ab")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sampler_svc", "--registry-address", registry.address, "--port", str(port),
+             "--instance-id", "restartable", "--keep-versions", "2", "--base-model", "tiny"],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        log.close()
+    deadline = time.monotonic() + 90
+    while not check_health(f"127.0.0.1:{port}", timeout=0.5):
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "sampler process did not become healthy"
+        time.sleep(0.1)
+    return proc
+
+
+def all_events(address: str) -> list:
+    async def collect():
+        client = RegistryClient(address)
+        events = []
+        try:
+            stream = client.watch()
+            while True:
+                try:
+                    events.append(await asyncio.wait_for(stream.__anext__(), 1.0))
+                except (asyncio.TimeoutError, StopAsyncIteration):
+                    break
+            await stream.aclose()
+        finally:
+            await client.close()
+        return events
+
+    return asyncio.run(collect())
+
+
+def test_sigkill_mid_publish_stream_then_restart_loads_exactly_the_right_versions(registry, tmp_path):
+    port = free_port()
+    log_path = tmp_path / "sampler.log"
+    proc = start_sampler_process(registry, port, log_path)
+    address = f"127.0.0.1:{port}"
+
+    async def publish_all(kill_after: int):
+        client = RegistryClient(registry.address)
+        published = 0
+        try:
+            for name in ADAPTERS:
+                await client.create_adapter(name, base_model="tiny")
+            for version in range(1, VERSIONS + 1):
+                for index, name in enumerate(ADAPTERS):
+                    await client.publish(name, adapter_blob(version * 10 + index))
+                    published += 1
+                    if published == kill_after:
+                        # Give the sampler time to be mid-way through applying events, then kill it hard.
+                        await asyncio.sleep(0.3)
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait(10)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(publish_all(kill_after=7))
+        state_key = f"{registry.settings.key_prefix}sampler:restartable:state"
+        persisted = json.loads(redis.Redis.from_url(registry.settings.redis_url).get(state_key))
+        events = all_events(registry.address)
+        cursors = [e.cursor for e in events]
+        # It had applied some but not all events when it died.
+        assert persisted["cursor"] in cursors and persisted["cursor"] != cursors[-1]
+
+        proc = start_sampler_process(registry, port, log_path)
+        expected = {(name, v) for name in ADAPTERS for v in (VERSIONS - 1, VERSIONS)}
+        with __import__("grpc").insecure_channel(address) as channel:
+            stub = sampler_pb2_grpc.SamplerServiceStub(channel)
+            deadline = time.monotonic() + 60
+            while True:
+                status = stub.GetStatus(sampler_pb2.GetStatusRequest())
+                loaded = {(a.adapter, a.version) for a in status.loaded}
+                if loaded == expected and status.watch_cursor == cursors[-1]:
+                    break
+                assert time.monotonic() < deadline, f"loaded {sorted(loaded)} at cursor {status.watch_cursor}"
+                time.sleep(0.1)
+            assert status.registry_connected
+            # And they serve: the newest version answers "latest".
+            reply = stub.Sample(sampler_pb2.SampleRequest(
+                adapter={"name": "rs-b"}, prompt_tokens=[5, 6, 7]))
+            assert reply.served_version == VERSIONS
+        log = log_path.read_text()
+        # Resumed after the persisted cursor: the versions before it were restored, not replayed as events.
+        assert "restored sampler state" in log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
