@@ -1,0 +1,1 @@
+"""Trainer service: multi-tenant LoRA training (forward/backward, AdamW, publish) over gRPC."""

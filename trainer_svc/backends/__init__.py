@@ -1,0 +1,1 @@
+"""Trainer backends: `torch` (HF transformers, CPU or GPU) and, later, `megatron`."""

@@ -1,0 +1,98 @@
+"""The interface every trainer backend implements. The service, scheduler, pool, losses and optimizer are shared;
+everything that touches the base model's weights or the LoRA forward/backward lives behind this interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplane.lora import LoraSpec
+from trainer_svc.optimizer import AdamHyper, StepOutcome, adamw_step
+from trainer_svc.pool import AdapterState
+
+
+@dataclass
+class DatumInput:
+    input_tokens: torch.Tensor  # int64 (N,)
+    target_tokens: torch.Tensor  # int64 (N,)
+    weights: torch.Tensor | None = None  # float32 (N,)
+    logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.input_tokens.shape[0])
+
+
+@dataclass
+class BatchItem:
+    """One request's share of a (possibly fused) batch: its adapter, its datums, its loss."""
+
+    state: AdapterState
+    data: list[DatumInput]
+    loss_fn: str
+    loss_config: dict[str, float]
+
+
+@dataclass
+class DatumResult:
+    logprobs: list[float]
+    elementwise_loss: list[float]
+
+
+@dataclass
+class ItemResult:
+    outputs: list[DatumResult]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ModelDescription:
+    name: str
+    vocab_size: int
+    max_context_length: int
+    num_layers: int
+    hidden_size: int
+    module_dims: dict[str, tuple[int, int]]
+    tokenizer_name: str
+    eos_token_ids: list[int]
+    bos_token_id: int
+    pad_token_id: int
+    chat_template: str
+
+
+class TrainerBackend(ABC):
+    name: str = "abstract"
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @property
+    @abstractmethod
+    def description(self) -> ModelDescription: ...
+
+    @abstractmethod
+    def tokenizer_json(self) -> bytes: ...
+
+    @abstractmethod
+    def init_params(self, spec: LoraSpec) -> dict[str, torch.Tensor]:
+        """Fresh PEFT-standard params (PEFT key -> fp32 tensor, on the host)."""
+
+    @abstractmethod
+    def run(self, items: list[BatchItem], *, backward: bool) -> list[ItemResult]:
+        """One fused forward (and backward, accumulating into each item's own adapter grads) over all items."""
+
+    def optim_step(self, state: AdapterState, hyper: AdamHyper) -> StepOutcome:
+        keys = list(state.params)
+        return adamw_step([state.params[k] for k in keys], [state.exp_avg[k] for k in keys],
+                          [state.exp_avg_sq[k] for k in keys], state.step, hyper)
+
+    def export_params(self, state: AdapterState) -> dict[str, torch.Tensor]:
+        """Host fp32 copies of the params in PEFT layout (device -> host, no disk)."""
+        return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in state.params.items()}
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,135 @@
+"""Torch backend: the HF transformers model runs every base computation; LoRA comes from `loraplane.lora` hooks.
+
+Fused batches are packed: the datums of every request in the batch are laid end to end in one (1, N) sequence,
+attention runs per datum (`loraplane.models.packed`), and each token range is routed to its own adapter
+(`loraplane.lora.lora_segments`). This is what makes a fused batch bit-identical, per adapter, to running that
+adapter's request alone (fp32, CPU), which we verified empirically for this CPU's BLAS:
+
+* Linear layers see a (N, K) matrix. MKL/oneDNN sgemm rows are independent of the other rows as long as M is not
+  tiny: M < 12 takes other kernels whose rounding differs. We therefore pad every packed batch to at least
+  MIN_PACKED_TOKENS tokens with a dummy segment (no adapter, attention to itself only).
+* Attention is computed per datum on that datum's own (1, H, T, D) tensors, so padding never changes the key length
+  (a padded SDPA call rounds differently from an unpadded one).
+* Each adapter's LoRA matmuls (forward and weight gradients) see exactly its own tokens in the same order, fused or
+  not. The lm_head + log-softmax run per datum, so their shapes are also independent of the batch.
+* One backward over the sum of the items' losses: d(sum)/d(loss_i) = 1, and every per-token quantity is reached
+  only through its own datum, so each adapter gets the gradient it would get alone (sums with exact zeros from
+  other adapters' ranges leave values unchanged).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from loraplane.lora import LoraSpec, attach_multi_lora, init_lora_params, lora_segments
+from loraplane.models import BaseModel, load_base_model
+from loraplane.models.packed import enable_packed_attention, packed_position_ids, packed_sequences
+from trainer_svc.backends.base import BatchItem, DatumResult, ItemResult, ModelDescription, TrainerBackend
+from trainer_svc.losses import elementwise_loss
+
+MIN_PACKED_TOKENS = 16
+
+
+class TorchBackend(TrainerBackend):
+    name = "torch"
+
+    def __init__(self, base_model: str | BaseModel = "tiny", device: str = "cpu", dtype: torch.dtype = torch.float32):
+        self.base = base_model if isinstance(base_model, BaseModel) else load_base_model(
+            base_model, device=device, dtype=dtype)
+        enable_packed_attention(self.base.model)
+        attach_multi_lora(self.base.model)
+        self._lock = threading.Lock()
+        tokenizer = self.base.tokenizer
+        self._description = ModelDescription(
+            name=self.base.name,
+            vocab_size=self.base.vocab_size,
+            max_context_length=self.base.max_context_length,
+            num_layers=self.base.num_layers,
+            hidden_size=self.base.hidden_size,
+            module_dims=dict(self.base.module_dims),
+            tokenizer_name=str(getattr(tokenizer, "name_or_path", "") or self.base.name),
+            eos_token_ids=list(self.base.eos_token_ids),
+            bos_token_id=self.base.bos_token_id,
+            pad_token_id=self.base.pad_token_id,
+            chat_template=self.base.chat_template,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    @property
+    def description(self) -> ModelDescription:
+        return self._description
+
+    def tokenizer_json(self) -> bytes:
+        return self.base.tokenizer_json()
+
+    def init_params(self, spec: LoraSpec) -> dict[str, torch.Tensor]:
+        return init_lora_params(self.base, spec)
+
+    def run(self, items: list[BatchItem], *, backward: bool) -> list[ItemResult]:
+        with self._lock:
+            return self._run(items, backward)
+
+    def _run(self, items: list[BatchItem], backward: bool) -> list[ItemResult]:
+        device = self.device
+        lengths: list[int] = []
+        segments = []
+        inputs = []
+        cursor = 0
+        for item in items:
+            adapter = item.state.tensors()
+            for datum in item.data:
+                lengths.append(datum.length)
+                segments.append((cursor, cursor + datum.length, adapter))
+                inputs.append(datum.input_tokens)
+                cursor += datum.length
+        if cursor < MIN_PACKED_TOKENS:
+            filler = MIN_PACKED_TOKENS - cursor
+            pad_id = max(self.base.pad_token_id, 0)
+            inputs.append(torch.full((filler,), pad_id, dtype=torch.long))
+            lengths.append(filler)
+        input_ids = torch.cat(inputs).to(device).unsqueeze(0)
+        position_ids = packed_position_ids(lengths, device=device)
+        grad_mode = torch.enable_grad() if backward else torch.no_grad()
+        with grad_mode, packed_sequences(lengths), lora_segments(self.base.model, segments):
+            hidden = self.base.model.model(input_ids=input_ids, position_ids=position_ids,
+                                           use_cache=False).last_hidden_state[0]
+            lm_head = self.base.model.get_output_embeddings()
+            results: list[ItemResult] = []
+            total = None
+            cursor = 0
+            for item in items:
+                outputs: list[DatumResult] = []
+                datum_losses = []
+                token_count = 0
+                for datum in item.data:
+                    end = cursor + datum.length
+                    logits = lm_head(hidden[cursor:end]).float()
+                    cursor = end
+                    targets = datum.target_tokens.to(device)
+                    lp = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+                    loss = elementwise_loss(
+                        item.loss_fn, item.loss_config, lp,
+                        weights=_on(datum.weights, device), q=_on(datum.logprobs, device),
+                        advantages=_on(datum.advantages, device))
+                    datum_losses.append(loss.sum())
+                    token_count += datum.length
+                    outputs.append(DatumResult(lp.detach().cpu().tolist(), loss.detach().cpu().tolist()))
+                item_loss = torch.stack(datum_losses).sum()
+                total = item_loss if total is None else total + item_loss
+                results.append(ItemResult(outputs, {
+                    "loss:sum": float(item_loss.detach()),
+                    "num_tokens:sum": float(token_count),
+                    "num_datums:sum": float(len(item.data)),
+                }))
+            if backward and total is not None and total.requires_grad:
+                total.backward()
+        return results
+
+
+def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)

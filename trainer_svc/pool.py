@@ -1,0 +1,159 @@
+"""Adapter pool: every adapter's fp32 LoRA params, grads, AdamW moments and step.
+
+K adapters are resident "on the device" (their tensors live there); the rest are spilled to host memory (pinned when
+the device is CUDA) and brought back on demand, evicting the least recently used resident adapter. Activating a
+resident adapter copies nothing. Only the scheduler's worker thread touches the pool's tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplane.errors import AlreadyExists, InvalidArgument, NotFound
+from loraplane.lora import AdapterTensors, LoraSpec
+
+
+@dataclass
+class AdapterState:
+    name: str
+    spec: LoraSpec
+    base_model: str
+    params: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    step: int = 0
+    last_seq_id: int = 0
+    resident: bool = False
+    created: float = field(default_factory=time.time)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(t.numel() for t in self.params.values())
+
+    def tensors(self) -> AdapterTensors:
+        return AdapterTensors.from_params(self.params, self.spec, name=self.name)
+
+    def param_list(self) -> list[torch.Tensor]:
+        return list(self.params.values())
+
+    def has_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params.values())
+
+
+class AdapterPool:
+    def __init__(self, device: torch.device, device_slots: int, max_adapters: int = 1024):
+        if device_slots < 1:
+            raise InvalidArgument(f"device_slots must be >= 1, got {device_slots}", field="device_slots")
+        self.device = torch.device(device)
+        self.device_slots = device_slots
+        self.max_adapters = max_adapters
+        self._adapters: dict[str, AdapterState] = {}
+        # Resident adapters, least recently used first.
+        self._resident: OrderedDict[str, None] = OrderedDict()
+        self.activations = 0
+        self.misses = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._adapters
+
+    def __len__(self) -> int:
+        return len(self._adapters)
+
+    def names(self) -> list[str]:
+        return sorted(self._adapters)
+
+    def get(self, name: str) -> AdapterState:
+        state = self._adapters.get(name)
+        if state is None:
+            raise NotFound(f"adapter {name!r} does not exist on this trainer", field="adapter")
+        return state
+
+    def add(self, state: AdapterState) -> None:
+        if state.name in self._adapters:
+            raise AlreadyExists(f"adapter {state.name!r} already exists on this trainer", field="name")
+        if len(self._adapters) >= self.max_adapters:
+            from loraplane.errors import ResourceExhausted
+
+            raise ResourceExhausted(f"trainer holds the maximum of {self.max_adapters} adapters", field="name")
+        host = self._host_copy_all(state)
+        self._adapters[state.name] = host
+
+    def remove(self, name: str) -> AdapterState:
+        state = self.get(name)
+        del self._adapters[name]
+        self._resident.pop(name, None)
+        return state
+
+    def activate(self, names: list[str]) -> list[AdapterState]:
+        """Makes these adapters resident (all at once: a fused batch needs every one of them) and returns them."""
+        if len(set(names)) > self.device_slots:
+            raise InvalidArgument(f"{len(set(names))} adapters in one batch exceed {self.device_slots} device slots",
+                                  field="batch")
+        states = [self.get(n) for n in names]
+        for state in states:
+            self.activations += 1
+            if state.resident:
+                self._resident.move_to_end(state.name)
+                continue
+            self.misses += 1
+            while len(self._resident) >= self.device_slots:
+                victim = next(n for n in self._resident if n not in names)
+                self._spill(self._adapters[victim])
+            self._load(state)
+        return states
+
+    def replace_tensors(self, state: AdapterState, params, exp_avg, exp_avg_sq) -> None:
+        """Swaps in new tensors (LoadState) wherever the adapter lives now."""
+        target = self.device if state.resident else torch.device("cpu")
+        pin = self._pin and not state.resident
+        state.params = {k: _leaf(_to(v, target, pin)) for k, v in params.items()}
+        state.exp_avg = {k: _to(v, target, pin) for k, v in exp_avg.items()}
+        state.exp_avg_sq = {k: _to(v, target, pin) for k, v in exp_avg_sq.items()}
+
+    @property
+    def _pin(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _host_copy_all(self, state: AdapterState) -> AdapterState:
+        state.params = {k: _leaf(_to(v, torch.device("cpu"), self._pin)) for k, v in state.params.items()}
+        state.exp_avg = {k: _to(v, torch.device("cpu"), self._pin) for k, v in state.exp_avg.items()}
+        state.exp_avg_sq = {k: _to(v, torch.device("cpu"), self._pin) for k, v in state.exp_avg_sq.items()}
+        state.resident = False
+        return state
+
+    def _load(self, state: AdapterState) -> None:
+        state.params = {k: _leaf(_to(v, self.device, False), grad=v.grad) for k, v in state.params.items()}
+        state.exp_avg = {k: _to(v, self.device, False) for k, v in state.exp_avg.items()}
+        state.exp_avg_sq = {k: _to(v, self.device, False) for k, v in state.exp_avg_sq.items()}
+        state.resident = True
+        self._resident[state.name] = None
+
+    def _spill(self, state: AdapterState) -> None:
+        cpu = torch.device("cpu")
+        state.params = {k: _leaf(_to(v, cpu, self._pin), grad=v.grad) for k, v in state.params.items()}
+        state.exp_avg = {k: _to(v, cpu, self._pin) for k, v in state.exp_avg.items()}
+        state.exp_avg_sq = {k: _to(v, cpu, self._pin) for k, v in state.exp_avg_sq.items()}
+        state.resident = False
+        self._resident.pop(state.name, None)
+
+
+def _to(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    """A fresh copy on `device` (a spilled and a resident copy never alias, also when both are CPU memory)."""
+    data = tensor.detach()
+    if device.type == "cpu":
+        out = torch.empty(data.shape, dtype=torch.float32, pin_memory=pin)
+        out.copy_(data, non_blocking=False)
+        return out
+    return data.to(device=device, dtype=torch.float32, non_blocking=True, copy=True)
+
+
+def _leaf(tensor: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
+    tensor.requires_grad_(True)
+    if grad is not None:
+        tensor.grad = grad.detach().to(tensor.device, copy=True)
+    return tensor

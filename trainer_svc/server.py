@@ -1,0 +1,86 @@
+"""Builds and runs the trainer: backend + service + gRPC server (health, reflection)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, fields
+
+from loraplane import errors
+from loraplane.config import Settings
+from loraplane.registry_client import RegistryClient
+from loraplane.rpc import GrpcServer
+from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
+from trainer_svc.backends.base import TrainerBackend
+from trainer_svc.service import TrainerLimits, TrainerService
+from trainer_svc.servicer import TrainerServicer
+
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+
+
+@dataclass
+class RunningTrainer:
+    server: GrpcServer
+    service: TrainerService
+    registry: RegistryClient
+    settings: Settings
+    registry_address: str
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def stop(self, grace: float = 1.0) -> None:
+        try:
+            await self.server.stop(grace)
+        finally:
+            await self.service.close()
+            self.service.backend.close()
+            await self.registry.close()
+
+
+def build_backend(backend: str, base_model: str, device: str) -> TrainerBackend:
+    if backend == "torch":
+        from trainer_svc.backends.torch_backend import TorchBackend
+
+        return TorchBackend(base_model, device=device)
+    raise errors.InvalidArgument(f"unknown trainer backend {backend!r}: use 'torch'", field="backend")
+
+
+def limits_from(**overrides) -> TrainerLimits:
+    known = {f.name for f in fields(TrainerLimits)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise errors.InvalidArgument(f"unknown trainer limits {unknown}; known: {sorted(known)}", field="limits")
+    return TrainerLimits(**overrides)
+
+
+async def start_trainer_server(
+    settings: Settings,
+    *,
+    base_model: str = "tiny",
+    registry_address: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    device: str = "cpu",
+    backend: str | TrainerBackend = "torch",
+    **limits,
+) -> RunningTrainer:
+    """Loads the base model (in a thread: it takes a while for real models) and serves TrainerService."""
+    if not registry_address:
+        raise errors.InvalidArgument("registry_address is required", field="registry_address")
+    trainer_limits = limits_from(**limits)
+    backend_impl = backend if isinstance(backend, TrainerBackend) else await asyncio.to_thread(
+        build_backend, backend, base_model, device)
+    registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s)
+    service = TrainerService(backend_impl, registry, trainer_limits)
+    server = GrpcServer(host, port)
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
+    server.add_service(SERVICE_NAME)
+    try:
+        await server.start()
+    except BaseException:
+        await service.close()
+        await registry.close()
+        raise
+    return RunningTrainer(server=server, service=service, registry=registry, settings=settings,
+                          registry_address=registry_address)

@@ -1,0 +1,102 @@
+"""TrainerService servicer: protobuf <-> domain conversion only."""
+
+from __future__ import annotations
+
+import hashlib
+
+from loraplane.rpc import map_servicer_errors
+from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from trainer_svc.backends.base import ItemResult
+from trainer_svc.optimizer import AdamHyper
+from trainer_svc.service import AdapterInfo, TrainerService
+
+
+def payload_hash(request) -> bytes:
+    """Identity of a sequenced request for retry dedup: the deterministic serialization of the whole request."""
+    return hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
+
+
+def adapter_message(info: AdapterInfo) -> trainer_pb2.TrainerAdapter:
+    return trainer_pb2.TrainerAdapter(
+        name=info.name,
+        lora_config=common_pb2.LoraConfig(rank=info.spec.rank, alpha=info.spec.effective_alpha,
+                                          target_modules=list(info.spec.target_modules), seed=info.spec.seed),
+        base_model=info.base_model, step=info.step, last_seq_id=info.last_seq_id, resident=info.resident,
+        parameter_count=info.parameter_count)
+
+
+def _outputs(result: ItemResult) -> list[trainer_pb2.DatumOutput]:
+    return [trainer_pb2.DatumOutput(logprobs=o.logprobs, elementwise_loss=o.elementwise_loss)
+            for o in result.outputs]
+
+
+@map_servicer_errors
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, service: TrainerService):
+        self.service = service
+
+    async def CreateAdapter(self, request, context):
+        info = await self.service.create_adapter(request.name, request.lora_config, request.base_model,
+                                                 request.keep_last, dict(request.metadata))
+        return trainer_pb2.TrainerServiceCreateAdapterResponse(adapter=adapter_message(info))
+
+    async def ForwardBackward(self, request, context):
+        result = await self.service.forward_backward(request.adapter, request.seq_id, request.data, request.loss_fn,
+                                                     dict(request.loss_fn_config), payload_hash(request))
+        return trainer_pb2.ForwardBackwardResponse(outputs=_outputs(result), metrics=result.metrics)
+
+    async def Forward(self, request, context):
+        result = await self.service.forward_backward(request.adapter, request.seq_id, request.data, request.loss_fn,
+                                                     dict(request.loss_fn_config), payload_hash(request),
+                                                     backward=False)
+        return trainer_pb2.ForwardResponse(outputs=_outputs(result), metrics=result.metrics)
+
+    async def OptimStep(self, request, context):
+        if request.HasField("adam_params"):
+            p = request.adam_params
+            hyper = AdamHyper(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+        else:
+            hyper = AdamHyper()
+        outcome = await self.service.optim_step(request.adapter, request.seq_id, hyper, payload_hash(request))
+        return trainer_pb2.OptimStepResponse(
+            step=outcome.step, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
+            metrics={"grad_norm:mean": outcome.grad_norm, "skipped:sum": float(outcome.skipped)})
+
+    async def PublishWeights(self, request, context):
+        version = await self.service.publish_weights(request.adapter, request.seq_id, list(request.aliases),
+                                                     dict(request.metadata), payload_hash(request))
+        return trainer_pb2.PublishWeightsResponse(version=version)
+
+    async def SaveState(self, request, context):
+        version = await self.service.save_state(request.adapter, request.seq_id, dict(request.metadata),
+                                                payload_hash(request))
+        return trainer_pb2.SaveStateResponse(version=version)
+
+    async def LoadState(self, request, context):
+        info = await self.service.load_state(request.adapter, request.seq_id, request.source,
+                                             request.with_optimizer, payload_hash(request))
+        return trainer_pb2.LoadStateResponse(adapter=adapter_message(info))
+
+    async def DeleteAdapter(self, request, context):
+        await self.service.delete_adapter(request.name, request.delete_from_registry)
+        return trainer_pb2.TrainerServiceDeleteAdapterResponse()
+
+    async def ListAdapters(self, request, context):
+        infos, token = await self.service.list_adapters(request.page_size, request.page_token)
+        return trainer_pb2.TrainerServiceListAdaptersResponse(adapters=[adapter_message(i) for i in infos],
+                                                              next_page_token=token)
+
+    async def GetInfo(self, request, context):
+        info = self.service.info()
+        d = info["description"]
+        tokenizer = trainer_pb2.TokenizerInfo(
+            name=d.tokenizer_name, vocab_size=d.vocab_size, eos_token_ids=d.eos_token_ids,
+            bos_token_id=d.bos_token_id, pad_token_id=d.pad_token_id, chat_template=d.chat_template)
+        if request.include_tokenizer:
+            tokenizer.tokenizer_json = self.service.tokenizer_json()
+        return trainer_pb2.GetInfoResponse(
+            base_model=d.name, backend=info["backend"], device=info["device"], tokenizer=tokenizer,
+            max_context_length=info["max_context_length"], max_lora_rank=info["max_lora_rank"],
+            supported_target_modules=list(d.module_dims), supported_losses=info["supported_losses"],
+            device_slots=info["device_slots"], max_batch_datums=info["max_batch_datums"],
+            num_hidden_layers=d.num_layers, hidden_size=d.hidden_size)

@@ -1,0 +1,98 @@
+"""Request validation: every check names the offending field and the limit. Runs before anything is queued, so a
+bad request changes nothing (no params, moments, step or seq_id)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from loraplane.errors import InvalidArgument
+from trainer_svc.backends.base import DatumInput
+from trainer_svc.losses import LOSSES, resolve_loss
+
+NAME_RE = re.compile(r"^([a-z0-9][a-z0-9._-]{0,62}/)?[a-z0-9][a-z0-9._-]{0,62}$")
+
+
+def validate_adapter_name(name: str, field: str = "name") -> str:
+    if not NAME_RE.match(name or ""):
+        raise InvalidArgument(
+            f"{field} {name!r} must match [a-z0-9][a-z0-9._-]{{0,62}} (optionally tenant/name)", field=field)
+    return name
+
+
+def _floats(values: Sequence[float], field: str, n: int) -> torch.Tensor | None:
+    if len(values) == 0:
+        return None
+    if len(values) != n:
+        raise InvalidArgument(f"{field} has {len(values)} entries but input_tokens has {n}", field=field)
+    array = np.asarray(values, dtype=np.float32)
+    if not np.isfinite(array).all():
+        index = int(np.flatnonzero(~np.isfinite(array))[0])
+        raise InvalidArgument(f"{field}[{index}] is not finite ({array[index]})", field=field)
+    return torch.from_numpy(array)
+
+
+def _tokens(values: Sequence[int], field: str, vocab_size: int) -> torch.Tensor:
+    array = np.asarray(values, dtype=np.int64)
+    if array.size and (array.min() < 0 or array.max() >= vocab_size):
+        bad = int(array[(array < 0) | (array >= vocab_size)][0])
+        raise InvalidArgument(f"{field} contains token id {bad}, outside the vocabulary [0, {vocab_size})",
+                              field=field)
+    return torch.from_numpy(array)
+
+
+def validate_data(data: Sequence, loss_fn: str, loss_config: Mapping[str, float], *, vocab_size: int,
+                  max_context_length: int, max_batch_datums: int, max_request_tokens: int
+                  ) -> tuple[list[DatumInput], str, dict[str, float]]:
+    """`data` holds objects with input_tokens, target_tokens, weights, logprobs, advantages (e.g. Datum protos)."""
+    name, config = resolve_loss(loss_fn, dict(loss_config))
+    if len(data) == 0:
+        raise InvalidArgument("data is empty: send at least one datum", field="data")
+    if len(data) > max_batch_datums:
+        raise InvalidArgument(f"data has {len(data)} datums, more than the limit {max_batch_datums}", field="data")
+    required = LOSSES[name].requires
+    out: list[DatumInput] = []
+    total = 0
+    for i, datum in enumerate(data):
+        prefix = f"data[{i}]"
+        n = len(datum.input_tokens)
+        if n == 0:
+            raise InvalidArgument(f"{prefix}.input_tokens is empty", field=f"{prefix}.input_tokens")
+        if n > max_context_length:
+            raise InvalidArgument(
+                f"{prefix}.input_tokens has {n} tokens, over the context limit {max_context_length}",
+                field=f"{prefix}.input_tokens")
+        if len(datum.target_tokens) != n:
+            raise InvalidArgument(
+                f"{prefix}.target_tokens has {len(datum.target_tokens)} entries but input_tokens has {n}",
+                field=f"{prefix}.target_tokens")
+        total += n
+        if total > max_request_tokens:
+            raise InvalidArgument(f"data holds more than {max_request_tokens} tokens in total", field="data")
+        inputs = _tokens(datum.input_tokens, f"{prefix}.input_tokens", vocab_size)
+        targets = _tokens(datum.target_tokens, f"{prefix}.target_tokens", vocab_size)
+        weights = _floats(datum.weights, f"{prefix}.weights", n)
+        logprobs = _floats(datum.logprobs, f"{prefix}.logprobs", n)
+        advantages = _floats(datum.advantages, f"{prefix}.advantages", n)
+        for field_name, value in (("logprobs", logprobs), ("advantages", advantages)):
+            if field_name in required and value is None:
+                raise InvalidArgument(f"{prefix}.{field_name} is required by loss_fn {name} ({n} values)",
+                                      field=f"{prefix}.{field_name}")
+        out.append(DatumInput(inputs, targets, weights, logprobs, advantages))
+    return out, name, config
+
+
+def validate_page(page_size: int, default: int = 100, maximum: int = 1000) -> int:
+    if page_size < 0:
+        raise InvalidArgument(f"page_size must be >= 0, got {page_size}", field="page_size")
+    return min(page_size or default, maximum)
+
+
+def finite(value: float, field: str) -> float:
+    if not math.isfinite(value):
+        raise InvalidArgument(f"{field} must be finite", field=field)
+    return value
