@@ -1,0 +1,444 @@
+"""One rank's share of the megatron backend: the model, the adapter pool and the model work.
+
+Every rank of the job holds an ``Engine``; rank 0's backend (:mod:`.backend`) broadcasts each work item and all
+ranks call the same method with the same arguments (:mod:`.launch`). Nothing here knows about gRPC or the
+scheduler.
+
+Adapter pool. Each adapter owns one flat fp32 buffer per rank, shape ``[4, n]``: row 0 params (this rank's LoRA
+shards laid end to end), row 1 grads, row 2 AdamW exp_avg, row 3 exp_avg_sq. A pinned host copy always exists; up
+to ``device_slots`` adapters also have a device copy (resident). Activating a resident adapter copies nothing; a
+spilled one is one host→device copy of the whole buffer on a side stream (``prefetch`` starts it early, the compute
+stream waits on its event), and the least recently used resident adapter is copied back and dropped.
+
+Within the flat buffer the tensors that are sharded over tensor-parallel ranks come first, so the global gradient
+norm is ``all_reduce(Σ sharded²) + Σ replicated²``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from loraplane.errors import InvalidArgument, NotFound
+from loraplane.lora import LoraSpec, init_lora_params, parse_peft_key, peft_key
+from trainer_svc import losses as loss_lib
+from trainer_svc.optimizer import AdamHyper, StepOutcome
+
+from .layout import COLUMN_PARALLEL_TARGETS, chunk_for_rank
+from .lora import LocalAdapter, MegatronLora, RowSegment
+from .model import build_from_hf, forward_logits, target_logprobs
+
+ROWS = 4  # params, grads, exp_avg, exp_avg_sq
+
+
+@dataclass(frozen=True)
+class FlatEntry:
+    key: str  # PEFT key
+    layer: int
+    target: str
+    which: str  # "A" | "B"
+    shape: tuple[int, int]  # this rank's shard
+    offset: int
+    sharded: bool
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass
+class FlatLayout:
+    entries: list[FlatEntry]
+    numel: int
+    sharded_numel: int  # entries[:k] with sharded=True occupy [0, sharded_numel)
+
+
+def flat_layout(spec: LoraSpec, full_shapes: dict[str, tuple[int, int]], tp: int) -> FlatLayout:
+    """This rank's flat layout of an adapter whose full PEFT shapes are ``full_shapes``."""
+    items = []
+    for key, (rows, cols) in full_shapes.items():
+        layer, target, which = parse_peft_key(key)
+        column = target in COLUMN_PARALLEL_TARGETS
+        sharded = tp > 1 and ((column and which == "B") or (not column and which == "A"))
+        if column and which == "B":
+            shape = (rows // tp, cols)
+        elif not column and which == "A":
+            shape = (rows, cols // tp)
+        else:
+            shape = (rows, cols)
+        items.append((key, layer, target, which, shape, sharded))
+    items.sort(key=lambda it: not it[5])  # stable: sharded first, canonical order inside each group
+    entries, offset, sharded_numel = [], 0, 0
+    for key, layer, target, which, shape, sharded in items:
+        entries.append(FlatEntry(key, layer, target, which, shape, offset, sharded))
+        offset += shape[0] * shape[1]
+        if sharded:
+            sharded_numel = offset
+    return FlatLayout(entries, offset, sharded_numel)
+
+
+@dataclass
+class Slot:
+    name: str
+    spec: LoraSpec
+    layout: FlatLayout
+    host: torch.Tensor  # [4, n] fp32, pinned on CUDA
+    device: torch.Tensor | None = None  # [4, n] fp32 when resident
+    leaf: torch.Tensor | None = None  # device[0] as an autograd leaf (shares storage)
+    views: LocalAdapter | None = None
+    ready: torch.cuda.Event | None = None  # set while a prefetch copy is in flight
+    host_valid: bool = True  # False while the device copy is newer than the host copy
+    step: int = 0
+    has_grads: bool = False
+
+
+@dataclass
+class DatumWork:
+    adapter: str
+    input_tokens: list[int]
+    target_tokens: list[int]
+    weights: list[float] | None = None
+    logprobs: list[float] | None = None
+    advantages: list[float] | None = None
+
+
+@dataclass
+class BatchResult:
+    logprobs: list[list[float]]
+    elementwise_loss: list[list[float]]
+    loss_sum_by_adapter: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, base, *, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
+                 lora_compute_dtype: torch.dtype = torch.float32, data_parallel_size: int | None = None):
+        from megatron.core import parallel_state as ps
+
+        self.base = base
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+            torch.device("cpu"))
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        if data_parallel_size is not None and data_parallel_size != self.dp:
+            raise ValueError(f"data_parallel_size={data_parallel_size} but the job has {self.dp} data-parallel ranks")
+        self.model, self.spec = build_from_hf(base.model, dtype, self.device)
+        self.shape = self.spec.shape
+        self.lora = MegatronLora(self.model, self.shape, compute_dtype=lora_compute_dtype)
+        self.device_slots = int(device_slots)
+        self.slots: dict[str, Slot] = {}
+        self.resident: OrderedDict[str, None] = OrderedDict()  # LRU first
+        self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self.pin = self.device.type == "cuda"
+        self.stats = {"activations": 0, "misses": 0, "prefetches": 0}
+
+    # -- adapters -------------------------------------------------------------------------------------------------
+
+    def full_shapes(self, spec: LoraSpec) -> dict[str, tuple[int, int]]:
+        shapes = {}
+        for layer in range(self.shape.num_layers):
+            for target in spec.target_modules:
+                i, o = self.shape.in_features(target), self.shape.out_features(target)
+                shapes[peft_key(layer, target, "A")] = (spec.rank, i)
+                shapes[peft_key(layer, target, "B")] = (o, spec.rank)
+        return shapes
+
+    def create(self, name: str, spec: LoraSpec) -> int:
+        """Fresh adapter from its seed (the same A as every backend draws); returns the full parameter count."""
+        params = init_lora_params(self.base, spec, device="cpu")
+        self._install(name, spec, params, None, None, 0)
+        return sum(t.numel() for t in params.values())
+
+    def _install(self, name, spec, params, exp_avg, exp_avg_sq, step) -> None:
+        layout = flat_layout(spec, self.full_shapes(spec), self.tp)
+        host = torch.zeros(ROWS, layout.numel, dtype=torch.float32, pin_memory=self.pin)
+        for e in layout.entries:
+            for row, source in ((0, params), (2, exp_avg), (3, exp_avg_sq)):
+                if source is None:
+                    continue
+                full = source[e.key]
+                a_or_b = self._shard_of(e, full)
+                host[row, e.offset : e.offset + e.numel].copy_(a_or_b.reshape(-1))
+        old = self.slots.pop(name, None)
+        if old is not None:
+            self.resident.pop(name, None)
+        self.slots[name] = Slot(name=name, spec=spec, layout=layout, host=host, step=int(step))
+
+    def _shard_of(self, e: FlatEntry, full: torch.Tensor) -> torch.Tensor:
+        full = full.detach().to("cpu", torch.float32)
+        if not e.sharded:
+            return full
+        # Column-parallel B keeps a row chunk; row-parallel A keeps a column chunk (layout.lora_shard).
+        return chunk_for_rank(full, self.tp, self.tp_rank, 0 if e.which == "B" else 1)
+
+    def delete(self, name: str) -> None:
+        self.slots.pop(name, None)
+        self.resident.pop(name, None)
+
+    def slot(self, name: str) -> Slot:
+        s = self.slots.get(name)
+        if s is None:
+            raise NotFound(f"adapter {name!r} does not exist on this trainer", field="adapter")
+        return s
+
+    def is_resident(self, name: str) -> bool:
+        return name in self.resident
+
+    # -- pool: residency ---------------------------------------------------------------------------------------
+
+    def prefetch(self, name: str, protect: tuple[str, ...] = ()) -> None:
+        """Starts the host→device copy of a spilled adapter on the copy stream (no-op when resident)."""
+        s = self.slots.get(name)
+        if s is None or s.device is not None:
+            return
+        if self.device_slots - len(self.resident) < 1:
+            self._evict_one(protect=(*protect, name))
+        self.stats["prefetches"] += 1
+        self._load(s, asynchronous=True)
+
+    def activate(self, names: list[str]) -> list[Slot]:
+        """Makes every named adapter resident (a fused batch needs all of them) and ready on the compute stream."""
+        unique = list(dict.fromkeys(names))
+        if len(unique) > self.device_slots:
+            raise InvalidArgument(f"{len(unique)} adapters in one batch exceed {self.device_slots} device slots",
+                                  field="batch")
+        slots = [self.slot(n) for n in unique]
+        for s in slots:
+            self.stats["activations"] += 1
+            if s.device is None:
+                self.stats["misses"] += 1
+                while len(self.resident) >= self.device_slots:
+                    self._evict_one(protect=tuple(unique))
+                self._load(s, asynchronous=False)
+            self.resident.move_to_end(s.name)
+            if s.ready is not None:
+                torch.cuda.current_stream().wait_event(s.ready)
+                s.ready = None
+        return slots
+
+    def _load(self, s: Slot, asynchronous: bool) -> None:
+        stream = self.copy_stream if (asynchronous and self.copy_stream is not None) else None
+        if stream is not None:
+            # No wait on the compute stream: host buffers are complete (spills synchronize), so the copy overlaps
+            # whatever the compute stream is running.
+            with torch.cuda.stream(stream):
+                dev = torch.empty_like(s.host, device=self.device)
+                dev.copy_(s.host, non_blocking=True)
+                s.ready = torch.cuda.Event()
+                s.ready.record(stream)
+            dev.record_stream(torch.cuda.current_stream())
+        else:
+            dev = s.host.to(self.device, non_blocking=True)
+        s.device = dev
+        s.leaf = dev[0].detach().requires_grad_(True)
+        s.views = self._views(s)
+        self.resident[s.name] = None
+
+    def _evict_one(self, protect: tuple[str, ...]) -> None:
+        victim = next((n for n in self.resident if n not in protect), None)
+        if victim is None:
+            raise InvalidArgument(f"all {self.device_slots} device slots are held by the batch", field="batch")
+        self._spill(self.slots[victim])
+
+    def _spill(self, s: Slot) -> None:
+        if s.ready is not None:  # a prefetch that was never used: its copy must land before we read it back
+            torch.cuda.current_stream().wait_event(s.ready)
+            s.ready = None
+        if not s.host_valid:
+            s.host.copy_(s.device, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            s.host_valid = True
+        s.device = s.leaf = s.views = None
+        self.resident.pop(s.name, None)
+
+    def _views(self, s: Slot) -> LocalAdapter:
+        modules: dict[tuple[int, str], list] = {}
+        for e in s.layout.entries:
+            t = s.leaf[e.offset : e.offset + e.numel].view(e.shape)
+            pair = modules.setdefault((e.layer, e.target), [None, None])
+            pair[0 if e.which == "A" else 1] = t
+        return LocalAdapter({k: (v[0], v[1]) for k, v in modules.items()}, s.spec.scale)
+
+    def sync_host(self, s: Slot) -> torch.Tensor:
+        """The up-to-date host buffer (copies the device buffer back when it is newer)."""
+        if s.device is not None and not s.host_valid:
+            if s.ready is not None:
+                torch.cuda.current_stream().wait_event(s.ready)
+                s.ready = None
+            s.host.copy_(s.device, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            s.host_valid = True
+        return s.host
+
+    # -- model work --------------------------------------------------------------------------------------------
+
+    def run_batch(self, datums: list[DatumWork], loss_fn: str, loss_cfg: dict[str, float], backward: bool,
+                  routes: list[tuple[str, str, dict[str, float]]] | None = None) -> BatchResult:
+        """One fused forward (and backward) over datums of possibly several adapters.
+
+        ``routes`` (optional) gives each datum's own (adapter, loss_fn, loss_cfg) when requests with different
+        losses share the batch; otherwise every datum uses ``loss_fn``/``loss_cfg``. Data-parallel ranks take
+        datums ``dp_rank::dp``; outputs are summed over the data-parallel group so every rank returns all of them.
+        """
+        names = [d.adapter for d in datums]
+        slots = {s.name: s for s in self.activate(names)}
+        n = len(datums)
+        mine = list(range(self.dp_rank, n, self.dp))
+        # Group my datums by adapter so each adapter's rows are one contiguous range of the padded batch.
+        order = sorted(mine, key=lambda i: (list(slots).index(datums[i].adapter), i))
+        max_len = max((len(datums[i].input_tokens) for i in order), default=0)
+        out_lp = torch.zeros(n, max(len(d.input_tokens) for d in datums) if n else 0, dtype=torch.float32,
+                             device=self.device)
+        out_loss = torch.zeros_like(out_lp)
+        loss_by_adapter = torch.zeros(len(slots), dtype=torch.float64, device=self.device)
+        if order:
+            b = len(order)
+            ids = torch.zeros(b, max_len, dtype=torch.long)
+            tgt = torch.zeros(b, max_len, dtype=torch.long)
+            for row, i in enumerate(order):
+                d = datums[i]
+                ids[row, : len(d.input_tokens)] = torch.tensor(d.input_tokens, dtype=torch.long)
+                tgt[row, : len(d.target_tokens)] = torch.tensor(d.target_tokens, dtype=torch.long)
+            ids = ids.to(self.device, non_blocking=True)
+            tgt = tgt.to(self.device, non_blocking=True)
+            segments, start = [], 0
+            for name in slots:
+                count = sum(1 for i in order if datums[i].adapter == name)
+                if count:
+                    segments.append(RowSegment(start, start + count, slots[name].views))
+                    start += count
+            with torch.set_grad_enabled(backward), self.lora.route(segments):
+                lp_all = target_logprobs(forward_logits(self.model, ids), tgt)  # [b, max_len] fp32
+                total = lp_all.new_zeros(())
+                for row, i in enumerate(order):
+                    d = datums[i]
+                    length = len(d.input_tokens)
+                    lp = lp_all[row, :length]
+                    name, lname, lcfg = routes[i] if routes is not None else (d.adapter, loss_fn, loss_cfg)
+
+                    def opt(values):
+                        return None if values is None else torch.tensor(values, dtype=torch.float32,
+                                                                         device=self.device)
+
+                    per_token = loss_lib.elementwise_loss(
+                        lname, lcfg, lp, weights=opt(d.weights), q=opt(d.logprobs), advantages=opt(d.advantages)
+                    )
+                    out_lp[i, :length] = lp.detach()
+                    out_loss[i, :length] = per_token.detach()
+                    loss_by_adapter[list(slots).index(name)] += per_token.detach().double().sum()
+                    total = total + per_token.sum()
+            if backward:
+                leaves = [slots[name].leaf for name in slots]
+                grads = torch.autograd.grad(total, leaves, allow_unused=True)
+                for name, g in zip(slots, grads):
+                    if g is not None:
+                        slots[name].device[1].add_(g)
+        if backward:
+            for name, s in slots.items():
+                if self.dp > 1:
+                    dist.all_reduce(s.device[1], group=self.dp_group)
+                s.host_valid = False
+                s.has_grads = True
+        if self.dp > 1:
+            for t in (out_lp, out_loss, loss_by_adapter):
+                dist.all_reduce(t, group=self.dp_group)
+        lp_cpu, loss_cpu = out_lp.cpu(), out_loss.cpu()
+        return BatchResult(
+            logprobs=[lp_cpu[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)],
+            elementwise_loss=[loss_cpu[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)],
+            loss_sum_by_adapter={name: float(v) for name, v in zip(slots, loss_by_adapter.cpu().tolist())},
+        )
+
+    # -- optimizer -----------------------------------------------------------------------------------------------
+
+    def grad_norm(self, s: Slot) -> torch.Tensor:
+        g = s.device[1]
+        k = s.layout.sharded_numel
+        sharded = (g[:k].double() ** 2).sum()
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        return torch.sqrt(sharded + (g[k:].double() ** 2).sum())
+
+    def optim_step(self, name: str, hyper: AdamHyper) -> StepOutcome:
+        """``torch.optim.AdamW`` on this rank's flat shard with the request's hyper-parameters; the clip uses the
+        global norm over all ranks (``torch.nn.utils.clip_grad_norm_``'s coefficient)."""
+        (s,) = self.activate([name])
+        norm = float(self.grad_norm(s))
+        grads = s.device[1]
+        if not math.isfinite(norm):
+            grads.zero_()
+            s.host_valid = False
+            s.has_grads = False
+            return StepOutcome(step=s.step, grad_norm=norm, skipped=True)
+        if hyper.grad_clip_norm > 0:
+            coef = hyper.grad_clip_norm / (norm + 1e-6)
+            if coef < 1.0:
+                grads.mul_(coef)
+        param = s.leaf
+        param.grad = grads
+        optimizer = torch.optim.AdamW([param], lr=hyper.learning_rate, betas=(hyper.beta1, hyper.beta2),
+                                      eps=hyper.eps, weight_decay=hyper.weight_decay, foreach=False)
+        optimizer.state[param] = {
+            "step": torch.tensor(float(s.step), dtype=torch.float32),
+            "exp_avg": s.device[2],
+            "exp_avg_sq": s.device[3],
+        }
+        optimizer.step()
+        param.grad = None
+        grads.zero_()
+        s.step += 1
+        s.host_valid = False
+        s.has_grads = False
+        return StepOutcome(step=s.step, grad_norm=norm, skipped=False)
+
+    # -- export / state ------------------------------------------------------------------------------------------
+
+    def gather_full(self, name: str, rows: tuple[int, ...] = (0,)) -> list[dict[str, torch.Tensor]] | None:
+        """Full PEFT tensors of the requested rows, assembled from every TP rank; None on other ranks than TP 0
+        (all TP ranks must call it). Device → host once, no disk."""
+        s = self.slot(name)
+        if s.device is not None:
+            local = s.device[list(rows)]
+        else:
+            local = s.host[list(rows)].to(self.device)
+        if self.tp > 1:
+            parts = [torch.empty_like(local) for _ in range(self.tp)]
+            dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        else:
+            parts = [local]
+        if self.tp_rank != 0:
+            return None
+        parts = [p.cpu() for p in parts]
+        out = []
+        for r in range(len(rows)):
+            full = {}
+            for e in s.layout.entries:
+                shards = [p[r, e.offset : e.offset + e.numel].view(e.shape) for p in parts]
+                # Inverse of _shard_of: B row chunks / A column chunks in rank order.
+                full[e.key] = torch.cat(shards, 0 if e.which == "B" else 1) if e.sharded else shards[0]
+            out.append({k: full[k].clone() for k in self.full_shapes(s.spec)})
+        return out
+
+    def load_state(self, name: str, params, exp_avg, exp_avg_sq, step: int, spec: LoraSpec) -> None:
+        """Replaces the adapter's params (and moments + step, or fresh ones) with full PEFT tensors."""
+        was_resident = name in self.resident
+        self._install(name, spec, params, exp_avg, exp_avg_sq, step)
+        if was_resident:
+            self.activate([name])
+
+    def time_activation(self, name: str) -> float:
+        t0 = time.perf_counter()
+        self.activate([name])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - t0

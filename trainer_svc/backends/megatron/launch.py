@@ -1,0 +1,113 @@
+"""torchrun entry of the megatron trainer: rank 0 serves gRPC and drives the other ranks.
+
+    torchrun --standalone --nproc-per-node 2 -m trainer_svc.backends.megatron.launch \
+        --base-model smollm2-135m-instruct --tensor-parallel-size 2 --registry-address HOST:PORT --port 50052
+
+World size = tensor_parallel_size x data_parallel_size. Every rank loads the base model and builds its shard of
+the GPTModel; rank 0 then builds the service and the gRPC server, and every engine call is broadcast to the other
+ranks (:class:`.backend.Driver`), which loop in :meth:`Driver.follow` until rank 0 shuts down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from loraplane.config import Settings
+
+    settings = Settings()
+    p = argparse.ArgumentParser(prog="torchrun ... -m trainer_svc.backends.megatron.launch", description=__doc__)
+    p.add_argument("--registry-address", default=settings.registry_address)
+    p.add_argument("--base-model", default=settings.base_model)
+    p.add_argument("--host", default=settings.host)
+    p.add_argument("--port", type=int, default=settings.trainer_port)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=0, help="0 = world size / tensor parallel size")
+    p.add_argument("--device-slots", type=int, default=8)
+    p.add_argument("--max-lora-rank", type=int, default=128)
+    p.add_argument("--max-fused-adapters", type=int, default=8)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--lora-dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size: int, device_slots: int,
+                 dtype: torch.dtype, lora_dtype: torch.dtype):
+    from loraplane.models import load_base_model
+
+    from .engine import Engine
+    from .model import init_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % tensor_parallel_size:
+        raise SystemExit(f"world size {world} is not a multiple of --tensor-parallel-size {tensor_parallel_size}")
+    if data_parallel_size and data_parallel_size * tensor_parallel_size != world:
+        raise SystemExit(f"tensor x data parallel = {tensor_parallel_size * data_parallel_size} != world {world}")
+    init_parallel(tensor_parallel_size)
+    base = load_base_model(base_model, device="cpu", dtype=torch.float32)
+    return Engine(base, device_slots=device_slots, dtype=dtype, lora_compute_dtype=lora_dtype,
+                  data_parallel_size=data_parallel_size or None)
+
+
+async def serve_rank0(args, engine) -> None:
+    from loraplane.config import Settings
+    from loraplane.registry_client import RegistryClient
+    from loraplane.rpc import GrpcServer
+    from loraplane.v1 import trainer_pb2_grpc
+    from trainer_svc.server import SERVICE_NAME, RunningTrainer, limits_from
+    from trainer_svc.servicer import TrainerServicer
+
+    from .backend import MegatronBackend
+    from .service import MegatronTrainerService
+
+    if not args.registry_address:
+        raise SystemExit("--registry-address (or LORAPLANE_REGISTRY_ADDRESS) is required")
+    backend = MegatronBackend(engine=engine)
+    limits = limits_from(device_slots=args.device_slots, max_lora_rank=args.max_lora_rank,
+                         max_fused_adapters=args.max_fused_adapters)
+    registry = RegistryClient(args.registry_address, timeout=limits.registry_timeout_s)
+    service = MegatronTrainerService(backend, registry, limits)
+    server = GrpcServer(args.host, args.port)
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
+    server.add_service(SERVICE_NAME)
+    await server.start()
+    trainer = RunningTrainer(server=server, service=service, registry=registry, settings=Settings(),
+                             registry_address=args.registry_address)
+    print(f"TRAINER_READY {trainer.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await trainer.stop()  # closes the backend, which releases the follower ranks
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = build_engine(args.base_model, args.tensor_parallel_size, args.data_parallel_size, args.device_slots,
+                          DTYPES[args.dtype], DTYPES[args.lora_dtype])
+    import torch.distributed as dist
+
+    from .backend import Driver
+
+    if dist.get_rank() == 0:
+        asyncio.run(serve_rank0(args, engine))
+    else:
+        Driver(engine).follow()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

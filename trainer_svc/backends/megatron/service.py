@@ -1,0 +1,51 @@
+"""TrainerService for the megatron backend: the shared service, scheduler and servicer, with the adapter tensors
+owned by the backend's engine (sharded flat buffers) instead of the shared ``AdapterPool``.
+
+The shared pool is kept for bookkeeping (names, spec, step, the fresh params it was created with) on the host with
+no spilling; everything that reads or writes trained tensors goes through the backend. These overrides are the
+interface the shared service needs from a backend that owns its tensors (docs/megatron.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplane.adapter_format import TrainingState, serialize_training_state
+from trainer_svc.pool import AdapterPool, AdapterState
+from trainer_svc.service import AdapterInfo, ExportedBlob, TrainerService
+
+from .backend import MegatronBackend
+
+
+class MegatronTrainerService(TrainerService):
+    backend: MegatronBackend
+
+    def __init__(self, backend: MegatronBackend, registry, limits=None):
+        super().__init__(backend, registry, limits)
+        # Host-only bookkeeping; device residency is the engine's (its own LRU over device_slots).
+        self.pool = AdapterPool(torch.device("cpu"), self.limits.max_adapters, self.limits.max_adapters)
+
+    def _info(self, state: AdapterState) -> AdapterInfo:
+        info = super()._info(state)
+        info.resident = self.backend.is_resident(state.name)
+        return info
+
+    async def delete_adapter(self, name: str, delete_from_registry: bool = False) -> None:
+        local = name in self.pool
+        await super().delete_adapter(name, delete_from_registry)
+        if local:
+            await self._on_worker(lambda: self.backend.delete_adapter(name))
+
+    def _run_save_state(self, job) -> ExportedBlob:
+        state = self.pool.get(job.adapter)
+        params, exp_avg, exp_avg_sq, step = self.backend.export_training_state(state)
+        training = TrainingState(params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, spec=state.spec,
+                                 base_model_name=state.base_model)
+        return ExportedBlob(blob=serialize_training_state(training), step=step,
+                            idempotency_key=self._idempotency_key(job))
+
+    def _run_load_state(self, job) -> AdapterInfo:
+        info = super()._run_load_state(job)
+        state = self.pool.get(job.adapter)
+        self.backend.load_training_state(state, state.params, state.exp_avg, state.exp_avg_sq, state.step)
+        return info
