@@ -1,0 +1,1 @@
+"""The adapter registry service: versioned adapter blobs in S3, metadata and events in Redis."""

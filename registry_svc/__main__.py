@@ -1,0 +1,3 @@
+from registry_svc.server import main
+
+main()

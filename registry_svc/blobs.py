@@ -1,0 +1,252 @@
+"""Content-addressed blob storage on S3 (any S3-compatible server) through the `minio` SDK.
+
+Blobs live at `blobs/sha256/<hex>`. An upload streams into an S3 multipart upload while it hashes; the multipart
+upload is completed (made visible) only after the received bytes match the announced size and sha256, and is
+aborted otherwise, so a failed or cancelled upload leaves nothing visible. Blobs smaller than one part are buffered
+and written with a single PUT after the same check.
+
+The minio SDK is synchronous: every call runs in a thread pool so the event loop keeps serving other RPCs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import urllib3
+from minio import Minio
+from minio.datatypes import Part
+from minio.error import MinioException, S3Error
+
+from loraplane import errors
+
+log = logging.getLogger(__name__)
+
+BLOB_PREFIX = "blobs/sha256/"
+# S3 requires every part but the last to be at least 5 MiB; larger parts mean fewer round trips.
+PART_BYTES = 5 * 1024 * 1024
+MAX_PARTS_IN_FLIGHT = 4
+
+T = TypeVar("T")
+_NOT_FOUND_CODES = ("NoSuchKey", "NoSuchObject", "NotFound")
+_EXPECTED_S3_CODES = (*_NOT_FOUND_CODES, "BucketAlreadyOwnedByYou", "BucketAlreadyExists")
+
+
+def blob_key(sha256: str) -> str:
+    return BLOB_PREFIX + sha256
+
+
+@dataclass
+class StoredBlob:
+    sha256: str
+    size: int
+
+
+class BlobStore:
+    def __init__(self, endpoint: str, access_key: str, secret_key: str, bucket: str, *, secure: bool = False,
+                 region: str = "", workers: int = 16):
+        self.endpoint = endpoint
+        self.bucket = bucket
+        # minio's default client retries for ~6 s and waits 5 min on reads; a dead S3 should surface quickly as
+        # UNAVAILABLE instead, and the caller retries.
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=3.0, read=60.0), maxsize=workers,
+            retries=urllib3.Retry(total=2, backoff_factor=0.1, status_forcelist=[500, 502, 503, 504]),
+        )
+        self.client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure,
+                            region=region or None, http_client=http)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="s3")
+
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, fn, *args)
+        except S3Error as exc:
+            if exc.code in _EXPECTED_S3_CODES:
+                raise
+            raise errors.Unavailable(
+                f"S3 at {self.endpoint} (bucket {self.bucket!r}) refused to {what}: {exc.code}: {exc.message}",
+                reason="S3_ERROR") from None
+        except (urllib3.exceptions.HTTPError, OSError, MinioException) as exc:
+            raise errors.Unavailable(
+                f"S3 at {self.endpoint} (bucket {self.bucket!r}) is unavailable while trying to {what}: "
+                f"{type(exc).__name__}: {exc}", reason="S3_UNAVAILABLE") from None
+
+    async def ensure_bucket(self) -> None:
+        if not await self._call("check the bucket", self.client.bucket_exists, self.bucket):
+            try:
+                await self._call("create the bucket", self.client.make_bucket, self.bucket)
+            except S3Error as exc:
+                if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+
+    async def exists(self, sha256: str) -> bool:
+        try:
+            await self._call("stat a blob", self.client.stat_object, self.bucket, blob_key(sha256))
+            return True
+        except S3Error as exc:
+            if exc.code in _NOT_FOUND_CODES:
+                return False
+            raise
+
+    async def upload(self, chunks: AsyncIterator[bytes], size: int, sha256: str) -> StoredBlob:
+        """Consumes `chunks` (exactly `size` bytes hashing to `sha256`) into `blobs/sha256/<sha256>`.
+
+        Raises InvalidArgument when the stream is longer or shorter than `size`, DataLoss when the digest differs.
+        On any failure or cancellation the multipart upload is aborted: nothing becomes visible.
+        """
+        if size < PART_BYTES:
+            return await self._upload_single(chunks, size, sha256)
+        return await self._upload_multipart(chunks, size, sha256)
+
+    async def _upload_single(self, chunks: AsyncIterator[bytes], size: int, sha256: str) -> StoredBlob:
+        hasher = hashlib.sha256()
+        parts: list[bytes] = []
+        received = 0
+        async for chunk in chunks:
+            received += len(chunk)
+            _check_not_too_long(received, size)
+            hasher.update(chunk)
+            parts.append(chunk)
+        _check_complete(received, size, hasher.hexdigest(), sha256)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        await self._call("write a blob", self._put, blob_key(sha256), data)
+        return StoredBlob(sha256, size)
+
+    def _put(self, key: str, data: bytes) -> None:
+        # The low-level PUT takes bytes directly; put_object would wrap them in a stream and copy them again.
+        self.client._put_object(self.bucket, key, data, {"Content-Type": "application/octet-stream"})
+
+    async def _upload_multipart(self, chunks: AsyncIterator[bytes], size: int, sha256: str) -> StoredBlob:
+        key = blob_key(sha256)
+        upload_id = await self._call("start a multipart upload", self.client._create_multipart_upload,
+                                     self.bucket, key, {})
+        completed = False
+        in_flight: list[asyncio.Future] = []
+        etags: dict[int, str] = {}
+        loop = asyncio.get_running_loop()
+
+        async def settle(keep: int) -> None:
+            while len(in_flight) > keep:
+                number, etag = await in_flight.pop(0)
+                etags[number] = etag
+
+        def send_part(number: int, data: bytes) -> tuple[int, str]:
+            return number, self.client._upload_part(self.bucket, key, data, None, upload_id, number)
+
+        try:
+            hasher = hashlib.sha256()
+            pending: list[bytes] = []
+            pending_bytes = 0
+            received = 0
+            part_number = 0
+
+            async def flush() -> None:
+                nonlocal pending, pending_bytes, part_number
+                data = b"".join(pending)
+                pending, pending_bytes = [], 0
+                # hashlib releases the GIL on large buffers: hash beside the loop, in receive order.
+                await loop.run_in_executor(self._pool, hasher.update, data)
+                part_number += 1
+                await settle(MAX_PARTS_IN_FLIGHT - 1)
+                in_flight.append(asyncio.ensure_future(self._call("upload a part", send_part, part_number, data)))
+
+            async for chunk in chunks:
+                received += len(chunk)
+                _check_not_too_long(received, size)
+                pending.append(chunk)
+                pending_bytes += len(chunk)
+                if pending_bytes >= PART_BYTES:
+                    await flush()
+            if pending_bytes:
+                await flush()
+            await settle(0)
+            _check_complete(received, size, hasher.hexdigest(), sha256)
+            parts = [Part(number, etags[number]) for number in sorted(etags)]
+            await self._call("complete a multipart upload", self.client._complete_multipart_upload,
+                             self.bucket, key, upload_id, parts)
+            completed = True
+            return StoredBlob(sha256, size)
+        finally:
+            if not completed:
+                # Shielded: the abort must run even when this upload was cancelled by its caller.
+                await asyncio.shield(self._abort(key, upload_id, in_flight))
+
+    async def _abort(self, key: str, upload_id: str, in_flight: list[asyncio.Future]) -> None:
+        # Parts still being sent would re-create state after the abort: let them finish first.
+        await asyncio.gather(*in_flight, return_exceptions=True)
+        try:
+            await self._call("abort a multipart upload", self.client._abort_multipart_upload,
+                             self.bucket, key, upload_id)
+        except Exception as exc:  # noqa: BLE001 - best effort; S3 lifecycle rules or GC clean the rest
+            log.warning("could not abort multipart upload %s of %s: %s", upload_id, key, exc)
+
+    async def read(self, sha256: str, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
+        """The blob's bytes from `offset`, in pieces of `chunk_size`."""
+        try:
+            response = await self._call("read a blob", self.client.get_object, self.bucket, blob_key(sha256),
+                                        offset)
+        except S3Error as exc:
+            if exc.code in _NOT_FOUND_CODES:
+                raise errors.DataLoss(f"blob {sha256} is recorded but missing from bucket {self.bucket!r}",
+                                      reason="BLOB_MISSING") from None
+            raise
+        try:
+            while True:
+                data = await self._call("read a blob", _read_exactly, response, chunk_size)
+                if not data:
+                    return
+                yield data
+        finally:
+            response.close()
+            response.release_conn()
+
+    async def remove(self, sha256: str) -> None:
+        await self._call("delete a blob", self.client.remove_object, self.bucket, blob_key(sha256))
+
+    async def list_blobs(self) -> list[StoredBlob]:
+        def list_all() -> list[StoredBlob]:
+            return [StoredBlob(obj.object_name[len(BLOB_PREFIX):], obj.size or 0)
+                    for obj in self.client.list_objects(self.bucket, prefix=BLOB_PREFIX, recursive=True)]
+        return await self._call("list blobs", list_all)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _read_exactly(response: Any, count: int) -> bytes:
+    # urllib3 may return short reads; gather a full chunk so the client sees uniform pieces.
+    data = response.read(count)
+    if len(data) in (0, count):
+        return data
+    pieces = [data]
+    got = len(data)
+    while got < count:
+        more = response.read(count - got)
+        if not more:
+            break
+        pieces.append(more)
+        got += len(more)
+    return b"".join(pieces)
+
+
+def _check_not_too_long(received: int, size: int) -> None:
+    if received > size:
+        raise errors.InvalidArgument(
+            f"chunk: received more bytes than header.size_bytes={size}", field="chunk", reason="SIZE_MISMATCH")
+
+
+def _check_complete(received: int, size: int, actual_sha256: str, expected_sha256: str) -> None:
+    if received != size:
+        raise errors.InvalidArgument(
+            f"header.size_bytes: the stream ended after {received} of the announced {size} bytes",
+            field="header.size_bytes", reason="SIZE_MISMATCH")
+    if actual_sha256 != expected_sha256:
+        raise errors.DataLoss(
+            f"header.sha256: received bytes hash to {actual_sha256}, the header announced {expected_sha256}; "
+            "nothing was committed", reason="DIGEST_MISMATCH")

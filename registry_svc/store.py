@@ -1,0 +1,674 @@
+"""The registry's domain: adapters, versions, aliases, retention, blob GC and the event stream.
+
+Metadata and events live in Redis (atomic Lua scripts, see `lua.py`); blob bytes live in S3 (`blobs.py`).
+Nothing here knows about gRPC: inputs are plain values, outputs are the dataclasses below, failures are
+`loraplane.errors` exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from loraplane import errors
+from loraplane.config import Settings
+from registry_svc import lua
+from registry_svc.blobs import BlobStore
+
+log = logging.getLogger(__name__)
+
+_NAME_PART = r"[a-z0-9][a-z0-9._-]{0,62}"
+NAME_RE = re.compile(rf"^(?:{_NAME_PART}/)?{_NAME_PART}$")
+ALIAS_RE = re.compile(rf"^{_NAME_PART}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+CURSOR_RE = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+KIND_WEIGHTS = 1
+KIND_TRAINING_STATE = 2
+KINDS = (KIND_WEIGHTS, KIND_TRAINING_STATE)
+
+EVENT_ADAPTER_CREATED = 1
+EVENT_VERSION_PUBLISHED = 2
+EVENT_ALIAS_SET = 3
+EVENT_VERSION_DELETED = 4
+EVENT_ADAPTER_DELETED = 5
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+@dataclass(frozen=True)
+class RegistryLimits:
+    """Bounds on what a caller may store. Defaults can be overridden with LORAPLANE_REGISTRY_* variables."""
+
+    max_blob_bytes: int = 4 * 1024**3
+    # A chunk is at most 1 MiB; the slack admits senders that frame 1 MiB of payload plus a little.
+    max_chunk_bytes: int = 1024 * 1024 + 64 * 1024
+    max_download_chunk_bytes: int = 4 * 1024 * 1024
+    max_metadata_entries: int = 64
+    max_metadata_key_chars: int = 128
+    max_metadata_value_chars: int = 4096
+    max_aliases_per_publish: int = 16
+    max_idempotency_key_chars: int = 256
+    max_base_model_chars: int = 512
+    max_lora_rank: int = 65536
+    max_prefix_chars: int = 128
+    # Events kept in the stream (approximate: XADD MAXLEN ~).
+    max_events: int = 1_000_000
+
+    @classmethod
+    def from_env(cls) -> RegistryLimits:
+        overrides = {}
+        for name in cls.__dataclass_fields__:
+            raw = os.environ.get(f"LORAPLANE_REGISTRY_{name.upper()}")
+            if raw:
+                overrides[name] = int(raw)
+        return cls(**overrides)
+
+
+@dataclass
+class LoraSpec:
+    rank: int = 0
+    alpha: float = 0.0
+    target_modules: list[str] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass
+class AdapterRecord:
+    name: str
+    lora: LoraSpec
+    base_model: str
+    keep_last: int
+    metadata: dict[str, str]
+    aliases: dict[str, int]
+    latest_version: int
+    create_time_ms: int
+
+
+@dataclass
+class VersionRecord:
+    adapter: str
+    version: int
+    kind: int
+    sha256: str
+    size_bytes: int
+    training_step: int
+    metadata: dict[str, str]
+    aliases: list[str]
+    create_time_ms: int
+
+
+@dataclass
+class EventRecord:
+    cursor: str
+    type: int
+    adapter: str
+    version: int
+    sha256: str
+    alias: str
+    kind: int
+    time_ms: int
+
+
+@dataclass
+class PublishHeader:
+    adapter: str
+    sha256: str
+    size_bytes: int
+    idempotency_key: str = ""
+    training_step: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+    aliases: list[str] = field(default_factory=list)
+    kind: int = KIND_WEIGHTS
+
+
+@dataclass
+class PublishResult:
+    version: VersionRecord
+    deduplicated: bool
+
+
+@dataclass
+class GarbageReport:
+    deleted_blobs: list[str]
+    freed_bytes: int
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+
+def validate_name(name: str, field_name: str = "name") -> str:
+    if not NAME_RE.match(name or ""):
+        raise errors.InvalidArgument(
+            f"{field_name}: {name!r} is not a valid adapter name: it must match ^[a-z0-9][a-z0-9._-]{{0,62}}$, "
+            "optionally prefixed by a tenant of the same form and '/'", field=field_name, reason="INVALID_NAME")
+    return name
+
+
+def validate_alias(alias: str, field_name: str = "alias") -> str:
+    if not ALIAS_RE.match(alias or ""):
+        raise errors.InvalidArgument(
+            f"{field_name}: {alias!r} is not a valid alias: it must match ^[a-z0-9][a-z0-9._-]{{0,62}}$",
+            field=field_name, reason="INVALID_ALIAS")
+    return alias
+
+
+def validate_metadata(metadata: Mapping[str, str], limits: RegistryLimits, field_name: str) -> dict[str, str]:
+    if len(metadata) > limits.max_metadata_entries:
+        raise errors.InvalidArgument(
+            f"{field_name}: {len(metadata)} entries, at most {limits.max_metadata_entries} are allowed",
+            field=field_name)
+    for key, value in metadata.items():
+        if not key or len(key) > limits.max_metadata_key_chars:
+            raise errors.InvalidArgument(
+                f"{field_name}: key {key[:40]!r} must be 1 to {limits.max_metadata_key_chars} characters",
+                field=field_name)
+        if len(value) > limits.max_metadata_value_chars:
+            raise errors.InvalidArgument(
+                f"{field_name}[{key!r}]: value of {len(value)} characters, at most "
+                f"{limits.max_metadata_value_chars} are allowed", field=field_name)
+    return dict(metadata)
+
+
+def validate_lora(spec: LoraSpec, limits: RegistryLimits, field_name: str = "adapter.lora_config") -> LoraSpec:
+    if spec.rank > limits.max_lora_rank:
+        raise errors.InvalidArgument(f"{field_name}.rank: {spec.rank} exceeds the limit {limits.max_lora_rank}",
+                                     field=f"{field_name}.rank")
+    if not math.isfinite(spec.alpha) or spec.alpha < 0:
+        raise errors.InvalidArgument(f"{field_name}.alpha: {spec.alpha} must be a finite number >= 0",
+                                     field=f"{field_name}.alpha")
+    unknown = [module for module in spec.target_modules if module not in PROJECTIONS]
+    if unknown:
+        raise errors.InvalidArgument(
+            f"{field_name}.target_modules: {unknown} are not among {', '.join(PROJECTIONS)}",
+            field=f"{field_name}.target_modules")
+    if len(set(spec.target_modules)) != len(spec.target_modules):
+        raise errors.InvalidArgument(f"{field_name}.target_modules: names repeat", field=f"{field_name}.target_modules")
+    return spec
+
+
+def page_size_of(page_size: int) -> int:
+    if page_size < 0:
+        raise errors.InvalidArgument(f"page_size: {page_size} is negative; use 0 for the default "
+                                     f"({DEFAULT_PAGE_SIZE}) or up to {MAX_PAGE_SIZE}", field="page_size")
+    return min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+
+
+def _query_fingerprint(*query: object) -> str:
+    return hashlib.sha256(json.dumps(query, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def encode_page_token(position: str | int, *query: object) -> str:
+    raw = json.dumps({"p": position, "q": _query_fingerprint(*query)}, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_page_token(token: str, *query: object) -> str | int | None:
+    """The position after which the next page starts (None for the first page). A token is valid only for the
+    query that produced it (AIP-158), so a changed filter cannot silently skip or repeat items."""
+    if not token:
+        return None
+    try:
+        decoded = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        position, fingerprint = decoded["p"], decoded["q"]
+    except (ValueError, KeyError, TypeError):
+        raise errors.InvalidArgument("page_token: not a token this registry issued", field="page_token") from None
+    if fingerprint != _query_fingerprint(*query):
+        raise errors.InvalidArgument("page_token: issued for a different query; the other arguments must match the "
+                                     "call that returned it", field="page_token")
+    return position
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# ---------------------------------------------------------------------------------------------------- the store
+
+class RegistryStore:
+    def __init__(self, settings: Settings, limits: RegistryLimits | None = None):
+        self.settings = settings
+        self.limits = limits or RegistryLimits.from_env()
+        self.prefix = settings.key_prefix
+        self.redis_url = settings.redis_url
+        if not self.redis_url:
+            raise errors.FailedPrecondition("LORAPLANE_REDIS_URL is empty: the registry needs a Redis server")
+        if not settings.s3_endpoint:
+            raise errors.FailedPrecondition("LORAPLANE_S3_ENDPOINT is empty: the registry needs an S3 server")
+        common = {"decode_responses": True, "socket_connect_timeout": 3, "health_check_interval": 0}
+        self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, **common)
+        # Blocking XREADs get their own pool and a timeout longer than the block.
+        self._watch_block_ms = 5000
+        self.watch_redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=self._watch_block_ms / 1000 + 10,
+                                                   **common)
+        self.blobs = BlobStore(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key,
+                               settings.s3_bucket, secure=settings.s3_secure, region=settings.s3_region)
+        self._scripts = {name: self.redis.register_script(getattr(lua, name)) for name in (
+            "CREATE_ADAPTER", "PUBLISH", "SET_ALIAS", "DELETE_VERSION", "DELETE_ADAPTER", "REGISTER_UPLOAD",
+            "FORGET_UPLOAD", "CLAIM_GARBAGE", "RELEASE_GARBAGE")}
+        self.events_key = self.prefix + "events"
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.blobs.ensure_bucket()
+        with self._redis_errors("connect"):
+            await self.redis.ping()
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self.redis.aclose()
+        await self.watch_redis.aclose()
+        self.blobs.close()
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    @contextlib.contextmanager
+    def _redis_errors(self, what: str):
+        try:
+            yield
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            # BusyLoadingError (a restarted server replaying its AOF) is a ConnectionError too.
+            raise errors.Unavailable(f"Redis at {self.redis_url} is unavailable while trying to {what}: "
+                                     f"{type(exc).__name__}: {exc}", reason="REDIS_UNAVAILABLE") from None
+        except redis.exceptions.ResponseError as exc:
+            if "READONLY" in str(exc) or "LOADING" in str(exc) or "MASTERDOWN" in str(exc):
+                raise errors.Unavailable(f"Redis at {self.redis_url} cannot serve writes now ({exc})",
+                                         reason="REDIS_UNAVAILABLE") from None
+            raise
+
+    async def _script(self, name: str, *args: object) -> object:
+        with self._redis_errors(name.lower().replace("_", " ")):
+            return await self._scripts[name](args=[self.prefix, self.limits.max_events, *args])
+
+    def _akey(self, name: str, suffix: str = "") -> str:
+        return f"{self.prefix}a:{name}{suffix}"
+
+    def _adapter_record(self, fields: dict[str, str], aliases: dict[str, str]) -> AdapterRecord:
+        lora = json.loads(fields.get("lora") or "{}")
+        return AdapterRecord(
+            name=fields["name"], lora=LoraSpec(**lora), base_model=fields.get("base_model", ""),
+            keep_last=int(fields.get("keep_last") or 0), metadata=json.loads(fields.get("metadata") or "{}"),
+            aliases={alias: int(version) for alias, version in aliases.items()},
+            latest_version=int(fields.get("latest") or 0), create_time_ms=int(fields.get("create_time") or 0))
+
+    def _version_record(self, adapter: str, version: int, fields: dict[str, str],
+                        aliases: dict[str, str]) -> VersionRecord:
+        return VersionRecord(
+            adapter=adapter, version=version, kind=int(fields["kind"]), sha256=fields["sha256"],
+            size_bytes=int(fields["size"]), training_step=int(fields.get("step") or 0),
+            metadata=json.loads(fields.get("metadata") or "{}"),
+            aliases=sorted(alias for alias, target in aliases.items() if int(target) == version),
+            create_time_ms=int(fields.get("create_time") or 0))
+
+    async def _collect_freed(self, shas: Iterable[str]) -> None:
+        """Deletes blobs that a mutation just left unreferenced. A failure here is not the caller's problem: the
+        blob stays until the next CollectGarbage."""
+        for sha in shas:
+            try:
+                await self._delete_blob_if_garbage(sha, dry_run=False)
+            except errors.LoraplaneError as exc:
+                log.warning("blob %s left for the next garbage collection: %s", sha, exc)
+
+    # ------------------------------------------------------------------------------------------------ adapters
+
+    async def create_adapter(self, name: str, lora: LoraSpec, base_model: str, keep_last: int,
+                             metadata: Mapping[str, str]) -> AdapterRecord:
+        validate_name(name, "adapter.name")
+        validate_lora(lora, self.limits)
+        if len(base_model) > self.limits.max_base_model_chars:
+            raise errors.InvalidArgument(f"adapter.base_model: {len(base_model)} characters, at most "
+                                         f"{self.limits.max_base_model_chars}", field="adapter.base_model")
+        validate_metadata(metadata, self.limits, "adapter.metadata")
+        created = await self._script(
+            "CREATE_ADAPTER", name, _now_ms(), json.dumps(lora.__dict__), base_model, keep_last,
+            json.dumps(dict(metadata)))
+        if not created:
+            raise errors.AlreadyExists(f"adapter.name: adapter {name!r} already exists", field="adapter.name")
+        return await self.get_adapter(name)
+
+    async def get_adapter(self, name: str, field_name: str = "name") -> AdapterRecord:
+        validate_name(name, field_name)
+        with self._redis_errors("read an adapter"):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hgetall(self._akey(name))
+                pipe.hgetall(self._akey(name, ":aliases"))
+                fields, aliases = await pipe.execute()
+        if not fields:
+            raise errors.NotFound(f"{field_name}: adapter {name!r} not found", field=field_name)
+        return self._adapter_record(fields, aliases)
+
+    async def list_adapters(self, prefix: str, page_size: int, page_token: str) -> tuple[list[AdapterRecord], str]:
+        if len(prefix) > self.limits.max_prefix_chars:
+            raise errors.InvalidArgument(f"prefix: {len(prefix)} characters, at most {self.limits.max_prefix_chars}",
+                                         field="prefix")
+        size = page_size_of(page_size)
+        after = decode_page_token(page_token, "adapters", prefix)
+        low = f"({after}" if after is not None else f"[{prefix}" if prefix else "-"
+        high = f"[{prefix}\xff" if prefix else "+"
+        with self._redis_errors("list adapters"):
+            names = await self.redis.zrangebylex(self.prefix + "adapters", low, high, start=0, num=size + 1)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name in names[:size]:
+                    pipe.hgetall(self._akey(name))
+                    pipe.hgetall(self._akey(name, ":aliases"))
+                replies = await pipe.execute()
+        records = [self._adapter_record(fields, aliases)
+                   for fields, aliases in zip(replies[::2], replies[1::2], strict=True) if fields]
+        next_token = encode_page_token(names[size - 1], "adapters", prefix) if len(names) > size else ""
+        return records, next_token
+
+    async def delete_adapter(self, name: str) -> None:
+        validate_name(name)
+        result = await self._script("DELETE_ADAPTER", name, _now_ms())
+        if result[0] == -1:
+            raise errors.NotFound(f"name: adapter {name!r} not found", field="name")
+        await self._collect_freed(result[1:])
+
+    # ------------------------------------------------------------------------------------------------ versions
+
+    def validate_publish_header(self, header: PublishHeader) -> PublishHeader:
+        validate_name(header.adapter, "header.adapter")
+        if not SHA256_RE.match(header.sha256):
+            raise errors.InvalidArgument(
+                f"header.sha256: {header.sha256[:80]!r} is not 64 lower-case hex digits", field="header.sha256")
+        if header.size_bytes < 1 or header.size_bytes > self.limits.max_blob_bytes:
+            raise errors.InvalidArgument(
+                f"header.size_bytes: {header.size_bytes} must be between 1 and {self.limits.max_blob_bytes}",
+                field="header.size_bytes")
+        if header.kind not in KINDS:
+            raise errors.InvalidArgument(f"header.kind: {header.kind} is not a known VersionKind",
+                                         field="header.kind")
+        if len(header.idempotency_key) > self.limits.max_idempotency_key_chars:
+            raise errors.InvalidArgument(
+                f"header.idempotency_key: {len(header.idempotency_key)} characters, at most "
+                f"{self.limits.max_idempotency_key_chars}", field="header.idempotency_key")
+        validate_metadata(header.metadata, self.limits, "header.metadata")
+        if len(header.aliases) > self.limits.max_aliases_per_publish:
+            raise errors.InvalidArgument(f"header.aliases: {len(header.aliases)} aliases, at most "
+                                         f"{self.limits.max_aliases_per_publish}", field="header.aliases")
+        for alias in header.aliases:
+            validate_alias(alias, "header.aliases")
+        if header.aliases and header.kind != KIND_WEIGHTS:
+            raise errors.InvalidArgument("header.aliases: only WEIGHTS versions can carry aliases",
+                                         field="header.aliases")
+        header.aliases = list(dict.fromkeys(header.aliases))
+        return header
+
+    async def publish(self, header: PublishHeader, chunks: AsyncIterator[bytes]) -> PublishResult:
+        """Stores the blob announced by `header` (validated by `validate_publish_header`) from `chunks`, then
+        commits the version. Nothing is committed unless every byte arrived and matched the digest."""
+        self.validate_publish_header(header)
+        adapter = await self.get_adapter(header.adapter, "header.adapter")
+        if header.idempotency_key:
+            prior = await self._prior_publish(adapter.name, header)
+            if prior is not None:
+                return PublishResult(prior, deduplicated=True)
+        token = uuid.uuid4().hex
+        await self._register_upload(header.sha256, token, header.size_bytes)
+        committed = False
+        try:
+            await self.blobs.upload(self._checked_chunks(chunks), header.size_bytes, header.sha256)
+            result = await self._script(
+                "PUBLISH", header.adapter, _now_ms(), header.idempotency_key, header.kind, header.sha256,
+                header.size_bytes, header.training_step, json.dumps(header.metadata), token, *header.aliases)
+            committed = True
+        finally:
+            if not committed:
+                # Shielded: a cancelled publish must still release its claim so GC can collect the blob.
+                with contextlib.suppress(errors.LoraplaneError):
+                    await asyncio.shield(self._script("FORGET_UPLOAD", header.sha256, token))
+        if result[0] == -1:
+            await self._collect_freed([header.sha256])
+            raise errors.NotFound(f"header.adapter: adapter {header.adapter!r} was deleted during the upload",
+                                  field="header.adapter")
+        version, deduplicated, freed = int(result[0]), bool(result[1]), result[2:]
+        await self._collect_freed(freed)
+        try:
+            record = await self.get_version(header.adapter, version=version)
+        except errors.NotFound:
+            # keep_last=... removed it at once (it can only be an older version deduplicated here).
+            record = VersionRecord(header.adapter, version, header.kind, header.sha256, header.size_bytes,
+                                   header.training_step, header.metadata, [], _now_ms())
+        return PublishResult(record, deduplicated)
+
+    async def _prior_publish(self, adapter: str, header: PublishHeader) -> VersionRecord | None:
+        with self._redis_errors("check the idempotency key"):
+            prior = await self.redis.hget(self._akey(adapter, ":idem"), header.idempotency_key)
+        if prior is None:
+            return None
+        try:
+            record = await self.get_version(adapter, version=int(prior))
+        except errors.NotFound:
+            return None
+        if record.sha256 != header.sha256:
+            raise errors.AlreadyExists(
+                f"header.idempotency_key: {header.idempotency_key!r} was used for version {record.version} with a "
+                f"different sha256 ({record.sha256}); use a new key for different content",
+                field="header.idempotency_key")
+        return record
+
+    async def _register_upload(self, sha256: str, token: str, size: int) -> None:
+        # Protects the blob from a concurrent garbage collection between its upload and its commit. Generous
+        # expiry: a crashed registry's claim only delays the collection of that one blob.
+        expiry = _now_ms() + 3600_000 + size // 1000
+        for _ in range(200):
+            if await self._script("REGISTER_UPLOAD", sha256, token, expiry):
+                return
+            await asyncio.sleep(0.05)  # GC is deleting this very blob right now; it finishes quickly.
+        raise errors.Unavailable(f"blob {sha256} is being garbage-collected; retry", reason="BLOB_BUSY")
+
+    async def _checked_chunks(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        limit = self.limits.max_chunk_bytes
+        async for chunk in chunks:
+            if len(chunk) > limit:
+                raise errors.InvalidArgument(f"chunk: {len(chunk)} bytes, at most {limit} per message",
+                                             field="chunk")
+            if chunk:
+                yield chunk
+
+    async def resolve(self, adapter: str, version: int = 0, alias: str = "", field_name: str = "ref") -> int:
+        """The version number a reference names: explicit version, alias, or the latest weights."""
+        validate_name(adapter, f"{field_name}.name")
+        if version:
+            return version
+        record = await self.get_adapter(adapter, f"{field_name}.name")
+        if alias:
+            validate_alias(alias, f"{field_name}.alias")
+            if alias not in record.aliases:
+                raise errors.NotFound(f"{field_name}.alias: adapter {adapter!r} has no alias {alias!r}",
+                                      field=f"{field_name}.alias")
+            return record.aliases[alias]
+        if not record.latest_version:
+            raise errors.NotFound(f"{field_name}: adapter {adapter!r} has no published weights yet",
+                                  field=field_name)
+        return record.latest_version
+
+    async def get_version(self, adapter: str, version: int = 0, alias: str = "",
+                          field_name: str = "ref") -> VersionRecord:
+        number = await self.resolve(adapter, version, alias, field_name)
+        with self._redis_errors("read a version"):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.exists(self._akey(adapter))
+                pipe.hgetall(self._akey(adapter, f":v:{number}"))
+                pipe.hgetall(self._akey(adapter, ":aliases"))
+                exists, fields, aliases = await pipe.execute()
+        if not exists:
+            raise errors.NotFound(f"{field_name}.name: adapter {adapter!r} not found", field=f"{field_name}.name")
+        if not fields:
+            raise errors.NotFound(f"{field_name}.version: adapter {adapter!r} has no version {number}",
+                                  field=f"{field_name}.version")
+        return self._version_record(adapter, number, fields, aliases)
+
+    async def list_versions(self, adapter: str, kind: int, page_size: int,
+                            page_token: str) -> tuple[list[VersionRecord], str]:
+        validate_name(adapter, "adapter")
+        if kind and kind not in KINDS:
+            raise errors.InvalidArgument(f"kind: {kind} is not a known VersionKind", field="kind")
+        size = page_size_of(page_size)
+        after = decode_page_token(page_token, "versions", adapter, kind)
+        index = self._akey(adapter, f":kind:{kind}" if kind else ":versions")
+        with self._redis_errors("list versions"):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.exists(self._akey(adapter))
+                pipe.zrangebyscore(index, f"({after}" if after is not None else "-inf", "+inf", start=0,
+                                   num=size + 1)
+                pipe.hgetall(self._akey(adapter, ":aliases"))
+                exists, numbers, aliases = await pipe.execute()
+            if not exists:
+                raise errors.NotFound(f"adapter: adapter {adapter!r} not found", field="adapter")
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for number in numbers[:size]:
+                    pipe.hgetall(self._akey(adapter, f":v:{number}"))
+                replies = await pipe.execute()
+        records = [self._version_record(adapter, int(number), fields, aliases)
+                   for number, fields in zip(numbers, replies, strict=False) if fields]
+        next_token = encode_page_token(int(numbers[size - 1]), "versions", adapter, kind) if len(numbers) > size else ""
+        return records, next_token
+
+    async def delete_version(self, adapter: str, version: int) -> None:
+        validate_name(adapter, "adapter")
+        if version < 1:
+            raise errors.InvalidArgument("version: must be >= 1", field="version")
+        result = await self._script("DELETE_VERSION", adapter, _now_ms(), version)
+        if result[0] == -1:
+            raise errors.NotFound(f"adapter: adapter {adapter!r} not found", field="adapter")
+        if result[0] == -2:
+            raise errors.NotFound(f"version: adapter {adapter!r} has no version {version}", field="version")
+        if result[0] == -3:
+            raise errors.FailedPrecondition(
+                f"version: version {version} of {adapter!r} is the target of alias {result[1]!r}; move or remove "
+                "the alias first", field="version", reason="VERSION_ALIASED")
+        await self._collect_freed(result[1:])
+
+    async def set_alias(self, adapter: str, alias: str, version: int) -> AdapterRecord:
+        validate_name(adapter, "adapter")
+        validate_alias(alias)
+        result = await self._script("SET_ALIAS", adapter, _now_ms(), alias, version)
+        code = result[0]
+        if code == -1:
+            raise errors.NotFound(f"adapter: adapter {adapter!r} not found", field="adapter")
+        if code == -2:
+            raise errors.NotFound(f"version: adapter {adapter!r} has no version {version}", field="version")
+        if code == -3:
+            raise errors.InvalidArgument(
+                f"version: version {version} of {adapter!r} is not a WEIGHTS version; aliases name weights only",
+                field="version")
+        await self._collect_freed(result[1:])
+        return await self.get_adapter(adapter, "adapter")
+
+    async def download(self, adapter: str, version: int, alias: str, offset: int,
+                       chunk_size: int) -> tuple[VersionRecord, AsyncIterator[bytes]]:
+        if chunk_size > self.limits.max_download_chunk_bytes:
+            raise errors.InvalidArgument(f"chunk_size: {chunk_size} exceeds the limit "
+                                         f"{self.limits.max_download_chunk_bytes}", field="chunk_size")
+        record = await self.get_version(adapter, version, alias)
+        if offset > record.size_bytes:
+            raise errors.InvalidArgument(f"offset: {offset} is past the end of the blob ({record.size_bytes} bytes)",
+                                         field="offset")
+        chunks = self._verified_read(record, offset, chunk_size or 1024 * 1024)
+        return record, chunks
+
+    async def _verified_read(self, record: VersionRecord, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
+        if offset == record.size_bytes:
+            return
+        # From the start we can check the stored bytes against the recorded digest before the last chunk leaves,
+        # so a corrupted blob ends the stream with DATA_LOSS instead of handing over bad bytes silently.
+        hasher = hashlib.sha256() if offset == 0 else None
+        sent = offset
+        held: bytes | None = None
+        async for data in self.blobs.read(record.sha256, offset, chunk_size):
+            if held is not None:
+                yield held
+            sent += len(data)
+            if hasher is not None:
+                hasher.update(data)
+            held = data
+        if sent != record.size_bytes or (hasher is not None and hasher.hexdigest() != record.sha256):
+            raise errors.DataLoss(f"stored blob of {record.adapter!r} v{record.version} is corrupt: {sent} bytes, "
+                                  f"expected {record.size_bytes} with sha256 {record.sha256}", reason="BLOB_CORRUPT")
+        if held is not None:
+            yield held
+
+    # ------------------------------------------------------------------------------------------------ garbage
+
+    async def _delete_blob_if_garbage(self, sha: str, *, dry_run: bool) -> bool:
+        claimed = await self._script("CLAIM_GARBAGE", sha, _now_ms(), 120_000, "1" if dry_run else "0")
+        if not claimed or dry_run:
+            return bool(claimed)
+        try:
+            await self.blobs.remove(sha)
+        finally:
+            with contextlib.suppress(errors.LoraplaneError):
+                await self._script("RELEASE_GARBAGE", sha)
+        return True
+
+    async def collect_garbage(self, dry_run: bool) -> GarbageReport:
+        stored = await self.blobs.list_blobs()
+        if not stored:
+            return GarbageReport([], 0)
+        with self._redis_errors("read blob references"):
+            counts = await self.redis.hmget(self.prefix + "blobrefs", [blob.sha256 for blob in stored])
+        deleted: list[str] = []
+        freed = 0
+        for blob, count in zip(stored, counts, strict=True):
+            if count is not None and int(count) > 0:
+                continue
+            if await self._delete_blob_if_garbage(blob.sha256, dry_run=dry_run):
+                deleted.append(blob.sha256)
+                freed += blob.size
+        return GarbageReport(deleted, freed)
+
+    # ------------------------------------------------------------------------------------------------ events
+
+    async def watch(self, after_cursor: str, adapter: str, prefix: str,
+                    start_at_end: bool) -> AsyncIterator[EventRecord]:
+        if after_cursor and not CURSOR_RE.match(after_cursor):
+            raise errors.InvalidArgument(f"after_cursor: {after_cursor[:60]!r} is not a cursor this registry issued",
+                                         field="after_cursor")
+        if adapter:
+            validate_name(adapter, "adapter")
+        if len(prefix) > self.limits.max_prefix_chars:
+            raise errors.InvalidArgument(f"prefix: {len(prefix)} characters, at most {self.limits.max_prefix_chars}",
+                                         field="prefix")
+        last = after_cursor or "0-0"
+        if start_at_end and not after_cursor:
+            with self._redis_errors("read the event stream"):
+                newest = await self.redis.xrevrange(self.events_key, "+", "-", count=1)
+            last = newest[0][0] if newest else "0-0"
+        while True:
+            with self._redis_errors("read the event stream"):
+                reply = await self.watch_redis.xread({self.events_key: last}, count=512, block=self._watch_block_ms)
+            for _stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    last = entry_id
+                    name = fields.get("a", "")
+                    if adapter and name != adapter:
+                        continue
+                    if prefix and not name.startswith(prefix):
+                        continue
+                    yield EventRecord(
+                        cursor=entry_id, type=int(fields.get("t", 0)), adapter=name, version=int(fields.get("v", 0)),
+                        sha256=fields.get("s", ""), alias=fields.get("al", ""), kind=int(fields.get("k", 0)),
+                        time_ms=int(fields.get("ts", 0)))
