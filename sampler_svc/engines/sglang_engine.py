@@ -1,0 +1,354 @@
+"""Drives one or more SGLang servers (0.5.x) over their HTTP API.
+
+Each adapter version is materialized as a PEFT directory and loaded with `/load_lora_adapter` under its own name
+(`<adapter>@v<N>`: SGLang cannot replace a loaded name). Requests go to `/generate` with `input_ids`, `lora_path`
+and `return_logprob`. With several servers, a version lives on one server (the one with the fewest loaded adapters
+when it was loaded) and its requests are routed there; base-model requests go round-robin.
+
+The sampler is the only authority on which versions exist. SGLang 0.5.17 silently reloads an unloaded name from its
+cached path, so this engine removes a name from its routing table BEFORE asking SGLang to unload it, and refuses
+(NotFound) any request naming a version that is not in the table: such a name never reaches SGLang.
+
+Logprobs: SGLang returns logprobs of the temperature-scaled distribution unless the server runs with
+SGLANG_RETURN_ORIGINAL_LOGPROB=1; servers this engine launches get it, so logprobs mean the same as the torch
+engine's (unmodified distribution). Servers given by URL must be started with it. SampleStream is served
+from one non-streaming /generate call per request (tokens arrive together at the end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraplane import errors
+from loraplane.adapter_format import materialize_peft_dir, parse_adapter
+from sampler_svc.engines.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Engine,
+    GenerationRequest,
+    GenerationUpdate,
+    LoadedAdapterInfo,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SGLangServer:
+    url: str
+    process: subprocess.Popen | None = None
+    adapters: set[str] = field(default_factory=set)
+    in_flight: int = 0
+
+
+def _http(url: str, payload: dict | None, timeout: float) -> tuple[int, object]:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            body = reply.read()
+            status = reply.status
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        status = exc.code
+    except (urllib.error.URLError, OSError) as exc:
+        raise errors.Unavailable(f"SGLang server {url} unreachable: {exc}") from None
+    try:
+        return status, json.loads(body) if body else None
+    except ValueError:
+        return status, body.decode(errors="replace")
+
+
+class SGLangEngine(Engine):
+    name = "sglang"
+
+    def __init__(
+        self,
+        base_model: str,
+        *,
+        urls: Sequence[str] = (),
+        launch_servers: int = 0,
+        work_dir: Path | str = ".loraplane/sglang",
+        max_lora_rank: int = 64,
+        max_loras_per_batch: int = 8,
+        max_loaded_loras: int = 64,
+        lora_target_modules: Sequence[str] = ("all",),
+        extra_server_args: Sequence[str] = (),
+        request_timeout_s: float = 600.0,
+        startup_timeout_s: float = 900.0,
+        send_seed: bool = True,
+    ):
+        if not urls and launch_servers < 1:
+            raise errors.InvalidArgument("the sglang engine needs server URLs or launch_servers >= 1",
+                                         field="sglang_urls")
+        self._base_model_name = base_model
+        self._urls = list(urls)
+        self._launch = launch_servers
+        self.work_dir = Path(work_dir)
+        self.max_lora_rank = max_lora_rank
+        self.max_loras_per_batch = max_loras_per_batch
+        self.max_loaded_loras = max_loaded_loras
+        self.lora_target_modules = list(lora_target_modules)
+        self.extra_server_args = list(extra_server_args)
+        self.request_timeout_s = request_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.send_seed = send_seed
+        self.servers: list[SGLangServer] = []
+        # The authority: version name -> the server that has it loaded.
+        self._route: dict[str, SGLangServer] = {}
+        self._round_robin = itertools.count()
+        self._vocab_size = 0
+        self._max_context = 0
+        self._eos: list[int] = []
+        self._tokenizer = None
+        self._waiting = 0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def base_model_name(self) -> str:
+        return self._base_model_name
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_context_length(self) -> int:
+        return self._max_context
+
+    @property
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    @property
+    def running_requests(self) -> int:
+        return sum(server.in_flight for server in self.servers)
+
+    @property
+    def loaded_names(self) -> dict[str, str]:
+        return {key: server.url for key, server in self._route.items()}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        from loraplane.models import load_base_model
+
+        # Vocabulary, context length and EOS come from the same base model the trainer uses (CPU copy, small for
+        # the models this project serves); the weights SGLang serves come from the directory written below.
+        base = await asyncio.to_thread(load_base_model, self._base_model_name, "cpu")
+        self._vocab_size = base.vocab_size
+        self._max_context = base.max_context_length
+        self._eos = list(base.eos_token_ids)
+        self._tokenizer = base.tokenizer
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.servers = [SGLangServer(url.rstrip("/")) for url in self._urls]
+        if self._launch:
+            model_dir = await asyncio.to_thread(self._model_dir, base)
+            for index in range(self._launch):
+                self.servers.append(await asyncio.to_thread(self._launch_server, model_dir, index))
+        for server in self.servers:
+            await asyncio.to_thread(self._wait_healthy, server)
+            if server.process is None:
+                await self._drop_leftovers(server)
+
+    async def _drop_leftovers(self, server: SGLangServer) -> None:
+        """A server given by URL may still hold names a previous sampler loaded (it crashed, or restarted). Only
+        this sampler's manager decides what exists, so everything found there is unloaded first."""
+        status, body = await asyncio.to_thread(_http, f"{server.url}/v1/models", None, 30)
+        if status != 200 or not isinstance(body, dict):
+            return
+        for model in body.get("data", []):
+            if model.get("parent"):
+                log.info("unloading %s left on %s by an earlier sampler", model.get("id"), server.url)
+                await asyncio.to_thread(_http, f"{server.url}/unload_lora_adapter", {"lora_name": model["id"]},
+                                        self.request_timeout_s)
+
+    def _model_dir(self, base) -> Path:
+        directory = self.work_dir / "base" / self._base_model_name.replace("/", "_")
+        if not (directory / "config.json").exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            base.model.save_pretrained(directory)
+            base.tokenizer.save_pretrained(directory)
+        return directory
+
+    def _launch_server(self, model_dir: Path, index: int) -> SGLangServer:
+        from loraplane.local.processes import free_port
+
+        port = free_port()
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
+                "--host", "127.0.0.1", "--port", str(port), "--enable-lora",
+                "--max-lora-rank", str(self.max_lora_rank),
+                "--lora-target-modules", *self.lora_target_modules,
+                "--max-loras-per-batch", str(self.max_loras_per_batch),
+                "--max-loaded-loras", str(self.max_loaded_loras), *self.extra_server_args]
+        env = dict(os.environ, SGLANG_RETURN_ORIGINAL_LOGPROB="1")
+        env.setdefault("CUDA_VISIBLE_DEVICES", str(index))
+        log_path = self.work_dir / f"server-{index}.log"
+        with open(log_path, "ab") as out:
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return SGLangServer(url=f"http://127.0.0.1:{port}", process=process)
+
+    def _wait_healthy(self, server: SGLangServer) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if server.process is not None and server.process.poll() is not None:
+                raise errors.Unavailable(f"SGLang server {server.url} exited with {server.process.returncode}")
+            try:
+                status, _ = _http(f"{server.url}/health", None, 5)
+                if status == 200:
+                    return
+            except errors.Unavailable:
+                pass
+            time.sleep(1.0)
+        raise errors.Unavailable(f"SGLang server {server.url} not healthy after {self.startup_timeout_s:.0f}s")
+
+    async def stop(self) -> None:
+        for key in list(self._route):
+            try:
+                await self.unload_adapter(key)
+            except errors.Unavailable:
+                break
+        for server in self.servers:
+            if server.process is not None and server.process.poll() is None:
+                os.killpg(server.process.pid, 15)
+                try:
+                    await asyncio.to_thread(server.process.wait, 30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(server.process.pid, 9)
+
+    # ------------------------------------------------------------------ adapters
+
+    def _adapter_dir(self, key: str) -> Path:
+        return self.work_dir / "adapters" / key.replace("/", "__")
+
+    async def load_adapter(self, key: str, blob: bytes) -> LoadedAdapterInfo:
+        if key in self._route:
+            raise errors.AlreadyExists(f"{key} is already loaded", field="adapter")
+        _, spec, base_name = parse_adapter(blob)
+        if base_name and base_name != self._base_model_name:
+            raise errors.FailedPrecondition(
+                f"{key} was trained on {base_name!r}; this sampler serves {self._base_model_name!r}", field="adapter")
+        if spec.rank > self.max_lora_rank:
+            raise errors.FailedPrecondition(
+                f"{key} has rank {spec.rank}; the SGLang servers allow at most {self.max_lora_rank}", field="adapter")
+        directory = self._adapter_dir(key)
+        await asyncio.to_thread(materialize_peft_dir, blob, directory)
+        server = min(self.servers, key=lambda s: len(s.adapters))
+        request = {"lora_name": key, "lora_path": str(directory)}
+        status, body = await asyncio.to_thread(_http, f"{server.url}/load_lora_adapter", request,
+                                               self.request_timeout_s)
+        if status == 400 and "already loaded" in str(body):
+            # Left there by an earlier sampler process: the bytes may differ, so replace it.
+            await asyncio.to_thread(_http, f"{server.url}/unload_lora_adapter", {"lora_name": key},
+                                    self.request_timeout_s)
+            status, body = await asyncio.to_thread(_http, f"{server.url}/load_lora_adapter", request,
+                                                   self.request_timeout_s)
+        if status != 200 or (isinstance(body, dict) and body.get("success") is False):
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+            raise errors.FailedPrecondition(f"SGLang {server.url} refused to load {key}: {body}", field="adapter")
+        server.adapters.add(key)
+        self._route[key] = server
+        return LoadedAdapterInfo(key=key, rank=spec.rank)
+
+    async def unload_adapter(self, key: str) -> None:
+        server = self._route.pop(key, None)  # first: from now on no request can name it
+        if server is None:
+            return
+        server.adapters.discard(key)
+        status, body = await asyncio.to_thread(_http, f"{server.url}/unload_lora_adapter", {"lora_name": key},
+                                               self.request_timeout_s)
+        if status != 200:
+            log.warning("SGLang %s failed to unload %s: %s", server.url, key, body)
+        await asyncio.to_thread(shutil.rmtree, self._adapter_dir(key), True)
+
+    def _server_for(self, key: str | None) -> SGLangServer:
+        if key is None:
+            return self.servers[next(self._round_robin) % len(self.servers)]
+        server = self._route.get(key)
+        if server is None:
+            raise errors.NotFound(f"adapter version {key} is not loaded", field="adapter")
+        return server
+
+    # ------------------------------------------------------------------ requests
+
+    def _sampling_params(self, request: GenerationRequest, sample_index: int) -> dict:
+        options = request.options
+        params = {
+            "max_new_tokens": options.max_tokens,
+            "temperature": options.temperature,
+            "top_p": options.top_p,
+            "top_k": options.top_k if options.top_k > 0 else -1,
+            "stop_token_ids": sorted(set(options.stop_token_ids) | set(self._eos)),
+        }
+        if options.stop_strings:
+            params["stop"] = list(options.stop_strings)
+        if options.seed is not None and self.send_seed and not options.greedy:
+            params["sampling_seed"] = (options.seed * 1_000_003 + sample_index) % (2**63)
+        return params
+
+    async def _generate_call(self, server: SGLangServer, payload: dict) -> list[dict]:
+        self._waiting += 1
+        server.in_flight += 1
+        try:
+            status, body = await asyncio.to_thread(_http, f"{server.url}/generate", payload, self.request_timeout_s)
+        finally:
+            self._waiting -= 1
+            server.in_flight -= 1
+        if status != 200:
+            raise errors.Unavailable(f"SGLang {server.url} /generate failed with HTTP {status}: {body}")
+        return body if isinstance(body, list) else [body]
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        server = self._server_for(request.adapter_key)
+        count = request.num_samples
+        payload = {
+            "input_ids": [list(request.prompt_tokens)] * count,
+            "sampling_params": [self._sampling_params(request, i) for i in range(count)],
+            "return_logprob": True,
+            "logprob_start_len": 0 if request.include_prompt_logprobs else -1,
+            "lora_path": [request.adapter_key] * count,
+        }
+        outputs = await self._generate_call(server, payload)
+        for index, output in enumerate(outputs):
+            meta = output.get("meta_info", {})
+            pairs = meta.get("output_token_logprobs") or []
+            tokens = [int(p[1]) for p in pairs] or list(output.get("output_ids", []))
+            logprobs = [float(p[0]) if p[0] is not None else math.nan for p in pairs]
+            finish = (meta.get("finish_reason") or {}).get("type")
+            update = GenerationUpdate(sequence_index=index, tokens=tokens, logprobs=logprobs,
+                                      finish_reason=FINISH_LENGTH if finish == "length" else FINISH_STOP)
+            if index == 0 and request.include_prompt_logprobs:
+                update.prompt_logprobs = _input_logprobs(meta)
+            yield update
+
+    async def compute_logprobs(self, tokens: Sequence[int], adapter_key: str | None) -> list[float]:
+        server = self._server_for(adapter_key)
+        payload = {"input_ids": list(tokens), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                   "return_logprob": True, "logprob_start_len": 0, "lora_path": adapter_key}
+        outputs = await self._generate_call(server, payload)
+        values = _input_logprobs(outputs[0].get("meta_info", {}))
+        return values[: len(tokens)]
+
+
+def _input_logprobs(meta: dict) -> list[float]:
+    pairs = meta.get("input_token_logprobs") or []
+    values = [float(p[0]) if p[0] is not None else math.nan for p in pairs]
+    if values:
+        values[0] = math.nan
+    return values
