@@ -1,22 +1,31 @@
 # CPU dev check (gloo, fp32) of the megatron engine against the torch backend on `tiny`: logprobs, grads, one
 # AdamW step, tenant isolation with spills, training-state round trip. PYTHONPATH=<megatron-core>:. python this.
-import os, sys, math, contextlib, torch
+import contextlib
+import os
+import sys
+
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 if not torch.cuda.is_available(): torch.cuda.current_device = lambda: "cpu"
 from trainer_svc.backends.megatron.model import init_parallel
+
 init_parallel(int(os.environ.get("WORLD_SIZE","1")))
 from megatron.core import tensor_parallel
+
 tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 import importlib.util
+
 spec_ = importlib.util.spec_from_file_location("tm", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "gpu", "test_megatron.py"))
 tm = importlib.util.module_from_spec(spec_)
 # bypass skip marks: call functions directly
 torch.cuda.is_available = lambda: False
 spec_.loader.exec_module(tm)
+from loraplane.lora import LoraSpec
 from loraplane.models import load_base_model
-from loraplane.lora import LoraSpec, init_lora_params
-from trainer_svc.optimizer import AdamHyper
 from trainer_svc.backends.torch_backend import TorchBackend
+from trainer_svc.optimizer import AdamHyper
+
 base32 = load_base_model("tiny", device="cpu", dtype=torch.float32)
 spec = LoraSpec.create(8, 16.0, [], seed=5)
 params = tm.random_adapter(base32, spec, seed=12)

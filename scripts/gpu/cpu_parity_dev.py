@@ -1,18 +1,26 @@
 # Dev check of the megatron model + LoRA against HF Llama + per-projection LoRA, fp32 on CPU (gloo).
 # Run: PYTHONPATH=<megatron-core>:. python scripts/gpu/cpu_parity_dev.py   (or torchrun --nproc_per_node 2 for TP=2)
 # The CPU shims below (current_device, rng tracker) exist only for this script; the backend runs on CUDA.
-import os, sys, math, torch
+import os
+import sys
+
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch.distributed as dist
+
 if not torch.cuda.is_available(): torch.cuda.current_device = lambda: "cpu"  # CPU dev only
 from transformers import LlamaConfig, LlamaForCausalLM
-from trainer_svc.backends.megatron.model import init_parallel, build_from_hf, forward_logits, target_logprobs
-from trainer_svc.backends.megatron.lora import MegatronLora, LocalAdapter, RowSegment
-from trainer_svc.backends.megatron.layout import lora_shard, ALL_TARGETS
+
+from trainer_svc.backends.megatron.layout import ALL_TARGETS, lora_shard
+from trainer_svc.backends.megatron.lora import LocalAdapter, MegatronLora, RowSegment
+from trainer_svc.backends.megatron.model import build_from_hf, forward_logits, init_parallel, target_logprobs
+
 tp = int(os.environ.get("WORLD_SIZE", "1"))
 init_parallel(tp)
 if not torch.cuda.is_available():
     import contextlib
+
     from megatron.core import tensor_parallel
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 rank = dist.get_rank()

@@ -312,10 +312,10 @@ class Engine:
             ids = ids.to(self.device, non_blocking=True)
             tgt = tgt.to(self.device, non_blocking=True)
             segments, start = [], 0
-            for name in slots:
+            for name, s in slots.items():
                 count = sum(1 for i in order if datums[i].adapter == name)
                 if count:
-                    segments.append(RowSegment(start, start + count, slots[name].views))
+                    segments.append(RowSegment(start, start + count, s.views))
                     start += count
             with torch.set_grad_enabled(backward), self.lora.route(segments):
                 lp_all = target_logprobs(forward_logits(self.model, ids), tgt)  # [b, max_len] fp32
