@@ -14,6 +14,7 @@ Keys (P = key prefix):
   P blobrefs                  HASH  sha256 -> number of versions referencing the blob
   P blobs:pending:<sha>       HASH  upload token -> expiry (ms); an upload in progress protects its blob from GC
   P blobs:deleting:<sha>      STR   set while GC deletes that blob (with a TTL); uploads of it wait
+  P commit:<token>            STR   version committed by one publish attempt (1 h), makes a retried commit safe
   P events                    STREAM
 Event fields: t type, a adapter, v version, s sha256, al alias, k kind, ts time (ms).
 """
@@ -84,12 +85,16 @@ return 1
 PUBLISH = COMMON + r"""
 local name, now, idem, kind, sha = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 redis.call('HDEL', P .. 'blobs:pending:' .. sha, ARGV[11])
+-- A retry of this very commit (its reply was lost to a dropped connection) returns what the first run did.
+local done = redis.call('GET', P .. 'commit:' .. ARGV[11])
+if done then return {tonumber(done), 0} end
 if redis.call('EXISTS', akey(name)) == 0 then return {-1} end
 if idem ~= '' then
   local prior = redis.call('HGET', akey(name, ':idem'), idem)
   if prior then return {tonumber(prior), 1} end
 end
 local v = redis.call('INCR', akey(name, ':seq'))
+redis.call('SET', P .. 'commit:' .. ARGV[11], v, 'EX', 3600)
 redis.call('HSET', akey(name, ':v:' .. v), 'kind', kind, 'sha256', sha, 'size', ARGV[8], 'step', ARGV[9],
   'metadata', ARGV[10], 'create_time', now, 'idem', idem)
 redis.call('ZADD', akey(name, ':versions'), v, v)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from loraplane import errors
 from loraplane.config import Settings
@@ -256,7 +258,10 @@ class RegistryStore:
             raise errors.FailedPrecondition("LORAPLANE_REDIS_URL is empty: the registry needs a Redis server")
         if not settings.s3_endpoint:
             raise errors.FailedPrecondition("LORAPLANE_S3_ENDPOINT is empty: the registry needs an S3 server")
-        common = {"decode_responses": True, "socket_connect_timeout": 3, "health_check_interval": 0}
+        # A restarted Redis leaves stale pooled connections: retry on a fresh one instead of failing the call. A
+        # retried PUBLISH is safe (the script remembers its upload token); so are the other scripts' effects.
+        common = {"decode_responses": True, "socket_connect_timeout": 3, "health_check_interval": 0,
+                  "retry": Retry(ExponentialBackoff(cap=0.25, base=0.02), 3)}
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, **common)
         # Blocking XREADs get their own pool and a timeout longer than the block.
         self._watch_block_ms = 5000
