@@ -56,7 +56,21 @@ def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
 
 
 def _contiguous_cpu_f32(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to(device="cpu", dtype=torch.float32).contiguous() for k, v in params.items()}
+    return {k: v.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous() for k, v in params.items()}
+
+
+def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes with the metadata in sorted order. safetensors writes metadata from a hash map, so the
+    same tensors would otherwise give different bytes (and sha256) from one call to the next; the registry is
+    content-addressed, so identical adapters should be identical blobs."""
+    raw = st_save(tensors, metadata=metadata)
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + header_len])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + raw[8 + header_len:]
 
 
 def serialize_adapter(params: dict[str, torch.Tensor], spec: LoraSpec, base_model_name: str) -> bytes:
@@ -65,7 +79,7 @@ def serialize_adapter(params: dict[str, torch.Tensor], spec: LoraSpec, base_mode
         FORMAT_KEY: "pt",
         ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name), sort_keys=True),
     }
-    return st_save(_contiguous_cpu_f32(params), metadata=metadata)
+    return _save(_contiguous_cpu_f32(params), metadata)
 
 
 def _read(blob: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -159,7 +173,7 @@ def materialize_peft_dir(blob: bytes, directory: str | Path) -> Path:
     config = peft_adapter_config(spec, base_name)
     config.pop("loraplane_seed", None)
     tmp_weights = directory / ".adapter_model.safetensors.tmp"
-    tmp_weights.write_bytes(st_save(_contiguous_cpu_f32(params), metadata={FORMAT_KEY: "pt"}))
+    tmp_weights.write_bytes(_save(_contiguous_cpu_f32(params), {FORMAT_KEY: "pt"}))
     tmp_weights.replace(directory / "adapter_model.safetensors")
     tmp_config = directory / ".adapter_config.json.tmp"
     tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -181,8 +195,8 @@ def serialize_training_state(state: TrainingState) -> bytes:
     _check_params(state.params, state.spec, field="params")
     tensors = dict(_contiguous_cpu_f32(state.params))
     for key in state.params:
-        tensors[EXP_AVG + key] = state.exp_avg[key].detach().to("cpu", torch.float32).contiguous()
-        tensors[EXP_AVG_SQ + key] = state.exp_avg_sq[key].detach().to("cpu", torch.float32).contiguous()
+        tensors[EXP_AVG + key] = state.exp_avg[key].detach().to("cpu", torch.float32, copy=True).contiguous()
+        tensors[EXP_AVG_SQ + key] = state.exp_avg_sq[key].detach().to("cpu", torch.float32, copy=True).contiguous()
     info = {
         "step": int(state.step),
         "rank": state.spec.rank,
@@ -196,7 +210,7 @@ def serialize_training_state(state: TrainingState) -> bytes:
         TRAINING_STATE_KEY: json.dumps(info, sort_keys=True),
         ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(state.spec, state.base_model_name), sort_keys=True),
     }
-    return st_save(tensors, metadata=metadata)
+    return _save(tensors, metadata)
 
 
 def parse_training_state(blob: bytes) -> TrainingState:

@@ -111,3 +111,14 @@ def test_exported_blob_loads_in_hf_peft_with_identical_logits(tiny, tmp_path):
         base = load_base_model("tiny").model(tokens).logits
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), float((ours - theirs).abs().max())
     assert not torch.allclose(ours, base, atol=1e-3)
+
+
+def test_serialization_is_deterministic(tiny):
+    # The registry is content-addressed: the same state must give the same bytes every time.
+    spec = LoraSpec.create(4, 0, seed=2)
+    params = trained_like(tiny, spec, 5)
+    moments = {k: torch.zeros_like(v) for k, v in params.items()}
+    state = TrainingState(params, moments, moments, 1, spec, "tiny")
+    assert len({serialize_training_state(state) for _ in range(5)}) == 1
+    assert len({serialize_adapter(params, spec, "tiny") for _ in range(5)}) == 1
+    assert parse_training_state(serialize_training_state(state)).step == 1
