@@ -111,9 +111,12 @@ class AdapterPool:
         """Swaps in new tensors (LoadState) wherever the adapter lives now."""
         target = self.device if state.resident else torch.device("cpu")
         pin = self._pin and not state.resident
-        state.params = {k: _leaf(_to(v, target, pin)) for k, v in params.items()}
-        state.exp_avg = {k: _to(v, target, pin) for k, v in exp_avg.items()}
-        state.exp_avg_sq = {k: _to(v, target, pin) for k, v in exp_avg_sq.items()}
+        # Keep the adapter's canonical key order (a parsed blob comes back sorted): the global grad norm is
+        # reduced in this order, so a reordering would change its last bits.
+        order = list(state.params)
+        state.params = {k: _leaf(_to(params[k], target, pin)) for k in order}
+        state.exp_avg = {k: _to(exp_avg[k], target, pin) for k in order}
+        state.exp_avg_sq = {k: _to(exp_avg_sq[k], target, pin) for k in order}
 
     @property
     def _pin(self) -> bool:

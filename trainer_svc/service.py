@@ -333,6 +333,10 @@ class TrainerService:
             raise FailedPrecondition(
                 f"source has rank {loaded.spec.rank} on {list(loaded.spec.target_modules)}; adapter {state.name!r} "
                 f"has rank {state.spec.rank} on {list(state.spec.target_modules)}", field="source")
+        if set(loaded.params) != set(state.params):
+            raise FailedPrecondition(
+                f"source has {len(loaded.params)} LoRA tensors, adapter {state.name!r} has {len(state.params)} "
+                "(a different number of layers?)", field="source")
         for key, tensor in state.params.items():
             if loaded.params[key].shape != tensor.shape:
                 raise FailedPrecondition(f"source tensor {key} has shape {tuple(loaded.params[key].shape)}, "
