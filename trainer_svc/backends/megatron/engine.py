@@ -239,7 +239,7 @@ class Engine:
             dev = s.host.to(self.device, non_blocking=True)
         s.device = dev
         s.leaf = dev[0].detach().requires_grad_(True)
-        s.views = self._views(s)
+        s.views = None  # built on first use (run_batch): activation itself is only the copy
         self.resident[s.name] = None
 
     def _evict_one(self, protect: tuple[str, ...]) -> None:
@@ -260,13 +260,17 @@ class Engine:
         s.device = s.leaf = s.views = None
         self.resident.pop(s.name, None)
 
-    def _views(self, s: Slot) -> LocalAdapter:
-        modules: dict[tuple[int, str], list] = {}
-        for e in s.layout.entries:
-            t = s.leaf[e.offset : e.offset + e.numel].view(e.shape)
-            pair = modules.setdefault((e.layer, e.target), [None, None])
-            pair[0 if e.which == "A" else 1] = t
-        return LocalAdapter({k: (v[0], v[1]) for k, v in modules.items()}, s.spec.scale)
+    def views(self, s: Slot) -> LocalAdapter:
+        """(layer, target) → (A, B) views into the resident leaf, cached while the adapter stays resident."""
+        if s.views is None:
+            # narrow, not split: split's multi-output views may not be used after the optimizer's in-place update.
+            leaf = s.leaf
+            modules: dict[tuple[int, str], list] = {}
+            for e in s.layout.entries:
+                pair = modules.setdefault((e.layer, e.target), [None, None])
+                pair[0 if e.which == "A" else 1] = leaf.narrow(0, e.offset, e.numel).view(e.shape)
+            s.views = LocalAdapter({k: (v[0], v[1]) for k, v in modules.items()}, s.spec.scale)
+        return s.views
 
     def sync_host(self, s: Slot) -> torch.Tensor:
         """The up-to-date host buffer (copies the device buffer back when it is newer)."""
@@ -315,7 +319,7 @@ class Engine:
             for name, s in slots.items():
                 count = sum(1 for i in order if datums[i].adapter == name)
                 if count:
-                    segments.append(RowSegment(start, start + count, s.views))
+                    segments.append(RowSegment(start, start + count, self.views(s)))
                     start += count
             with torch.set_grad_enabled(backward), self.lora.route(segments):
                 lp_all = target_logprobs(forward_logits(self.model, ids), tgt)  # [b, max_len] fp32

@@ -47,7 +47,7 @@ class RowSegment:
     adapter: LocalAdapter | None
 
 
-_local = threading.local()
+_local = threading.local()  # the active routing, per thread
 
 
 def _tp() -> tuple[int, object]:
@@ -101,87 +101,93 @@ class MegatronLora:
 
     @contextlib.contextmanager
     def route(self, segments: Sequence[RowSegment]) -> Iterator[None]:
-        previous = getattr(_local, "segments", None)
-        _local.segments = list(segments)
+        previous = getattr(_local, "routing", None)
+        _local.routing = _Routing(list(segments))
         try:
             yield
         finally:
-            _local.segments = previous
+            _local.routing = previous
 
     # -- hooks --------------------------------------------------------------------------------------------------
 
     def _hook(self, layer: int, kind: str):
         def hook(_module, inputs, output):
-            segments = getattr(_local, "segments", None)
-            if not segments:
+            routing = getattr(_local, "routing", None)
+            if routing is None or not routing.active:
                 return None
             out, bias = output
-            x = inputs[0]  # [s, b, in_local]
-            delta = self._delta(layer, kind, x, out, segments)
+            delta = self._delta(layer, kind, inputs[0], out, routing)
             if delta is None:
                 return None
             return out + delta.to(out.dtype), bias
 
         return hook
 
-    def _delta(self, layer: int, kind: str, x: torch.Tensor, out: torch.Tensor, segments) -> torch.Tensor | None:
-        s, b = out.shape[0], out.shape[1]
-        pieces: list[torch.Tensor] = []
-        any_delta = False
-        cursor = 0
-        for seg in segments:
-            if seg.start > cursor:
-                pieces.append(out.new_zeros(s, seg.start - cursor, out.shape[2], dtype=self.compute_dtype))
-            xs = x[:, seg.start : seg.end].to(self.compute_dtype)
-            like = out[:, seg.start : seg.end]
-            d = None if seg.adapter is None else self._segment_delta(layer, kind, xs, like, seg.adapter)
-            if d is None:
-                pieces.append(out.new_zeros(s, seg.end - seg.start, out.shape[2], dtype=self.compute_dtype))
-            else:
-                pieces.append(d)
-                any_delta = True
-            cursor = seg.end
-        if not any_delta:
-            return None
-        if cursor < b:
-            pieces.append(out.new_zeros(s, b - cursor, out.shape[2], dtype=self.compute_dtype))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+    def _delta(self, layer: int, kind: str, x: torch.Tensor, out: torch.Tensor, routing: _Routing):
+        """LoRA delta for the whole batch ``x[s, b, in_local]``.
 
-    def _segment_delta(self, layer, kind, xs, like, adapter: LocalAdapter) -> torch.Tensor | None:
+        One adapter over every row: ``scale * B (A x)`` per projection. Several adapters: their A's are stacked
+        along the rank dimension and their B's along the rank dimension too, ``A_cat x`` is multiplied by a
+        per-row mask that keeps only the row's own adapter's rank block (times its scale, zero elsewhere), then
+        ``B_cat``. Each row thus gets exactly its adapter's ``scale * B (A x)`` (the other blocks add exact
+        zeros) and each adapter's gradient comes only from its rows; the number of kernels does not grow with
+        the number of adapters.
+        """
         cd = self.compute_dtype
-        like = like.to(cd) if like.dtype != cd else like
-
-        def pair(target):
-            p = adapter.modules.get((layer, target))
-            return None if p is None else (p[0].to(cd), p[1].to(cd))
-
-        if kind in ("o_proj", "down_proj"):
-            p = pair(kind)
-            if p is None:
-                return None
-            a_local, b_full = p
-            return (_row_mid(xs, a_local, self.tp) @ b_full.t()) * adapter.scale
-
-        targets = QKV_TARGETS if kind == "qkv" else FC1_TARGETS
+        xs = x.to(cd)
+        targets = QKV_TARGETS if kind == "qkv" else FC1_TARGETS if kind == "fc1" else (kind,)
+        row_parallel = kind in ("o_proj", "down_proj")
         deltas = {}
         for t in targets:
-            p = pair(t)
-            if p is not None:
-                a_full, b_local = p
-                deltas[t] = (_column_mid(xs, a_full, self.tp) @ b_local.t()) * adapter.scale
+            members = [(seg, seg.adapter.modules[(layer, t)]) for seg in routing.with_adapter
+                       if (layer, t) in seg.adapter.modules]
+            if not members:
+                continue
+            if len(members) == 1 and routing.single and members[0][0].end == x.shape[1]:
+                seg, (a, b) = members[0]
+                mid = _row_mid(xs, a.to(cd), self.tp) if row_parallel else _column_mid(xs, a.to(cd), self.tp)
+                deltas[t] = (mid @ b.to(cd).t()) * seg.adapter.scale
+                continue
+            a_cat = torch.cat([a for _, (a, _) in members], 0).to(cd)
+            b_cat = torch.cat([b for _, (_, b) in members], 1).to(cd)
+            mid = _row_mid(xs, a_cat, self.tp) if row_parallel else _column_mid(xs, a_cat, self.tp)
+            deltas[t] = (mid * routing.mask(members, x.shape[1], cd, x.device)) @ b_cat.t()
         if not deltas:
             return None
+        if row_parallel:
+            return deltas[kind]
         if kind == "qkv":
-            return place_qkv_delta(
-                deltas.get("q_proj"),
-                deltas.get("k_proj"),
-                deltas.get("v_proj"),
-                self.groups_local,
-                self.shape.heads_per_group,
-                self.shape.head_dim,
-                like,
-            )
-        return place_gate_up_delta(deltas.get("gate_proj"), deltas.get("up_proj"), self.ffn_local, like)
+            return place_qkv_delta(deltas.get("q_proj"), deltas.get("k_proj"), deltas.get("v_proj"),
+                                   self.groups_local, self.shape.heads_per_group, self.shape.head_dim,
+                                   out if out.dtype == cd else out.to(cd))
+        return place_gate_up_delta(deltas.get("gate_proj"), deltas.get("up_proj"), self.ffn_local,
+                                   out if out.dtype == cd else out.to(cd))
+
+
+class _Routing:
+    """One batch's row ranges and the masks derived from them (cached per set of participating adapters)."""
+
+    def __init__(self, segments: list[RowSegment]):
+        self.segments = segments
+        self.with_adapter = [s for s in segments if s.adapter is not None]
+        self.active = bool(self.with_adapter)
+        # One adapter covering every row of the batch: no mask needed.
+        self.single = len(segments) == 1 and len(self.with_adapter) == 1 and segments[0].start == 0
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def mask(self, members, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """``[1, batch, Σ ranks]``: row r, rank block of adapter k = scale_k if r is k's row, else 0."""
+        key = tuple((seg.start, seg.end, a.shape[0], seg.adapter.scale) for seg, (a, _) in members) + (batch,)
+        m = self._masks.get(key)
+        if m is None:
+            total = sum(a.shape[0] for _, (a, _) in members)
+            host = torch.zeros(batch, total, dtype=dtype)
+            col = 0
+            for seg, (a, _) in members:
+                host[seg.start : seg.end, col : col + a.shape[0]] = seg.adapter.scale
+                col += a.shape[0]
+            m = self._masks[key] = host.to(device, non_blocking=True).unsqueeze(0)
+        return m
 
 
 def is_column_parallel(target: str) -> bool:
