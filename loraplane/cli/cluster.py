@@ -95,3 +95,39 @@ def status(data_dir: Path = DataDirOption) -> None:
         console.print("no cluster is running from " + str(Path(settings.data_dir).resolve()))
         raise typer.Exit(1)
     console.print(_endpoint_table(state, with_health=True))
+    details = _service_details(state)
+    if details.row_count:
+        console.print(details)
+
+
+def _service_details(state: ClusterState) -> Table:
+    """What the services hold now: the trainer's adapters, the sampler's loaded versions and queue depth."""
+    import grpc
+
+    from loraplane.rpc import channel_options
+    from loraplane.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+    table = Table(title="services")
+    table.add_column("service")
+    table.add_column("detail")
+    addresses = state.addresses()
+    if "trainer" in addresses:
+        try:
+            with grpc.insecure_channel(addresses["trainer"], options=channel_options()) as channel:
+                stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+                info = stub.GetInfo(trainer_pb2.GetInfoRequest(), timeout=3)
+                listed = stub.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000), timeout=3)
+            names = ", ".join(f"{a.name} (step {a.step})" for a in listed.adapters) or "none"
+            table.add_row("trainer", f"{info.base_model} on {info.backend}/{info.device}; adapters: {names}")
+        except grpc.RpcError as exc:
+            table.add_row("trainer", f"[red]{exc.code().name}[/red]: {exc.details()}")
+    if "sampler" in addresses:
+        try:
+            with grpc.insecure_channel(addresses["sampler"], options=channel_options()) as channel:
+                reply = sampler_pb2_grpc.SamplerServiceStub(channel).GetStatus(sampler_pb2.GetStatusRequest(), timeout=3)
+            loaded = ", ".join(f"{a.adapter}@v{a.version}" for a in reply.loaded) or "none"
+            table.add_row("sampler", f"{reply.engine} engine; queue depth {reply.queue_depth}, running "
+                                     f"{reply.running_requests}; loaded: {loaded}")
+        except grpc.RpcError as exc:
+            table.add_row("sampler", f"[red]{exc.code().name}[/red]: {exc.details()}")
+    return table

@@ -84,6 +84,7 @@ def read_cluster_state(data_dir: Path) -> ClusterState | None:
 
 
 def pid_alive(pid: int | None) -> bool:
+    """True while the process runs. A zombie counts as gone: `up` exits, so nothing of ours may reap its children."""
     if not pid:
         return False
     try:
@@ -92,7 +93,7 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _is_zombie(pid)
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
@@ -175,7 +176,7 @@ def _terminate_group(pid: int, timeout: float) -> None:
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not pid_alive(pid) or _is_zombie(pid):
+        if not pid_alive(pid):
             return
         time.sleep(0.1)
     try:
