@@ -13,15 +13,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import queue
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlunsplit
 
 import urllib3
 from minio import Minio
+from minio import time as minio_time
 from minio.datatypes import Part
 from minio.error import MinioException, S3Error
+from minio.signer import sign_v4_s3
 
 from loraplane import errors
 
@@ -30,7 +34,8 @@ log = logging.getLogger(__name__)
 BLOB_PREFIX = "blobs/sha256/"
 # S3 requires every part but the last to be at least 5 MiB; larger parts mean fewer round trips.
 PART_BYTES = 5 * 1024 * 1024
-MAX_PARTS_IN_FLIGHT = 4
+# A publisher that stalls this long mid-part loses its upload (and frees the sending thread).
+PART_STALL_SECONDS = 120
 
 T = TypeVar("T")
 _NOT_FOUND_CODES = ("NoSuchKey", "NoSuchObject", "NotFound")
@@ -61,6 +66,8 @@ class BlobStore:
         self.client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure,
                             region=region or None, http_client=http)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="s3")
+        # Streamed part uploads wait on their caller's bytes; their own pool keeps them from starving other calls.
+        self._part_pool = ThreadPoolExecutor(64, thread_name_prefix="s3-part")
 
     async def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -124,62 +131,85 @@ class BlobStore:
 
     async def _upload_multipart(self, chunks: AsyncIterator[bytes], size: int, sha256: str) -> StoredBlob:
         key = blob_key(sha256)
-        upload_id = await self._call("start a multipart upload", self.client._create_multipart_upload,
-                                     self.bucket, key, {})
-        completed = False
-        in_flight: list[asyncio.Future] = []
-        etags: dict[int, str] = {}
         loop = asyncio.get_running_loop()
-
-        async def settle(keep: int) -> None:
-            while len(in_flight) > keep:
-                number, etag = await in_flight.pop(0)
-                etags[number] = etag
-
-        def send_part(number: int, data: bytes) -> tuple[int, str]:
-            return number, self.client._upload_part(self.bucket, key, data, None, upload_id, number)
-
+        # The upload is created while the first bytes arrive instead of before: one S3 round trip less.
+        creating = asyncio.ensure_future(self._call("start a multipart upload", self.client._create_multipart_upload,
+                                                    self.bucket, key, {}))
+        upload_id: str | None = None
+        parts: list[_PartStream] = []
+        completed = False
         try:
             hasher = hashlib.sha256()
-            pending: list[bytes] = []
-            pending_bytes = 0
             received = 0
-            part_number = 0
-
-            async def flush() -> None:
-                nonlocal pending, pending_bytes, part_number
-                data = b"".join(pending)
-                pending, pending_bytes = [], 0
-                # hashlib releases the GIL on large buffers: hash beside the loop, in receive order.
-                await loop.run_in_executor(self._pool, hasher.update, data)
-                part_number += 1
-                await settle(MAX_PARTS_IN_FLIGHT - 1)
-                in_flight.append(asyncio.ensure_future(self._call("upload a part", send_part, part_number, data)))
-
+            current: _PartStream | None = None
             async for chunk in chunks:
                 received += len(chunk)
                 _check_not_too_long(received, size)
-                pending.append(chunk)
-                pending_bytes += len(chunk)
-                if pending_bytes >= PART_BYTES:
-                    await flush()
-            if pending_bytes:
-                await flush()
-            await settle(0)
+                hasher.update(chunk)
+                view = memoryview(chunk)
+                while view:
+                    if current is None or current.remaining == 0:
+                        if upload_id is None:
+                            upload_id = await creating
+                        number = len(parts) + 1
+                        current = _PartStream(number, min(PART_BYTES, size - (number - 1) * PART_BYTES))
+                        # Each part is sent while its bytes arrive (its size is known from the header), so S3
+                        # writes overlap the gRPC receive instead of following it.
+                        current.future = loop.run_in_executor(self._part_pool, self._send_part, key, upload_id,
+                                                              current)
+                        parts.append(current)
+                    take = min(len(view), current.remaining)
+                    current.feed(view[:take])
+                    view = view[take:]
             _check_complete(received, size, hasher.hexdigest(), sha256)
-            parts = [Part(number, etags[number]) for number in sorted(etags)]
+            etags = [await self._settle_part(part) for part in parts]
             await self._call("complete a multipart upload", self.client._complete_multipart_upload,
-                             self.bucket, key, upload_id, parts)
+                             self.bucket, key, upload_id, [Part(p.number, etag) for p, etag in zip(parts, etags)])
             completed = True
             return StoredBlob(sha256, size)
         finally:
             if not completed:
+                for part in parts:
+                    part.abort()
                 # Shielded: the abort must run even when this upload was cancelled by its caller.
-                await asyncio.shield(self._abort(key, upload_id, in_flight))
+                await asyncio.shield(self._abort(key, creating, [p.future for p in parts]))
 
-    async def _abort(self, key: str, upload_id: str, in_flight: list[asyncio.Future]) -> None:
-        # Parts still being sent would re-create state after the abort: let them finish first.
+    async def _settle_part(self, part: _PartStream) -> str:
+        try:
+            return await part.future
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise errors.Unavailable(
+                f"S3 at {self.endpoint} (bucket {self.bucket!r}) is unavailable while trying to upload part "
+                f"{part.number}: {type(exc).__name__}: {exc}", reason="S3_UNAVAILABLE") from None
+
+    def _send_part(self, key: str, upload_id: str, part: _PartStream) -> str:
+        """UploadPart with a streamed body. minio signs the sha256 of a whole body, which is unknown until the
+        part has arrived; S3 SigV4 allows UNSIGNED-PAYLOAD instead (integrity is our own sha256 check)."""
+        client = self.client
+        region = client._get_region(self.bucket)
+        url = client._base_url.build(method="PUT", region=region, bucket_name=self.bucket, object_name=key,
+                                     query_params={"partNumber": str(part.number), "uploadId": upload_id})
+        date = minio_time.utcnow()
+        headers = {"Host": url.netloc, "Content-Length": str(part.size), "x-amz-date": minio_time.to_amz_date(date),
+                   "x-amz-content-sha256": "UNSIGNED-PAYLOAD", "Content-Type": "application/octet-stream"}
+        creds = client._provider.retrieve()
+        headers = sign_v4_s3(method="PUT", url=url, region=region, headers=headers, credentials=creds,
+                             content_sha256="UNSIGNED-PAYLOAD", date=date)
+        response = client._http.urlopen("PUT", urlunsplit(url), body=part.body(), headers=headers, retries=False,
+                                        chunked=False, preload_content=True)
+        if response.status != 200:
+            raise errors.Unavailable(
+                f"S3 at {self.endpoint} (bucket {self.bucket!r}) refused part {part.number}: HTTP {response.status} "
+                f"{response.data[:300]!r}", reason="S3_ERROR")
+        return response.headers.get("etag", "").strip('"')
+
+    async def _abort(self, key: str, creating: asyncio.Future, in_flight: list[asyncio.Future]) -> None:
+        # Parts still being sent would re-create state after the abort: let them finish (they were told to stop).
         await asyncio.gather(*in_flight, return_exceptions=True)
+        try:
+            upload_id = await creating
+        except Exception:  # noqa: BLE001 - no upload was created, nothing to abort
+            return
         try:
             await self._call("abort a multipart upload", self.client._abort_multipart_upload,
                              self.bucket, key, upload_id)
@@ -217,6 +247,42 @@ class BlobStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._part_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _UploadStopped(Exception):
+    pass
+
+
+class _PartStream:
+    """The bytes of one part, handed from the event loop to the thread that sends them."""
+
+    def __init__(self, number: int, size: int):
+        self.number = number
+        self.size = size
+        self.remaining = size
+        self.future: asyncio.Future | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def feed(self, data: memoryview) -> None:
+        self.remaining -= len(data)
+        self._queue.put(data)
+
+    def abort(self) -> None:
+        self._queue.put(None)
+
+    def body(self) -> Iterator[memoryview]:
+        sent = 0
+        while sent < self.size:
+            try:
+                data = self._queue.get(timeout=PART_STALL_SECONDS)
+            except queue.Empty:
+                raise _UploadStopped(f"no bytes for part {self.number} in {PART_STALL_SECONDS} s") from None
+            if data is None:
+                # Breaking off mid-body: S3 never receives a complete part.
+                raise _UploadStopped(f"part {self.number} abandoned")
+            sent += len(data)
+            yield data
 
 
 def _read_exactly(response: Any, count: int) -> bytes:

@@ -29,6 +29,7 @@ class RunningRegistry:
         return self.server.address
 
     async def stop(self, grace: float = 2.0) -> None:
+        self.store.begin_shutdown()
         try:
             await self.server.stop(grace)
         finally:

@@ -273,16 +273,19 @@ class RegistryStore:
             "CREATE_ADAPTER", "PUBLISH", "SET_ALIAS", "DELETE_VERSION", "DELETE_ADAPTER", "REGISTER_UPLOAD",
             "FORGET_UPLOAD", "CLAIM_GARBAGE", "RELEASE_GARBAGE")}
         self.events_key = self.prefix + "events"
-        self._background: set[asyncio.Task] = set()
+        self._closing = asyncio.Event()
 
     async def start(self) -> None:
         await self.blobs.ensure_bucket()
         with self._redis_errors("connect"):
             await self.redis.ping()
 
+    def begin_shutdown(self) -> None:
+        """Ends every WatchEvents stream (their clients resume from their cursor elsewhere or after a restart)."""
+        self._closing.set()
+
     async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
+        self.begin_shutdown()
         await self.redis.aclose()
         await self.watch_redis.aclose()
         self.blobs.close()
@@ -662,18 +665,39 @@ class RegistryStore:
             with self._redis_errors("read the event stream"):
                 newest = await self.redis.xrevrange(self.events_key, "+", "-", count=1)
             last = newest[0][0] if newest else "0-0"
-        while True:
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            while True:
+                reply = await self._next_events(last, closing)
+                for _stream, entries in reply or ():
+                    for entry_id, fields in entries:
+                        last = entry_id
+                        name = fields.get("a", "")
+                        if adapter and name != adapter:
+                            continue
+                        if prefix and not name.startswith(prefix):
+                            continue
+                        yield EventRecord(
+                            cursor=entry_id, type=int(fields.get("t", 0)), adapter=name,
+                            version=int(fields.get("v", 0)), sha256=fields.get("s", ""), alias=fields.get("al", ""),
+                            kind=int(fields.get("k", 0)), time_ms=int(fields.get("ts", 0)))
+        finally:
+            closing.cancel()
+
+    async def _next_events(self, last: str, closing: asyncio.Future) -> list:
+        """One blocking XREAD, abandoned (cancelled inside the loop, so its connection is released cleanly) when
+        the registry shuts down."""
+        read = asyncio.ensure_future(
+            self.watch_redis.xread({self.events_key: last}, count=512, block=self._watch_block_ms))
+        try:
             with self._redis_errors("read the event stream"):
-                reply = await self.watch_redis.xread({self.events_key: last}, count=512, block=self._watch_block_ms)
-            for _stream, entries in reply or ():
-                for entry_id, fields in entries:
-                    last = entry_id
-                    name = fields.get("a", "")
-                    if adapter and name != adapter:
-                        continue
-                    if prefix and not name.startswith(prefix):
-                        continue
-                    yield EventRecord(
-                        cursor=entry_id, type=int(fields.get("t", 0)), adapter=name, version=int(fields.get("v", 0)),
-                        sha256=fields.get("s", ""), alias=fields.get("al", ""), kind=int(fields.get("k", 0)),
-                        time_ms=int(fields.get("ts", 0)))
+                await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    raise errors.Unavailable("the registry is shutting down; resume from the last cursor elsewhere",
+                                             reason="SHUTTING_DOWN")
+                return read.result()
+        finally:
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(BaseException):
+                    await read

@@ -1,0 +1,64 @@
+"""Small helpers shared by the benchmarks: latency summaries, JSON results, a rich table."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between closest ranks."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def latency_summary(seconds: Iterable[float]) -> dict[str, float]:
+    """p50/p90/p99/mean/min/max in milliseconds."""
+    values = list(seconds)
+    ms = [v * 1000 for v in values]
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p90_ms": round(percentile(ms, 90), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+        "mean_ms": round(sum(ms) / len(ms), 3) if ms else float("nan"),
+        "min_ms": round(min(ms), 3) if ms else float("nan"),
+        "max_ms": round(max(ms), 3) if ms else float("nan"),
+    }
+
+
+def environment() -> dict[str, Any]:
+    import os
+
+    return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def write_results(name: str, results: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(results, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="left" if column == columns[0] else "right")
+    for row in rows:
+        table.add_row(*[f"{cell:.1f}" if isinstance(cell, float) else str(cell) for cell in row])
+    Console().print(table)
