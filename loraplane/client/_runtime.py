@@ -26,9 +26,10 @@ from loraplane.rpc import BackgroundLoop, channel_options
 
 T = TypeVar("T")
 
-_RETRYABLE_TRAINING = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-# Samples change no state, so a full queue (RESOURCE_EXHAUSTED) is worth waiting out too.
-_RETRYABLE_SAMPLING = frozenset({*_RETRYABLE_TRAINING, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# UNAVAILABLE / DEADLINE_EXCEEDED: the request may or may not have run; the same seq_id makes a retry safe.
+# RESOURCE_EXHAUSTED: a full queue rejected it before it was queued; waiting it out beats leaving a seq_id gap.
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,7 @@ class RetryConfig:
     total_timeout_s: float = 300.0
     # Deadline of each attempt. A sequenced call may wait on the trainer for its predecessors, so it is generous.
     attempt_timeout_s: float | None = 600.0
-    codes: frozenset[grpc.StatusCode] = field(default=_RETRYABLE_TRAINING)
-
-    def for_sampling(self) -> RetryConfig:
-        return RetryConfig(self.max_attempts, self.initial_backoff_s, self.max_backoff_s, self.multiplier,
-                           self.total_timeout_s, self.attempt_timeout_s, _RETRYABLE_SAMPLING)
+    codes: frozenset[grpc.StatusCode] = field(default=_RETRYABLE)
 
 
 NO_RETRY = RetryConfig(max_attempts=1)

@@ -34,7 +34,7 @@ class SamplingClient:
         self.adapter = adapter
         self.version = version
         self.alias = alias
-        self.retry = (retry or RetryConfig()).for_sampling()
+        self.retry = retry or RetryConfig()
         self.trainer_address = trainer_address
 
     def __repr__(self) -> str:

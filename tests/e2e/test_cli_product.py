@@ -148,3 +148,21 @@ def test_bench_lists_and_rejects_unknown(tmp_path, monkeypatch):
     assert ran.exit_code == 0, ran.output
     unknown = runner.invoke(app, ["bench", "nope"])
     assert unknown.exit_code == 2 and "no benchmark 'nope'" in unknown.output
+
+
+def test_demo_quick_runs_two_tenants_on_its_own_cluster(tmp_path):
+    """`loraplane demo --quick`: starts an embedded cluster (its own Valkey + SeaweedFS), trains both tenants on the
+    tiny model, publishes versions, samples them and writes the plot and log."""
+    out = tmp_path / "demo"
+    result = runner.invoke(app, ["demo", "--quick", "--no-live", "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    log = json.loads((out / "demo_log.json").read_text())
+    assert set(log["tenants"]) == {"acme/french", "globex/caps"}
+    for tenant in log["tenants"].values():
+        assert tenant["error"] == ""
+        assert len(tenant["losses"]) == 4
+        assert tenant["losses"][-1] < tenant["losses"][0]
+        assert [v["version"] for v in tenant["versions"]] == [1, 2]
+    png = (out / "demo_losses.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert "acme/french v2" in result.output and "globex/caps v2" in result.output
