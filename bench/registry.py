@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import subprocess
@@ -139,6 +140,24 @@ async def concurrent_publishers(client_address: str, publishers: int, per_publis
             "gapless": versions == list(range(1, total + 1))}
 
 
+def s3_baseline(s3, size: int, runs: int) -> dict:
+    """A plain PUT of the same size straight to the S3 server: the floor under any publish latency."""
+    from minio import Minio
+
+    client = Minio(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key, secure=False)
+    if not client.bucket_exists("baseline"):
+        client.make_bucket("baseline")
+    blob = os.urandom(size)
+    times = []
+    for run in range(runs + 1):
+        started = time.perf_counter()
+        client.put_object("baseline", f"put-{run}", io.BytesIO(blob), size, part_size=max(size, 5 * 1024 * 1024))
+        times.append(time.perf_counter() - started)
+    summary = latency_summary(times[1:])
+    summary["size_mb"] = size / MB
+    return summary
+
+
 async def run_all(address: str, quick: bool) -> dict:
     client = RegistryClient(address, timeout=120)
     watcher = RegistryClient(address)
@@ -171,6 +190,7 @@ def main() -> None:
                    "LORAPLANE_S3_BUCKET": "bench", "LORAPLANE_KEY_PREFIX": "bench:"}
             registry, address = start_registry_process(env, root / "registry.log")
             results = asyncio.run(run_all(address, args.quick))
+            results["s3_put_baseline_10MB"] = s3_baseline(s3, 10 * MB, 10 if args.quick else 30)
         finally:
             if registry is not None:
                 registry.terminate()
@@ -190,6 +210,8 @@ def main() -> None:
 
     rows = [[f"publish {name}", s["n"], s["p50_ms"], s["p99_ms"], s["throughput_mb_s"]]
             for name, s in results["publish"].items()]
+    b = results["s3_put_baseline_10MB"]
+    rows.append(["(baseline: plain S3 PUT 10MB)", b["n"], b["p50_ms"], b["p99_ms"], "-"])
     d = results["download"]
     rows.append([f"download {d['size_mb']:.0f}MB", d["n"], d["p50_ms"], d["p99_ms"], d["throughput_mb_s"]])
     for label, key in (("event commit->watcher", "from_commit"), ("event publish->watcher", "from_publish_start")):

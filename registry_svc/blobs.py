@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +33,10 @@ from loraplane import errors
 log = logging.getLogger(__name__)
 
 BLOB_PREFIX = "blobs/sha256/"
-# S3 requires every part but the last to be at least 5 MiB; larger parts mean fewer round trips.
-PART_BYTES = 5 * 1024 * 1024
+# S3 requires every part but the last to be at least 5 MiB. Parts are streamed while their bytes arrive, so a large
+# part costs no extra latency, and fewer parts mean fewer requests.
+MIN_PART_BYTES = 5 * 1024 * 1024
+PART_BYTES = max(MIN_PART_BYTES, int(os.environ.get("LORAPLANE_REGISTRY_PART_BYTES") or 16 * 1024 * 1024))
 # A publisher that stalls this long mid-part loses its upload (and frees the sending thread).
 PART_STALL_SECONDS = 120
 
@@ -107,7 +110,7 @@ class BlobStore:
         Raises InvalidArgument when the stream is longer or shorter than `size`, DataLoss when the digest differs.
         On any failure or cancellation the multipart upload is aborted: nothing becomes visible.
         """
-        if size < PART_BYTES:
+        if size < MIN_PART_BYTES:
             return await self._upload_single(chunks, size, sha256)
         return await self._upload_multipart(chunks, size, sha256)
 
@@ -158,6 +161,9 @@ class BlobStore:
                         current.future = loop.run_in_executor(self._part_pool, self._send_part, key, upload_id,
                                                               current)
                         parts.append(current)
+                    if current.future.done():
+                        # Its sender failed (S3 went away): stop receiving now rather than queue the rest in memory.
+                        await self._settle_part(current)
                     take = min(len(view), current.remaining)
                     current.feed(view[:take])
                     view = view[take:]
@@ -181,6 +187,8 @@ class BlobStore:
             raise errors.Unavailable(
                 f"S3 at {self.endpoint} (bucket {self.bucket!r}) is unavailable while trying to upload part "
                 f"{part.number}: {type(exc).__name__}: {exc}", reason="S3_UNAVAILABLE") from None
+        except _UploadStopped as exc:
+            raise errors.DeadlineExceeded(f"upload abandoned: {exc}", reason="PUBLISH_STALLED") from None
 
     def _send_part(self, key: str, upload_id: str, part: _PartStream) -> str:
         """UploadPart with a streamed body. minio signs the sha256 of a whole body, which is unknown until the
