@@ -293,8 +293,15 @@ def lora_segments(model, segments: Sequence[tuple[int, int, AdapterTensors | Non
     """Context manager for a packed batch of shape (1, N): tokens [start, end) use that adapter. Segments must be
     sorted and non-overlapping; tokens outside every segment use the base model."""
     cursor = 0
-    for start, end, _ in segments:
+    merged: list[tuple[int, int, AdapterTensors | None]] = []
+    for start, end, adapter in segments:
         if start < cursor or end < start:
             raise InvalidArgument("lora segments must be sorted and non-overlapping", field="segments")
         cursor = end
-    return _routing_scope(model, _Routing(segments=list(segments)))
+        # Adjacent ranges of one adapter become one range: one pair of matmuls per adapter, not per datum. The
+        # merged shape depends only on that adapter's own tokens, so it is the same fused or alone.
+        if merged and merged[-1][1] == start and merged[-1][2] is adapter:
+            merged[-1] = (merged[-1][0], end, adapter)
+        else:
+            merged.append((start, end, adapter))
+    return _routing_scope(model, _Routing(segments=merged))

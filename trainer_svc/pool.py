@@ -7,13 +7,14 @@ resident adapter copies nothing. Only the scheduler's worker thread touches the 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from loraplane.errors import AlreadyExists, InvalidArgument, NotFound
+from loraplane.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from loraplane.lora import AdapterTensors, LoraSpec
 
 
@@ -55,6 +56,8 @@ class AdapterPool:
         self._adapters: dict[str, AdapterState] = {}
         # Resident adapters, least recently used first.
         self._resident: OrderedDict[str, None] = OrderedDict()
+        # The worker thread mutates the adapter table; the event loop reads it (ListAdapters, existence checks).
+        self._table_lock = threading.Lock()
         self.activations = 0
         self.misses = 0
 
@@ -65,10 +68,12 @@ class AdapterPool:
         return len(self._adapters)
 
     def names(self) -> list[str]:
-        return sorted(self._adapters)
+        with self._table_lock:
+            return sorted(self._adapters)
 
     def get(self, name: str) -> AdapterState:
-        state = self._adapters.get(name)
+        with self._table_lock:
+            state = self._adapters.get(name)
         if state is None:
             raise NotFound(f"adapter {name!r} does not exist on this trainer", field="adapter")
         return state
@@ -77,15 +82,15 @@ class AdapterPool:
         if state.name in self._adapters:
             raise AlreadyExists(f"adapter {state.name!r} already exists on this trainer", field="name")
         if len(self._adapters) >= self.max_adapters:
-            from loraplane.errors import ResourceExhausted
-
             raise ResourceExhausted(f"trainer holds the maximum of {self.max_adapters} adapters", field="name")
         host = self._host_copy_all(state)
-        self._adapters[state.name] = host
+        with self._table_lock:
+            self._adapters[state.name] = host
 
     def remove(self, name: str) -> AdapterState:
         state = self.get(name)
-        del self._adapters[name]
+        with self._table_lock:
+            del self._adapters[name]
         self._resident.pop(name, None)
         return state
 

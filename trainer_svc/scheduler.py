@@ -46,9 +46,6 @@ class Job:
     tokens: int = 0
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     arrived: float = field(default_factory=time.monotonic)
-    # Set for a request that failed validation: it still takes its turn (so later seq_ids are not stuck behind
-    # it) but only records this error.
-    error: Exception | None = None
 
 
 @dataclass
@@ -156,8 +153,6 @@ class Scheduler:
                 raise ResourceExhausted(
                     f"adapter {job.adapter!r} has {len(lane.pending)} queued requests (limit "
                     f"{self.max_queue_per_adapter}); retry later", field="seq_id")
-            if job.error is not None:
-                job.future.set_exception(job.error)
             lane.pending[job.seq_id] = job
             self._queued += 1
             if job.seq_id != lane.next_seq and lane.waiting_since is None:
@@ -258,7 +253,7 @@ class Scheduler:
             if head is None:
                 continue
             batch = [head]
-            if head.kind in FUSABLE and head.error is None:
+            if head.kind in FUSABLE:
                 tokens = head.tokens
                 for other in list(self._rotation):
                     if len(batch) >= self.max_fused_adapters:
@@ -266,7 +261,7 @@ class Scheduler:
                     if other == adapter:
                         continue
                     candidate = self._head(other)
-                    if (candidate is None or candidate.kind != head.kind or candidate.error is not None
+                    if (candidate is None or candidate.kind != head.kind
                             or tokens + candidate.tokens > self.max_fused_tokens):
                         continue
                     batch.append(candidate)
@@ -285,24 +280,19 @@ class Scheduler:
         self._queued -= 1
 
     def _run_batch(self, batch: list[Job]) -> None:
-        live = [job for job in batch if job.error is None]
-        outcomes: list[Any] = []
-        if live:
-            try:
-                outcomes = self._execute(live)
-            except Exception as exc:
-                if not isinstance(exc, LoraplaneError):
-                    log.exception("batch of %d jobs failed", len(live))
-                outcomes = [exc] * len(live)
+        try:
+            outcomes = self._execute(batch)
+        except Exception as exc:  # each caller of the batch gets the failure
+            if not isinstance(exc, LoraplaneError):
+                log.exception("batch of %d jobs failed", len(batch))
+            outcomes = [exc] * len(batch)
         self.stats.batches += 1
         self.stats.jobs += len(batch)
-        if len(live) > 1:
+        if len(batch) > 1:
             self.stats.fused_batches += 1
-        self.stats.max_fused_adapters = max(self.stats.max_fused_adapters, len(live))
-        results = dict(zip((id(j) for j in live), outcomes))
+        self.stats.max_fused_adapters = max(self.stats.max_fused_adapters, len(batch))
         with self._cond:
-            for job in batch:
-                outcome = job.error if job.error is not None else results[id(job)]
+            for job, outcome in zip(batch, outcomes):
                 lane = self._lanes.get(job.adapter)
                 transient = isinstance(outcome, TRANSIENT)
                 if lane is not None and not transient:
