@@ -89,8 +89,12 @@ class Slot:
     layout: FlatLayout
     host: torch.Tensor  # [4, n] fp32, pinned on CUDA
     device: torch.Tensor | None = None  # [4, n] fp32 when resident
-    leaf: torch.Tensor | None = None  # device[0] as an autograd leaf (shares storage)
     views: LocalAdapter | None = None
+    # One autograd leaf per LoRA tensor, aliasing device[0] (params), and the matching slices of device[1] (grads).
+    # Separate leaves, not autograd views of one flat leaf: a view's backward materializes a zero tensor of the
+    # whole flat buffer per view, which for 420 tensors costs more than the model.
+    param_leaves: list[torch.Tensor] | None = None
+    grad_slices: list[torch.Tensor] | None = None
     ready: torch.cuda.Event | None = None  # set while a prefetch copy is in flight
     host_valid: bool = True  # False while the device copy is newer than the host copy
     step: int = 0
@@ -238,8 +242,10 @@ class Engine:
         else:
             dev = s.host.to(self.device, non_blocking=True)
         s.device = dev
-        s.leaf = dev[0].detach().requires_grad_(True)
-        s.views = None  # built on first use (run_batch): activation itself is only the copy
+        s.views = s.param_leaves = s.grad_slices = None
+        if stream is not None:
+            self.views(s)  # prefetch: build the views while the copy runs (metadata only)
+        # else: built on first use (run_batch), so an activation is only the copy
         self.resident[s.name] = None
 
     def _evict_one(self, protect: tuple[str, ...]) -> None:
@@ -257,18 +263,22 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             s.host_valid = True
-        s.device = s.leaf = s.views = None
+        s.device = s.views = s.param_leaves = s.grad_slices = None
         self.resident.pop(s.name, None)
 
     def views(self, s: Slot) -> LocalAdapter:
-        """(layer, target) → (A, B) views into the resident leaf, cached while the adapter stays resident."""
+        """(layer, target) → (A, B) leaves aliasing the resident buffer, cached while the adapter stays resident."""
         if s.views is None:
-            # narrow, not split: split's multi-output views may not be used after the optimizer's in-place update.
-            leaf = s.leaf
+            params, grads = s.device[0], s.device[1]
             modules: dict[tuple[int, str], list] = {}
+            leaves, grad_slices = [], []
             for e in s.layout.entries:
+                leaf = params[e.offset : e.offset + e.numel].view(e.shape).detach().requires_grad_(True)
+                leaves.append(leaf)
+                grad_slices.append(grads[e.offset : e.offset + e.numel].view(e.shape))
                 pair = modules.setdefault((e.layer, e.target), [None, None])
-                pair[0 if e.which == "A" else 1] = leaf.narrow(0, e.offset, e.numel).view(e.shape)
+                pair[0 if e.which == "A" else 1] = leaf
+            s.param_leaves, s.grad_slices = leaves, grad_slices
             s.views = LocalAdapter({k: (v[0], v[1]) for k, v in modules.items()}, s.spec.scale)
         return s.views
 
@@ -342,11 +352,17 @@ class Engine:
                     loss_by_adapter[list(slots).index(name)] += per_token.detach().double().sum()
                     total = total + per_token.sum()
             if backward:
-                leaves = [slots[name].leaf for name in slots]
-                grads = torch.autograd.grad(total, leaves, allow_unused=True)
-                for name, g in zip(slots, grads):
-                    if g is not None:
-                        slots[name].device[1].add_(g)
+                used = [s for s in slots.values() if s.param_leaves is not None]
+                leaves = [leaf for s in used for leaf in s.param_leaves]
+                grads = torch.autograd.grad(total, leaves, allow_unused=True) if leaves else ()
+                pairs, cursor = [], 0
+                for s in used:
+                    n = len(s.param_leaves)
+                    mine = [(dst, g) for dst, g in zip(s.grad_slices, grads[cursor : cursor + n]) if g is not None]
+                    cursor += n
+                    pairs.extend(mine)
+                if pairs:
+                    torch._foreach_add_([d for d, _ in pairs], [g for _, g in pairs])
         if backward:
             for name, s in slots.items():
                 if self.dp > 1:
@@ -388,7 +404,7 @@ class Engine:
             coef = hyper.grad_clip_norm / (norm + 1e-6)
             if coef < 1.0:
                 grads.mul_(coef)
-        param = s.leaf
+        param = s.device[0].detach().requires_grad_(True)  # one flat tensor: AdamW is elementwise
         param.grad = grads
         optimizer = torch.optim.AdamW([param], lr=hyper.learning_rate, betas=(hyper.beta1, hyper.beta2),
                                       eps=hyper.eps, weight_decay=hyper.weight_decay, foreach=False)

@@ -8,6 +8,8 @@ interface the shared service needs from a backend that owns its tensors (docs/me
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from loraplane.adapter_format import TrainingState, serialize_training_state
@@ -15,6 +17,8 @@ from trainer_svc.pool import AdapterPool, AdapterState
 from trainer_svc.service import AdapterInfo, ExportedBlob, TrainerService
 
 from .backend import MegatronBackend
+
+log = logging.getLogger(__name__)
 
 
 class MegatronTrainerService(TrainerService):
@@ -24,6 +28,27 @@ class MegatronTrainerService(TrainerService):
         super().__init__(backend, registry, limits)
         # Host-only bookkeeping; device residency is the engine's (its own LRU over device_slots).
         self.pool = AdapterPool(torch.device("cpu"), self.limits.max_adapters, self.limits.max_adapters)
+
+    def _execute(self, jobs: list) -> list:
+        self._prefetch_next({job.adapter for job in jobs})
+        return super()._execute(jobs)
+
+    def _prefetch_next(self, current: set[str]) -> None:
+        """Starts the host→device copy of the adapter the scheduler will most likely run next, so it overlaps
+        with this batch. (Reads the scheduler's rotation under its lock; a public ``Scheduler.peek_next`` would
+        be the cleaner interface.)"""
+        scheduler = self.scheduler
+        following = None
+        with scheduler._cond:
+            for adapter in scheduler._rotation:
+                if adapter not in current and scheduler._head(adapter) is not None:
+                    following = adapter
+                    break
+        if following is not None and not self.backend.is_resident(following):
+            try:
+                self.backend.prefetch(following, protect=tuple(current))
+            except Exception:  # a prefetch is only a hint; the batch activates what it needs
+                log.debug("prefetch of %s skipped", following, exc_info=True)
 
     def _info(self, state: AdapterState) -> AdapterInfo:
         info = super()._info(state)
