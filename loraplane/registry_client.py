@@ -22,7 +22,7 @@ CHUNK_BYTES = 1024 * 1024
 
 def adapter_ref(name: str, version: int = 0, alias: str = "") -> common_pb2.AdapterRef:
     if version and alias:
-        raise errors.InvalidArgument("give either a version or an alias, not both", field="ref")
+        raise errors.InvalidArgument("ref: give either a version or an alias, not both", field="ref")
     ref = common_pb2.AdapterRef(name=name)
     if version:
         ref.version = version

@@ -30,6 +30,7 @@ class RunningRegistry:
 
     async def stop(self, grace: float = 2.0) -> None:
         self.store.begin_shutdown()
+        await self.store.wait_for_watches_to_end(timeout=grace)
         try:
             await self.server.stop(grace)
         finally:

@@ -274,6 +274,7 @@ class RegistryStore:
             "FORGET_UPLOAD", "CLAIM_GARBAGE", "RELEASE_GARBAGE")}
         self.events_key = self.prefix + "events"
         self._closing = asyncio.Event()
+        self._active_watches = 0
 
     async def start(self) -> None:
         await self.blobs.ensure_bucket()
@@ -283,6 +284,13 @@ class RegistryStore:
     def begin_shutdown(self) -> None:
         """Ends every WatchEvents stream (their clients resume from their cursor elsewhere or after a restart)."""
         self._closing.set()
+
+    async def wait_for_watches_to_end(self, timeout: float) -> None:
+        """After `begin_shutdown`: lets every watch stream finish inside the loop (releasing its Redis connection)
+        before the server and the loop go away."""
+        deadline = time.monotonic() + timeout
+        while self._active_watches and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     async def close(self) -> None:
         self.begin_shutdown()
@@ -666,6 +674,7 @@ class RegistryStore:
                 newest = await self.redis.xrevrange(self.events_key, "+", "-", count=1)
             last = newest[0][0] if newest else "0-0"
         closing = asyncio.ensure_future(self._closing.wait())
+        self._active_watches += 1
         try:
             while True:
                 reply = await self._next_events(last, closing)
@@ -683,6 +692,7 @@ class RegistryStore:
                             kind=int(fields.get("k", 0)), time_ms=int(fields.get("ts", 0)))
         finally:
             closing.cancel()
+            self._active_watches -= 1
 
     async def _next_events(self, last: str, closing: asyncio.Future) -> list:
         """One blocking XREAD, abandoned (cancelled inside the loop, so its connection is released cleanly) when

@@ -217,6 +217,17 @@ def test_publish_and_get_version(registry, registry_stub):
                       (E.EVENT_TYPE_VERSION_PUBLISHED, 3, "", STATE)]
 
 
+def test_publish_and_download_a_blob_of_several_parts(registry, registry_stub):
+    stub = registry_stub
+    create(stub, "big")
+    blob = os.urandom(37 * 1024 * 1024 + 3)  # three S3 parts (16 MiB each but the last)
+    version = publish(stub, "big", blob, chunk=1024 * 1024).version
+    assert (version.size_bytes, version.sha256) == (len(blob), sha256_hex(blob))
+    assert bucket_objects(registry.settings) == {f"blobs/sha256/{sha256_hex(blob)}": len(blob)}
+    assert multipart_uploads(registry.settings) == []
+    assert download(stub, "big")[1] == blob
+
+
 def test_publish_same_content_twice_shares_one_blob(registry, registry_stub):
     stub = registry_stub
     create(stub, "a")

@@ -1,0 +1,82 @@
+"""loraplane.registry_client.RegistryClient (used by the trainer, the sampler and the SDK) against a live registry:
+the streaming protocol is hidden and every failure arrives as a domain error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from loraplane import errors
+from loraplane.local.processes import free_port
+from loraplane.registry_client import RegistryClient
+from loraplane.v1 import common_pb2, registry_pb2
+from tests.fixtures.registry import sha256_hex
+
+
+async def test_client_round_trip(registry):
+    async with RegistryClient(registry.address) as client:
+        lora = common_pb2.LoraConfig(rank=4, alpha=8)
+        made = await client.create_adapter("team/c1", lora_config=lora, base_model="tiny", keep_last=5,
+                                           metadata={"a": "b"})
+        assert made.lora_config == lora and made.keep_last == 5
+        again = await client.create_adapter("team/c1", exist_ok=True)
+        assert again == made
+        with pytest.raises(errors.AlreadyExists):
+            await client.create_adapter("team/c1")
+
+        blob = os.urandom(6 * 1024 * 1024 + 5)
+        first = await client.publish("team/c1", blob, training_step=3, aliases=["prod"], idempotency_key="k1")
+        assert (first.version, first.sha256, first.size_bytes) == (1, sha256_hex(blob), len(blob))
+        assert (await client.publish("team/c1", blob, idempotency_key="k1")).version == 1
+        state = await client.publish("team/c1", b"state", kind=common_pb2.VERSION_KIND_TRAINING_STATE)
+        assert state.version == 2
+
+        described, data = await client.download("team/c1", alias="prod")
+        assert data == blob and described.version == 1
+        assert (await client.get_version("team/c1")).version == 1  # latest weights
+        assert [v.version for v in await client.list_versions("team/c1")] == [1, 2]
+        assert [a.name for a in await client.list_adapters(prefix="team/")] == ["team/c1"]
+        assert dict((await client.set_alias("team/c1", "prod", 0)).aliases) == {}
+
+        events = []
+        async for event in client.watch(adapter="team/c1"):
+            events.append(event)
+            if len(events) == 4:
+                break
+        assert [e.type for e in events] == [registry_pb2.EVENT_TYPE_ADAPTER_CREATED,
+                                            registry_pb2.EVENT_TYPE_VERSION_PUBLISHED,
+                                            registry_pb2.EVENT_TYPE_ALIAS_SET,
+                                            registry_pb2.EVENT_TYPE_VERSION_PUBLISHED]
+        await client.delete_version("team/c1", 2)
+        await client.delete_adapter("team/c1")
+        with pytest.raises(errors.NotFound):
+            await client.get_adapter("team/c1")
+
+
+async def test_client_maps_failures_to_domain_errors(registry):
+    async with RegistryClient(registry.address) as client:
+        with pytest.raises(errors.NotFound, match="ghost"):
+            await client.get_version("ghost")
+        with pytest.raises(errors.InvalidArgument, match="adapter.name"):
+            await client.create_adapter("Not Valid")
+        with pytest.raises(errors.InvalidArgument, match="ref"):
+            await client.get_version("x", version=1, alias="y")
+    async with RegistryClient(f"127.0.0.1:{free_port()}", timeout=2) as nowhere:
+        with pytest.raises(errors.Unavailable):
+            await nowhere.get_adapter("x")
+
+
+async def test_watch_is_cancellable_while_blocked(registry):
+    async with RegistryClient(registry.address) as client:
+        async def first_event():
+            async for event in client.watch(start_at_end=True):
+                return event
+
+        task = asyncio.create_task(first_event())
+        await asyncio.sleep(0.3)
+        assert not task.done()  # blocked: nothing happened after the call started
+        await client.create_adapter("late")
+        event = await asyncio.wait_for(task, 10)
+        assert (event.type, event.adapter) == (registry_pb2.EVENT_TYPE_ADAPTER_CREATED, "late")
