@@ -18,6 +18,7 @@ import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 from urllib.parse import urlunsplit
 
@@ -252,6 +253,17 @@ class BlobStore:
             return [StoredBlob(obj.object_name[len(BLOB_PREFIX):], obj.size or 0)
                     for obj in self.client.list_objects(self.bucket, prefix=BLOB_PREFIX, recursive=True)]
         return await self._call("list blobs", list_all)
+
+    async def abort_stale_uploads(self, older_than_seconds: float) -> int:
+        """Aborts blob multipart uploads started more than `older_than_seconds` ago: what a crashed registry left."""
+        def abort_old() -> int:
+            cutoff = datetime.now(UTC) - timedelta(seconds=older_than_seconds)
+            result = self.client._list_multipart_uploads(self.bucket, prefix=BLOB_PREFIX)
+            stale = [u for u in result.uploads if u.initiated_time is None or u.initiated_time <= cutoff]
+            for upload in stale:
+                self.client._abort_multipart_upload(self.bucket, upload.object_name, upload.upload_id)
+            return len(stale)
+        return await self._call("abort stale multipart uploads", abort_old)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

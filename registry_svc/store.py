@@ -72,6 +72,8 @@ class RegistryLimits:
     max_prefix_chars: int = 128
     # Events kept in the stream (approximate: XADD MAXLEN ~).
     max_events: int = 1_000_000
+    # CollectGarbage aborts multipart uploads older than this (left behind by a registry that crashed mid-publish).
+    stale_upload_seconds: int = 24 * 3600
 
     @classmethod
     def from_env(cls) -> RegistryLimits:
@@ -641,6 +643,10 @@ class RegistryStore:
         return True
 
     async def collect_garbage(self, dry_run: bool) -> GarbageReport:
+        if not dry_run:
+            aborted = await self.blobs.abort_stale_uploads(self.limits.stale_upload_seconds)
+            if aborted:
+                log.info("aborted %d stale multipart uploads", aborted)
         stored = await self.blobs.list_blobs()
         if not stored:
             return GarbageReport([], 0)

@@ -568,3 +568,24 @@ def test_collect_garbage_removes_only_unreferenced_blobs(registry, registry_stub
     assert list(bucket_objects(registry.settings)) == [f"blobs/sha256/{sha256_hex(kept)}"]
     assert download(stub, "gc")[1] == kept
     assert list(stub.CollectGarbage(E.CollectGarbageRequest()).deleted_blobs) == []
+
+
+def test_collect_garbage_aborts_multipart_uploads_left_by_a_crashed_registry(isolated_settings, background_loop):
+    from registry_svc.store import RegistryLimits
+    from tests.fixtures.registry import start_live_registry
+
+    live = start_live_registry(isolated_settings, background_loop, limits=RegistryLimits(stale_upload_seconds=0))
+    try:
+        stub = live.stub()
+        # What a registry killed mid-publish leaves: an open multipart upload with a part in it.
+        client = s3_client(isolated_settings)
+        key = f"blobs/sha256/{'ab' * 32}"
+        upload_id = client._create_multipart_upload(isolated_settings.s3_bucket, key, {})
+        client._upload_part(isolated_settings.s3_bucket, key, b"x" * 1000, None, upload_id, 1)
+        assert multipart_uploads(isolated_settings) == [key]
+        stub.CollectGarbage(E.CollectGarbageRequest(dry_run=True))
+        assert multipart_uploads(isolated_settings) == [key]  # a dry run changes nothing
+        stub.CollectGarbage(E.CollectGarbageRequest())
+        assert multipart_uploads(isolated_settings) == []
+    finally:
+        live.close()
