@@ -166,3 +166,19 @@ def test_demo_quick_runs_two_tenants_on_its_own_cluster(tmp_path):
     png = (out / "demo_losses.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert "acme/french v2" in result.output and "globex/caps v2" in result.output
+
+
+def test_quickstart_example_trains_publishes_and_samples(published, monkeypatch):
+    registry, trainer, sampler = published
+    for name, live in (("REGISTRY", registry), ("TRAINER", trainer), ("SAMPLER", sampler)):
+        monkeypatch.setenv(f"LORAPLANE_{name}_ADDRESS", live.address)
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("quickstart_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--steps", "6", "--learning-rate", "2e-2"])
+    assert result["losses"][-1] < result["losses"][0] * 0.5
+    assert result["version"] == 1 and result["served_version"] == 1
