@@ -41,8 +41,10 @@ def latency_summary(seconds: Iterable[float]) -> dict[str, float]:
 def environment() -> dict[str, Any]:
     import os
 
+    # The load average says how much else competed for the CPUs while the numbers were taken.
     return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "load_average_1m": round(os.getloadavg()[0], 2), "platform": platform.platform(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def write_results(name: str, results: dict[str, Any]) -> Path:

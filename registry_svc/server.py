@@ -7,8 +7,10 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 
+from loraplane import errors
 from loraplane.config import Settings
 from loraplane.rpc import GrpcServer
 from loraplane.v1 import registry_pb2
@@ -74,4 +76,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=settings.registry_port)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(settings, args.host, args.port))
+    try:
+        asyncio.run(_serve(settings, args.host, args.port))
+    except errors.LoraplaneError as exc:
+        # Missing configuration or an unreachable Redis/S3 at startup: say so plainly, no traceback.
+        print(f"registry: {exc.message}", file=sys.stderr)
+        raise SystemExit(2) from None
