@@ -29,12 +29,12 @@ pytestmark = [
 ]
 megatron = pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter  # noqa: E402
-from loraplane.lora import LoraSpec, init_lora_params  # noqa: E402
-from loraplane.models import load_base_model  # noqa: E402
-from trainer_svc.backends.base import BatchItem, DatumInput  # noqa: E402
-from trainer_svc.optimizer import AdamHyper  # noqa: E402
-from trainer_svc.pool import AdapterState  # noqa: E402
+from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter
+from loraplane.lora import LoraSpec, init_lora_params
+from loraplane.models import load_base_model
+from trainer_svc.backends.base import BatchItem, DatumInput
+from trainer_svc.optimizer import AdamHyper
+from trainer_svc.pool import AdapterState
 
 SMOLLM2 = "smollm2-135m-instruct"
 REPO = Path(__file__).resolve().parents[2]

@@ -59,30 +59,48 @@ def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size:
                   data_parallel_size=data_parallel_size or None)
 
 
-async def serve_rank0(args, engine) -> None:
-    from loraplane.config import Settings
+async def start_megatron_trainer_server(settings, *, backend, registry_address: str, host: str = "127.0.0.1",
+                                       port: int = 0, **limits):
+    """Like ``trainer_svc.server.start_trainer_server`` but with :class:`.service.MegatronTrainerService` (the
+    adapter tensors live in the backend's engine)."""
+    from loraplane import errors
     from loraplane.registry_client import RegistryClient
     from loraplane.rpc import GrpcServer
     from loraplane.v1 import trainer_pb2_grpc
     from trainer_svc.server import SERVICE_NAME, RunningTrainer, limits_from
     from trainer_svc.servicer import TrainerServicer
 
-    from .backend import MegatronBackend
     from .service import MegatronTrainerService
+
+    if not registry_address:
+        raise errors.InvalidArgument("registry_address is required", field="registry_address")
+    trainer_limits = limits_from(**limits)
+    registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s)
+    service = MegatronTrainerService(backend, registry, trainer_limits)
+    server = GrpcServer(host, port)
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
+    server.add_service(SERVICE_NAME)
+    try:
+        await server.start()
+    except BaseException:
+        await service.close()
+        await registry.close()
+        raise
+    return RunningTrainer(server=server, service=service, registry=registry, settings=settings,
+                          registry_address=registry_address)
+
+
+async def serve_rank0(args, engine) -> None:
+    from loraplane.config import Settings
+
+    from .backend import MegatronBackend
 
     if not args.registry_address:
         raise SystemExit("--registry-address (or LORAPLANE_REGISTRY_ADDRESS) is required")
-    backend = MegatronBackend(engine=engine)
-    limits = limits_from(device_slots=args.device_slots, max_lora_rank=args.max_lora_rank,
-                         max_fused_adapters=args.max_fused_adapters)
-    registry = RegistryClient(args.registry_address, timeout=limits.registry_timeout_s)
-    service = MegatronTrainerService(backend, registry, limits)
-    server = GrpcServer(args.host, args.port)
-    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
-    server.add_service(SERVICE_NAME)
-    await server.start()
-    trainer = RunningTrainer(server=server, service=service, registry=registry, settings=Settings(),
-                             registry_address=args.registry_address)
+    trainer = await start_megatron_trainer_server(
+        Settings(), backend=MegatronBackend(engine=engine), registry_address=args.registry_address,
+        host=args.host, port=args.port, device_slots=args.device_slots, max_lora_rank=args.max_lora_rank,
+        max_fused_adapters=args.max_fused_adapters)
     print(f"TRAINER_READY {trainer.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
