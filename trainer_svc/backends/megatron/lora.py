@@ -13,8 +13,9 @@ Tensor parallel (no sequence parallel):
     ``reduce_from_tensor_model_parallel_region`` (all-reduce forward), so every rank holds the full low-rank
     activation, and B's gradient is identical on every rank.
 
-Routing: a batch ``[b, s]`` is split into contiguous row ranges, each with its own adapter (or none); each
-adapter's delta is computed from its rows only, so its gradient lands only in its own tensors.
+Routing: a batch ``[b, s]`` is split into contiguous row ranges, each with its own adapter (or none). One adapter:
+the plain PEFT term. Several: their A's and B's are stacked along the rank dimension and a per-row mask keeps each
+row's own block (see ``MegatronLora._delta``), so each adapter's gradient comes only from its own rows.
 """
 
 from __future__ import annotations
