@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--datums", type=int, default=16, help="datums per training batch")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--lora-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="dtype of the LoRA matmuls (auto = --dtype)")
     ap.add_argument("--out", default="bench/results/trainer_megatron.json")
     args = ap.parse_args()
 
@@ -72,7 +74,8 @@ def main() -> None:
     init_parallel(1)
     dtype = getattr(torch, args.dtype)
     base = load_base_model(args.base_model, device="cpu", dtype=torch.float32)
-    backend = MegatronBackend(engine=Engine(base, device_slots=8, dtype=dtype))
+    lora_dtype = None if args.lora_dtype == "auto" else getattr(torch, args.lora_dtype)
+    backend = MegatronBackend(engine=Engine(base, device_slots=8, dtype=dtype, lora_compute_dtype=lora_dtype))
     engine = backend.engine
     hyper = AdamHyper(learning_rate=1e-4)
     g = torch.Generator().manual_seed(0)
@@ -90,7 +93,7 @@ def main() -> None:
         return out
 
     results: dict[str, object] = {"device": torch.cuda.get_device_name(), "base_model": base.name, "rank": args.rank,
-                                  "dtype": args.dtype, "seq_len": args.seq_len, "datums_per_batch": args.datums,
+                                  "dtype": args.dtype, "lora_dtype": args.lora_dtype, "seq_len": args.seq_len, "datums_per_batch": args.datums,
                                   "torch": torch.__version__}
 
     # -- training throughput --------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ case "$mode" in
     pytest_gpu 2>&1 | tee "$OUT/gpu_tests.log"
     python3 bench/trainer_megatron.py 2>&1 | grep -v -i warn | tee "$OUT/bench.log"
     cp bench/results/trainer_megatron.json "$OUT/" 2>/dev/null
+    python3 bench/trainer_megatron.py --lora-dtype float32 --out bench/results/trainer_megatron_lora_fp32.json 2>&1 \
+      | grep -v -i warn | tail -18 | tee "$OUT/bench_lora_fp32.log"
     ;;
   tp2)
     install

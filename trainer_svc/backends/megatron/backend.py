@@ -127,7 +127,7 @@ class MegatronBackend(TrainerBackend):
 
     def __init__(self, base_model: str | BaseModel = "smollm2-135m-instruct", *, tensor_parallel_size: int = 1,
                  device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
-                 lora_compute_dtype: torch.dtype = torch.float32, engine: Engine | None = None,
+                 lora_compute_dtype: torch.dtype | None = None, engine: Engine | None = None,
                  driver: Driver | None = None):
         if engine is None:
             from .model import init_parallel

@@ -120,7 +120,9 @@ class BatchResult:
 
 class Engine:
     def __init__(self, base, *, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
-                 lora_compute_dtype: torch.dtype = torch.float32, data_parallel_size: int | None = None):
+                 lora_compute_dtype: torch.dtype | None = None, data_parallel_size: int | None = None):
+        """``lora_compute_dtype``: dtype of the LoRA matmuls (None = the model's dtype, as megatron's own adapters
+        do; the fp32 masters and their gradients stay fp32 either way)."""
         from megatron.core import parallel_state as ps
 
         self.base = base
@@ -136,7 +138,7 @@ class Engine:
             raise ValueError(f"data_parallel_size={data_parallel_size} but the job has {self.dp} data-parallel ranks")
         self.model, self.spec = build_from_hf(base.model, dtype, self.device)
         self.shape = self.spec.shape
-        self.lora = MegatronLora(self.model, self.shape, compute_dtype=lora_compute_dtype)
+        self.lora = MegatronLora(self.model, self.shape, compute_dtype=lora_compute_dtype or dtype)
         self.device_slots = int(device_slots)
         self.slots: dict[str, Slot] = {}
         self.resident: OrderedDict[str, None] = OrderedDict()  # LRU first

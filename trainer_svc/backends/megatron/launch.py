@@ -36,13 +36,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-lora-rank", type=int, default=128)
     p.add_argument("--max-fused-adapters", type=int, default=8)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--lora-dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--lora-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="dtype of the LoRA matmuls; auto = --dtype (masters and grads are fp32 regardless)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 
 def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size: int, device_slots: int,
-                 dtype: torch.dtype, lora_dtype: torch.dtype):
+                 dtype: torch.dtype, lora_dtype: torch.dtype | None):
     from loraplane.models import load_base_model
 
     from .engine import Engine
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(args.base_model, args.tensor_parallel_size, args.data_parallel_size, args.device_slots,
-                          DTYPES[args.dtype], DTYPES[args.lora_dtype])
+                          DTYPES[args.dtype], DTYPES.get(args.lora_dtype))
     import torch.distributed as dist
 
     from .backend import Driver
