@@ -3,7 +3,7 @@
 Each iteration, per tenant:
   1. publish the current weights (a new version) and get a SamplingClient pinned to it;
   2. sample a group of G completions for each of B problems, keeping the sampler's per-token logprobs;
-  3. reward each completion (1 if its first number is the right answer, +0.2 if it starts with a number);
+  3. reward each completion from its first number: 1 if right, partial credit (up to 0.3) if close, else 0;
   4. advantages = reward minus the group mean, divided by the group std (groups with equal rewards carry no signal
      and are dropped);
   5. one `importance_sampling` forward_backward over all completions (loss -Σ exp(lp - q)·A, q = sampler logprob,
@@ -50,13 +50,16 @@ class Problem:
 
 
 def reward(problem: Problem, completion: str) -> tuple[float, bool]:
-    """(reward, correct). Verifiable: the first integer in the completion against the true answer, plus a small
-    bonus for answering with a number first (the format the prompt asks for)."""
-    text = completion.strip()
-    found = NUMBER.search(text)
-    correct = bool(found and int(found.group()) == problem.answer)
-    starts_with_number = bool(found and found.start() == 0)
-    return float(correct) + 0.2 * float(starts_with_number), correct
+    """(reward, correct). Verifiable from the first integer in the completion: 1 for the right answer, else partial
+    credit for being close (0.3 at distance 0, falling to 0 at distance 5), 0 without a number. The partial credit
+    keeps groups from being all-equal (no signal) while the model is still mostly wrong."""
+    found = NUMBER.search(completion)
+    if not found:
+        return 0.0, False
+    guess = int(found.group())
+    if guess == problem.answer:
+        return 1.0, True
+    return 0.3 * max(0.0, 1.0 - abs(guess - problem.answer) / 5.0), False
 
 
 def group_advantages(rewards: list[float]) -> list[float] | None:
@@ -108,7 +111,8 @@ class TenantRun:
 def run_tenant(service: ServiceClient, tokenizer, run: TenantRun, args, print_lock: threading.Lock) -> None:
     rng = random.Random(run.seed)
     training: TrainingClient = service.create_lora_training_client(
-        args.model, rank=args.rank, alpha=args.rank, seed=run.seed, name=run.name, exist_ok=True)
+        args.model, rank=args.rank, alpha=args.rank, seed=run.seed, name=run.name, exist_ok=True,
+        keep_last=4)  # one version per iteration: let the registry drop the old ones
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=stop_ids(tokenizer))
     adam = AdamParams(learning_rate=args.learning_rate, beta1=0.9, beta2=0.999, eps=1e-8)
     for iteration in range(1, args.iterations + 1):
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8, help="completions per problem (G)")
     parser.add_argument("--max-tokens", type=int, default=6)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--learning-rate", type=float, default=4e-4)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--ops", default="+,+", help="one operation per tenant, comma-separated (+ - *)")
     parser.add_argument("--window", type=int, default=4, help="iterations averaged for first/last reward")
     parser.add_argument("--out", type=Path, default=Path("rl_results.json"))

@@ -299,3 +299,32 @@ def test_tokenizer_comes_from_the_trainer(cluster):
     assert tokenizer.eos_token is not None
     info = service.get_server_capabilities()
     assert info.base_model == "tiny" and "cross_entropy" in info.supported_losses
+
+
+def test_rl_step_with_sampler_logprobs_and_importance_sampling(cluster):
+    """The RL path of examples/rl_loop.py: sample at temperature 1 from a published version, then the trainer's
+    learner logprobs of those tokens equal the sampler's (ratio 1), so the importance_sampling loss is -Σ A."""
+    service = service_for(cluster)
+    training = service.create_lora_training_client("tiny", rank=4, seed=9, name="e2e/rl")
+    training.forward_backward(batch(3)).result(60)
+    training.optim_step(ADAM).result(60)
+    sampling = training.save_weights_for_sampler().result(60)
+    prompt = [3, 40, 41, 42, 43]
+    reply = sampling.sample(prompt, 4, SamplingParams(max_tokens=5, temperature=1.0, seed=123)).result(60)
+    assert reply.served_version == sampling.version
+    data, expected_loss = [], 0.0
+    for index, sequence in enumerate(reply.sequences):
+        advantage = [1.0, -1.0, 0.5, -0.5][index]
+        tokens = prompt + sequence.tokens
+        data.append(Datum(ModelInput(tokens[:-1]), {
+            "target_tokens": tokens[1:],
+            "logprobs": [0.0] * (len(prompt) - 1) + sequence.logprobs,
+            "advantages": [0.0] * (len(prompt) - 1) + [advantage] * len(sequence.tokens)}))
+        expected_loss -= advantage * len(sequence.tokens)
+    output = training.forward_backward(data, "importance_sampling").result(60)
+    for sequence, out in zip(reply.sequences, output.loss_fn_outputs, strict=True):
+        learner = out["logprobs"].tolist()[len(prompt) - 1:]
+        assert learner == pytest.approx(sequence.logprobs, abs=1e-4)
+    assert output.loss == pytest.approx(expected_loss, abs=1e-3)
+    step = training.optim_step(ADAM).result(60)
+    assert step.grad_norm > 0 and not step.skipped
