@@ -31,6 +31,8 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    # Benchmarks only (not in the contract): keep generating through end-of-sequence tokens.
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:

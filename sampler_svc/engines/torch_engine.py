@@ -16,6 +16,7 @@ Prefill runs alone (one request, its true length), so prompt logprobs are batch-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -55,9 +56,12 @@ class _DecodeLora:
     """Per-row LoRA routing for decode steps whose per-row results are independent of the batch composition.
 
     `loraplane.lora.lora_routing` gathers each adapter's rows and multiplies them as one group, so the matmul shape
-    (and with it the BLAS reduction order) changes with how many rows share the adapter. Here each group is padded
-    to a fixed bucket before `lora_delta`, so a row gets bit-identical deltas alone or in any batch.
-    TODO(loraplane.lora): fold this padding into lora_routing and drop this class.
+    (and with it the BLAS reduction order) changes with how many rows share the adapter. Here the decode batch is
+    ordered so that each adapter's rows are one contiguous slice, cut into chunks of `bucket` rows; each chunk's
+    delta is computed with `lora_delta` on a fixed-size window of `bucket` rows of the (padded) batch that covers
+    the chunk, and added to the chunk's rows only. Every LoRA matmul therefore has the same shape whatever the batch
+    holds, and there is no gather/scatter: a few kernels per chunk, and little wasted work for small groups.
+    TODO(loraplane.lora): offer this batch-invariant mode in lora_routing and drop this class.
     """
 
     def __init__(self, model, target_modules: Sequence[str], bucket: int):
@@ -75,41 +79,36 @@ class _DecodeLora:
         for handle in self._handles:
             handle.remove()
 
-    def route(self, groups: list[tuple[AdapterTensors, torch.Tensor]]):
-        engine = self
-
-        class _Scope:
-            def __enter__(self):
-                engine._local.groups = groups
-
-            def __exit__(self, *exc):
-                engine._local.groups = None
-
-        return _Scope()
+    @contextlib.contextmanager
+    def route(self, slices: list[tuple[AdapterTensors, int, int]]):
+        """slices: (adapter, first row, end row) for each adapter present in the batch."""
+        self._local.slices = slices
+        try:
+            yield
+        finally:
+            self._local.slices = None
 
     def _hook(self, key):
         def hook(_module, inputs, output):
-            groups = getattr(self._local, "groups", None)
-            if not groups:
+            slices = getattr(self._local, "slices", None)
+            if not slices:
                 return None
             x = inputs[0]
             flat_x = x.reshape(-1, x.shape[-1])
             flat_out = output.reshape(-1, output.shape[-1])
-            delta = torch.zeros_like(flat_out)
-            touched = False
-            for adapter, rows in groups:
+            rows = flat_x.shape[0]
+            bucket = min(self.bucket, rows)
+            for adapter, start, end in slices:
                 pair = adapter.modules.get(key)
                 if pair is None or pair[0] is None or pair[1] is None:
                     continue
                 a, b = pair
-                count = rows.numel()
-                padded = flat_x.new_zeros((_pad_rows(count, self.bucket), flat_x.shape[-1]), dtype=a.dtype)
-                padded[:count] = flat_x.index_select(0, rows).to(a.dtype)
-                delta.index_copy_(0, rows, lora_delta(padded, a, b, adapter.scale)[:count].to(flat_out.dtype))
-                touched = True
-            if not touched:
-                return None
-            return (flat_out + delta).reshape(output.shape)
+                for chunk in range(start, end, bucket):
+                    window = min(chunk, rows - bucket)
+                    delta = lora_delta(flat_x[window: window + bucket].to(a.dtype), a, b, adapter.scale)
+                    stop = min(chunk + bucket, end)
+                    flat_out[chunk:stop] += delta[chunk - window: stop - window].to(flat_out.dtype)
+            return output
 
         return hook
 
@@ -158,6 +157,7 @@ class TorchEngine(Engine):
         max_batch_rows: int = 16,
         max_queue: int = 256,
         decode_row_pad: int = 16,
+        lora_row_bucket: int = 4,
     ):
         self._base_model_name = base_model
         self._device = torch.device(device)
@@ -165,6 +165,7 @@ class TorchEngine(Engine):
         self.max_batch_rows = max_batch_rows
         self.max_queue = max_queue
         self.decode_row_pad = decode_row_pad
+        self.lora_row_bucket = min(lora_row_bucket, decode_row_pad)
         self.base: BaseModel | None = None
         self._adapters: dict[str, AdapterTensors] = {}
         self._pending: deque[_Request] = deque()
@@ -174,6 +175,9 @@ class TorchEngine(Engine):
         self._stopping = False
         self._decode_lora: _DecodeLora | None = None
         self.decode_steps = 0
+        # Time inside decode steps and the tokens they produced (benchmarks read decode throughput from these).
+        self.decode_seconds = 0.0
+        self.decode_tokens = 0
 
     # ------------------------------------------------------------------ Engine properties
 
@@ -210,7 +214,7 @@ class TorchEngine(Engine):
 
     async def start(self) -> None:
         self.base = await asyncio.to_thread(load_base_model, self._base_model_name, str(self._device), self._dtype)
-        self._decode_lora = _DecodeLora(self.base.model, tuple(self.base.module_dims), self.decode_row_pad)
+        self._decode_lora = _DecodeLora(self.base.model, tuple(self.base.module_dims), self.lora_row_bucket)
         self._worker = threading.Thread(target=self._run_worker, name="torch-engine", daemon=True)
         self._worker.start()
 
@@ -261,7 +265,9 @@ class TorchEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         base = self._require_base()
-        stop_ids = frozenset(request.options.stop_token_ids) | frozenset(base.eos_token_ids)
+        stop_ids = frozenset(request.options.stop_token_ids)
+        if not request.options.ignore_eos:
+            stop_ids |= frozenset(base.eos_token_ids)
         state = _Request(request=request, adapter=self._adapter(request.adapter_key),
                          loop=asyncio.get_running_loop(), updates=asyncio.Queue(), stop_token_ids=stop_ids,
                          rows_left=request.num_samples)
@@ -373,20 +379,31 @@ class TorchEngine(Engine):
         return logits, torch.stack(keys), torch.stack(values)
 
     def _decode_step(self) -> None:
+        started = time.perf_counter()
+        self._decode_step_inner()
+        self.decode_seconds += time.perf_counter() - started
+
+    def _decode_step_inner(self) -> None:
         base = self._require_base()
         model = base.model
-        rows = self._rows
+        # Rows of one adapter side by side (row order changes no row's result: every op is per row or a
+        # fixed-shape matmul); base-model rows first.
+        rows = sorted(self._rows, key=lambda row: (row.owner.adapter is not None, id(row.owner.adapter)))
         count = len(rows)
         padded = _pad_rows(count, self.decode_row_pad)
         ids = torch.zeros((padded, 1), dtype=torch.long, device=self._device)
         positions = torch.zeros((padded, 1), dtype=torch.long, device=self._device)
         ids[:count, 0] = torch.tensor([row.last_token for row in rows], device=self._device)
         positions[:count, 0] = torch.tensor([row.length for row in rows], device=self._device)
-        groups: dict[int, tuple[AdapterTensors, list[int]]] = {}
+        routed: list[tuple[AdapterTensors, int, int]] = []
         for index, row in enumerate(rows):
-            if row.owner.adapter is not None:
-                groups.setdefault(id(row.owner.adapter), (row.owner.adapter, []))[1].append(index)
-        routed = [(adapter, torch.tensor(indices, device=self._device)) for adapter, indices in groups.values()]
+            adapter = row.owner.adapter
+            if adapter is None:
+                continue
+            if routed and routed[-1][0] is adapter:
+                routed[-1] = (adapter, routed[-1][1], index + 1)
+            else:
+                routed.append((adapter, index, index + 1))
         assert self._decode_lora is not None
         hidden = model.model.embed_tokens(ids)
         cos, sin = model.model.rotary_emb(hidden, positions)
@@ -409,6 +426,7 @@ class TorchEngine(Engine):
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             logits = model.lm_head(model.model.norm(hidden))[:count, 0].float()
         self.decode_steps += 1
+        self.decode_tokens += count
         for index, row in enumerate(rows):
             row.length += 1
             if not row.owner.cancelled:

@@ -1,0 +1,201 @@
+"""Sampler benchmarks (torch engine, CPU by default).
+
+1. publish -> first sample served on the new version: a rank-16 SmolLM2 adapter is published to a real registry
+   (Valkey + SeaweedFS on loopback) and immediately requested by version through the sampler's gRPC API (the RL
+   loop's pattern); also the time until the sampler's watcher has loaded it without any request.
+2. decode tokens/s of a 16-row batch: base model without LoRA, all rows on 1 adapter, rows spread over 8 adapters.
+   Decode-only throughput (engine counters; prefill excluded).
+
+Prints a table and JSON, writes bench/results/sampler.json.
+    python bench/sampler.py [--iterations 20] [--model smollm2-135m-instruct] [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from loraplane.adapter_format import serialize_adapter  # noqa: E402
+from loraplane.config import Settings  # noqa: E402
+from loraplane.local.processes import seaweed_s3_server, valkey_server  # noqa: E402
+from loraplane.lora import LoraSpec, init_lora_params  # noqa: E402
+from loraplane.models import load_base_model  # noqa: E402
+from loraplane.registry_client import RegistryClient  # noqa: E402
+from loraplane.rpc import channel_options  # noqa: E402
+from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc  # noqa: E402
+from registry_svc.server import start_registry_server  # noqa: E402
+from sampler_svc.engines.base import GenerationRequest, SamplingOptions  # noqa: E402
+from sampler_svc.server import start_sampler_server  # noqa: E402
+
+
+def adapter_blob(base, seed: int, rank: int = 16) -> bytes:
+    spec = LoraSpec.create(rank, 2.0 * rank, seed=seed)
+    params = init_lora_params(base, spec)
+    generator = torch.Generator().manual_seed(seed)
+    for key in params:
+        if key.endswith("lora_B.weight"):
+            params[key] = torch.randn(params[key].shape, generator=generator) * 0.01
+    return serialize_adapter(params, spec, base.name)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+async def publish_to_first_sample(model: str, iterations: int, workdir: Path) -> dict:
+    valkey = valkey_server(workdir / "valkey")
+    seaweed = seaweed_s3_server(workdir / "seaweed")
+    valkey.start()
+    seaweed.start()
+    settings = Settings(redis_url=valkey.url, s3_endpoint=seaweed.endpoint, s3_access_key=seaweed.access_key,
+                        s3_secret_key=seaweed.secret_key, s3_bucket="bench-sampler", key_prefix="bench:",
+                        data_dir=workdir)
+    registry = await start_registry_server(settings)
+    sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=model,
+                                         instance_id="bench")
+    client = RegistryClient(registry.address)
+    base = sampler.engine.base
+    try:
+        await client.create_adapter("bench", base_model=model)
+        blobs = [adapter_blob(base, seed) for seed in range(2 * iterations + 2)]
+        channel = grpc.aio.insecure_channel(sampler.address, options=channel_options())
+        stub = sampler_pb2_grpc.SamplerServiceStub(channel)
+        request_path, watcher_path = [], []
+        prompt = list(range(100, 132))
+        # Warm-up: first load pays one-time costs (allocator, kernels).
+        warm = await client.publish("bench", blobs[-1])
+        await stub.Sample(sampler_pb2.SampleRequest(adapter=common_pb2.AdapterRef(name="bench", version=warm.version),
+                                                    prompt_tokens=prompt,
+                                                    sampling_params=common_pb2.SamplingParams(max_tokens=1)))
+        for index in range(iterations):
+            # (a) publish, then request that version at once (on-demand load joins the watcher's load, if any).
+            started = time.perf_counter()
+            version = await client.publish("bench", blobs[2 * index])
+            reply = await stub.Sample(sampler_pb2.SampleRequest(
+                adapter=common_pb2.AdapterRef(name="bench", version=version.version), prompt_tokens=prompt,
+                sampling_params=common_pb2.SamplingParams(max_tokens=1)))
+            assert reply.served_version == version.version
+            request_path.append(time.perf_counter() - started)
+            # (b) publish and wait for the watcher alone to have it loaded.
+            started = time.perf_counter()
+            version = await client.publish("bench", blobs[2 * index + 1])
+            key = f"bench@v{version.version}"
+            while key not in {e.key for e in sampler.manager.list_loaded()}:
+                await asyncio.sleep(0.002)
+            watcher_path.append(time.perf_counter() - started)
+        await channel.close()
+    finally:
+        await client.close()
+        await sampler.stop()
+        await registry.stop()
+        seaweed.stop()
+        valkey.stop()
+    blob_mb = len(blobs[0]) / 1e6
+    return {
+        "adapter_mb": round(blob_mb, 2),
+        "iterations": iterations,
+        "publish_then_sample_ms": {"p50": percentile(request_path, 50) * 1e3, "p99": percentile(request_path, 99) * 1e3},
+        "publish_then_watcher_loaded_ms": {"p50": percentile(watcher_path, 50) * 1e3,
+                                           "p99": percentile(watcher_path, 99) * 1e3},
+    }
+
+
+async def decode_throughput(model: str, tokens: int, repeats: int) -> dict:
+    from sampler_svc.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(model, max_batch_rows=16)
+    await engine.start()
+    try:
+        for index in range(8):
+            await engine.load_adapter(f"a{index}@v1", adapter_blob(engine.base, 1000 + index))
+        configs = {
+            "base (no LoRA)": [None] * 16,
+            "1 adapter": ["a0@v1"] * 16,
+            "8 adapters": [f"a{i % 8}@v1" for i in range(16)],
+        }
+
+        async def run(keys: list[str | None]) -> float:
+            requests = [GenerationRequest(prompt_tokens=tuple(range(100 + i, 132 + i)),
+                                          options=SamplingOptions(max_tokens=tokens, seed=i, ignore_eos=True),
+                                          adapter_key=key) for i, key in enumerate(keys)]
+
+            async def one(request):
+                async for _ in engine.generate(request):
+                    pass
+
+            seconds, produced = engine.decode_seconds, engine.decode_tokens
+            await asyncio.gather(*(one(r) for r in requests))
+            return (engine.decode_tokens - produced) / (engine.decode_seconds - seconds)
+
+        rates: dict[str, list[float]] = {name: [] for name in configs}
+        await run(configs["1 adapter"])  # warm-up
+        # Interleaved repeats, so load from other processes hits every configuration alike.
+        for _ in range(repeats):
+            for name, keys in configs.items():
+                rates[name].append(await run(keys))
+    finally:
+        await engine.stop()
+    result = {name: statistics.median(values) for name, values in rates.items()}
+    return {
+        "rows": 16,
+        "new_tokens_per_row": tokens,
+        "tokens_per_s": result,
+        "ratio_8_vs_1_adapter": result["8 adapters"] / result["1 adapter"],
+        "ratio_1_adapter_vs_base": result["1 adapter"] / result["base (no LoRA)"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
+    args = parser.parse_args()
+    results: dict = {"model": args.model, "engine": "torch", "device": "cpu",
+                     "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    if not args.skip_latency:
+        with tempfile.TemporaryDirectory(prefix="bench-sampler-") as workdir:
+            results["publish_to_first_sample"] = asyncio.run(
+                publish_to_first_sample(args.model, args.iterations, Path(workdir)))
+    if not args.skip_decode:
+        results["decode"] = asyncio.run(decode_throughput(args.model, args.tokens, args.repeats))
+
+    print(json.dumps(results, indent=2))
+    print()
+    print(f"{'metric':<52} {'value':>12}")
+    if "publish_to_first_sample" in results:
+        latency = results["publish_to_first_sample"]
+        for name in ("publish_then_sample_ms", "publish_then_watcher_loaded_ms"):
+            for q in ("p50", "p99"):
+                print(f"{name + ' ' + q + ' (' + str(latency['adapter_mb']) + ' MB)':<52} {latency[name][q]:>12.1f}")
+    if "decode" in results:
+        decode = results["decode"]
+        for name, rate in decode["tokens_per_s"].items():
+            print(f"{'decode tok/s, 16 rows, ' + name:<52} {rate:>12.1f}")
+        print(f"{'ratio 8 adapters / 1 adapter (target >= 0.8)':<52} {decode['ratio_8_vs_1_adapter']:>12.2f}")
+        print(f"{'ratio 1 adapter / base':<52} {decode['ratio_1_adapter_vs_base']:>12.2f}")
+    out = REPO / "bench" / "results" / "sampler.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
