@@ -76,7 +76,7 @@ def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 async for item in method(self, request, context):
                     yield item
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 if _passthrough(exc):
                     raise
                 await _abort(context, exc)
@@ -86,7 +86,7 @@ def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     async def unary_wrapper(self, request, context):
         try:
             return await method(self, request, context)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             if _passthrough(exc):
                 raise
             await _abort(context, exc)

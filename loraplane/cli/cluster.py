@@ -11,7 +11,12 @@ from rich.table import Table
 from loraplane.cli import app
 from loraplane.config import Settings
 from loraplane.local.cluster import (
-    SERVICE_NAMES, ClusterState, component_health, read_cluster_state, start_cluster, stop_cluster,
+    SERVICE_NAMES,
+    ClusterState,
+    component_health,
+    read_cluster_state,
+    start_cluster,
+    stop_cluster,
 )
 from loraplane.local.processes import ProcessStartError
 

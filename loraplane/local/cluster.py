@@ -7,6 +7,7 @@ the data dir, which `loraplane down` and `loraplane status` read.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -17,7 +18,13 @@ from pathlib import Path
 
 from loraplane.config import Settings
 from loraplane.local.processes import (
-    LOOPBACK, ManagedProcess, ProcessStartError, free_port, seaweed_s3_server, valkey_server, wait_until,
+    LOOPBACK,
+    ManagedProcess,
+    ProcessStartError,
+    free_port,
+    seaweed_s3_server,
+    valkey_server,
+    wait_until,
 )
 from loraplane.rpc import check_health
 
@@ -145,8 +152,8 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
             address = f"{LOOPBACK}:{port}"
             state.components.append(ComponentState(spec.name, "service", address, proc.pid, str(proc.log_path)))
             state.save()
-            wait_until(lambda: check_health(address, spec.grpc_service, timeout=1.0), spec.start_timeout,
-                       spec.name, proc)
+            wait_until(functools.partial(check_health, address, spec.grpc_service, timeout=1.0),
+                       spec.start_timeout, spec.name, proc)
             env[spec.address_env] = address
     except BaseException:
         stop_cluster(state)

@@ -13,9 +13,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 LOOPBACK = "127.0.0.1"
 
@@ -38,7 +38,7 @@ def port_open(port: int, host: str = LOOPBACK) -> bool:
         return False
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str, proc: "ManagedProcess | None" = None) -> None:
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, proc: ManagedProcess | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -63,14 +63,11 @@ class ManagedProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env, cwd=self.cwd, start_new_session=True,
             )
-        finally:
-            log.close()
 
     @property
     def pid(self) -> int | None:

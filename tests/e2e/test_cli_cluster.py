@@ -11,7 +11,7 @@ from loraplane.local.cluster import pid_alive, read_cluster_state
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "from loraplane.cli import app; app()", *args],
-                          capture_output=True, text=True, timeout=timeout,
+                          capture_output=True, text=True, timeout=timeout, check=False,
                           env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 
