@@ -223,3 +223,44 @@ def _publish_when_reachable(live, adapter: str, blob: bytes, timeout: float = 20
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def test_redis_down_keeps_serving_and_persists_when_back(registry, background_loop, tmp_path):
+    """The sampler's own Redis (a private Valkey, so killing it hurts no other test) dies: it keeps serving and
+    applying registry events, and writes its newer cursor once Redis is back."""
+    import json
+
+    import redis
+
+    from loraplane.local.processes import valkey_server
+
+    private = valkey_server(tmp_path / "valkey")
+    private.start()
+    settings = registry.settings.model_copy(update={"redis_url": private.url})
+    live = start_live_sampler(settings, background_loop, registry.address, instance_id="redis-outage")
+    try:
+        live.create_adapter("rd")
+        live.publish("rd", adapter_blob(1))
+        live.wait_loaded({"rd@v1"})
+        private.kill()
+        live.publish("rd", adapter_blob(2))
+        live.wait_loaded({"rd@v1", "rd@v2"})
+        stub = live.stub()
+        assert sample(stub, "rd").served_version == 2
+        deadline = time.monotonic() + 10
+        while live.manager.redis_connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not live.manager.redis_connected
+        private.start()
+        key = f"{settings.key_prefix}sampler:redis-outage:state"
+        deadline = time.monotonic() + 15
+        while True:
+            raw = redis.Redis.from_url(private.url).get(key)
+            if raw and json.loads(raw)["cursor"] == live.manager.cursor:
+                break
+            assert time.monotonic() < deadline, "sampler state not persisted after Redis came back"
+            time.sleep(0.1)
+        assert json.loads(raw)["retained"] == {"rd": [1, 2]}
+    finally:
+        live.close()
+        private.stop()
