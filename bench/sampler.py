@@ -25,20 +25,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
+import grpc
+import torch
 
-from loraplane.adapter_format import serialize_adapter  # noqa: E402
-from loraplane.config import Settings  # noqa: E402
-from loraplane.local.processes import seaweed_s3_server, valkey_server  # noqa: E402
-from loraplane.lora import LoraSpec, init_lora_params  # noqa: E402
-from loraplane.models import load_base_model  # noqa: E402
-from loraplane.registry_client import RegistryClient  # noqa: E402
-from loraplane.rpc import channel_options  # noqa: E402
-from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc  # noqa: E402
-from registry_svc.server import start_registry_server  # noqa: E402
-from sampler_svc.engines.base import GenerationRequest, SamplingOptions  # noqa: E402
-from sampler_svc.server import start_sampler_server  # noqa: E402
+from loraplane.adapter_format import serialize_adapter
+from loraplane.config import Settings
+from loraplane.local.processes import seaweed_s3_server, valkey_server
+from loraplane.lora import LoraSpec, init_lora_params
+from loraplane.registry_client import RegistryClient
+from loraplane.rpc import channel_options
+from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
+from registry_svc.server import start_registry_server
+from sampler_svc.engines.base import GenerationRequest, SamplingOptions
+from sampler_svc.server import start_sampler_server
 
 
 def adapter_blob(base, seed: int, rank: int = 16) -> bytes:

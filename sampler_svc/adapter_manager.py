@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Self
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -84,7 +85,7 @@ class Lease:
         self._released = True
         self.manager._release(self.entry)
 
-    async def __aenter__(self) -> Lease:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -150,8 +151,10 @@ class AdapterManager:
         for task in self._tasks:
             try:
                 await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+            except asyncio.CancelledError:
                 pass
+            except Exception:
+                log.exception("adapter manager task %s failed while stopping", task.get_name())
         self._tasks.clear()
         for task in list(self._flights.values()) + list(self._unloads.values()):
             task.cancel()
@@ -343,7 +346,7 @@ class AdapterManager:
             try:
                 await self.engine.unload_adapter(entry.key)
                 log.info("unloaded %s", entry.key)
-            except Exception:  # noqa: BLE001 - the version is gone from the table either way
+            except Exception:
                 log.exception("engine failed to unload %s", entry.key)
             finally:
                 if self._unloads.get(entry.key) is task:
@@ -444,7 +447,7 @@ class AdapterManager:
             except (errors.Unavailable, errors.DeadlineExceeded, redis.exceptions.RedisError, OSError) as exc:
                 self.registry_connected = False
                 log.warning("adapter watch interrupted (%s); retrying in %.2fs", exc, backoff)
-            except Exception:  # noqa: BLE001 - the watcher must survive anything and retry
+            except Exception:
                 self.registry_connected = False
                 log.exception("adapter watch failed; retrying in %.2fs", backoff)
             await asyncio.sleep(backoff)

@@ -320,7 +320,7 @@ class TorchEngine(Engine):
                     self._rows = [row for row in self._rows if not row.owner.cancelled]
                     if self._rows:
                         self._decode_step()
-            except Exception as exc:  # noqa: BLE001 - fail the requests involved, keep serving the rest
+            except Exception as exc:
                 log.exception("torch engine step failed")
                 failed = {id(row.owner): row.owner for row in self._rows}
                 failed.update({id(s): s for s in admitted})

@@ -89,7 +89,7 @@ def test_mixed_batch_equals_each_request_alone(sampler):
         sampler.publish(name, adapter_blob(100 + index))
     sampler.wait_loaded({"mix-a@v1", "mix-b@v1", "mix-c@v1"})
     stub = sampler.stub()
-    calls = [dict(name=name, seed=seed, n=n, prompt=PROMPT[: 3 + i], max_tokens=20, temperature=1.0)
+    calls = [{"name": name, "seed": seed, "n": n, "prompt": PROMPT[: 3 + i], "max_tokens": 20, "temperature": 1.0}
              for i, (name, seed, n) in enumerate([("mix-a", 1, 2), ("mix-b", 2, 1), ("", 3, 2), ("mix-c", 4, 1),
                                                   ("mix-a", 5, 1)])]
     alone = [sample(stub, **call) for call in calls]

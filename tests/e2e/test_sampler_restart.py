@@ -28,14 +28,11 @@ def start_sampler_process(registry, port: int, log_path: Path) -> subprocess.Pop
     settings = registry.settings
     env = dict(os.environ, LORAPLANE_REDIS_URL=settings.redis_url, LORAPLANE_KEY_PREFIX=settings.key_prefix,
                PYTHONPATH=str(REPO))
-    log = open(log_path, "ab")
-    try:
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sampler_svc", "--registry-address", registry.address, "--port", str(port),
              "--instance-id", "restartable", "--keep-versions", "2", "--base-model", "tiny"],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-        log.close()
     deadline = time.monotonic() + 90
     while not check_health(f"127.0.0.1:{port}", timeout=0.5):
         assert proc.poll() is None, log_path.read_text()[-3000:]
@@ -53,7 +50,7 @@ def all_events(address: str) -> list:
             while True:
                 try:
                     events.append(await asyncio.wait_for(stream.__anext__(), 1.0))
-                except (asyncio.TimeoutError, StopAsyncIteration):
+                except (TimeoutError, StopAsyncIteration):
                     break
             await stream.aclose()
         finally:
