@@ -13,6 +13,7 @@ sees its state (from ``state.params``), and afterwards reads and writes it only 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from datetime import timedelta
 
@@ -25,6 +26,8 @@ from trainer_svc.backends.base import BatchItem, DatumResult, ItemResult, ModelD
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 
 from .engine import DatumWork, Engine
+
+log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=365)  # follower ranks wait for work indefinitely
 
@@ -88,7 +91,10 @@ class Driver:
             header, tensors = self._receive()
             if header["op"] == "shutdown":
                 return
-            self._execute(header["op"], header["args"], tensors)
+            try:
+                self._execute(header["op"], header["args"], tensors)
+            except Exception:  # rank 0 hits the same error and reports it; this rank stays in step
+                log.debug("engine op %s failed on rank %d", header["op"], self.rank, exc_info=True)
 
     def shutdown(self) -> None:
         if self.world > 1 and self.rank == 0:
