@@ -265,8 +265,9 @@ class RegistryStore:
         common = {"decode_responses": True, "socket_connect_timeout": 3, "health_check_interval": 0,
                   "retry": Retry(ExponentialBackoff(cap=0.25, base=0.02), 3)}
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, **common)
-        # Blocking XREADs get their own pool and a timeout longer than the block.
-        self._watch_block_ms = 5000
+        # Blocking XREADs get their own pool and a timeout longer than the block. A short block bounds how long an
+        # abandoned read lingers (see `_next_events`); new events still arrive at once.
+        self._watch_block_ms = 1000
         self.watch_redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=self._watch_block_ms / 1000 + 10,
                                                    **common)
         self.blobs = BlobStore(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key,
@@ -277,6 +278,7 @@ class RegistryStore:
         self.events_key = self.prefix + "events"
         self._closing = asyncio.Event()
         self._active_watches = 0
+        self._pending_reads: set[asyncio.Future] = set()
 
     async def start(self) -> None:
         await self.blobs.ensure_bucket()
@@ -296,6 +298,8 @@ class RegistryStore:
 
     async def close(self) -> None:
         self.begin_shutdown()
+        if self._pending_reads:
+            await asyncio.wait(set(self._pending_reads), timeout=self._watch_block_ms / 1000 + 2)
         await self.redis.aclose()
         await self.watch_redis.aclose()
         self.blobs.close()
@@ -701,19 +705,24 @@ class RegistryStore:
             self._active_watches -= 1
 
     async def _next_events(self, last: str, closing: asyncio.Future) -> list:
-        """One blocking XREAD, abandoned (cancelled inside the loop, so its connection is released cleanly) when
-        the registry shuts down."""
+        """One blocking XREAD. It is never cancelled: redis-py's asyncio client can hang on a cancelled blocking
+        read, so an abandoned read (client gone, registry shutting down) finishes by itself within one short
+        block and `close` waits for it."""
         read = asyncio.ensure_future(
             self.watch_redis.xread({self.events_key: last}, count=512, block=self._watch_block_ms))
-        try:
-            with self._redis_errors("read the event stream"):
-                await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
-                if not read.done():
-                    raise errors.Unavailable("the registry is shutting down; resume from the last cursor elsewhere",
-                                             reason="SHUTTING_DOWN")
-                return read.result()
-        finally:
+        self._pending_reads.add(read)
+        read.add_done_callback(_forget_read(self._pending_reads))
+        with self._redis_errors("read the event stream"):
+            await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
             if not read.done():
-                read.cancel()
-                with contextlib.suppress(BaseException):
-                    await read
+                raise errors.Unavailable("the registry is shutting down; resume from the last cursor elsewhere",
+                                         reason="SHUTTING_DOWN")
+            return read.result()
+
+
+def _forget_read(pending: set[asyncio.Future]):
+    def forget(read: asyncio.Future) -> None:
+        pending.discard(read)
+        if not read.cancelled():
+            read.exception()  # retrieved, so an abandoned read's error is not reported as never retrieved
+    return forget

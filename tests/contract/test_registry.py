@@ -165,6 +165,7 @@ def test_list_adapters_pagination_and_prefix(registry, registry_stub):
     assert [a.name for a in stub.ListAdapters(E.ListAdaptersRequest(page_size=0)).adapters] == names
     assert [a.name for a in stub.ListAdapters(E.ListAdaptersRequest(page_size=5000)).adapters] == names
 
+    before = registry_state(stub, registry.settings)
     with rpc_error(INVALID, "page_size"):  # negative page size
         stub.ListAdapters(E.ListAdaptersRequest(page_size=-1))
     with rpc_error(INVALID, "page_token"):  # a token this registry never issued
@@ -173,6 +174,7 @@ def test_list_adapters_pagination_and_prefix(registry, registry_stub):
         stub.ListAdapters(E.ListAdaptersRequest(prefix="t2/", page_token=reply.next_page_token))
     with rpc_error(INVALID, "prefix"):  # an absurdly long prefix
         stub.ListAdapters(E.ListAdaptersRequest(prefix="p" * 200))
+    assert registry_state(stub, registry.settings) == before
 
 
 def test_delete_adapter_removes_versions_and_blobs_and_the_name_can_be_reused(registry, registry_stub):
@@ -355,6 +357,7 @@ def test_list_versions_pagination_and_kind(registry, registry_stub):
     states = stub.ListVersions(E.ListVersionsRequest(adapter="many", kind=STATE)).versions
     assert [(v.version, v.kind) for v in states] == [(2, STATE), (5, STATE)]
 
+    before = registry_state(stub, registry.settings)
     with rpc_error(NOT_FOUND, "adapter"):  # unknown adapter
         stub.ListVersions(E.ListVersionsRequest(adapter="ghost"))
     with rpc_error(INVALID, "adapter"):  # malformed adapter
@@ -365,6 +368,7 @@ def test_list_versions_pagination_and_kind(registry, registry_stub):
         stub.ListVersions(E.ListVersionsRequest(adapter="many", kind=42))
     with rpc_error(INVALID, "page_token"):  # token of a WEIGHTS listing reused for every kind
         stub.ListVersions(E.ListVersionsRequest(adapter="many", page_token=weights.next_page_token))
+    assert registry_state(stub, registry.settings) == before
 
 
 def test_delete_version(registry, registry_stub):
@@ -474,6 +478,7 @@ def test_download_whole_resumed_and_by_alias(registry, registry_stub):
               if not r.HasField("header")]
     assert [len(c) for c in chunks] == [len(blob)]  # one 4 MiB-capped chunk holds the ~3 MiB blob
 
+    before = registry_state(stub, registry.settings)
     cases = [
         ("offset past the end", E.DownloadVersionRequest(ref=ref("dl", 1), offset=len(blob) + 1), INVALID, "offset"),
         ("chunk size over 4 MiB", E.DownloadVersionRequest(ref=ref("dl", 1), chunk_size=(4 << 20) + 1), INVALID,
@@ -487,6 +492,7 @@ def test_download_whole_resumed_and_by_alias(registry, registry_stub):
         with rpc_error(code, field) as caught:
             list(stub.DownloadVersion(request))
         assert caught.value.code() == code, what
+    assert registry_state(stub, registry.settings) == before
 
 
 def test_download_of_a_corrupted_blob_is_data_loss(registry, registry_stub):
@@ -523,6 +529,7 @@ def test_watch_events_replay_filters_and_cursor(registry, registry_stub):
     published = everything[2]
     assert published.sha256 and published.version == 1 and published.kind == WEIGHTS
 
+    before = registry_state(stub, registry.settings)
     for what, request, field in [
         ("malformed cursor", E.WatchEventsRequest(after_cursor="yesterday"), "after_cursor"),
         ("malformed adapter filter", E.WatchEventsRequest(adapter="T1/A"), "adapter"),
@@ -531,6 +538,7 @@ def test_watch_events_replay_filters_and_cursor(registry, registry_stub):
         with rpc_error(INVALID, field) as caught:
             next(iter(stub.WatchEvents(request, timeout=10)))
         assert caught.value.code() == INVALID, what
+    assert registry_state(stub, registry.settings) == before
 
 
 def test_watch_blocks_for_new_events_and_start_at_end_skips_the_backlog(registry, registry_stub):
