@@ -138,8 +138,9 @@ def run_tenant(service: ServiceClient, tokenizer, run: TenantRun, args, print_lo
         loss = float("nan")
         if data:
             backward = training.forward_backward(data, "importance_sampling")
-            training.optim_step(adam)  # pipelined: no wait for the backward's reply
+            step = training.optim_step(adam)  # pipelined: no wait for the backward's reply
             loss = backward.result().metrics.get("loss:sum", float("nan"))
+            step.result()
         row = {"iteration": iteration, "version": sampler.version, "mean_reward": statistics.fmean(rewards),
                "accuracy": sum(correct) / len(correct), "datums": len(data), "loss": loss,
                "seconds": time.monotonic() - started}
