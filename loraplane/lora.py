@@ -210,32 +210,45 @@ def _delta(x: torch.Tensor, pair, scale: float, out_dtype: torch.dtype) -> torch
     return lora_delta(x.to(a.dtype), a, b, scale).to(out_dtype)
 
 
+def _segments_out_of_place(segments, key, flat_x: torch.Tensor, flat_out: torch.Tensor) -> torch.Tensor:
+    pieces: list[torch.Tensor] = []
+    any_delta = False
+    cursor = 0
+    for start, end, adapter in segments:
+        if start > cursor:
+            pieces.append(flat_out[cursor:start])
+        pair = None if adapter is None else _module_tensors(adapter, key)
+        if pair is None:
+            pieces.append(flat_out[start:end])
+        else:
+            pieces.append(flat_out[start:end] + _delta(flat_x[start:end], pair, adapter.scale, flat_out.dtype))
+            any_delta = True
+        cursor = end
+    if not any_delta:
+        return flat_out
+    if cursor < flat_out.shape[0]:
+        pieces.append(flat_out[cursor:])
+    return torch.cat(pieces, dim=0)
+
+
 def _apply_routing(routing: _Routing, key, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     in_features = x.shape[-1]
     out_features = output.shape[-1]
     if routing.segments is not None:
         flat_x = x.reshape(-1, in_features)
         flat_out = output.reshape(-1, out_features)
-        pieces: list[torch.Tensor] = []
-        any_delta = False
-        cursor = 0
+        if torch.is_grad_enabled() and not output.requires_grad:
+            # The first LoRA'd projections (input needs no grad) return a leaf, which autograd will not update
+            # in place once a delta makes it require grad: build base + delta out of place instead.
+            return _segments_out_of_place(routing.segments, key, flat_x, flat_out).reshape(output.shape)
         for start, end, adapter in routing.segments:
-            if start > cursor:
-                pieces.append(flat_out.new_zeros(start - cursor, out_features))
             pair = None if adapter is None else _module_tensors(adapter, key)
-            if pair is None:
-                pieces.append(flat_out.new_zeros(end - start, out_features))
-            else:
-                pieces.append(_delta(flat_x[start:end], pair, adapter.scale, flat_out.dtype))
-                any_delta = True
-            cursor = end
-        if not any_delta:
-            return output
-        if cursor < flat_out.shape[0]:
-            pieces.append(flat_out.new_zeros(flat_out.shape[0] - cursor, out_features))
-        # One add of a full delta (zeros for unrouted tokens): base + 0 is exact, so every token's value depends
-        # only on its own adapter.
-        return (flat_out + torch.cat(pieces, dim=0)).reshape(output.shape)
+            if pair is not None:
+                # In place on the projection's output: nn.Linear's backward does not need its output, and this
+                # saves a full-size copy per projection. Each token gets exactly base + its own adapter's delta
+                # (the same single add as the out-of-place path), whatever else shares the batch.
+                flat_out[start:end] += _delta(flat_x[start:end], pair, adapter.scale, flat_out.dtype)
+        return output
 
     rows = routing.rows or []
     batch = x.shape[0]
