@@ -10,6 +10,7 @@ registry (embedded Valkey + SeaweedFS), on `tiny` and on SmolLM2-135M.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -21,11 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.common import environment, latency_summary, print_table, write_results
-from loraplane.config import Settings
-from loraplane.local.processes import seaweed_s3_server, valkey_server
 from loraplane.lora import LoraSpec
-from loraplane.rpc import BackgroundLoop
-from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import BatchItem, DatumInput
 from trainer_svc.backends.torch_backend import TorchBackend
 from trainer_svc.pool import AdapterPool, AdapterState
@@ -36,7 +33,26 @@ SETTINGS = {
     # model: (rank, tokens per datum, repetitions)
     "tiny": (16, 128, 30),
     "smollm2-135m-instruct": (16, 64, 6),
+    # SmolLM2-135M's exact shape with seeded random weights: for machines without the GGUF/cache (GPU runs).
+    "smollm2-shape-random": (16, 64, 6),
 }
+SMOLLM2_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+                     "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True}
+
+
+def build_backend(model: str, device: str) -> TorchBackend:
+    if model != "smollm2-shape-random":
+        return TorchBackend(model, device=device)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loraplane.models.base import from_hf_model
+    from loraplane.models.tiny import build_tiny_tokenizer
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE))
+    hf.config._attn_implementation = "sdpa"
+    return TorchBackend(from_hf_model(model, hf, build_tiny_tokenizer(), device=device))
 
 
 def make_state(backend: TorchBackend, name: str, rank: int, seed: int) -> AdapterState:
@@ -51,6 +67,11 @@ def make_state(backend: TorchBackend, name: str, rank: int, seed: int) -> Adapte
                         exp_avg_sq={k: torch.zeros_like(v) for k, v in params.items()})
 
 
+def _sync(backend: TorchBackend) -> None:
+    if backend.device.type == "cuda":
+        torch.cuda.synchronize(backend.device)
+
+
 def bench_activation(backend: TorchBackend, rank: int, runs: int) -> dict:
     pool = AdapterPool(backend.device, device_slots=1)
     for i in range(2):
@@ -60,11 +81,14 @@ def bench_activation(backend: TorchBackend, rank: int, runs: int) -> dict:
     for _ in range(runs * 4):
         started = time.perf_counter()
         pool.activate(["act0"])
+        _sync(backend)
         resident.append(time.perf_counter() - started)
     spilled = []
     for i in range(runs * 2):
+        _sync(backend)
         started = time.perf_counter()
         pool.activate([f"act{(i + 1) % 2}"])  # the other one: always a miss with one slot
+        _sync(backend)
         spilled.append(time.perf_counter() - started)
     state = pool.get("act0")
     megabytes = 3 * state.parameter_count * 4 / 1e6  # params + two moments
@@ -95,8 +119,10 @@ def bench_fused(backend: TorchBackend, rank: int, length: int, runs: int) -> dic
         for _ in range(runs):
             # Alternate so drift (thermal, other processes) hits both equally.
             for key, batch in (("single", single), ("fused", fused)):
+                _sync(backend)
                 started = time.perf_counter()
                 backend.run(batch, backward=backward)
+                _sync(backend)
                 timings[key].append(time.perf_counter() - started)
                 for state in states:
                     for tensor in state.params.values():
@@ -109,6 +135,10 @@ def bench_fused(backend: TorchBackend, rank: int, length: int, runs: int) -> dic
 
 
 def bench_publish(backend: TorchBackend, rank: int, runs: int, work: Path) -> dict:
+    from loraplane.config import Settings
+    from loraplane.local.processes import seaweed_s3_server, valkey_server
+    from loraplane.rpc import BackgroundLoop
+    from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
     from registry_svc.server import start_registry_server
     from trainer_svc.server import start_trainer_server
 
@@ -161,34 +191,44 @@ def bench_publish(backend: TorchBackend, rank: int, runs: int, work: Path) -> di
         valkey.stop()
 
 
-def run_model(model: str, quick: bool) -> dict:
+def run_model(model: str, quick: bool, device: str, publish: bool) -> dict:
     rank, length, runs = SETTINGS[model]
     if quick:
         runs = max(2, runs // 3)
     started = time.perf_counter()
-    backend = TorchBackend(model)
+    backend = build_backend(model, device)
     load_s = time.perf_counter() - started
-    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as work:
-        return {
-            "model": model,
-            "rank": rank,
-            "load_s": round(load_s, 2),
-            "threads": torch.get_num_threads(),
-            "activation": bench_activation(backend, rank, runs),
-            "fused_vs_single": bench_fused(backend, rank, length, runs),
-            "publish_weights": bench_publish(backend, rank, max(5, runs // 2), Path(work)),
-        }
+    result = {
+        "model": model,
+        "device": str(backend.device),
+        "rank": rank,
+        "tokens_per_datum": length,
+        "load_s": round(load_s, 2),
+        "threads": torch.get_num_threads(),
+        "activation": bench_activation(backend, rank, runs),
+        "fused_vs_single": bench_fused(backend, rank, length, runs),
+    }
+    if publish:
+        with tempfile.TemporaryDirectory(prefix="bench-trainer-") as work:
+            result["publish_weights"] = bench_publish(backend, rank, max(5, runs // 2), Path(work))
+    return result
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m-instruct"], choices=list(SETTINGS))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-publish", action="store_true",
+                        help="skip PublishWeights (it needs the embedded Valkey + SeaweedFS binaries)")
+    parser.add_argument("--name", default="trainer", help="results file: bench/results/<name>.json")
     args = parser.parse_args(argv)
-    results = {"environment": environment(), "target_fused_ratio": TARGET_FUSED_RATIO, "models": {}}
+    results = {"environment": environment(), "target_fused_ratio": TARGET_FUSED_RATIO,
+               "load_average": list(os.getloadavg()), "models": {}}
     for model in args.models:
-        results["models"][model] = run_model(model, args.quick)
-    path = write_results("trainer", results)
+        results["models"][model] = run_model(model, args.quick, args.device, not args.no_publish)
+    results["load_average_after"] = list(os.getloadavg())
+    path = write_results(args.name, results)
     rows = []
     for model, r in results["models"].items():
         rows.append((model, "activation resident p50 (ms)", r["activation"]["resident"]["p50_ms"]))
@@ -198,10 +238,11 @@ def main(argv=None) -> None:
             rows.append((model, f"{kind} single-tenant tokens/s", f["single_tenant_tokens_s"]))
             rows.append((model, f"{kind} fused {TENANTS}-tenant tokens/s", f["fused_8_tenant_tokens_s"]))
             rows.append((model, f"{kind} fused/single (target >= {TARGET_FUSED_RATIO})", f["ratio"]))
-        rows.append((model, f"PublishWeights p50 (ms, {r['publish_weights']['blob_mb']} MB)",
-                     r["publish_weights"]["p50_ms"]))
-        rows.append((model, "PublishWeights p99 (ms)", r["publish_weights"]["p99_ms"]))
-    print_table("trainer benchmark (torch backend, CPU)", ["model", "metric", "value"],
+        if "publish_weights" in r:
+            rows.append((model, f"PublishWeights p50 (ms, {r['publish_weights']['blob_mb']} MB)",
+                         r["publish_weights"]["p50_ms"]))
+            rows.append((model, "PublishWeights p99 (ms)", r["publish_weights"]["p99_ms"]))
+    print_table(f"trainer benchmark (torch backend, {args.device})", ["model", "metric", "value"],
                 [(m, k, f"{v:.3f}" if isinstance(v, float) else str(v)) for m, k, v in rows])
     import json
 

@@ -109,6 +109,12 @@ def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.f
     return _wrap(name, model, tokenizer, torch.device(device), dtype)
 
 
+def from_hf_model(name: str, model: PreTrainedModel, tokenizer, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> BaseModel:
+    """Wraps an already built HF causal LM (e.g. random weights in a real model's shape, for benchmarks)."""
+    return _wrap(name, model, tokenizer, torch.device(device), dtype)
+
+
 def _load_hf_dir(directory: Path, dtype: torch.dtype):
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
