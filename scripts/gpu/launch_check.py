@@ -1,0 +1,152 @@
+"""End-to-end check of the torchrun launcher: a real registry (embedded Valkey + SeaweedFS), the megatron trainer
+under torchrun (rank 0 serves gRPC, the other ranks follow), a client that trains and publishes, then SIGTERM and a
+clean exit of every rank.
+
+    python scripts/gpu/launch_check.py --nproc 2 --tp 2 [--cpu-dev]
+
+--cpu-dev runs the ranks on CPU (gloo) through scripts/gpu/cpu_shims.py; PYTHONPATH must reach megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from loraplane.adapter_format import parse_adapter
+from loraplane.config import Settings
+from loraplane.local.processes import free_port, seaweed_s3_server, valkey_server
+from loraplane.rpc import BackgroundLoop, channel_options
+from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from registry_svc.server import start_registry_server
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_ENTRY = "import scripts.gpu.cpu_shims; from trainer_svc.backends.megatron.launch import main; main()"
+
+
+def tp_friendly_model(directory: Path) -> Path:
+    """A seeded tiny Llama directory whose vocabulary (256) and KV heads (2) split over 2 ranks (the `tiny` model's
+    261-token vocabulary does not)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loraplane.models.tiny import build_tiny_tokenizer
+
+    torch.manual_seed(11)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    build_tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def rank_zero_pid(launcher: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and b"RANK=0" in env:
+            return int(entry.name)
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--cpu-dev", action="store_true")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="launch-check-"))
+    base_model = "tiny" if args.tp == 1 else str(tp_friendly_model(root / "model"))
+    valkey, seaweed = valkey_server(root / "valkey"), seaweed_s3_server(root / "seaweed")
+    valkey.start()
+    seaweed.start()
+    loop = BackgroundLoop()
+    settings = Settings(redis_url=valkey.url, s3_endpoint=seaweed.endpoint, s3_access_key=seaweed.access_key,
+                        s3_secret_key=seaweed.secret_key, s3_bucket="launch-check")
+    registry = loop.run(start_registry_server(settings, host="127.0.0.1", port=0), timeout=60)
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+    cmd += ["--no-python", sys.executable, "-c", CPU_ENTRY] if args.cpu_dev else [
+        "-m", "trainer_svc.backends.megatron.launch"]
+    cmd += ["--base-model", base_model, "--tensor-parallel-size", str(args.tp), "--device-slots", "2",
+            "--registry-address", registry.address, "--host", "127.0.0.1", "--port", str(port)]
+    if args.cpu_dev:
+        cmd += ["--dtype", "float32"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "TRAINER_READY" in line:
+                break
+            if time.time() > deadline:
+                raise TimeoutError("trainer did not start")
+        else:
+            sys.stdout.write("".join(l for l in lines if "arn" not in l)[-6000:])
+            raise RuntimeError(f"trainer exited with {proc.wait()}")
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        assert stub.GetInfo(trainer_pb2.GetInfoRequest()).backend == "megatron"
+        for i, name in enumerate(("lc-a", "lc-b", "lc-c")):
+            stub.CreateAdapter(trainer_pb2.TrainerServiceCreateAdapterRequest(
+                name=name, lora_config=common_pb2.LoraConfig(rank=4, alpha=8.0, seed=i)))
+        datum = trainer_pb2.Datum(input_tokens=list(range(10, 30)), target_tokens=list(range(11, 31)))
+        for name in ("lc-a", "lc-b", "lc-c"):
+            for seq in (1, 3):
+                stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(adapter=name, seq_id=seq, data=[datum]))
+                out = stub.OptimStep(trainer_pb2.OptimStepRequest(
+                    adapter=name, seq_id=seq + 1, adam_params=trainer_pb2.AdamParams(
+                        learning_rate=0.01, beta1=0.9, beta2=0.95, eps=1e-8)))
+            assert out.step == 2 and out.grad_norm > 0, (name, out)
+        version = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(adapter="lc-a", seq_id=5)).version
+
+        async def blob():
+            from loraplane.registry_client import RegistryClient
+
+            client = RegistryClient(registry.address)
+            try:
+                return (await client.download("lc-a", version=version.version))[1]
+            finally:
+                await client.close()
+
+        params, spec, _ = parse_adapter(loop.run(blob(), timeout=60))
+        assert spec.rank == 4 and any(v.abs().max() > 0 for k, v in params.items() if "lora_B" in k)
+        print(f"OK: {args.nproc} ranks, TP={args.tp}: trained 3 adapters on 2 slots, published v{version.version}")
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            # SIGTERM to rank 0 only: it stops serving and releases the followers; every rank must exit 0.
+            rank0 = rank_zero_pid(proc.pid)
+            os.kill(rank0, signal.SIGTERM) if rank0 else os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+            print("trainer exit code", rc)
+            if rc != 0:
+                sys.stdout.write(proc.stdout.read()[-3000:])
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            print("trainer did not exit on SIGTERM; killed")
+        loop.run(registry.stop(), timeout=30)
+        loop.close()
+        seaweed.stop()
+        valkey.stop()
+
+
+if __name__ == "__main__":
+    main()
