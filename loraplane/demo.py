@@ -331,6 +331,7 @@ def run_demo(config: DemoConfig | None = None, console=None, cluster: EmbeddedCl
                     while any(t.is_alive() for t in threads):
                         time.sleep(0.25)
                         live.update(render(config, base_answer, progress, time.monotonic() - started))
+                    live.update(render(config, base_answer, progress, time.monotonic() - started))
             else:
                 reported = {name: 0 for name in progress}
                 while any(t.is_alive() for t in threads) or any(len(p.versions) > reported[n]
@@ -345,7 +346,8 @@ def run_demo(config: DemoConfig | None = None, console=None, cluster: EmbeddedCl
             stop.set()
             for thread in threads:
                 thread.join()
-        console.print(render(config, base_answer, progress, time.monotonic() - started))
+        if not config.live:  # the live display already left its final frame on screen
+            console.print(render(config, base_answer, progress, time.monotonic() - started))
     errors = [f"{p.tenant.name}: {p.error}" for p in progress.values() if p.error]
     out = Path(config.out_dir)
     plot = write_plot(progress, out / "demo_losses.png", config.base_model)

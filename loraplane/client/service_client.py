@@ -24,7 +24,7 @@ from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2, trainer_pb2_grpc
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
-_tokenizers: dict[str, Any] = {}
+_tokenizers: dict[tuple[str, str, int], Any] = {}
 _tokenizers_lock = threading.Lock()
 
 
@@ -37,12 +37,16 @@ async def _get_info(trainer_address: str, include_tokenizer: bool, retry: RetryC
 
 
 def fetch_tokenizer(trainer_address: str, retry: RetryConfig | None = None):
-    """The trainer base model's tokenizer, built once per trainer address and process."""
+    """The trainer base model's tokenizer. Built once per (trainer, base model): a cheap GetInfo first tells whether
+    the cached one still fits the server now at that address."""
+    retry = retry or RetryConfig()
+    info = runtime().run(_get_info(trainer_address, False, retry))
+    key = (trainer_address, info.base_model, info.tokenizer.vocab_size)
     with _tokenizers_lock:
-        if trainer_address not in _tokenizers:
-            info = runtime().run(_get_info(trainer_address, True, retry or RetryConfig()))
-            _tokenizers[trainer_address] = tokenizer_from_info(info.tokenizer)
-        return _tokenizers[trainer_address]
+        if key not in _tokenizers:
+            full = runtime().run(_get_info(trainer_address, True, retry))
+            _tokenizers[key] = tokenizer_from_info(full.tokenizer)
+        return _tokenizers[key]
 
 
 class ServiceClient:
