@@ -231,8 +231,11 @@ def seaweed_s3_server(data_dir: Path, s3_port: int | None = None, access_key: st
         "-s3", f"-s3.port={s3_port}", f"-s3.port.grpc={free_port()}", f"-s3.config={s3_config}",
         # Fixed default ports of the side listeners would collide between clusters on one machine.
         f"-s3.port.iceberg={free_port()}", f"-s3.port.lance={free_port()}", f"-iam.port={free_port()}",
-        "-master.telemetry=false", "-volume.max=50", "-master.volumeSizeLimitMB=512",
+        # volume.max=0 sizes the volume count from free disk; with growth of one volume per collection (env below)
+        # a bucket per test no longer exhausts the volumes. A 1 s election makes a restarted server serve at once.
+        "-master.telemetry=false", "-volume.max=0", "-master.volumeSizeLimitMB=256", "-master.electionTimeout=1s",
         "-filer.localSocket=" + str(data_dir / "filer.sock"), "-s3.localSocket=" + str(data_dir / "s3.sock"),
     ]
-    proc = ManagedProcess("seaweedfs", argv, data_dir / "weed.log")
+    env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
+    proc = ManagedProcess("seaweedfs", argv, data_dir / "weed.log", env=env)
     return SeaweedS3Server(data_dir, s3_port, access_key, secret_key, proc)
