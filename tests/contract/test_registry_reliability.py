@@ -230,8 +230,6 @@ def test_valkey_restart_keeps_committed_versions(tmp_path, seaweed, background_l
 
 def test_s3_down_is_unavailable_with_a_clear_message_and_the_registry_recovers(tmp_path, valkey, background_loop):
     s3 = seaweed_s3_server(tmp_path / "seaweed")
-    # A restarted single master waits out a whole raft election timeout (10 s by default) before it serves.
-    s3.process.argv.append("-master.electionTimeout=1s")
     s3.start()
     live = start_live_registry(private_settings(valkey.url, s3), background_loop)
     try:
