@@ -264,3 +264,28 @@ def test_redis_down_keeps_serving_and_persists_when_back(registry, background_lo
     finally:
         live.close()
         private.stop()
+
+
+def test_lru_eviction_past_max_loaded_spares_pinned_versions(registry, background_loop):
+    live = start_live_sampler(registry.settings, background_loop, registry.address, max_loaded=2,
+                              instance_id="lru")
+    try:
+        stub = live.stub()
+        for name in ("la", "lb"):
+            live.create_adapter(name)
+            live.publish(name, adapter_blob(len(name) + ord(name[1])))
+        live.wait_loaded({"la@v1", "lb@v1"}, exact=True)
+        assert sample(stub, "la").served_version == 1  # la is now more recently used than lb
+        live.create_adapter("lc")
+        live.publish("lc", adapter_blob(77))
+        live.wait_loaded({"la@v1", "lc@v1"}, exact=True)  # lb was the least recently used
+        stub.LoadAdapter(sampler_pb2.LoadAdapterRequest(adapter=common_pb2.AdapterRef(name="lc"), pin=True))
+        assert sample(stub, "lb").served_version == 1  # loaded on demand, evicting la (lc is pinned)
+        live.wait_loaded({"lb@v1", "lc@v1"}, exact=True)
+        stub.LoadAdapter(sampler_pb2.LoadAdapterRequest(adapter=common_pb2.AdapterRef(name="lb"), pin=True))
+        with pytest.raises(grpc.RpcError) as info:
+            sample(stub, "la")
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_loaded" in info.value.details()
+    finally:
+        live.close()
