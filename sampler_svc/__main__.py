@@ -30,6 +30,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="URL of a running SGLang server (repeatable)")
     parser.add_argument("--sglang-launch", type=int, default=0,
                         help="start this many SGLang servers (one per GPU) instead of --sglang-url")
+    parser.add_argument("--sglang-max-lora-rank", type=int, default=64)
+    parser.add_argument("--sglang-max-loras-per-batch", type=int, default=8)
+    parser.add_argument("--sglang-max-loaded-loras", type=int, default=64)
+    parser.add_argument("--sglang-arg", action="append", default=[],
+                        help="extra argument for launched SGLang servers (repeatable), e.g. --sglang-arg=--dtype=bfloat16")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -42,7 +47,11 @@ async def serve(args: argparse.Namespace) -> None:
         settings, registry_address=args.registry_address, base_model=args.base_model, engine=args.engine,
         instance_id=args.instance_id, keep_versions=args.keep_versions, max_loaded=args.max_loaded,
         host=args.host, port=args.port, watch_prefix=args.watch_prefix, sglang_urls=args.sglang_url,
-        sglang_launch=args.sglang_launch, max_batch_rows=args.max_batch_rows)
+        sglang_launch=args.sglang_launch, max_batch_rows=args.max_batch_rows,
+        sglang_options={"max_lora_rank": args.sglang_max_lora_rank,
+                        "max_loras_per_batch": args.sglang_max_loras_per_batch,
+                        "max_loaded_loras": args.sglang_max_loaded_loras,
+                        "extra_server_args": args.sglang_arg})
     print(f"SAMPLER_READY {sampler.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

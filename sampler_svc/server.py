@@ -41,7 +41,7 @@ class RunningSampler:
 
 
 def build_engine(engine: str, base_model: str, settings: Settings, *, sglang_urls: Sequence[str] = (),
-                 sglang_launch: int = 0, max_batch_rows: int = 16) -> Engine:
+                 sglang_launch: int = 0, max_batch_rows: int = 16, sglang_options: dict | None = None) -> Engine:
     if engine == "torch":
         from sampler_svc.engines.torch_engine import TorchEngine
 
@@ -50,7 +50,7 @@ def build_engine(engine: str, base_model: str, settings: Settings, *, sglang_url
         from sampler_svc.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine(base_model, urls=list(sglang_urls), launch_servers=sglang_launch,
-                            work_dir=settings.data_dir / "sglang")
+                            work_dir=settings.data_dir / "sglang", **(sglang_options or {}))
     raise errors.InvalidArgument(f"unknown engine {engine!r}: use 'torch' or 'sglang'", field="engine")
 
 
@@ -69,10 +69,13 @@ async def start_sampler_server(
     sglang_urls: Sequence[str] = (),
     sglang_launch: int = 0,
     max_batch_rows: int = 16,
+    sglang_options: dict | None = None,
 ) -> RunningSampler:
+    """Starts the engine, the adapter manager (which restores its persisted state and follows the registry) and
+    the gRPC server. `sglang_options` are extra SGLangEngine keyword arguments (max_lora_rank, ...)."""
     engine_impl = engine if isinstance(engine, Engine) else build_engine(
         engine, base_model, settings, sglang_urls=sglang_urls, sglang_launch=sglang_launch,
-        max_batch_rows=max_batch_rows)
+        max_batch_rows=max_batch_rows, sglang_options=sglang_options)
     await engine_impl.start()
     registry = RegistryClient(registry_address)
     manager = AdapterManager(engine_impl, registry, redis_url=settings.redis_url, key_prefix=settings.key_prefix,

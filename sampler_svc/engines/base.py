@@ -21,7 +21,11 @@ class SamplingOptions:
     `temperature == 0` is greedy decoding. `top_k <= 0` and `top_p == 1` switch those filters off. The logprob an
     engine reports for a sampled token is always taken from the UNMODIFIED model distribution (temperature 1, no
     top-k/top-p filtering), whatever the sampling temperature: it is then directly comparable with the trainer's
-    Forward logprobs of the same tokens, which is what importance-sampling / PPO losses need as `q`.
+    Forward logprobs of the same tokens, which is what importance-sampling / PPO losses need as `q`. (The
+    probability the token was actually drawn with is a different number unless temperature is 1 and no filter is on.)
+
+    Stopping: a sequence ends after the token that is a stop token id or an end-of-sequence token of the base model,
+    or that completes a stop string; that token is included in the output.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
