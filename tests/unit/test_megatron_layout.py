@@ -137,3 +137,51 @@ def test_tensor_parallel_limits_are_named():
     smollm2.check_tensor_parallel(3)
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         smollm2.check_tensor_parallel(2)
+
+
+def test_flat_layout_puts_tensor_parallel_shards_first_with_local_shapes():
+    from loraplane.lora import LoraSpec, peft_key
+    from trainer_svc.backends.megatron.engine import flat_layout
+
+    spec = LoraSpec.create(4, 8.0, ["q_proj", "o_proj", "up_proj"], seed=0)
+    full = {}
+    for layer in range(SHAPE.num_layers):
+        for t in spec.target_modules:
+            full[peft_key(layer, t, "A")] = (4, SHAPE.in_features(t))
+            full[peft_key(layer, t, "B")] = (SHAPE.out_features(t), 4)
+    one, two = flat_layout(spec, full, 1), flat_layout(spec, full, 2)
+    assert one.sharded_numel == 0 and one.numel == sum(r * c for r, c in full.values())
+    flags = [e.sharded for e in two.entries]
+    assert flags == sorted(flags, reverse=True) and any(flags)  # sharded block first
+    for e in two.entries:
+        rows, cols = full[e.key]
+        column = e.target in ("q_proj", "up_proj")
+        assert e.sharded == ((column and e.which == "B") or (not column and e.which == "A"))
+        assert e.shape == ((rows // 2, cols) if column and e.which == "B" else
+                           (rows, cols // 2) if not column and e.which == "A" else (rows, cols))
+    offsets = [e.offset for e in two.entries]
+    assert offsets == sorted(offsets) and two.entries[-1].offset + two.entries[-1].numel == two.numel
+    assert two.sharded_numel == sum(e.numel for e in two.entries if e.sharded)
+
+
+def test_multi_adapter_mask_keeps_each_rows_own_rank_block():
+    from trainer_svc.backends.megatron.lora import LocalAdapter, RowSegment, _Routing
+
+    g = torch.Generator().manual_seed(6)
+    adapters = [LocalAdapter({(0, "q_proj"): (torch.randn(r, 8, generator=g), torch.randn(12, r, generator=g))}, s)
+                for r, s in ((2, 0.5), (3, 2.0))]
+    segments = [RowSegment(0, 2, adapters[0]), RowSegment(2, 3, None), RowSegment(3, 5, adapters[1])]
+    routing = _Routing(segments)
+    members = [(seg, seg.adapter.modules[(0, "q_proj")]) for seg in routing.with_adapter]
+    x = torch.randn(4, 5, 8, generator=g)  # [s, b, in]
+    a_cat = torch.cat([a for _, (a, _) in members], 0)
+    b_cat = torch.cat([b for _, (_, b) in members], 1)
+    fused = ((x @ a_cat.t()) * routing.mask(members, 5, torch.float32, "cpu")) @ b_cat.t()
+    for seg in segments:
+        rows = x[:, seg.start : seg.end]
+        if seg.adapter is None:
+            expected = torch.zeros(4, seg.end - seg.start, 12)
+        else:
+            a, b = seg.adapter.modules[(0, "q_proj")]
+            expected = projection_delta(rows, a, b, seg.adapter.scale)
+        torch.testing.assert_close(fused[:, seg.start : seg.end], expected)
