@@ -10,7 +10,7 @@ cached path, so this engine removes a name from its routing table BEFORE asking 
 (NotFound) any request naming a version that is not in the table: such a name never reaches SGLang.
 
 Logprobs: SGLang returns logprobs of the temperature-scaled distribution unless the server runs with
-SGLANG_RETURN_ORIGINAL_LOGPROB=1; servers this engine launches get it, so logprobs mean the same as the torch
+SGLANG_RETURN_ORIGINAL_LOGPROB=True; servers this engine launches get it, so logprobs mean the same as the torch
 engine's (unmodified distribution). Servers given by URL must be started with it. SampleStream is served
 from one non-streaming /generate call per request (tokens arrive together at the end).
 """
@@ -197,7 +197,7 @@ class SGLangEngine(Engine):
                 "--lora-target-modules", *self.lora_target_modules,
                 "--max-loras-per-batch", str(self.max_loras_per_batch),
                 "--max-loaded-loras", str(self.max_loaded_loras), *self.extra_server_args]
-        env = dict(os.environ, SGLANG_RETURN_ORIGINAL_LOGPROB="1")
+        env = dict(os.environ, SGLANG_RETURN_ORIGINAL_LOGPROB="True")
         env.setdefault("CUDA_VISIBLE_DEVICES", str(index))
         log_path = self.work_dir / f"server-{index}.log"
         with open(log_path, "ab") as out:
