@@ -26,6 +26,8 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 _tokenizers: dict[tuple[str, str, int], Any] = {}
 _tokenizers_lock = threading.Lock()
+_seq_counters: dict[tuple[str, str], SeqCounter] = {}
+_seq_lock = threading.Lock()
 
 
 async def _get_info(trainer_address: str, include_tokenizer: bool, retry: RetryConfig
@@ -65,8 +67,6 @@ class ServiceClient:
         self.retry = retry or RetryConfig()
         self.max_chunk_datums = max_chunk_datums
         self.max_chunk_bytes = max_chunk_bytes
-        self._seq_counters: dict[tuple[str, str], SeqCounter] = {}
-        self._seq_lock = threading.Lock()
         self._info: trainer_pb2.GetInfoResponse | None = None
         self._registry_client: RegistryClient | None = None
 
@@ -117,19 +117,22 @@ class ServiceClient:
 
     # ---- training clients -----------------------------------------------------------------------------------
 
-    def _counter(self, adapter: str, last_seq_id: int) -> SeqCounter:
-        with self._seq_lock:
+    def _counter(self, adapter: str, last_seq_id: int, *, created: bool) -> SeqCounter:
+        # One counter per (trainer, adapter) in the whole process, so every TrainingClient of an adapter, from any
+        # ServiceClient, numbers from the same sequence. A just-created adapter starts afresh (an old counter of
+        # that name would belong to a deleted adapter or to an earlier server at the same address).
+        with _seq_lock:
             key = (self.trainer_address, adapter)
-            counter = self._seq_counters.get(key)
-            if counter is None or counter.last < last_seq_id:
-                counter = SeqCounter(last_seq_id)
-                self._seq_counters[key] = counter
+            if created or key not in _seq_counters:
+                _seq_counters[key] = SeqCounter(last_seq_id)
+            counter = _seq_counters[key]
+            counter.advance_to(last_seq_id)
             return counter
 
-    def _training_client(self, info: TrainerAdapterInfo) -> TrainingClient:
+    def _training_client(self, info: TrainerAdapterInfo, *, created: bool = False) -> TrainingClient:
         limit = self.get_server_capabilities().max_batch_datums
         max_datums = min(self.max_chunk_datums, limit) if limit else self.max_chunk_datums
-        return TrainingClient(self, info.name, self._counter(info.name, info.last_seq_id), info=info,
+        return TrainingClient(self, info.name, self._counter(info.name, info.last_seq_id, created=created), info=info,
                               max_chunk_datums=max_datums, max_chunk_bytes=self.max_chunk_bytes, retry=self.retry)
 
     async def _create_adapter(self, request: trainer_pb2.TrainerServiceCreateAdapterRequest
@@ -175,11 +178,13 @@ class ServiceClient:
             metadata={str(k): str(v) for k, v in (metadata or {}).items()})
         try:
             info = runtime().run(self._create_adapter(request))
+            created = True
         except AlreadyExistsError:
             if not exist_ok:
                 raise
             info = runtime().run(self._find_trainer_adapter(name))
-        return self._training_client(info)
+            created = False
+        return self._training_client(info, created=created)
 
     async def create_lora_training_client_async(self, *args, **kwargs) -> TrainingClient:
         import asyncio

@@ -57,6 +57,11 @@ class SeqCounter:
             self._last += count
             return list(range(first, first + count))
 
+    def advance_to(self, last_seq_id: int) -> None:
+        """Never reuse a seq_id the trainer has already executed (e.g. sent by another process)."""
+        with self._lock:
+            self._last = max(self._last, last_seq_id)
+
     @property
     def last(self) -> int:
         return self._last

@@ -92,6 +92,9 @@ def test_sample_prints_text_of_the_requested_version(published):
     assert "team/cli-demo@v2 #1" in latest.output and "team/cli-demo@v2 #2" in latest.output
     # The generated text is printed (the line after the header is not empty for 5 tokens of the byte tokenizer).
     assert len(v1.output.strip().splitlines()) >= 2
+    chat = invoke("sample", "hello", "--adapter", "team/cli-demo", "--chat", "--trainer", trainer.address,
+                  "--sampler", sampler.address, "--max-tokens", "3")
+    assert chat.exit_code == 0 and "team/cli-demo@v2" in chat.output
     unknown = runner.invoke(app, ["sample", "hi", "--adapter", "team/none", *args])
     assert unknown.exit_code == 1 and "NOT_FOUND" in unknown.output
 
