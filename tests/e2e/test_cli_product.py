@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -108,14 +107,19 @@ def test_watch_prints_history_and_live_events(published):
     assert "created" in lines[0] and "published" in lines[1] and "v1" in lines[1] and "v2" in lines[2]
 
     service = ServiceClient(registry=registry.address)
+    stop = threading.Event()
 
-    def set_alias_soon():
-        time.sleep(1.5)
-        service.set_alias("team/cli-demo", "live", 2)
+    def keep_setting_alias():
+        # Repeated until the watcher has seen one: the watch starts at the end of the stream, whenever it connects.
+        while not stop.wait(0.5):
+            service.set_alias("team/cli-demo", "live", 2)
 
-    threading.Thread(target=set_alias_soon, daemon=True).start()
-    live = invoke("watch", "--adapter", "team/cli-demo", "--max-events", "1", "--timeout", "30",
-                  "--registry", registry.address)
+    threading.Thread(target=keep_setting_alias, daemon=True).start()
+    try:
+        live = invoke("watch", "--adapter", "team/cli-demo", "--max-events", "1", "--timeout", "30",
+                      "--registry", registry.address)
+    finally:
+        stop.set()
     assert live.exit_code == 0, live.output
     assert "alias" in live.output and "live → v2" in live.output
 
