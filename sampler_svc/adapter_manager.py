@@ -494,8 +494,15 @@ class AdapterManager:
                 self._known[adapter] = {int(v) for v in versions}
             self._pinned_keys = set(document.get("pinned", []))
             self._aliases = {a: {k: int(v) for k, v in m.items()} for a, m in document.get("aliases", {}).items()}
-            for adapter in list(self._known):
-                await self._load_retained(adapter)
+            # Adapters reload side by side (a few downloads at a time): a restart of a sampler serving many
+            # adapters should not take one download round trip per version.
+            limit = asyncio.Semaphore(4)
+
+            async def reload(adapter: str) -> None:
+                async with limit:
+                    await self._load_retained(adapter)
+
+            await asyncio.gather(*(reload(adapter) for adapter in list(self._known)))
             for key in list(self._pinned_keys):
                 if key not in self._loaded:
                     adapter, _, version = key.rpartition("@v")
