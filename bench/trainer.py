@@ -106,7 +106,11 @@ def datums(vocab: int, count: int, length: int, seed: int) -> list[DatumInput]:
 
 
 def bench_fused(backend: TorchBackend, rank: int, length: int, runs: int) -> dict:
-    states = [make_state(backend, f"tenant{i}", rank, 100 + i) for i in range(TENANTS)]
+    pool = AdapterPool(backend.device, device_slots=TENANTS)
+    for i in range(TENANTS):
+        pool.add(make_state(backend, f"tenant{i}", rank, 100 + i))
+    # As the service does: the pool puts each adapter's tensors on the device.
+    states = pool.activate([f"tenant{i}" for i in range(TENANTS)])
     data = datums(backend.description.vocab_size, TENANTS, length, 7)
     single = [BatchItem(states[0], data, "cross_entropy", {})]
     fused = [BatchItem(state, [d], "cross_entropy", {}) for state, d in zip(states, data)]

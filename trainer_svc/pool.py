@@ -31,6 +31,8 @@ class AdapterState:
     resident: bool = False
     created: float = field(default_factory=time.time)
     metadata: dict[str, str] = field(default_factory=dict)
+    # Reused host memory for spills (pinned on CUDA), created at the first spill.
+    host_buffers: dict[str, dict[str, torch.Tensor]] | None = field(default=None, repr=False)
 
     @property
     def parameter_count(self) -> int:
@@ -142,10 +144,23 @@ class AdapterPool:
         self._resident[state.name] = None
 
     def _spill(self, state: AdapterState) -> None:
-        cpu = torch.device("cpu")
-        state.params = {k: _leaf(_to(v, cpu, self._pin), grad=v.grad) for k, v in state.params.items()}
-        state.exp_avg = {k: _to(v, cpu, self._pin) for k, v in state.exp_avg.items()}
-        state.exp_avg_sq = {k: _to(v, cpu, self._pin) for k, v in state.exp_avg_sq.items()}
+        # Copy into the adapter's own host buffers, allocated once: pinned allocations (cudaHostAlloc) cost far
+        # more than the copy itself, so a spill must not allocate them every time.
+        buffers = state.host_buffers
+        if buffers is None or set(buffers["params"]) != set(state.params):
+            buffers = state.host_buffers = {
+                "params": {k: _to(v, torch.device("cpu"), self._pin) for k, v in state.params.items()},
+                "exp_avg": {k: _to(v, torch.device("cpu"), self._pin) for k, v in state.exp_avg.items()},
+                "exp_avg_sq": {k: _to(v, torch.device("cpu"), self._pin) for k, v in state.exp_avg_sq.items()},
+            }
+        else:
+            with torch.no_grad():
+                for group in ("params", "exp_avg", "exp_avg_sq"):
+                    for key, tensor in getattr(state, group).items():
+                        buffers[group][key].copy_(tensor.detach())
+        state.params = {k: _leaf(buffers["params"][k], grad=v.grad) for k, v in state.params.items()}
+        state.exp_avg = dict(buffers["exp_avg"])
+        state.exp_avg_sq = dict(buffers["exp_avg_sq"])
         state.resident = False
         self._resident.pop(state.name, None)
 
@@ -162,6 +177,5 @@ def _to(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
 
 def _leaf(tensor: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
     tensor.requires_grad_(True)
-    if grad is not None:
-        tensor.grad = grad.detach().to(tensor.device, copy=True)
+    tensor.grad = None if grad is None else grad.detach().to(tensor.device, copy=True)
     return tensor
