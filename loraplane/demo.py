@@ -133,7 +133,6 @@ def embedded_cluster(base_model: str = "tiny", data_dir: Path | None = None, on_
                      ) -> Iterator[EmbeddedCluster]:
     """Valkey + SeaweedFS child processes and the three services in this process, each on its own event loop
     thread (so the trainer's and the sampler's compute never stall each other's RPCs). Stops everything on exit."""
-    from loraplane.client._runtime import quiet_grpc_poller
     from loraplane.local.processes import seaweed_s3_server, valkey_server
     from loraplane.rpc import BackgroundLoop
     from registry_svc.server import start_registry_server
@@ -155,7 +154,6 @@ def embedded_cluster(base_model: str = "tiny", data_dir: Path | None = None, on_
                             s3_secret_key=s3.secret_key, data_dir=root / "data", base_model=base_model)
         loops = {name: BackgroundLoop(f"demo-{name}") for name in ("registry", "trainer", "sampler")}
         for loop in loops.values():
-            quiet_grpc_poller(loop.loop)
             stack.callback(loop.close)
 
         progress("starting the registry")

@@ -166,6 +166,20 @@ def channel_options() -> list[tuple[str, Any]]:
     ]
 
 
+def quiet_grpc_poller(loop: asyncio.AbstractEventLoop) -> None:
+    """Drops one known-harmless error. With grpc.aio loops on several threads of one process (a client beside
+    in-process servers: the demo, tests), every loop watches grpc's shared completion-queue fd; when it fires, one
+    loop reads it and the others get EAGAIN, which asyncio would log as a BlockingIOError traceback each time."""
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        if isinstance(context.get("exception"), BlockingIOError) and "PollerCompletionQueue" in repr(
+                context.get("handle", "")):
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 class BackgroundLoop:
     """An asyncio loop on a daemon thread. Hosts async gRPC servers for synchronous callers (tests, benchmarks,
     the CLI's embedded servers), so blocking stubs never run on the loop that serves them."""
@@ -174,6 +188,7 @@ class BackgroundLoop:
         import threading
 
         self.loop = asyncio.new_event_loop()
+        quiet_grpc_poller(self.loop)
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 

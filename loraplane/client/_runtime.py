@@ -63,24 +63,9 @@ def _client_channel_options() -> list[tuple[str, Any]]:
     ]
 
 
-def quiet_grpc_poller(loop: asyncio.AbstractEventLoop) -> None:
-    """Drops one known-harmless error. With grpc.aio loops on several threads of one process (a client beside
-    in-process servers: the demo, tests), every loop watches grpc's shared completion-queue fd; when it fires, one
-    loop reads it and the others get EAGAIN, which asyncio would log as a BlockingIOError traceback each time."""
-
-    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        if isinstance(context.get("exception"), BlockingIOError) and "PollerCompletionQueue" in repr(
-                context.get("handle", "")):
-            return
-        loop.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
-
-
 class ClientRuntime:
     def __init__(self) -> None:
         self._loop = BackgroundLoop("loraplane-client")
-        quiet_grpc_poller(self._loop.loop)
         self.pid = os.getpid()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
