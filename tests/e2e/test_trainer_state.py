@@ -161,6 +161,7 @@ def test_published_blob_in_hf_peft_gives_the_trainers_forward_logprobs(trainer, 
     blob = download(trainer, "peft-check", published.version)
     params, spec, base_name = parse_adapter(blob)
     assert base_name == "tiny" and spec.rank == 8 and spec.effective_alpha == 16
+    assert len(params) == 2 * 7 * 2 and all(t.dtype == torch.float32 for t in params.values())
     directory = materialize_peft_dir(blob, tmp_path / "peft-check")
     model = peft.PeftModel.from_pretrained(load_base_model("tiny").model, str(directory))
     model.eval()
