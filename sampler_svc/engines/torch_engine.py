@@ -336,7 +336,7 @@ class TorchEngine(Engine):
     def _admit(self, state: _Request) -> None:
         request = state.request
         prompt = list(request.prompt_tokens)
-        logits, keys, values = self._prefill(prompt, state.adapter)
+        logits, keys, values = self._prefill(prompt, state.adapter, all_logits=request.include_prompt_logprobs)
         if request.include_prompt_logprobs:
             state.emit(GenerationUpdate(sequence_index=0, prompt_logprobs=_prompt_logprobs(logits, prompt)))
         capacity = len(prompt) + request.options.max_tokens
@@ -354,8 +354,10 @@ class TorchEngine(Engine):
             if row.finish_reason is None:
                 self._rows.append(row)
 
-    def _prefill(self, tokens: list[int], adapter: AdapterTensors | None):
-        """Full forward of one sequence: logits [T, V] (fp32) and its KV cache [layers, kv_heads, T, head_dim]."""
+    def _prefill(self, tokens: list[int], adapter: AdapterTensors | None, *, all_logits: bool = True):
+        """Full forward of one sequence: logits [T, V] (fp32; only the last position's, [1, V], unless
+        all_logits) and its KV cache [layers, kv_heads, T, head_dim]. Skipping the vocabulary projection of the
+        prompt positions saves a fifth of a SmolLM2 prefill when no prompt logprobs are wanted."""
         base = self._require_base()
         model = base.model
         ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
@@ -375,7 +377,12 @@ class TorchEngine(Engine):
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
                 keys.append(k[0])
                 values.append(v[0])
-            logits = model.lm_head(model.model.norm(hidden))[0].float()
+            final = model.model.norm(hidden)[0]
+            # The last position always gets its own projection, so the first sampled token's logits do not
+            # depend on whether prompt logprobs were asked for.
+            logits = model.lm_head(final[-1:]).float()
+            if all_logits and len(tokens) > 1:
+                logits = torch.cat([model.lm_head(final[:-1]).float(), logits])
         return logits, torch.stack(keys), torch.stack(values)
 
     def _decode_step(self) -> None:
