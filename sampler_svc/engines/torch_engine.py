@@ -80,34 +80,40 @@ class _DecodeLora:
             handle.remove()
 
     @contextlib.contextmanager
-    def route(self, slices: list[tuple[AdapterTensors, int, int]]):
-        """slices: (adapter, first row, end row) for each adapter present in the batch."""
-        self._local.slices = slices
+    def route(self, slices: list[tuple[AdapterTensors, int, int]], rows: int):
+        """slices: (adapter, first row, end row) for each adapter present in a batch of `rows` (padded) rows.
+        The chunk windows are worked out once per step here, not once per projection in the hook."""
+        bucket = min(self.bucket, rows)
+        chunks = []
+        for adapter, start, end in slices:
+            for chunk in range(start, end, bucket):
+                window = min(chunk, rows - bucket)
+                stop = min(chunk + bucket, end)
+                chunks.append((adapter, window, window + bucket, chunk - window, stop - window, chunk, stop))
+        self._local.chunks = chunks
         try:
             yield
         finally:
-            self._local.slices = None
+            self._local.chunks = None
 
     def _hook(self, key):
         def hook(_module, inputs, output):
-            slices = getattr(self._local, "slices", None)
-            if not slices:
+            chunks = getattr(self._local, "chunks", None)
+            if not chunks:
                 return None
             x = inputs[0]
             flat_x = x.reshape(-1, x.shape[-1])
             flat_out = output.reshape(-1, output.shape[-1])
-            rows = flat_x.shape[0]
-            bucket = min(self.bucket, rows)
-            for adapter, start, end in slices:
+            for adapter, window, window_end, first, last, chunk, stop in chunks:
                 pair = adapter.modules.get(key)
                 if pair is None or pair[0] is None or pair[1] is None:
                     continue
                 a, b = pair
-                for chunk in range(start, end, bucket):
-                    window = min(chunk, rows - bucket)
-                    delta = lora_delta(flat_x[window: window + bucket].to(a.dtype), a, b, adapter.scale)
-                    stop = min(chunk + bucket, end)
-                    flat_out[chunk:stop] += delta[chunk - window: stop - window].to(flat_out.dtype)
+                window_x = flat_x[window:window_end]
+                if window_x.dtype != a.dtype:  # fp32 adapters on a bf16/fp16 base model
+                    window_x = window_x.to(a.dtype)
+                delta = lora_delta(window_x, a, b, adapter.scale)
+                flat_out[chunk:stop] += delta[first:last].to(flat_out.dtype)
             return output
 
         return hook
@@ -414,7 +420,7 @@ class TorchEngine(Engine):
         assert self._decode_lora is not None
         hidden = model.model.embed_tokens(ids)
         cos, sin = model.model.rotary_emb(hidden, positions)
-        with self._decode_lora.route(routed):
+        with self._decode_lora.route(routed, padded):
             for layer_index, layer in enumerate(model.model.layers):
                 attn = layer.self_attn
                 residual = hidden
