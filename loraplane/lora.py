@@ -210,25 +210,18 @@ def _delta(x: torch.Tensor, pair, scale: float, out_dtype: torch.dtype) -> torch
     return lora_delta(x.to(a.dtype), a, b, scale).to(out_dtype)
 
 
-def _segments_out_of_place(segments, key, flat_x: torch.Tensor, flat_out: torch.Tensor) -> torch.Tensor:
-    pieces: list[torch.Tensor] = []
-    any_delta = False
+def _cover(segments, total: int) -> list[tuple[int, AdapterTensors | None]]:
+    """(length, adapter) pieces covering [0, total): the segments plus adapter-less gaps."""
+    pieces: list[tuple[int, AdapterTensors | None]] = []
     cursor = 0
     for start, end, adapter in segments:
         if start > cursor:
-            pieces.append(flat_out[cursor:start])
-        pair = None if adapter is None else _module_tensors(adapter, key)
-        if pair is None:
-            pieces.append(flat_out[start:end])
-        else:
-            pieces.append(flat_out[start:end] + _delta(flat_x[start:end], pair, adapter.scale, flat_out.dtype))
-            any_delta = True
+            pieces.append((start - cursor, None))
+        pieces.append((end - start, adapter))
         cursor = end
-    if not any_delta:
-        return flat_out
-    if cursor < flat_out.shape[0]:
-        pieces.append(flat_out[cursor:])
-    return torch.cat(pieces, dim=0)
+    if cursor < total:
+        pieces.append((total - cursor, None))
+    return pieces
 
 
 def _apply_routing(routing: _Routing, key, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -237,17 +230,30 @@ def _apply_routing(routing: _Routing, key, x: torch.Tensor, output: torch.Tensor
     if routing.segments is not None:
         flat_x = x.reshape(-1, in_features)
         flat_out = output.reshape(-1, out_features)
+        pieces = _cover(routing.segments, flat_x.shape[0])
+        pairs = [None if adapter is None else _module_tensors(adapter, key) for _, adapter in pieces]
+        if all(pair is None for pair in pairs):
+            return output
+        # One split instead of a slice per segment: autograd then builds the input gradient with one concat
+        # rather than a full-size zero tensor per segment (which dominated the backward of fused batches).
+        x_chunks = flat_x.split([length for length, _ in pieces])
         if torch.is_grad_enabled() and not output.requires_grad:
             # The first LoRA'd projections (input needs no grad) return a leaf, which autograd will not update
             # in place once a delta makes it require grad: build base + delta out of place instead.
-            return _segments_out_of_place(routing.segments, key, flat_x, flat_out).reshape(output.shape)
-        for start, end, adapter in routing.segments:
-            pair = None if adapter is None else _module_tensors(adapter, key)
+            out_chunks = flat_out.split([length for length, _ in pieces])
+            combined = [
+                out_chunk if pair is None else out_chunk + _delta(x_chunk, pair, adapter.scale, flat_out.dtype)
+                for out_chunk, x_chunk, pair, (_, adapter) in zip(out_chunks, x_chunks, pairs, pieces)
+            ]
+            return torch.cat(combined, dim=0).reshape(output.shape)
+        cursor = 0
+        for x_chunk, pair, (length, adapter) in zip(x_chunks, pairs, pieces):
             if pair is not None:
                 # In place on the projection's output: nn.Linear's backward does not need its output, and this
-                # saves a full-size copy per projection. Each token gets exactly base + its own adapter's delta
-                # (the same single add as the out-of-place path), whatever else shares the batch.
-                flat_out[start:end] += _delta(flat_x[start:end], pair, adapter.scale, flat_out.dtype)
+                # saves a full-size copy per projection. Each token gets exactly base + its own adapter's delta,
+                # whatever else shares the batch.
+                flat_out[cursor:cursor + length] += _delta(x_chunk, pair, adapter.scale, flat_out.dtype)
+            cursor += length
         return output
 
     rows = routing.rows or []
