@@ -1,4 +1,4 @@
-"""Sampler benchmarks (torch engine, CPU by default).
+"""Sampler benchmarks (torch engine on CPU by default; `--engine sglang` on a GPU machine with SGLang installed).
 
 1. publish -> first sample served on the new version: a rank-16 SmolLM2 adapter is published to a real registry
    (Valkey + SeaweedFS on loopback) and immediately requested by version through the sampler's gRPC API (the RL
@@ -7,7 +7,11 @@
    Decode-only throughput (engine counters; prefill excluded).
 
 Prints a table and JSON, writes bench/results/sampler.json.
-    python bench/sampler.py [--iterations 20] [--model smollm2-135m-instruct] [--tokens 48]
+    python bench/sampler.py [--iterations 20] [--model smollm2-135m-instruct] [--tokens 48] [--engine sglang]
+
+With the SGLang engine, one SGLang server is launched by the sampler (see SGLANG_OPTIONS) and decode throughput
+is measured end to end (16 concurrent requests, wall clock, prefill of 32 tokens included) since SGLang has no
+decode-only counters.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ from registry_svc.server import start_registry_server
 from sampler_svc.engines.base import GenerationRequest, SamplingOptions
 from sampler_svc.server import start_sampler_server
 
+# One server; 8 bench adapters + the base model fit one batch. CUDA graphs off: they cost a minute of start-up
+# and the numbers compared here are ratios between adapter mixes on the same server.
+SGLANG_OPTIONS = {"max_lora_rank": 16, "max_loras_per_batch": 9, "max_loaded_loras": 24,
+                  "extra_server_args": ["--mem-fraction-static", "0.3", "--disable-cuda-graph"]}
+
 
 def adapter_blob(base, seed: int, rank: int = 16) -> bytes:
     spec = LoraSpec.create(rank, 2.0 * rank, seed=seed)
@@ -56,7 +65,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-async def publish_to_first_sample(model: str, iterations: int, workdir: Path) -> dict:
+async def publish_to_first_sample(model: str, iterations: int, workdir: Path, engine: str = "torch") -> dict:
     valkey = valkey_server(workdir / "valkey")
     seaweed = seaweed_s3_server(workdir / "seaweed")
     valkey.start()
@@ -65,8 +74,9 @@ async def publish_to_first_sample(model: str, iterations: int, workdir: Path) ->
                         s3_secret_key=seaweed.secret_key, s3_bucket="bench-sampler", key_prefix="bench:",
                         data_dir=workdir)
     registry = await start_registry_server(settings)
+    sglang = {"sglang_launch": 1, "sglang_options": SGLANG_OPTIONS} if engine == "sglang" else {}
     sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=model,
-                                         instance_id="bench")
+                                         instance_id="bench", engine=engine, **sglang)
     client = RegistryClient(registry.address)
     base = sampler.engine.base
     try:
@@ -120,10 +130,16 @@ async def publish_to_first_sample(model: str, iterations: int, workdir: Path) ->
     }
 
 
-async def decode_throughput(model: str, tokens: int, repeats: int) -> dict:
-    from sampler_svc.engines.torch_engine import TorchEngine
+async def decode_throughput(model: str, tokens: int, repeats: int, engine_name: str = "torch",
+                            workdir: Path | None = None) -> dict:
+    if engine_name == "sglang":
+        from sampler_svc.engines.sglang_engine import SGLangEngine
 
-    engine = TorchEngine(model, max_batch_rows=16)
+        engine = SGLangEngine(model, launch_servers=1, work_dir=workdir, **SGLANG_OPTIONS)
+    else:
+        from sampler_svc.engines.torch_engine import TorchEngine
+
+        engine = TorchEngine(model, max_batch_rows=16)
     await engine.start()
     try:
         for index in range(8):
@@ -139,10 +155,16 @@ async def decode_throughput(model: str, tokens: int, repeats: int) -> dict:
                                           options=SamplingOptions(max_tokens=tokens, seed=i, ignore_eos=True),
                                           adapter_key=key) for i, key in enumerate(keys)]
 
-            async def one(request):
-                async for _ in engine.generate(request):
-                    pass
+            async def one(request) -> int:
+                produced = 0
+                async for update in engine.generate(request):
+                    produced += len(update.tokens)
+                return produced
 
+            if engine_name == "sglang":
+                started = time.perf_counter()
+                produced = sum(await asyncio.gather(*(one(r) for r in requests)))
+                return produced / (time.perf_counter() - started)
             seconds, produced = engine.decode_seconds, engine.decode_tokens
             await asyncio.gather(*(one(r) for r in requests))
             return (engine.decode_tokens - produced) / (engine.decode_seconds - seconds)
@@ -173,15 +195,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
     args = parser.parse_args()
-    results: dict = {"model": args.model, "engine": "torch", "device": "cpu",
+    device = torch.cuda.get_device_name() if args.engine == "sglang" else "cpu"
+    results: dict = {"model": args.model, "engine": args.engine, "device": device,
                      "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
     if not args.skip_latency:
         with tempfile.TemporaryDirectory(prefix="bench-sampler-") as workdir:
             results["publish_to_first_sample"] = asyncio.run(
-                publish_to_first_sample(args.model, args.iterations, Path(workdir)))
+                publish_to_first_sample(args.model, args.iterations, Path(workdir), args.engine))
     if not args.skip_decode:
-        results["decode"] = asyncio.run(decode_throughput(args.model, args.tokens, args.repeats))
+        with tempfile.TemporaryDirectory(prefix="bench-sampler-decode-") as workdir:
+            results["decode"] = asyncio.run(
+                decode_throughput(args.model, args.tokens, args.repeats, args.engine, Path(workdir)))
 
     print(json.dumps(results, indent=2))
     print()
@@ -194,10 +220,10 @@ def main() -> None:
     if "decode" in results:
         decode = results["decode"]
         for name, rate in decode["tokens_per_s"].items():
-            print(f"{'decode tok/s, 16 rows, ' + name:<52} {rate:>12.1f}")
+            print(f"{'decode tok/s (' + args.engine + '), 16 rows, ' + name:<52} {rate:>12.1f}")
         print(f"{'ratio 8 adapters / 1 adapter (target >= 0.8)':<52} {decode['ratio_8_vs_1_adapter']:>12.2f}")
         print(f"{'ratio 1 adapter / base':<52} {decode['ratio_1_adapter_vs_base']:>12.2f}")
-    out = REPO / "bench" / "results" / "sampler.json"
+    out = REPO / "bench" / "results" / ("sampler.json" if args.engine == "torch" else f"sampler_{args.engine}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
 

@@ -294,8 +294,10 @@ class SGLangEngine(Engine):
             "temperature": options.temperature,
             "top_p": options.top_p,
             "top_k": options.top_k if options.top_k > 0 else -1,
-            "stop_token_ids": sorted(set(options.stop_token_ids) | set(self._eos)),
+            "stop_token_ids": sorted(set(options.stop_token_ids) | (set() if options.ignore_eos else set(self._eos))),
         }
+        if options.ignore_eos:
+            params["ignore_eos"] = True
         if options.stop_strings:
             params["stop"] = list(options.stop_strings)
         if options.seed is not None and self.send_seed and not options.greedy:
