@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 
 from loraplane.config import Settings
 from trainer_svc.server import start_trainer_server
@@ -20,7 +21,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="host:port of the adapter registry (LORAPLANE_REGISTRY_ADDRESS)")
     parser.add_argument("--base-model", default=settings.base_model,
                         help="tiny, smollm2-135m-instruct, or a local HF model directory")
-    parser.add_argument("--backend", choices=["torch"], default="torch")
+    parser.add_argument("--backend", choices=["torch", "megatron"], default="torch",
+                        help="megatron hands over to trainer_svc.backends.megatron.launch (run it under torchrun)")
     parser.add_argument("--device", default=settings.device)
     parser.add_argument("--host", default=settings.host)
     parser.add_argument("--port", type=int, default=settings.trainer_port)
@@ -50,7 +52,28 @@ async def serve(args: argparse.Namespace) -> None:
     await trainer.stop()
 
 
+def _without_backend_flag(argv: list[str]) -> list[str]:
+    kept, skip_value = [], False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg == "--backend":
+            skip_value = True
+        elif not arg.startswith("--backend="):
+            kept.append(arg)
+    return kept
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    backend = argparse.ArgumentParser(add_help=False)
+    backend.add_argument("--backend", default="torch")
+    if backend.parse_known_args(argv)[0].backend == "megatron":
+        # The megatron trainer runs one process per GPU under torchrun; its launcher owns the options it needs.
+        from trainer_svc.backends.megatron.launch import main as megatron_main
+
+        megatron_main(_without_backend_flag(argv))
+        return
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(args))

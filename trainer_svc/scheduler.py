@@ -171,6 +171,15 @@ class Scheduler:
         return future
 
     # ---- test/ops hook: hold the worker so several requests queue up and fuse deterministically ----
+    def peek_next(self, exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
+        """The adapter whose queued job the worker will most likely take next (outside `exclude`), for backends
+        that start copying its state to the device while the current batch runs. A hint: nothing is reserved."""
+        with self._cond:
+            for adapter in self._rotation:
+                if adapter not in exclude and self._head(adapter) is not None:
+                    return adapter
+        return None
+
     def hold(self) -> None:
         with self._cond:
             self._held += 1

@@ -35,15 +35,8 @@ class MegatronTrainerService(TrainerService):
 
     def _prefetch_next(self, current: set[str]) -> None:
         """Starts the host→device copy of the adapter the scheduler will most likely run next, so it overlaps
-        with this batch. (Reads the scheduler's rotation under its lock; a public ``Scheduler.peek_next`` would
-        be the cleaner interface.)"""
-        scheduler = self.scheduler
-        following = None
-        with scheduler._cond:
-            for adapter in scheduler._rotation:
-                if adapter not in current and scheduler._head(adapter) is not None:
-                    following = adapter
-                    break
+        with this batch."""
+        following = self.scheduler.peek_next(exclude=current)
         if following is not None and not self.backend.is_resident(following):
             try:
                 self.backend.prefetch(following, protect=tuple(current))
