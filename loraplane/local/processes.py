@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -26,10 +27,34 @@ class ProcessStartError(RuntimeError):
     pass
 
 
+_handed_out_ports: set[int] = set()
+
+
+def _listen_port_range() -> tuple[int, int]:
+    """Ports below the kernel's ephemeral range: a port picked there cannot be taken, between our pick and the
+    server's bind, by an outgoing connection (SeaweedFS's own components connect to each other while starting)."""
+    try:
+        low, _high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low = 32768
+    return (10000, low) if low > 12000 else (low, 65536)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
+    """A loopback port that is free now and that this process has not handed out before."""
+    low, high = _listen_port_range()
+    for _ in range(500):
+        port = random.randrange(low, high)
+        if port in _handed_out_ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        _handed_out_ports.add(port)
+        return port
+    raise ProcessStartError(f"no free loopback port in {low}..{high - 1}")
 
 
 def port_open(port: int, host: str = LOOPBACK) -> bool:
