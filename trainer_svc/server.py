@@ -63,16 +63,18 @@ async def start_trainer_server(
     port: int = 0,
     device: str = "cpu",
     backend: str | TrainerBackend = "torch",
+    service_class: type[TrainerService] = TrainerService,
     **limits,
 ) -> RunningTrainer:
-    """Loads the base model (in a thread: it takes a while for real models) and serves TrainerService."""
+    """Loads the base model (in a thread: it takes a while for real models) and serves TrainerService.
+    `service_class` lets a backend that owns its adapter tensors (megatron) bring its TrainerService subclass."""
     if not registry_address:
         raise errors.InvalidArgument("registry_address is required", field="registry_address")
     trainer_limits = limits_from(**limits)
     backend_impl = backend if isinstance(backend, TrainerBackend) else await asyncio.to_thread(
         build_backend, backend, base_model, device)
     registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s)
-    service = TrainerService(backend_impl, registry, trainer_limits)
+    service = service_class(backend_impl, registry, trainer_limits)
     server = GrpcServer(host, port)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
     server.add_service(SERVICE_NAME)

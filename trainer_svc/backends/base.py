@@ -62,6 +62,23 @@ class ModelDescription:
     pad_token_id: int
     chat_template: str
 
+    @classmethod
+    def of(cls, base) -> ModelDescription:
+        """The description of a loaded `loraplane.models.BaseModel` (every backend serves one)."""
+        return cls(
+            name=base.name,
+            vocab_size=base.vocab_size,
+            max_context_length=base.max_context_length,
+            num_layers=base.num_layers,
+            hidden_size=base.hidden_size,
+            module_dims=dict(base.module_dims),
+            tokenizer_name=str(getattr(base.tokenizer, "name_or_path", "") or base.name),
+            eos_token_ids=list(base.eos_token_ids),
+            bos_token_id=base.bos_token_id,
+            pad_token_id=base.pad_token_id,
+            chat_template=base.chat_template,
+        )
+
 
 class TrainerBackend(ABC):
     name: str = "abstract"

@@ -41,20 +41,7 @@ class TorchBackend(TrainerBackend):
         enable_packed_attention(self.base.model)
         attach_multi_lora(self.base.model)
         self._lock = threading.Lock()
-        tokenizer = self.base.tokenizer
-        self._description = ModelDescription(
-            name=self.base.name,
-            vocab_size=self.base.vocab_size,
-            max_context_length=self.base.max_context_length,
-            num_layers=self.base.num_layers,
-            hidden_size=self.base.hidden_size,
-            module_dims=dict(self.base.module_dims),
-            tokenizer_name=str(getattr(tokenizer, "name_or_path", "") or self.base.name),
-            eos_token_ids=list(self.base.eos_token_ids),
-            bos_token_id=self.base.bos_token_id,
-            pad_token_id=self.base.pad_token_id,
-            chat_template=self.base.chat_template,
-        )
+        self._description = ModelDescription.of(self.base)
 
     @property
     def device(self) -> torch.device:

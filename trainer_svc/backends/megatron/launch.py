@@ -62,33 +62,14 @@ def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size:
 
 async def start_megatron_trainer_server(settings, *, backend, registry_address: str, host: str = "127.0.0.1",
                                        port: int = 0, **limits):
-    """Like ``trainer_svc.server.start_trainer_server`` but with :class:`.service.MegatronTrainerService` (the
-    adapter tensors live in the backend's engine)."""
-    from loraplane import errors
-    from loraplane.registry_client import RegistryClient
-    from loraplane.rpc import GrpcServer
-    from loraplane.v1 import trainer_pb2_grpc
-    from trainer_svc.server import SERVICE_NAME, RunningTrainer, limits_from
-    from trainer_svc.servicer import TrainerServicer
+    """`trainer_svc.server.start_trainer_server` with :class:`.service.MegatronTrainerService` (the adapter tensors
+    live in the backend's engine)."""
+    from trainer_svc.server import start_trainer_server
 
     from .service import MegatronTrainerService
 
-    if not registry_address:
-        raise errors.InvalidArgument("registry_address is required", field="registry_address")
-    trainer_limits = limits_from(**limits)
-    registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s)
-    service = MegatronTrainerService(backend, registry, trainer_limits)
-    server = GrpcServer(host, port)
-    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
-    server.add_service(SERVICE_NAME)
-    try:
-        await server.start()
-    except BaseException:
-        await service.close()
-        await registry.close()
-        raise
-    return RunningTrainer(server=server, service=service, registry=registry, settings=settings,
-                          registry_address=registry_address)
+    return await start_trainer_server(settings, backend=backend, registry_address=registry_address, host=host,
+                                      port=port, service_class=MegatronTrainerService, **limits)
 
 
 async def serve_rank0(args, engine) -> None:
