@@ -7,6 +7,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import signal
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -146,6 +147,15 @@ class GrpcServer:
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
+
+
+async def wait_for_shutdown_signal() -> None:
+    """Returns on SIGINT or SIGTERM: what a service's `python -m` entry point waits on before stopping cleanly."""
+    received = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, received.set)
+    await received.wait()
 
 
 def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:

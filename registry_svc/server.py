@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from dataclasses import dataclass
 
 from loraplane import errors
 from loraplane.config import Settings
-from loraplane.rpc import GrpcServer
+from loraplane.rpc import GrpcServer, wait_for_shutdown_signal
 from loraplane.v1 import registry_pb2
 from registry_svc.servicer import RegistryServicer, add_to_server
 from registry_svc.store import RegistryLimits, RegistryStore
@@ -61,11 +60,7 @@ async def start_registry_server(settings: Settings, host: str = "127.0.0.1", por
 async def _serve(settings: Settings, host: str, port: int) -> None:
     running = await start_registry_server(settings, host, port)
     print(f"registry listening on {running.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_shutdown_signal()
     await running.stop()
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 
 from loraplane.config import Settings
+from loraplane.rpc import wait_for_shutdown_signal
 from sampler_svc.server import DEFAULT_MAX_LOADED, start_sampler_server
 
 
@@ -53,11 +53,7 @@ async def serve(args: argparse.Namespace) -> None:
                         "max_loaded_loras": args.sglang_max_loaded_loras,
                         "extra_server_args": args.sglang_arg})
     print(f"SAMPLER_READY {sampler.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_shutdown_signal()
     await sampler.stop()
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 from loraplane.config import Settings
+from loraplane.rpc import wait_for_shutdown_signal
 from trainer_svc.server import start_trainer_server
 from trainer_svc.service import TrainerLimits
 
@@ -44,11 +44,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_lora_rank=args.max_lora_rank, max_fused_adapters=args.max_fused_adapters,
         gap_timeout_s=args.gap_timeout_s)
     print(f"TRAINER_READY {trainer.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_shutdown_signal()
     await trainer.stop()
 
 

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 
 import torch
 
@@ -74,6 +73,7 @@ async def start_megatron_trainer_server(settings, *, backend, registry_address: 
 
 async def serve_rank0(args, engine) -> None:
     from loraplane.config import Settings
+    from loraplane.rpc import wait_for_shutdown_signal
 
     from .backend import MegatronBackend
 
@@ -84,11 +84,7 @@ async def serve_rank0(args, engine) -> None:
         host=args.host, port=args.port, device_slots=args.device_slots, max_lora_rank=args.max_lora_rank,
         max_fused_adapters=args.max_fused_adapters)
     print(f"TRAINER_READY {trainer.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_shutdown_signal()
     await trainer.stop()  # closes the backend, which releases the follower ranks
 
 
