@@ -3,12 +3,14 @@ everything that touches the base model's weights or the LoRA forward/backward li
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 
-from loraplane.lora import LoraSpec
+from loraplane.lora import LoraSpec, init_lora_params
+from loraplane.models import BaseModel
 from trainer_svc.optimizer import AdamHyper, StepOutcome, adamw_step
 from trainer_svc.pool import AdapterState
 
@@ -81,22 +83,26 @@ class ModelDescription:
 
 
 class TrainerBackend(ABC):
+    """Every backend serves one `loraplane.models.BaseModel` (`self.base`): the HF model, tokenizer and dims that
+    describe it, whatever runs the math (the HF model itself, or megatron built from its weights)."""
+
     name: str = "abstract"
+    base: BaseModel
 
     @property
     @abstractmethod
     def device(self) -> torch.device: ...
 
-    @property
-    @abstractmethod
-    def description(self) -> ModelDescription: ...
+    @functools.cached_property
+    def description(self) -> ModelDescription:
+        return ModelDescription.of(self.base)
 
-    @abstractmethod
-    def tokenizer_json(self) -> bytes: ...
+    def tokenizer_json(self) -> bytes:
+        return self.base.tokenizer_json()
 
-    @abstractmethod
     def init_params(self, spec: LoraSpec) -> dict[str, torch.Tensor]:
         """Fresh PEFT-standard params (PEFT key -> fp32 tensor, on the host)."""
+        return init_lora_params(self.base, spec)
 
     @abstractmethod
     def run(self, items: list[BatchItem], *, backward: bool) -> list[ItemResult]:

@@ -23,10 +23,10 @@ import threading
 
 import torch
 
-from loraplane.lora import LoraSpec, attach_multi_lora, init_lora_params, lora_segments
+from loraplane.lora import attach_multi_lora, lora_segments
 from loraplane.models import BaseModel, load_base_model
 from loraplane.models.packed import enable_packed_attention, packed_position_ids, packed_sequences
-from trainer_svc.backends.base import BatchItem, DatumResult, ItemResult, ModelDescription, TrainerBackend
+from trainer_svc.backends.base import BatchItem, DatumResult, ItemResult, TrainerBackend
 from trainer_svc.losses import elementwise_loss
 
 MIN_PACKED_TOKENS = 16
@@ -41,21 +41,10 @@ class TorchBackend(TrainerBackend):
         enable_packed_attention(self.base.model)
         attach_multi_lora(self.base.model)
         self._lock = threading.Lock()
-        self._description = ModelDescription.of(self.base)
 
     @property
     def device(self) -> torch.device:
         return self.base.device
-
-    @property
-    def description(self) -> ModelDescription:
-        return self._description
-
-    def tokenizer_json(self) -> bytes:
-        return self.base.tokenizer_json()
-
-    def init_params(self, spec: LoraSpec) -> dict[str, torch.Tensor]:
-        return init_lora_params(self.base, spec)
 
     def run(self, items: list[BatchItem], *, backward: bool) -> list[ItemResult]:
         with self._lock:

@@ -20,9 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from loraplane.lora import LoraSpec, init_lora_params
+from loraplane.lora import LoraSpec
 from loraplane.models import BaseModel, load_base_model
-from trainer_svc.backends.base import BatchItem, DatumResult, ItemResult, ModelDescription, TrainerBackend
+from trainer_svc.backends.base import BatchItem, DatumResult, ItemResult, TrainerBackend
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 
 from .engine import DatumWork, Engine
@@ -149,23 +149,12 @@ class MegatronBackend(TrainerBackend):
         self._lock = threading.Lock()
         # name -> the AdapterState object the engine's copy was installed from (a re-created adapter is new).
         self._installed: dict[str, int] = {}
-        self._description = ModelDescription.of(self.base)
 
     # -- TrainerBackend -----------------------------------------------------------------------------------------
 
     @property
     def device(self) -> torch.device:
         return self.engine.device
-
-    @property
-    def description(self) -> ModelDescription:
-        return self._description
-
-    def tokenizer_json(self) -> bytes:
-        return self.base.tokenizer_json()
-
-    def init_params(self, spec: LoraSpec) -> dict[str, torch.Tensor]:
-        return init_lora_params(self.base, spec)
 
     def run(self, items: list[BatchItem], *, backward: bool) -> list[ItemResult]:
         with self._lock:
