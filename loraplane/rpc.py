@@ -4,6 +4,7 @@ server builder that adds health checking, reflection and message-size limits."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import logging
@@ -199,6 +200,10 @@ class BackgroundLoop:
 
         self.loop = asyncio.new_event_loop()
         quiet_grpc_poller(self.loop)
+        # Several services can share this loop (tests, the demo), and they park blocking waits (thread joins,
+        # model loads, file I/O) on its default executor, which is only cpu_count + 4 threads on a small machine:
+        # one service's slow wait must not hold up another's stop or start.
+        self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix=name))
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 

@@ -38,6 +38,8 @@ MAX_BACKOFF_S = 2.0
 # A version whose blob keeps failing its integrity check is skipped after this many tries, so one corrupt blob
 # cannot stall the event stream for every other adapter.
 MAX_LOAD_ATTEMPTS = 3
+# Longest wait for each background task or connection to wind down in stop().
+STOP_WAIT_S = 5.0
 WEIGHT_KINDS = (common_pb2.VERSION_KIND_WEIGHTS, common_pb2.VERSION_KIND_UNSPECIFIED)
 
 
@@ -145,21 +147,28 @@ class AdapterManager:
         self._tasks.append(asyncio.create_task(self._flush_loop(), name="adapter-state-flush"))
 
     async def stop(self) -> None:
+        """Cancels the watcher and background work. Every wait is bounded: a shutdown must not hang on a peer
+        (a Redis command cancelled mid-flight can leave redis-py's asyncio connection waiting)."""
         self._stopping = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                log.exception("adapter manager task %s failed while stopping", task.get_name())
+        if self._tasks:
+            # asyncio.wait, not wait_for: wait_for would itself wait for a stuck task to finish cancelling.
+            done, stuck = await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("adapter manager task %s failed while stopping", task.get_name(),
+                              exc_info=task.exception())
+            for task in stuck:
+                log.warning("adapter manager task %s did not stop within %.0fs", task.get_name(), STOP_WAIT_S)
         self._tasks.clear()
         for task in list(self._flights.values()) + list(self._unloads.values()):
             task.cancel()
         if self._redis is not None:
-            await self._redis.aclose()
+            closing = asyncio.ensure_future(self._redis.aclose())
+            _, stuck = await asyncio.wait({closing}, timeout=STOP_WAIT_S)
+            if stuck:
+                log.warning("closing the sampler's Redis connection did not finish within %.0fs", STOP_WAIT_S)
 
     # ------------------------------------------------------------------ requests
 
