@@ -1,0 +1,146 @@
+"""Where a training step of the megatron backend spends its time: 1 tenant vs 8 tenants fused (GPU).
+
+    PYTHONPATH=.:<megatron-core> python scripts/gpu/profile_megatron.py [--shape smollm2] [--out DIR]
+
+Builds a model in SmolLM2-135M's shape with random weights (throughput does not depend on the values, and no model
+file has to travel), then for each mode prints the wall time of forward+backward and of the optimizer steps
+(medians, synchronized), the host time spent issuing work, the summed CUDA kernel time from the profiler, the
+number of dispatched ops, and the top ops by host time. This is the evidence behind docs/megatron.md's reading of
+the fused-vs-single ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def smollm2_shaped(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loraplane.models.base import from_hf_model
+    from loraplane.models.tiny import build_tiny_tokenizer
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
+    model = LlamaForCausalLM(config)
+    return from_hf_model("smollm2-shaped-random", model, build_tiny_tokenizer())
+
+
+def median_ms(fn, repeat: int = 8, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def profile(fn, label: str, out_dir: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    fn()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    cuda_us = sum(e.self_device_time_total for e in events)
+    ops = sum(e.count for e in events if e.key.startswith("aten::"))
+    table = events.table(sort_by="self_cpu_time_total", row_limit=25)
+    (out_dir / f"profile_{label}.txt").write_text(table)
+    return {"kernel_ms": cuda_us / 1e3, "aten_ops": ops, "top": table}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--datums", type=int, default=16)
+    ap.add_argument("--out", default="bench/results/profile")
+    ap.add_argument("--lora-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    from loraplane.lora import LoraSpec, init_lora_params
+    from trainer_svc.backends.base import BatchItem, DatumInput
+    from trainer_svc.backends.megatron.backend import MegatronBackend
+    from trainer_svc.backends.megatron.engine import Engine
+    from trainer_svc.backends.megatron.model import init_parallel
+    from trainer_svc.optimizer import AdamHyper
+    from trainer_svc.pool import AdapterState
+
+    init_parallel(1)
+    base = smollm2_shaped()
+    lora_dtype = None if args.lora_dtype == "auto" else getattr(torch, args.lora_dtype)
+    backend = MegatronBackend(engine=Engine(base, device_slots=8, dtype=torch.bfloat16,
+                                            lora_compute_dtype=lora_dtype))
+    hyper = AdamHyper(learning_rate=1e-4)
+    g = torch.Generator().manual_seed(0)
+
+    def state(name: str) -> AdapterState:
+        spec = LoraSpec.create(args.rank, 2.0 * args.rank, [], seed=sum(name.encode()))
+        return AdapterState(name=name, spec=spec, base_model=base.name, params=init_lora_params(base, spec),
+                            exp_avg={}, exp_avg_sq={})
+
+    def data(n: int) -> list[DatumInput]:
+        out = []
+        for _ in range(n):
+            toks = torch.randint(0, base.vocab_size, (args.seq_len + 1,), generator=g)
+            out.append(DatumInput(toks[:-1].clone(), toks[1:].clone()))
+        return out
+
+    tenants = [state(f"tenant{i}") for i in range(8)]
+    for s in tenants:
+        backend._ensure(s)
+    one_batch = [BatchItem(tenants[0], data(args.datums), "cross_entropy", {})]
+    per = max(1, args.datums // 8)
+    fused_batch = [BatchItem(s, data(per), "cross_entropy", {}) for s in tenants]
+
+    modes = {
+        "one": (one_batch, tenants[:1]),
+        "fused8": (fused_batch, tenants),
+    }
+    results: dict[str, dict] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for label, (batch, stepping) in modes.items():
+        def fwd_bwd(batch=batch):
+            backend.run(batch, backward=True)
+
+        def steps(stepping=stepping):
+            for s in stepping:
+                backend.optim_step(s, hyper)
+
+        def full(batch=batch, stepping=stepping):
+            fwd_bwd(batch)
+            steps(stepping)
+
+        r = {"full_ms": median_ms(full), "fwd_bwd_ms": median_ms(fwd_bwd), "steps_ms": median_ms(steps),
+             "fwd_ms": median_ms(lambda batch=batch: backend.run(batch, backward=False))}
+        p = profile(full, label, out_dir)
+        r.update({k: v for k, v in p.items() if k != "top"})
+        results[label] = r
+        print(f"== {label}\n{p['top']}", flush=True)
+    one, fused = results["one"], results["fused8"]
+    results["ratio_full"] = one["full_ms"] / fused["full_ms"]
+    (out_dir / "profile.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    print(f"\n{'metric':24s} {'1 tenant':>10s} {'8 fused':>10s}")
+    for key in ("full_ms", "fwd_bwd_ms", "fwd_ms", "steps_ms", "kernel_ms", "aten_ops"):
+        print(f"{key:24s} {one[key]:10.1f} {fused[key]:10.1f}")
+    print(f"tokens/s ratio fused8/one (same tokens): {results['ratio_full']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
