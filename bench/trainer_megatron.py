@@ -8,7 +8,7 @@ Measures
     AdamW moments, synchronized) and its bandwidth as a fraction of the pinned reference; activation of a spilled
     adapter whose prefetch was issued one forward earlier;
   * training tokens/s (forward + backward + AdamW): 1 tenant vs 8 tenants fused in one batch (same tokens per
-    batch) vs 8 tenants round-robin in separate batches;
+    batch) vs 8 tenants round-robin in separate batches, measured alternately so drift hits all three alike;
   * LoRA vs no-LoRA training tokens/s (no-LoRA: the same forward + backward through every layer, driven by a leaf at
     the embedding output, with no adapter);
   * PublishWeights latency for a rank-32 adapter: device→host export of the full PEFT tensors + the safetensors blob
@@ -41,6 +41,22 @@ def median_time(fn, repeat: int, warmup: int = 2) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved_medians(fns, repeat: int, warmup: int = 2) -> list[float]:
+    """Median time of each function, measured round by round (A B C A B C ...)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    sync()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, bucket in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            bucket.append(time.perf_counter() - t0)
+    return [statistics.median(bucket) for bucket in times]
 
 
 def _pinned_bandwidth(nbytes: int) -> float:
@@ -123,9 +139,8 @@ def main() -> None:
             backend.run([BatchItem(s, d, "cross_entropy", {})], backward=True)
             backend.optim_step(s, hyper)
 
-    t1 = median_time(train_one, args.iters)
-    t8 = median_time(train_fused8, args.iters)
-    trr = median_time(train_round_robin8, max(3, args.iters // 4))
+    # Alternated, not one after the other: that machine's speed drifts by more than the effect being measured.
+    t1, t8, trr = interleaved_medians([train_one, train_fused8, train_round_robin8], args.iters)
     results["tokens_per_s_1_tenant"] = tokens_per_batch / t1
     results["tokens_per_s_8_tenants_fused"] = per_tenant * 8 * args.seq_len / t8
     results["tokens_per_s_8_tenants_round_robin"] = 8 * tokens_per_batch / trr
@@ -147,10 +162,9 @@ def main() -> None:
         finally:
             handle.remove()
 
-    t_nolora = median_time(no_lora_step, args.iters)
+    t_nolora, t_lora_fb = interleaved_medians(
+        [no_lora_step, lambda: backend.run([BatchItem(one, data1, "cross_entropy", {})], backward=True)], args.iters)
     results["tokens_per_s_no_lora_fwd_bwd"] = tokens_per_batch / t_nolora
-    t_lora_fb = median_time(lambda: backend.run([BatchItem(one, data1, "cross_entropy", {})], backward=True),
-                            args.iters)
     results["tokens_per_s_lora_fwd_bwd"] = tokens_per_batch / t_lora_fb
     results["tokens_per_s_lora_fwd_bwd_step"] = results["tokens_per_s_1_tenant"]
     results["lora_over_no_lora"] = results["tokens_per_s_lora_fwd_bwd"] / results["tokens_per_s_no_lora_fwd_bwd"]
@@ -191,7 +205,7 @@ def main() -> None:
     results["activation_spilled_fraction_of_pinned"] = (slot_bytes / t_spill) / pinned_bw
     # The routing views into a freshly loaded buffer are built on its first forward (420 narrow+view for SmolLM2).
     t0 = time.perf_counter()
-    engine.views(engine.slot(b.name))  # b was activated last
+    engine.tensors(engine.slot(b.name))  # b was activated last
     results["first_use_views_ms"] = (time.perf_counter() - t0) * 1e3
 
     # Prefetch: start the copy of the next adapter, run a forward of the current one, then activate the next.

@@ -74,7 +74,9 @@ def main() -> None:
         for _ in range(2):  # three adapters on two slots: the pool spills (with un-stepped grads)
             backend.run([BatchItem(states["a"], data(3), "cross_entropy", {}),
                          BatchItem(states["b"], data(2), "cross_entropy", {})], backward=True)
+            # Two backward batches before one step: gradients accumulate (and, under DP, are reduced once).
             backend.run([BatchItem(states["z"], data(2), "cross_entropy", {})], backward=True)
+            backend.run([BatchItem(states["z"], data(1), "cross_entropy", {})], backward=True)
             norms += [backend.optim_step(states[n], hyper).grad_norm for n in ("a", "b", "z")]
         try:  # a failing op (3 adapters > 2 slots) must leave every rank in step
             backend.run([BatchItem(states[n], data(1), "cross_entropy", {}) for n in ("a", "b", "z")],

@@ -140,48 +140,97 @@ def test_tensor_parallel_limits_are_named():
 
 
 def test_flat_layout_puts_tensor_parallel_shards_first_with_local_shapes():
-    from loraplane.lora import LoraSpec, peft_key
     from trainer_svc.backends.megatron.engine import flat_layout
 
-    spec = LoraSpec.create(4, 8.0, ["q_proj", "o_proj", "up_proj"], seed=0)
-    full = {}
-    for layer in range(SHAPE.num_layers):
-        for t in spec.target_modules:
-            full[peft_key(layer, t, "A")] = (4, SHAPE.in_features(t))
-            full[peft_key(layer, t, "B")] = (SHAPE.out_features(t), 4)
-    one, two = flat_layout(spec, full, 1), flat_layout(spec, full, 2)
-    assert one.sharded_numel == 0 and one.numel == sum(r * c for r, c in full.values())
-    flags = [e.sharded for e in two.entries]
+    rank = 4
+    one, two = flat_layout(SHAPE, rank, 1), flat_layout(SHAPE, rank, 2)
+    per_layer = sum(rank * (SHAPE.in_features(t) + SHAPE.out_features(t)) for t in ALL_TARGETS)
+    assert one.sharded_numel == 0 and one.numel == SHAPE.num_layers * per_layer
+    assert {e.key for e in one.entries} == {e.key for e in two.entries} and len(one.entries) == 2 * 7 * SHAPE.num_layers
+    flags = [c.sharded for c, _ in two.classes]
     assert flags == sorted(flags, reverse=True) and any(flags)  # sharded block first
     for e in two.entries:
-        rows, cols = full[e.key]
-        column = e.target in ("q_proj", "up_proj")
+        column = e.target not in ("o_proj", "down_proj")
         assert e.sharded == ((column and e.which == "B") or (not column and e.which == "A"))
-        assert e.shape == ((rows // 2, cols) if column and e.which == "B" else
-                           (rows, cols // 2) if not column and e.which == "A" else (rows, cols))
-    offsets = [e.offset for e in two.entries]
-    assert offsets == sorted(offsets) and two.entries[-1].offset + two.entries[-1].numel == two.numel
+        full = SHAPE.out_features(e.target) if e.which == "B" else SHAPE.in_features(e.target)
+        # A is stored [r, in]; B transposed, [r, out]; the sharded feature dimension is split over the 2 ranks.
+        assert e.shape == (rank, full // 2 if e.sharded else full)
+    spans = sorted((e.offset, e.offset + e.numel) for e in two.entries)
+    assert spans[0][0] == 0 and spans[-1][1] == two.numel
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no gaps, no overlaps
     assert two.sharded_numel == sum(e.numel for e in two.entries if e.sharded)
+    # The A's of projections that share an input sit side by side per layer (one matmul per hook).
+    q, k, v = (next(e for e in one.entries if e.key.endswith(f"layers.1.self_attn.{t}.lora_A.weight"))
+               for t in ("q_proj", "k_proj", "v_proj"))
+    assert k.offset == q.offset + q.numel and v.offset == k.offset + k.numel
 
 
-def test_multi_adapter_mask_keeps_each_rows_own_rank_block():
-    from trainer_svc.backends.megatron.lora import LocalAdapter, RowSegment, _Routing
+def _random_adapter(lora, rank: int, scale: float, seed: int):
+    from trainer_svc.backends.megatron.lora import AdapterTensors
 
-    g = torch.Generator().manual_seed(6)
-    adapters = [LocalAdapter({(0, "q_proj"): (torch.randn(r, 8, generator=g), torch.randn(12, r, generator=g))}, s)
-                for r, s in ((2, 0.5), (3, 2.0))]
+    g = torch.Generator().manual_seed(seed)
+    params, grads = {}, {}
+    for c in lora.classes:
+        shape = (SHAPE.num_layers, len(c.targets), rank, c.dim)
+        params[c.name] = torch.randn(*shape, generator=g, dtype=torch.float64)
+        grads[c.name] = torch.zeros(*shape, dtype=torch.float64)
+    return AdapterTensors(params, grads, rank, scale)
+
+
+@pytest.mark.parametrize("hook", ["qkv", "o_proj", "fc1", "down_proj"])
+def test_fused_hook_gives_each_row_its_own_adapter_and_exact_gradients(hook):
+    """Two adapters of different ranks and an unrouted range in one batch: every row's delta, the input gradient
+    and each adapter's A/B gradients equal those of plain PEFT autograd on that adapter's rows alone."""
+    from trainer_svc.backends.megatron.lora import HOOK_TARGETS, MegatronLora, RowSegment, _HookDelta, a_class_name, b_class_name
+
+    lora = MegatronLora(None, SHAPE, torch.float64, tensor_parallel=(1, None))
+    adapters = [_random_adapter(lora, 2, 0.5, 1), _random_adapter(lora, 3, 2.0, 2)]
     segments = [RowSegment(0, 2, adapters[0]), RowSegment(2, 3, None), RowSegment(3, 5, adapters[1])]
-    routing = _Routing(segments)
-    members = [(seg, seg.adapter.modules[(0, "q_proj")]) for seg in routing.with_adapter]
-    x = torch.randn(4, 5, 8, generator=g)  # [s, b, in]
-    a_cat = torch.cat([a for _, (a, _) in members], 0)
-    b_cat = torch.cat([b for _, (_, b) in members], 1)
-    fused = ((x @ a_cat.t()) * routing.mask(members, 5, torch.float32, "cpu")) @ b_cat.t()
+    layer, targets = 1, HOOK_TARGETS[hook]
+    width = SHAPE.in_features(targets[0])
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 5, width, generator=g, dtype=torch.float64, requires_grad=True)  # [s, b, in]
+    with lora.route(segments, 5) as routing:
+        delta = _HookDelta.apply(x, routing.anchor, (routing, layer, hook))
+    weight = torch.randn(delta.shape, generator=g, dtype=torch.float64)
+    (delta * weight).sum().backward()
+    routing.accumulate_grads()
+
+    x_ref = x.detach().clone().requires_grad_(True)
+    expected = torch.zeros_like(delta)
+    leaves = []
     for seg in segments:
-        rows = x[:, seg.start : seg.end]
         if seg.adapter is None:
-            expected = torch.zeros(4, seg.end - seg.start, 12)
-        else:
-            a, b = seg.adapter.modules[(0, "q_proj")]
-            expected = projection_delta(rows, a, b, seg.adapter.scale)
-        torch.testing.assert_close(fused[:, seg.start : seg.end], expected)
+            continue
+        ad = seg.adapter
+        a = ad.params[a_class_name(hook)][layer].clone().requires_grad_(True)  # [G, r, in]
+        bts = [ad.params[b_class_name(t)][layer, 0].clone().requires_grad_(True) for t in targets]  # B^T [r, out]
+        rows = x_ref[:, seg.start : seg.end]
+        deltas = [projection_delta(rows, a[i], bt.t(), ad.scale) for i, bt in enumerate(bts)]
+        expected[:, seg.start : seg.end] = lora.place(hook, deltas)
+        leaves.append((ad, a, bts))
+    (expected * weight).sum().backward()
+
+    torch.testing.assert_close(delta, expected.detach())
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for ad, a, bts in leaves:
+        torch.testing.assert_close(ad.grads[a_class_name(hook)][layer], a.grad)
+        for t, bt in zip(targets, bts):
+            torch.testing.assert_close(ad.grads[b_class_name(t)][layer, 0], bt.grad)
+        # Nothing else of the adapter received a gradient.
+        assert float(ad.grads[a_class_name(hook)][0].abs().sum()) == 0.0
+        touched = {a_class_name(hook), *(b_class_name(t) for t in targets)}
+        assert all(float(v.abs().sum()) == 0.0 for k, v in ad.grads.items() if k not in touched)
+
+
+def test_one_adapter_over_the_whole_batch_uses_its_own_buffers_as_gradient_sinks():
+    from trainer_svc.backends.megatron.lora import MegatronLora, RowSegment, _HookDelta, a_class_name
+
+    lora = MegatronLora(None, SHAPE, torch.float64, tensor_parallel=(1, None))
+    ad = _random_adapter(lora, 3, 1.5, 3)
+    x = torch.randn(3, 2, SHAPE.hidden_size, dtype=torch.float64)
+    with lora.route([RowSegment(0, 2, ad)], 2) as routing:
+        delta = _HookDelta.apply(x, routing.anchor, (routing, 0, "qkv"))
+    assert routing.scale == 1.5 and routing.grads[a_class_name("qkv")] is ad.grads[a_class_name("qkv")]
+    delta.sum().backward()
+    assert float(ad.grads[a_class_name("qkv")][0].abs().sum()) > 0

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from loraplane.errors import InvalidArgument, NotFound
-from loraplane.lora import LoraSpec, init_lora_params, parse_peft_key, peft_key
+from loraplane.lora import LoraSpec, init_lora_params, peft_key
 from trainer_svc import losses as loss_lib
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 
-from .layout import COLUMN_PARALLEL_TARGETS, chunk_for_rank
-from .lora import LocalAdapter, MegatronLora, RowSegment
+from .layout import LlamaShape, chunk_for_rank
+from .lora import AdapterTensors, LoraClass, MegatronLora, RowSegment, lora_classes
 from .model import build_from_hf, forward_logits, target_logprobs
 
 ROWS = 4  # params, grads, exp_avg, exp_avg_sq
@@ -42,7 +42,7 @@ class FlatEntry:
     layer: int
     target: str
     which: str  # "A" | "B"
-    shape: tuple[int, int]  # this rank's shard
+    shape: tuple[int, int]  # as stored on this rank: A's shard [r, in], or B's shard transposed [r, out]
     offset: int
     sharded: bool
 
@@ -53,33 +53,30 @@ class FlatEntry:
 
 @dataclass
 class FlatLayout:
+    classes: list[tuple[LoraClass, int]]  # (class, offset): each class is one [L, G, rank, dim] block
     entries: list[FlatEntry]
+    rank: int
     numel: int
-    sharded_numel: int  # entries[:k] with sharded=True occupy [0, sharded_numel)
+    sharded_numel: int  # the sharded classes come first and occupy [0, sharded_numel)
 
 
-def flat_layout(spec: LoraSpec, full_shapes: dict[str, tuple[int, int]], tp: int) -> FlatLayout:
-    """This rank's flat layout of an adapter whose full PEFT shapes are ``full_shapes``."""
-    items = []
-    for key, (rows, cols) in full_shapes.items():
-        layer, target, which = parse_peft_key(key)
-        column = target in COLUMN_PARALLEL_TARGETS
-        sharded = tp > 1 and ((column and which == "B") or (not column and which == "A"))
-        if column and which == "B":
-            shape = (rows // tp, cols)
-        elif not column and which == "A":
-            shape = (rows, cols // tp)
-        else:
-            shape = (rows, cols)
-        items.append((key, layer, target, which, shape, sharded))
-    items.sort(key=lambda it: not it[5])  # stable: sharded first, canonical order inside each group
-    entries, offset, sharded_numel = [], 0, 0
-    for key, layer, target, which, shape, sharded in items:
-        entries.append(FlatEntry(key, layer, target, which, shape, offset, sharded))
-        offset += shape[0] * shape[1]
-        if sharded:
+def flat_layout(shape: LlamaShape, rank: int, tp: int) -> FlatLayout:
+    """This rank's flat layout of a rank-``rank`` adapter: every class of :func:`.lora.lora_classes` (all seven
+    projections, so adapters with different targets stack in one batch; untargeted ones stay zero), in order."""
+    classes, entries, offset, sharded_numel = [], [], 0, 0
+    layers = shape.num_layers
+    for c in lora_classes(shape, tp):
+        classes.append((c, offset))
+        groups = len(c.targets)
+        for layer in range(layers):
+            for g, target in enumerate(c.targets):
+                at = offset + (layer * groups + g) * rank * c.dim
+                entries.append(FlatEntry(peft_key(layer, target, c.which), layer, target, c.which, (rank, c.dim),
+                                         at, c.sharded))
+        offset += layers * groups * rank * c.dim
+        if c.sharded:
             sharded_numel = offset
-    return FlatLayout(entries, offset, sharded_numel)
+    return FlatLayout(classes, entries, rank, offset, sharded_numel)
 
 
 @dataclass
@@ -89,12 +86,7 @@ class Slot:
     layout: FlatLayout
     host: torch.Tensor  # [4, n] fp32, pinned on CUDA
     device: torch.Tensor | None = None  # [4, n] fp32 when resident
-    views: LocalAdapter | None = None
-    # One autograd leaf per LoRA tensor, aliasing device[0] (params), and the matching slices of device[1] (grads).
-    # Separate leaves, not autograd views of one flat leaf: a view's backward materializes a zero tensor of the
-    # whole flat buffer per view, which for 420 tensors costs more than the model.
-    param_leaves: list[torch.Tensor] | None = None
-    grad_slices: list[torch.Tensor] | None = None
+    tensors: AdapterTensors | None = None  # per-class views of device[0] and device[1], while resident
     ready: torch.cuda.Event | None = None  # set while a prefetch copy is in flight
     host_valid: bool = True  # False while the device copy is newer than the host copy
     step: int = 0
@@ -164,26 +156,27 @@ class Engine:
         return sum(t.numel() for t in params.values())
 
     def _install(self, name, spec, params, exp_avg, exp_avg_sq, step) -> None:
-        layout = flat_layout(spec, self.full_shapes(spec), self.tp)
+        layout = flat_layout(self.shape, spec.rank, self.tp)
         host = torch.zeros(ROWS, layout.numel, dtype=torch.float32, pin_memory=self.pin)
         for e in layout.entries:
+            if e.target not in spec.target_modules:
+                continue  # stays zero: a zero A and B add nothing and get zero gradients
             for row, source in ((0, params), (2, exp_avg), (3, exp_avg_sq)):
                 if source is None:
                     continue
-                full = source[e.key]
-                a_or_b = self._shard_of(e, full)
-                host[row, e.offset : e.offset + e.numel].copy_(a_or_b.reshape(-1))
+                host[row, e.offset : e.offset + e.numel].view(e.shape).copy_(self._stored(e, source[e.key]))
         old = self.slots.pop(name, None)
         if old is not None:
             self.resident.pop(name, None)
         self.slots[name] = Slot(name=name, spec=spec, layout=layout, host=host, step=int(step))
 
-    def _shard_of(self, e: FlatEntry, full: torch.Tensor) -> torch.Tensor:
+    def _stored(self, e: FlatEntry, full: torch.Tensor) -> torch.Tensor:
+        """A full PEFT tensor → this rank's stored form (its shard; B transposed)."""
         full = full.detach().to("cpu", torch.float32)
-        if not e.sharded:
-            return full
-        # Column-parallel B keeps a row chunk; row-parallel A keeps a column chunk (layout.lora_shard).
-        return chunk_for_rank(full, self.tp, self.tp_rank, 0 if e.which == "B" else 1)
+        if e.sharded:
+            # Column-parallel B keeps a row chunk; row-parallel A keeps a column chunk (layout.lora_shard).
+            full = chunk_for_rank(full, self.tp, self.tp_rank, 0 if e.which == "B" else 1)
+        return full.t() if e.which == "B" else full
 
     def delete(self, name: str) -> None:
         self.slots.pop(name, None)
@@ -244,9 +237,9 @@ class Engine:
         else:
             dev = s.host.to(self.device, non_blocking=True)
         s.device = dev
-        s.views = s.param_leaves = s.grad_slices = None
+        s.tensors = None
         if stream is not None:
-            self.views(s)  # prefetch: build the views while the copy runs (metadata only)
+            self.tensors(s)  # prefetch: build the views while the copy runs (metadata only)
         # else: built on first use (run_batch), so an activation is only the copy
         self.resident[s.name] = None
 
@@ -265,24 +258,20 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             s.host_valid = True
-        s.device = s.views = s.param_leaves = s.grad_slices = None
+        s.device = s.tensors = None
         self.resident.pop(s.name, None)
 
-    def views(self, s: Slot) -> LocalAdapter:
-        """(layer, target) → (A, B) leaves aliasing the resident buffer, cached while the adapter stays resident."""
-        if s.views is None:
-            params, grads = s.device[0], s.device[1]
-            modules: dict[tuple[int, str], list] = {}
-            leaves, grad_slices = [], []
-            for e in s.layout.entries:
-                leaf = params[e.offset : e.offset + e.numel].view(e.shape).detach().requires_grad_(True)
-                leaves.append(leaf)
-                grad_slices.append(grads[e.offset : e.offset + e.numel].view(e.shape))
-                pair = modules.setdefault((e.layer, e.target), [None, None])
-                pair[0 if e.which == "A" else 1] = leaf
-            s.param_leaves, s.grad_slices = leaves, grad_slices
-            s.views = LocalAdapter({k: (v[0], v[1]) for k, v in modules.items()}, s.spec.scale)
-        return s.views
+    def tensors(self, s: Slot) -> AdapterTensors:
+        """Per-class ``[L, G, r, dim]`` views of the resident params and grads, cached while resident."""
+        if s.tensors is None:
+            params, grads, layers, r = s.device[0], s.device[1], self.shape.num_layers, s.layout.rank
+            p, g = {}, {}
+            for c, offset in s.layout.classes:
+                size = layers * len(c.targets) * r * c.dim
+                p[c.name] = params[offset : offset + size].view(layers, len(c.targets), r, c.dim)
+                g[c.name] = grads[offset : offset + size].view(layers, len(c.targets), r, c.dim)
+            s.tensors = AdapterTensors(p, g, r, s.spec.scale)
+        return s.tensors
 
     def sync_host(self, s: Slot) -> torch.Tensor:
         """The up-to-date host buffer (copies the device buffer back when it is newer)."""
@@ -308,6 +297,12 @@ class Engine:
         """
         names = [d.adapter for d in datums]
         slots = {s.name: s for s in self.activate(names)}
+        if backward and self.dp > 1 and self.dp_rank != 0:
+            # Every DP rank holds the same already-reduced sum of earlier batches; keep it on DP rank 0 only, so
+            # the all-reduce below adds this batch's gradients to it exactly once.
+            for s in slots.values():
+                if s.has_grads:
+                    s.device[1].zero_()
         n = len(datums)
         mine = list(range(self.dp_rank, n, self.dp))
         # Group my datums by adapter so each adapter's rows are one contiguous range of the padded batch.
@@ -331,9 +326,9 @@ class Engine:
             for name, s in slots.items():
                 count = sum(1 for i in order if datums[i].adapter == name)
                 if count:
-                    segments.append(RowSegment(start, start + count, self.views(s)))
+                    segments.append(RowSegment(start, start + count, self.tensors(s)))
                     start += count
-            with torch.set_grad_enabled(backward), self.lora.route(segments):
+            with torch.set_grad_enabled(backward), self.lora.route(segments, b) as routing:
                 lp_all = target_logprobs(forward_logits(self.model, ids), tgt)  # [b, max_len] fp32
                 total = lp_all.new_zeros(())
                 for row, i in enumerate(order):
@@ -353,18 +348,9 @@ class Engine:
                     out_loss[i, :length] = per_token.detach()
                     loss_by_adapter[list(slots).index(name)] += per_token.detach().double().sum()
                     total = total + per_token.sum()
-            if backward:
-                used = [s for s in slots.values() if s.param_leaves is not None]
-                leaves = [leaf for s in used for leaf in s.param_leaves]
-                grads = torch.autograd.grad(total, leaves, allow_unused=True) if leaves else ()
-                pairs, cursor = [], 0
-                for s in used:
-                    n = len(s.param_leaves)
-                    mine = [(dst, g) for dst, g in zip(s.grad_slices, grads[cursor : cursor + n]) if g is not None]
-                    cursor += n
-                    pairs.extend(mine)
-                if pairs:
-                    torch._foreach_add_([d for d, _ in pairs], [g for _, g in pairs])
+            if backward and total.requires_grad:
+                total.backward()
+                routing.accumulate_grads()
         if backward:
             for name, s in slots.items():
                 if self.dp > 1:
@@ -445,8 +431,12 @@ class Engine:
         for r in range(len(rows)):
             full = {}
             for e in s.layout.entries:
+                if e.target not in s.spec.target_modules:
+                    continue
                 shards = [p[r, e.offset : e.offset + e.numel].view(e.shape) for p in parts]
-                # Inverse of _shard_of: B row chunks / A column chunks in rank order.
+                if e.which == "B":
+                    shards = [t.t() for t in shards]
+                # Inverse of _stored: B row chunks / A column chunks in rank order.
                 full[e.key] = torch.cat(shards, 0 if e.which == "B" else 1) if e.sharded else shards[0]
             out.append({k: full[k].clone() for k in self.full_shapes(s.spec)})
         return out

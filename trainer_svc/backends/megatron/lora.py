@@ -1,21 +1,31 @@
-"""PEFT per-projection LoRA on megatron-core's fused, tensor-parallel linears.
+"""PEFT per-projection LoRA on megatron-core's fused, tensor-parallel linears, for one or many adapters per batch.
 
-Forward hooks on ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and ``linear_fc2`` of every decoder layer add
-each routed adapter's delta to the base output (the module tree and its state dict stay untouched). For q, k, v
-(and gate, up) the per-projection deltas ``scale * B_p (A_p x)`` are computed separately and placed in the fused
-layout (GQA interleave, gate|up halves) by :mod:`.layout`, so the adapter is exactly the PEFT one.
+Forward hooks on ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and ``linear_fc2`` of every decoder layer add the
+routed adapters' deltas to the base output (the module tree and its state dict stay untouched). For q, k, v (and
+gate, up) the per-projection deltas ``scale * B_p (A_p x)`` are computed separately and placed in the fused layout
+(GQA interleave, gate|up halves) by :mod:`.layout`, so the adapter is exactly the PEFT one.
+
+Storage. Each adapter's tensors on this rank are grouped in *classes* (:func:`lora_classes`), one ``[L, G, r,
+dim]`` tensor per class: the A's of the projections that share a hook input (q|k|v, gate|up) side by side, and
+each B stored transposed (``B^T``, ``[r, out]``). A batch stacks its adapters along the rank dimension with one
+``cat`` per class, so a hook does the same number of operations for one adapter as for eight.
+
+One autograd node per hook. The LoRA tensors are not autograd leaves: :class:`_HookDelta` computes the delta in
+its forward and, in its backward, the input gradient plus the A and B gradients, which it adds straight into the
+batch's gradient sinks. A per-batch anchor leaf makes the first hook's output require grad. With hundreds of LoRA
+tensors per adapter, per-tensor leaves (and their cat/split/accumulate nodes) cost more host time than the model.
+
+Several adapters in one batch: ``A_cat x`` is multiplied by a per-row mask holding each row's adapter scale in its
+own rank block and zero elsewhere, then by ``B_cat^T``; each row gets exactly its adapter's ``scale * B (A x)`` and
+each adapter's gradient comes only from its rows.
 
 Tensor parallel (no sequence parallel):
-  * column-parallel targets (q, k, v, gate, up): A in full, B's local row chunk. The low-rank activation
-    ``A x`` passes ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward), so A's
-    gradient and the input gradient of the LoRA path sum every rank's share of B.
-  * row-parallel targets (o, down): A's local column chunk, B in full. ``A_local x_local`` passes
-    ``reduce_from_tensor_model_parallel_region`` (all-reduce forward), so every rank holds the full low-rank
-    activation, and B's gradient is identical on every rank.
-
-Routing: a batch ``[b, s]`` is split into contiguous row ranges, each with its own adapter (or none). One adapter:
-the plain PEFT term. Several: their A's and B's are stacked along the rank dimension and a per-row mask keeps each
-row's own block (see ``MegatronLora._delta``), so each adapter's gradient comes only from its own rows.
+  * column-parallel targets (q, k, v, gate, up): A in full, B's local row chunk. The gradient of the low-rank
+    activation ``A x`` is all-reduced over the TP group (what ``copy_to_tensor_model_parallel_region`` does), so
+    A's gradient and the input gradient sum every rank's share of B.
+  * row-parallel targets (o, down): A's local column chunk, B in full. ``A_local x_local`` is all-reduced in the
+    forward (``reduce_from_tensor_model_parallel_region``), so every rank holds the full low-rank activation, and
+    B's gradient is identical on every rank.
 """
 
 from __future__ import annotations
@@ -23,21 +33,64 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
-from .layout import COLUMN_PARALLEL_TARGETS, LlamaShape, place_gate_up_delta, place_qkv_delta
+from .layout import LlamaShape, fuse_gate_up, interleave_qkv, split_gate_up, split_qkv
 
-QKV_TARGETS = ("q_proj", "k_proj", "v_proj")
-FC1_TARGETS = ("gate_proj", "up_proj")
+HOOK_TARGETS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "fc1": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+ROW_PARALLEL_HOOKS = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraClass:
+    """One stored tensor class: ``[num_layers, len(targets), rank, dim]`` per adapter and rank."""
+
+    name: str
+    hook: str
+    targets: tuple[str, ...]
+    which: str  # "A" (rows = rank, cols = in features) or "B" (stored as B^T: rows = rank, cols = out features)
+    dim: int  # this rank's share of the feature dimension
+    sharded: bool  # differs between TP ranks (counted once per rank in the global gradient norm)
+
+
+def a_class_name(hook: str) -> str:
+    return f"{hook}.A"
+
+
+def b_class_name(target: str) -> str:
+    return f"{target}.B"
+
+
+def lora_classes(shape: LlamaShape, tp: int) -> list[LoraClass]:
+    """This rank's classes, TP-sharded ones first (the gradient-norm reduction relies on that order)."""
+    out = []
+    for hook, targets in HOOK_TARGETS.items():
+        row = hook in ROW_PARALLEL_HOOKS
+        in_full = shape.in_features(targets[0])
+        out.append(LoraClass(a_class_name(hook), hook, targets, "A", in_full // tp if row else in_full, tp > 1 and row))
+        for t in targets:
+            out_full = shape.out_features(t)
+            out.append(LoraClass(b_class_name(t), hook, (t,), "B", out_full if row else out_full // tp,
+                                 tp > 1 and not row))
+    return sorted(out, key=lambda c: not c.sharded)  # stable
 
 
 @dataclass(eq=False)
-class LocalAdapter:
-    """One adapter's tensors as this rank uses them: (layer, target) → (A_local, B_local), plus its scale."""
+class AdapterTensors:
+    """One resident adapter on this rank: per class, its params and grads ``[L, G, r, dim]`` (views of its
+    buffer), its rank and scale."""
 
-    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    params: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    rank: int
     scale: float
 
 
@@ -45,48 +98,31 @@ class LocalAdapter:
 class RowSegment:
     start: int
     end: int
-    adapter: LocalAdapter | None
+    adapter: AdapterTensors | None
 
 
 _local = threading.local()  # the active routing, per thread
 
 
-def _tp() -> tuple[int, object]:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state
-
-
-def _column_mid(x: torch.Tensor, a: torch.Tensor, tp: int) -> torch.Tensor:
-    mid = x @ a.t()
-    if tp > 1:
-        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-
-        mid = copy_to_tensor_model_parallel_region(mid)
-    return mid
-
-
-def _row_mid(x: torch.Tensor, a_local: torch.Tensor, tp: int) -> torch.Tensor:
-    mid = x @ a_local.t()
-    if tp > 1:
-        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
-        mid = reduce_from_tensor_model_parallel_region(mid)
-    return mid
-
-
 class MegatronLora:
     """Installs the hooks on a GPTModel once; :meth:`route` selects adapters per batch-row range."""
 
-    def __init__(self, model, shape: LlamaShape, compute_dtype: torch.dtype = torch.float32):
-        tp, _ = _tp()
+    def __init__(self, model, shape: LlamaShape, compute_dtype: torch.dtype = torch.float32, *,
+                 tensor_parallel: tuple[int, object] | None = None):
+        """``model=None`` installs no hooks (the math alone, for tests); ``tensor_parallel`` = (size, group),
+        default megatron's TP group."""
+        if tensor_parallel is None:
+            from megatron.core import parallel_state
+
+            size = parallel_state.get_tensor_model_parallel_world_size()
+            tensor_parallel = (size, parallel_state.get_tensor_model_parallel_group() if size > 1 else None)
         self.shape = shape
-        self.tp = tp
+        self.tp, self.tp_group = tensor_parallel
         self.compute_dtype = compute_dtype
-        self.groups_local = shape.num_kv_heads // tp
-        self.ffn_local = shape.ffn_hidden_size // tp
+        self.groups_local = shape.num_kv_heads // self.tp
+        self.classes = lora_classes(shape, self.tp)
         self._handles = []
-        for i, layer in enumerate(model.decoder.layers):
+        for i, layer in enumerate(model.decoder.layers if model is not None else ()):
             attn, mlp = layer.self_attention, layer.mlp
             self._handles += [
                 attn.linear_qkv.register_forward_hook(self._hook(i, "qkv")),
@@ -101,95 +137,152 @@ class MegatronLora:
         self._handles = []
 
     @contextlib.contextmanager
-    def route(self, segments: Sequence[RowSegment]) -> Iterator[None]:
+    def route(self, segments: Sequence[RowSegment], batch_rows: int) -> Iterator[BatchRouting]:
+        """Routes the rows of the next forward(s); the returned routing's :meth:`BatchRouting.accumulate_grads`
+        moves the gradients of a backward into each adapter's grad buffer."""
         previous = getattr(_local, "routing", None)
-        _local.routing = _Routing(list(segments))
+        routing = BatchRouting(self, list(segments), batch_rows)
+        _local.routing = routing
         try:
-            yield
+            yield routing
         finally:
             _local.routing = previous
 
-    # -- hooks --------------------------------------------------------------------------------------------------
-
-    def _hook(self, layer: int, kind: str):
-        def hook(_module, inputs, output):
+    def _hook(self, layer: int, hook: str):
+        def run(_module, inputs, output):
             routing = getattr(_local, "routing", None)
             if routing is None or not routing.active:
                 return None
             out, bias = output
-            delta = self._delta(layer, kind, inputs[0], out, routing)
-            if delta is None:
-                return None
+            delta = _HookDelta.apply(inputs[0], routing.anchor, (routing, layer, hook))
             return out + delta.to(out.dtype), bias
 
-        return hook
+        return run
 
-    def _delta(self, layer: int, kind: str, x: torch.Tensor, out: torch.Tensor, routing: _Routing):
-        """LoRA delta for the whole batch ``x[s, b, in_local]``.
+    # -- the work of one hook ---------------------------------------------------------------------------------
 
-        One adapter over every row: ``scale * B (A x)`` per projection. Several adapters: their A's are stacked
-        along the rank dimension and their B's along the rank dimension too, ``A_cat x`` is multiplied by a
-        per-row mask that keeps only the row's own adapter's rank block (times its scale, zero elsewhere), then
-        ``B_cat``. Each row thus gets exactly its adapter's ``scale * B (A x)`` (the other blocks add exact
-        zeros) and each adapter's gradient comes only from its rows; the number of kernels does not grow with
-        the number of adapters.
-        """
-        cd = self.compute_dtype
-        xs = x.to(cd)
-        targets = QKV_TARGETS if kind == "qkv" else FC1_TARGETS if kind == "fc1" else (kind,)
-        row_parallel = kind in ("o_proj", "down_proj")
-        deltas = {}
-        for t in targets:
-            members = [(seg, seg.adapter.modules[(layer, t)]) for seg in routing.with_adapter
-                       if (layer, t) in seg.adapter.modules]
-            if not members:
-                continue
-            if len(members) == 1 and routing.single and members[0][0].end == x.shape[1]:
-                seg, (a, b) = members[0]
-                mid = _row_mid(xs, a.to(cd), self.tp) if row_parallel else _column_mid(xs, a.to(cd), self.tp)
-                deltas[t] = (mid @ b.to(cd).t()) * seg.adapter.scale
-                continue
-            a_cat = torch.cat([a for _, (a, _) in members], 0).to(cd)
-            b_cat = torch.cat([b for _, (_, b) in members], 1).to(cd)
-            mid = _row_mid(xs, a_cat, self.tp) if row_parallel else _column_mid(xs, a_cat, self.tp)
-            deltas[t] = (mid * routing.mask(members, x.shape[1], cd, x.device)) @ b_cat.t()
-        if not deltas:
-            return None
-        if row_parallel:
-            return deltas[kind]
-        if kind == "qkv":
-            return place_qkv_delta(deltas.get("q_proj"), deltas.get("k_proj"), deltas.get("v_proj"),
-                                   self.groups_local, self.shape.heads_per_group, self.shape.head_dim,
-                                   out if out.dtype == cd else out.to(cd))
-        return place_gate_up_delta(deltas.get("gate_proj"), deltas.get("up_proj"), self.ffn_local,
-                                   out if out.dtype == cd else out.to(cd))
+    def place(self, hook: str, deltas: list[torch.Tensor]) -> torch.Tensor:
+        if hook == "qkv":
+            return interleave_qkv(*deltas, self.groups_local, self.shape.head_dim, dim=-1)
+        if hook == "fc1":
+            return fuse_gate_up(*deltas, dim=-1)
+        return deltas[0]
+
+    def unplace(self, hook: str, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if hook == "qkv":
+            return split_qkv(g, self.groups_local, self.shape.heads_per_group, self.shape.head_dim, dim=-1)
+        if hook == "fc1":
+            return split_gate_up(g, dim=-1)
+        return (g,)
 
 
-class _Routing:
-    """One batch's row ranges and the masks derived from them (cached per set of participating adapters)."""
+class BatchRouting:
+    """One batch's adapters, stacked per class along the rank dimension, with masks and gradient sinks."""
 
-    def __init__(self, segments: list[RowSegment]):
+    def __init__(self, lora: MegatronLora, segments: list[RowSegment], batch_rows: int):
+        self.lora = lora
         self.segments = segments
-        self.with_adapter = [s for s in segments if s.adapter is not None]
-        self.active = bool(self.with_adapter)
-        # One adapter covering every row of the batch: no mask needed.
-        self.single = len(segments) == 1 and len(self.with_adapter) == 1 and segments[0].start == 0
-        self._masks: dict[tuple, torch.Tensor] = {}
+        members = [s for s in segments if s.adapter is not None]
+        if len({id(s.adapter) for s in members}) != len(members):
+            raise ValueError("each adapter must occupy one contiguous row range of the batch")
+        self.members = members
+        self.active = bool(members)
+        self.anchor: torch.Tensor | None = None
+        self.weights: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.total_rank = sum(s.adapter.rank for s in members)
+        self._masks: dict[int, torch.Tensor] = {}
+        if not members:
+            return
+        cd = lora.compute_dtype
+        first = members[0].adapter
+        device = next(iter(first.params.values())).device
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        single = len(members) == 1
+        for c in lora.classes:
+            stacked = first.params[c.name] if single else torch.cat([s.adapter.params[c.name] for s in members], 2)
+            self.weights[c.name] = stacked if stacked.dtype == cd else stacked.to(cd)
+            # One adapter: its own grad buffer is the sink. Several: a stacked sink, split after the backward.
+            self.grads[c.name] = first.grads[c.name] if single else torch.zeros(
+                stacked.shape, dtype=torch.float32, device=device)
+        # One adapter over every row: a scalar scale instead of a mask.
+        self.scale = first.scale if single and members[0].start == 0 and members[0].end == batch_rows else None
+        self._batch_rows = batch_rows
+        self._device = device
 
-    def mask(self, members, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """``[1, batch, Σ ranks]``: row r, rank block of adapter k = scale_k if r is k's row, else 0."""
-        key = tuple((seg.start, seg.end, a.shape[0], seg.adapter.scale) for seg, (a, _) in members) + (batch,)
-        m = self._masks.get(key)
-        if m is None:
-            total = sum(a.shape[0] for _, (a, _) in members)
-            host = torch.zeros(batch, total, dtype=dtype)
+    def scaled(self, mid: torch.Tensor, groups: int, batch: int) -> torch.Tensor:
+        """``mid[T, groups * Σr]`` times each row's adapter scale in its own rank blocks (zero elsewhere)."""
+        if self.scale is not None:
+            return mid * self.scale
+        mask = self._masks.get(groups)
+        if mask is None:
+            host = torch.zeros(self._batch_rows, self.total_rank, dtype=torch.float32)
             col = 0
-            for seg, (a, _) in members:
-                host[seg.start : seg.end, col : col + a.shape[0]] = seg.adapter.scale
-                col += a.shape[0]
-            m = self._masks[key] = host.to(device, non_blocking=True).unsqueeze(0)
-        return m
+            for s in self.members:
+                host[s.start : s.end, col : col + s.adapter.rank] = s.adapter.scale
+                col += s.adapter.rank
+            mask = self._masks[groups] = host.repeat(1, groups).to(self._device, non_blocking=True)
+        # The mask stays fp32 so a bf16 product is rounded once, as ``mid * scale`` is with one adapter.
+        return (mid.view(-1, batch, mid.shape[-1]) * mask).view(mid.shape).to(mid.dtype)
+
+    def accumulate_grads(self) -> None:
+        """After a backward: adds the stacked gradients into each adapter's grad buffer (one adapter: already
+        there)."""
+        if len(self.members) < 2:
+            return
+        ranks = [s.adapter.rank for s in self.members]
+        for name, stacked in self.grads.items():
+            for s, part in zip(self.members, stacked.split(ranks, dim=2)):
+                s.adapter.grads[name].add_(part)
 
 
-def is_column_parallel(target: str) -> bool:
-    return target in COLUMN_PARALLEL_TARGETS
+class _HookDelta(torch.autograd.Function):
+    """The LoRA delta of one hook (all its projections, all routed adapters) in the fused output layout."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, plan):
+        routing, layer, hook = plan
+        lora = routing.lora
+        cd = lora.compute_dtype
+        seq, batch, width = x.shape
+        x2 = (x if x.dtype == cd else x.to(cd)).reshape(-1, width)
+        targets = HOOK_TARGETS[hook]
+        a = routing.weights[a_class_name(hook)][layer].reshape(-1, width)  # [G * Σr, in]
+        mid = x2 @ a.t()
+        if hook in ROW_PARALLEL_HOOKS and lora.tp > 1:
+            dist.all_reduce(mid, group=lora.tp_group)
+        mid = routing.scaled(mid, len(targets), batch)
+        r = routing.total_rank
+        deltas = [mid[:, i * r : (i + 1) * r] @ routing.weights[b_class_name(t)][layer, 0]
+                  for i, t in enumerate(targets)]
+        ctx.save_for_backward(x2, mid)
+        ctx.plan = plan
+        ctx.x_dtype = x.dtype
+        return lora.place(hook, deltas).view(seq, batch, -1)
+
+    @staticmethod
+    def backward(ctx, g):
+        routing, layer, hook = ctx.plan
+        lora = routing.lora
+        x2, mid = ctx.saved_tensors
+        cd = lora.compute_dtype
+        seq, batch = g.shape[0], g.shape[1]
+        r = routing.total_rank
+        targets = HOOK_TARGETS[hook]
+        parts = lora.unplace(hook, (g if g.dtype == cd else g.to(cd)).reshape(seq * batch, -1))
+        g_mids = []
+        for i, (t, g_t) in enumerate(zip(targets, parts)):
+            bt = routing.weights[b_class_name(t)][layer, 0]  # [Σr, out]
+            routing.grads[b_class_name(t)][layer, 0].add_(mid[:, i * r : (i + 1) * r].t() @ g_t)
+            g_mids.append(g_t @ bt.t())
+        g_mid = routing.scaled(g_mids[0] if len(g_mids) == 1 else torch.cat(g_mids, 1), len(targets), batch)
+        if hook not in ROW_PARALLEL_HOOKS and lora.tp > 1:
+            dist.all_reduce(g_mid, group=lora.tp_group)
+        a_name = a_class_name(hook)
+        width = x2.shape[1]
+        routing.grads[a_name][layer].add_((g_mid.t() @ x2).view(len(targets), r, width))
+        g_x = None
+        if ctx.needs_input_grad[0]:
+            a = routing.weights[a_name][layer].reshape(-1, width)
+            g_x = (g_mid @ a).view(seq, batch, width).to(ctx.x_dtype)
+        return g_x, None, None
