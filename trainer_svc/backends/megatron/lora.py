@@ -15,9 +15,9 @@ its forward and, in its backward, the input gradient plus the A and B gradients,
 batch's gradient sinks. A per-batch anchor leaf makes the first hook's output require grad. With hundreds of LoRA
 tensors per adapter, per-tensor leaves (and their cat/split/accumulate nodes) cost more host time than the model.
 
-Several adapters in one batch: ``A_cat x`` is multiplied by a per-row mask holding each row's adapter scale in its
-own rank block and zero elsewhere, then by ``B_cat^T``; each row gets exactly its adapter's ``scale * B (A x)`` and
-each adapter's gradient comes only from its rows.
+Several adapters in one batch: ``A_cat x`` is multiplied by a per-row 0/1 mask that keeps each row's own adapter's
+rank block, then by ``B_cat^T`` whose rank rows carry their adapter's scale; each row gets exactly its adapter's
+``scale * B (A x)`` and each adapter's gradient comes only from its rows.
 
 Tensor parallel (no sequence parallel):
   * column-parallel targets (q, k, v, gate, up): A in full, B's local row chunk. The gradient of the low-rank
@@ -199,31 +199,44 @@ class BatchRouting:
         device = next(iter(first.params.values())).device
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         single = len(members) == 1
+        # One adapter over every row: a scalar scale. Otherwise a 0/1 row mask, and each adapter's scale rides on
+        # its rank rows of the stacked B^T (so the mask product is exact in bf16).
+        self.scale = first.scale if single and members[0].start == 0 and members[0].end == batch_rows else None
+        self.rank_scale = None if self.scale is not None else torch.cat(
+            [torch.full((s.adapter.rank,), s.adapter.scale, dtype=torch.float32) for s in members]
+        ).to(device, non_blocking=True)
         for c in lora.classes:
             stacked = first.params[c.name] if single else torch.cat([s.adapter.params[c.name] for s in members], 2)
+            if c.which == "B" and self.rank_scale is not None:
+                stacked = stacked * self.rank_scale.view(1, 1, -1, 1)
             self.weights[c.name] = stacked if stacked.dtype == cd else stacked.to(cd)
             # One adapter: its own grad buffer is the sink. Several: a stacked sink, split after the backward.
             self.grads[c.name] = first.grads[c.name] if single else torch.zeros(
                 stacked.shape, dtype=torch.float32, device=device)
-        # One adapter over every row: a scalar scale instead of a mask.
-        self.scale = first.scale if single and members[0].start == 0 and members[0].end == batch_rows else None
         self._batch_rows = batch_rows
         self._device = device
 
     def scaled(self, mid: torch.Tensor, groups: int, batch: int) -> torch.Tensor:
-        """``mid[T, groups * Σr]`` times each row's adapter scale in its own rank blocks (zero elsewhere)."""
+        """``mid[T, groups * Σr]`` times the scalar scale (one adapter on every row), or with every rank block
+        zeroed outside its adapter's rows."""
         if self.scale is not None:
             return mid * self.scale
         mask = self._masks.get(groups)
         if mask is None:
-            host = torch.zeros(self._batch_rows, self.total_rank, dtype=torch.float32)
+            host = torch.zeros(self._batch_rows, self.total_rank, dtype=mid.dtype)
             col = 0
             for s in self.members:
-                host[s.start : s.end, col : col + s.adapter.rank] = s.adapter.scale
+                host[s.start : s.end, col : col + s.adapter.rank] = 1
                 col += s.adapter.rank
             mask = self._masks[groups] = host.repeat(1, groups).to(self._device, non_blocking=True)
-        # The mask stays fp32 so a bf16 product is rounded once, as ``mid * scale`` is with one adapter.
-        return (mid.view(-1, batch, mid.shape[-1]) * mask).view(mid.shape).to(mid.dtype)
+        return (mid.view(-1, batch, mid.shape[-1]) * mask).view(mid.shape)
+
+    def add_b_grad(self, sink: torch.Tensor, grad_bt: torch.Tensor) -> None:
+        """Adds the gradient of an unscaled B^T, given that of the stacked (scale-carrying) one."""
+        if self.rank_scale is None:
+            sink.add_(grad_bt)
+        else:
+            sink.addcmul_(grad_bt, self.rank_scale.view(-1, 1))
 
     def accumulate_grads(self) -> None:
         """After a backward: adds the stacked gradients into each adapter's grad buffer (one adapter: already
@@ -273,7 +286,7 @@ class _HookDelta(torch.autograd.Function):
         g_mids = []
         for i, (t, g_t) in enumerate(zip(targets, parts)):
             bt = routing.weights[b_class_name(t)][layer, 0]  # [Σr, out]
-            routing.grads[b_class_name(t)][layer, 0].add_(mid[:, i * r : (i + 1) * r].t() @ g_t)
+            routing.add_b_grad(routing.grads[b_class_name(t)][layer, 0], mid[:, i * r : (i + 1) * r].t() @ g_t)
             g_mids.append(g_t @ bt.t())
         g_mid = routing.scaled(g_mids[0] if len(g_mids) == 1 else torch.cat(g_mids, 1), len(targets), batch)
         if hook not in ROW_PARALLEL_HOOKS and lora.tp > 1:
