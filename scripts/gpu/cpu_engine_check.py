@@ -19,12 +19,12 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-import scripts.gpu.cpu_shims  # noqa: E402,F401  (before the backend is used)
-from loraplane.lora import LoraSpec  # noqa: E402
-from loraplane.models import load_base_model  # noqa: E402
-from trainer_svc.backends.megatron.model import init_parallel  # noqa: E402
-from trainer_svc.backends.torch_backend import TorchBackend  # noqa: E402
-from trainer_svc.optimizer import AdamHyper  # noqa: E402
+import scripts.gpu.cpu_shims  # noqa: F401  (before the backend is used)
+from loraplane.lora import LoraSpec
+from loraplane.models import load_base_model
+from trainer_svc.backends.megatron.model import init_parallel
+from trainer_svc.backends.torch_backend import TorchBackend
+from trainer_svc.optimizer import AdamHyper
 
 
 def gpu_test_module():

@@ -49,7 +49,8 @@ def median_ms(fn, repeat: int = 8, warmup: int = 2) -> float:
 
 
 def profile(fn, label: str, out_dir: Path) -> dict:
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     fn()
     torch.cuda.synchronize()

@@ -3,6 +3,8 @@ placement of per-projection PEFT LoRA outputs, tensor-parallel shards, and the H
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -157,7 +159,7 @@ def test_flat_layout_puts_tensor_parallel_shards_first_with_local_shapes():
         assert e.shape == (rank, full // 2 if e.sharded else full)
     spans = sorted((e.offset, e.offset + e.numel) for e in two.entries)
     assert spans[0][0] == 0 and spans[-1][1] == two.numel
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no gaps, no overlaps
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # no gaps, no overlaps
     assert two.sharded_numel == sum(e.numel for e in two.entries if e.sharded)
     # The A's of projections that share an input sit side by side per layer (one matmul per hook).
     q, k, v = (next(e for e in one.entries if e.key.endswith(f"layers.1.self_attn.{t}.lora_A.weight"))
@@ -181,7 +183,14 @@ def _random_adapter(lora, rank: int, scale: float, seed: int):
 def test_fused_hook_gives_each_row_its_own_adapter_and_exact_gradients(hook):
     """Two adapters of different ranks and an unrouted range in one batch: every row's delta, the input gradient
     and each adapter's A/B gradients equal those of plain PEFT autograd on that adapter's rows alone."""
-    from trainer_svc.backends.megatron.lora import HOOK_TARGETS, MegatronLora, RowSegment, _HookDelta, a_class_name, b_class_name
+    from trainer_svc.backends.megatron.lora import (
+        HOOK_TARGETS,
+        MegatronLora,
+        RowSegment,
+        _HookDelta,
+        a_class_name,
+        b_class_name,
+    )
 
     lora = MegatronLora(None, SHAPE, torch.float64, tensor_parallel=(1, None))
     adapters = [_random_adapter(lora, 2, 0.5, 1), _random_adapter(lora, 3, 2.0, 2)]
