@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from loraplane.errors import DataLoss, InvalidArgument
 from loraplane.lora import TARGET_MODULES, LoraSpec, parse_peft_key
@@ -55,22 +54,30 @@ def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
     }
 
 
-def _contiguous_cpu_f32(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous() for k, v in params.items()}
-
-
 def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """safetensors bytes with the metadata in sorted order. safetensors writes metadata from a hash map, so the
-    same tensors would otherwise give different bytes (and sha256) from one call to the next; the registry is
-    content-addressed, so identical adapters should be identical blobs."""
-    raw = st_save(tensors, metadata=metadata)
-    header_len = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + header_len])
-    if "__metadata__" in header:
-        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    """A safetensors file of float32 tensors, written directly: tensors in sorted name order, metadata sorted, so
+    the same tensors always give the same bytes (the registry is content-addressed). Each tensor is copied once,
+    from any device, dtype or stride, into the output buffer; safetensors' own writer makes three more copies of
+    the data, which for a 39 MB adapter cost about 150 ms of a publish."""
+    names = sorted(tensors)
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    offset = 0
+    for name in names:
+        nbytes = tensors[name].numel() * 4
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text + raw[8 + header_len:]
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    out = bytearray(8 + len(text) + offset)
+    out[:8] = len(text).to_bytes(8, "little")
+    out[8 : 8 + len(text)] = text
+    if offset:
+        data = torch.frombuffer(out, dtype=torch.uint8, offset=8 + len(text), count=offset)
+        for name in names:
+            begin, end = header[name]["data_offsets"]
+            tensor = tensors[name].detach()
+            data[begin:end].view(torch.float32).view(tensor.shape).copy_(tensor)
+    return bytes(out)
 
 
 def serialize_adapter(params: dict[str, torch.Tensor], spec: LoraSpec, base_model_name: str) -> bytes:
@@ -79,7 +86,7 @@ def serialize_adapter(params: dict[str, torch.Tensor], spec: LoraSpec, base_mode
         FORMAT_KEY: "pt",
         ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name), sort_keys=True),
     }
-    return _save(_contiguous_cpu_f32(params), metadata)
+    return _save(params, metadata)
 
 
 def _read(blob: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -135,6 +142,16 @@ def parse_adapter(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
     return params, spec, str(config.get("base_model_name_or_path") or "")
 
 
+def _non_finite_key(params: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor holding a NaN or an infinity, or None. A finite norm proves a tensor finite; the norms of
+    all tensors come from one foreach call (an isfinite pass per tensor took ~28 ms of a 39 MB publish). Only when a
+    norm is not finite (a bad value, or a norm that overflows) is each tensor scanned."""
+    tensors = [t.detach() for t in params.values()]
+    if bool(torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(tensors)])).all()):
+        return None
+    return next((k for k, t in zip(params, tensors) if not bool(torch.isfinite(t).all())), None)
+
+
 def _check_params(params: dict[str, torch.Tensor], spec: LoraSpec, *, field: str) -> None:
     """Keys must form complete A/B pairs of the spec's target modules over layers 0..L-1 with rank-consistent
     shapes and finite values."""
@@ -146,12 +163,13 @@ def _check_params(params: dict[str, torch.Tensor], spec: LoraSpec, *, field: str
             raise InvalidArgument(f"{field}: {key} targets {module}, not in target_modules", field=field)
         if tensor.ndim != 2:
             raise InvalidArgument(f"{field}: {key} must be 2-D, got shape {tuple(tensor.shape)}", field=field)
-        if not bool(torch.isfinite(tensor).all()):
-            raise InvalidArgument(f"{field}: {key} has non-finite values", field=field)
         layers.add(layer)
         pairs.setdefault((layer, module), {})[which] = tuple(tensor.shape)
     if not params:
         raise InvalidArgument(f"{field}: no LoRA tensors", field=field)
+    bad = _non_finite_key(params)
+    if bad is not None:
+        raise InvalidArgument(f"{field}: {bad} has non-finite values", field=field)
     if layers != set(range(len(layers))):
         raise InvalidArgument(f"{field}: layers {sorted(layers)} are not 0..{len(layers) - 1}", field=field)
     for layer in layers:
@@ -173,7 +191,7 @@ def materialize_peft_dir(blob: bytes, directory: str | Path) -> Path:
     config = peft_adapter_config(spec, base_name)
     config.pop("loraplane_seed", None)
     tmp_weights = directory / ".adapter_model.safetensors.tmp"
-    tmp_weights.write_bytes(_save(_contiguous_cpu_f32(params), {FORMAT_KEY: "pt"}))
+    tmp_weights.write_bytes(_save(params, {FORMAT_KEY: "pt"}))
     tmp_weights.replace(directory / "adapter_model.safetensors")
     tmp_config = directory / ".adapter_config.json.tmp"
     tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -193,10 +211,10 @@ class TrainingState:
 
 def serialize_training_state(state: TrainingState) -> bytes:
     _check_params(state.params, state.spec, field="params")
-    tensors = dict(_contiguous_cpu_f32(state.params))
+    tensors = dict(state.params)
     for key in state.params:
-        tensors[EXP_AVG + key] = state.exp_avg[key].detach().to("cpu", torch.float32, copy=True).contiguous()
-        tensors[EXP_AVG_SQ + key] = state.exp_avg_sq[key].detach().to("cpu", torch.float32, copy=True).contiguous()
+        tensors[EXP_AVG + key] = state.exp_avg[key]
+        tensors[EXP_AVG_SQ + key] = state.exp_avg_sq[key]
     info = {
         "step": int(state.step),
         "rank": state.spec.rank,

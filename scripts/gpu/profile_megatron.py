@@ -137,6 +137,13 @@ def main() -> None:
         r.update({k: v for k, v in p.items() if k != "top"})
         results[label] = r
         print(f"== {label}\n{p['top']}", flush=True)
+    from loraplane.adapter_format import serialize_adapter
+
+    def publish():
+        return serialize_adapter(backend.export_params(tenants[0]), tenants[0].spec, base.name)
+
+    results["publish_export_serialize_ms"] = median_ms(publish, repeat=5, warmup=1)
+    results["publish_blob_bytes"] = len(publish())
     one, fused = results["one"], results["fused8"]
     results["ratio_full"] = one["full_ms"] / fused["full_ms"]
     (out_dir / "profile.json").write_text(json.dumps(results, indent=2))
@@ -145,6 +152,8 @@ def main() -> None:
     for key in ("full_ms", "fwd_bwd_ms", "fwd_ms", "steps_ms", "kernel_ms", "aten_ops"):
         print(f"{key:24s} {one[key]:10.1f} {fused[key]:10.1f}")
     print(f"tokens/s ratio fused8/one (same tokens): {results['ratio_full']:.3f}")
+    print(f"PublishWeights export + serialize, {results['publish_blob_bytes'] / 1e6:.1f} MB: "
+          f"{results['publish_export_serialize_ms']:.1f} ms")
 
 
 if __name__ == "__main__":

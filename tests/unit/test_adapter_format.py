@@ -122,3 +122,41 @@ def test_serialization_is_deterministic(tiny):
     assert len({serialize_training_state(state) for _ in range(5)}) == 1
     assert len({serialize_adapter(params, spec, "tiny") for _ in range(5)}) == 1
     assert parse_training_state(serialize_training_state(state)).step == 1
+
+
+def test_blob_is_plain_safetensors_from_any_layout_and_device_dtype(tiny):
+    """The writer copies each tensor once from whatever it is given (here: transposed views and bfloat16 tensors);
+    safetensors' own reader gets the same float32 values back."""
+    from safetensors.torch import load as st_load
+
+    spec = LoraSpec.create(3, 6, ["k_proj", "up_proj"], seed=4)
+    params = trained_like(tiny, spec, 3)
+    odd_layouts = {k: (v.t().contiguous().t() if "lora_B" in k else v.to(torch.bfloat16)) for k, v in params.items()}
+    assert any(not v.is_contiguous() for v in odd_layouts.values())
+    blob = serialize_adapter(odd_layouts, spec, "tiny")
+    header_len = int.from_bytes(blob[:8], "little")
+    assert (8 + header_len) % 8 == 0  # data starts aligned
+    loaded = st_load(blob)
+    assert set(loaded) == set(params)
+    for k, v in odd_layouts.items():
+        assert loaded[k].dtype == torch.float32 and torch.equal(loaded[k], v.float())
+
+
+def test_non_finite_values_are_named_and_huge_finite_ones_pass(tiny):
+    spec = LoraSpec.create(2, 0, ["q_proj", "o_proj"], seed=1)
+    params = trained_like(tiny, spec, 5)
+    bad_key = peft_key(1, "o_proj", "B")
+    poisoned = {k: v.clone() for k, v in params.items()}
+    poisoned[bad_key][0, 1] = float("nan")
+    with pytest.raises(InvalidArgument, match=bad_key.replace(".", r"\.")):
+        serialize_adapter(poisoned, spec, "tiny")
+    infinite = {k: v.clone() for k, v in params.items()}
+    infinite[bad_key][1, 0] = float("-inf")
+    blob = serialize_adapter(params, spec, "tiny")
+    config = json.loads(json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]["adapter_config"])
+    with pytest.raises(InvalidArgument, match="non-finite"):
+        parse_adapter(st_save(infinite, metadata={"adapter_config": json.dumps(config)}))
+    # Values whose float32 norm may overflow are still finite: they must not be rejected.
+    huge = {k: torch.full_like(v, 3e37) for k, v in params.items()}
+    back, _, _ = parse_adapter(serialize_adapter(huge, spec, "tiny"))
+    assert all(torch.equal(back[k], huge[k]) for k in huge)

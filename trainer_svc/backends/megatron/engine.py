@@ -442,7 +442,8 @@ class Engine:
                     shards = [t.t() for t in shards]
                 # Inverse of _stored: B row chunks / A column chunks in rank order.
                 full[e.key] = torch.cat(shards, 0 if e.which == "B" else 1) if e.sharded else shards[0]
-            out.append({k: full[k].clone() for k in self.full_shapes(s.spec)})
+            # Contiguous tensors of their own (A's are views of this call's host copy; B's transposes are copied).
+            out.append({k: full[k].contiguous() for k in self.full_shapes(s.spec)})
         return out
 
     def load_state(self, name: str, params, exp_avg, exp_avg_sq, step: int, spec: LoraSpec) -> None:
