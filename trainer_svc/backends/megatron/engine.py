@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.optim.adamw import adamw as adamw_update
 
 from loraplane.errors import InvalidArgument, NotFound
 from loraplane.lora import LoraSpec, init_lora_params, peft_key
@@ -393,20 +394,14 @@ class Engine:
             coef = hyper.grad_clip_norm / (norm + 1e-6)
             if coef < 1.0:
                 grads.mul_(coef)
-        param = s.device[0].detach().requires_grad_(True)  # one flat tensor: AdamW is elementwise
-        param.grad = grads
-        # The fused kernel on CUDA (one pass over params, grads and moments instead of about ten); same update rule.
+        # torch.optim.AdamW's own update (its functional form: no optimizer object per step) on one flat tensor,
+        # since AdamW is elementwise; the fused kernel on CUDA (one pass over params, grads and moments).
         fused = self.device.type == "cuda"
-        optimizer = torch.optim.AdamW([param], lr=hyper.learning_rate, betas=(hyper.beta1, hyper.beta2),
-                                      eps=hyper.eps, weight_decay=hyper.weight_decay, foreach=False, fused=fused)
-        optimizer.state[param] = {
-            # The fused kernel reads the step count from the device.
-            "step": torch.tensor(float(s.step), dtype=torch.float32, device=self.device if fused else "cpu"),
-            "exp_avg": s.device[2],
-            "exp_avg_sq": s.device[3],
-        }
-        optimizer.step()
-        param.grad = None
+        step = torch.tensor(float(s.step), dtype=torch.float32, device=self.device if fused else "cpu")
+        adamw_update(
+            [s.device[0]], [grads], [s.device[2]], [s.device[3]], [], [step], foreach=False, fused=fused,
+            amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.learning_rate,
+            weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
         grads.zero_()
         s.step += 1
         s.host_valid = False

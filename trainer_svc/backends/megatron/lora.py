@@ -191,7 +191,7 @@ class BatchRouting:
         self.weights: dict[str, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.total_rank = sum(s.adapter.rank for s in members)
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
         if not members:
             return
         cd = lora.compute_dtype
@@ -205,6 +205,7 @@ class BatchRouting:
         self.rank_scale = None if self.scale is not None else torch.cat(
             [torch.full((s.adapter.rank,), s.adapter.scale, dtype=torch.float32) for s in members]
         ).to(device, non_blocking=True)
+        self._rank_scale_column = None if self.rank_scale is None else self.rank_scale.view(-1, 1)
         for c in lora.classes:
             stacked = first.params[c.name] if single else torch.cat([s.adapter.params[c.name] for s in members], 2)
             if c.which == "B" and self.rank_scale is not None:
@@ -221,22 +222,25 @@ class BatchRouting:
         zeroed outside its adapter's rows."""
         if self.scale is not None:
             return mid * self.scale
-        mask = self._masks.get(groups)
+        key = (groups, mid.shape[0])
+        mask = self._masks.get(key)
         if mask is None:
             host = torch.zeros(self._batch_rows, self.total_rank, dtype=mid.dtype)
             col = 0
             for s in self.members:
                 host[s.start : s.end, col : col + s.adapter.rank] = 1
                 col += s.adapter.rank
-            mask = self._masks[groups] = host.repeat(1, groups).to(self._device, non_blocking=True)
-        return (mid.view(-1, batch, mid.shape[-1]) * mask).view(mid.shape)
+            # Materialized for every token row ([seq * batch, groups * Σr], a few MB): one multiply per use and
+            # no reshapes, so a hook issues as many operations as with a scalar scale.
+            mask = self._masks[key] = host.repeat(mid.shape[0] // batch, groups).to(self._device, non_blocking=True)
+        return mid * mask
 
     def add_b_grad(self, sink: torch.Tensor, grad_bt: torch.Tensor) -> None:
         """Adds the gradient of an unscaled B^T, given that of the stacked (scale-carrying) one."""
         if self.rank_scale is None:
             sink.add_(grad_bt)
         else:
-            sink.addcmul_(grad_bt, self.rank_scale.view(-1, 1))
+            sink.addcmul_(grad_bt, self._rank_scale_column)
 
     def accumulate_grads(self) -> None:
         """After a backward: adds the stacked gradients into each adapter's grad buffer (one adapter: already
