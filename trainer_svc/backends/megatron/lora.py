@@ -232,7 +232,7 @@ class BatchRouting:
                 col += s.adapter.rank
             # Materialized for every token row ([seq * batch, groups * Σr], a few MB): one multiply per use and
             # no reshapes, so a hook issues as many operations as with a scalar scale.
-            mask = self._masks[key] = host.repeat(mid.shape[0] // batch, groups).to(self._device, non_blocking=True)
+            mask = self._masks[key] = host.to(self._device).repeat(mid.shape[0] // batch, groups)
         return mid * mask
 
     def add_b_grad(self, sink: torch.Tensor, grad_bt: torch.Tensor) -> None:
