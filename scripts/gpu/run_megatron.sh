@@ -59,7 +59,7 @@ case "$mode" in
     python3 -c "from loraplane.models.base import ensure_smollm2_cache as e; print(e())" 2>&1 | tail -1
     pytest_gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed"
     pytest_service 2>&1 | tee "$OUT/gpu_service_test.log" | tail -3
-    python3 bench/trainer_megatron.py 2>&1 | grep -v -i warn | tee "$OUT/bench.log" | tail -17
+    python3 bench/trainer_megatron.py --iters 20 2>&1 | grep -v -i warn | tee "$OUT/bench.log" | tail -17
     cp bench/results/trainer_megatron.json "$OUT/" 2>/dev/null
     python3 bench/trainer_megatron.py --lora-dtype float32 --out bench/results/trainer_megatron_lora_fp32.json 2>&1 \
       | grep -v -i warn | tail -17 > "$OUT/bench_lora_fp32.log"
