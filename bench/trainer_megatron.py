@@ -18,6 +18,7 @@ Measures
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -77,15 +78,14 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/trainer_megatron.json")
     args = ap.parse_args()
 
+    from bench.common import fresh_adapter_state, random_datums
     from loraplane.adapter_format import serialize_adapter
-    from loraplane.lora import LoraSpec, init_lora_params
     from loraplane.models import load_base_model
-    from trainer_svc.backends.base import BatchItem, DatumInput
+    from trainer_svc.backends.base import BatchItem
     from trainer_svc.backends.megatron.backend import MegatronBackend
     from trainer_svc.backends.megatron.engine import Engine
     from trainer_svc.backends.megatron.model import forward_logits, init_parallel, target_logprobs
     from trainer_svc.optimizer import AdamHyper
-    from trainer_svc.pool import AdapterState
 
     init_parallel(1)
     dtype = getattr(torch, args.dtype)
@@ -96,17 +96,8 @@ def main() -> None:
     hyper = AdamHyper(learning_rate=1e-4)
     g = torch.Generator().manual_seed(0)
 
-    def state(name: str) -> AdapterState:
-        spec = LoraSpec.create(args.rank, 2.0 * args.rank, [], seed=sum(name.encode()))
-        params = init_lora_params(base, spec)
-        return AdapterState(name=name, spec=spec, base_model=base.name, params=params, exp_avg={}, exp_avg_sq={})
-
-    def batch(n: int) -> list[DatumInput]:
-        out = []
-        for _ in range(n):
-            toks = torch.randint(0, base.vocab_size, (args.seq_len + 1,), generator=g)
-            out.append(DatumInput(toks[:-1].clone(), toks[1:].clone()))
-        return out
+    state = functools.partial(fresh_adapter_state, base, rank=args.rank)  # name -> a new adapter's state
+    batch = functools.partial(random_datums, base.vocab_size, seq_len=args.seq_len, generator=g)  # n -> datums
 
     results: dict[str, object] = {"device": torch.cuda.get_device_name(), "base_model": base.name, "rank": args.rank,
                                   "dtype": args.dtype, "lora_dtype": args.lora_dtype, "seq_len": args.seq_len, "datums_per_batch": args.datums,

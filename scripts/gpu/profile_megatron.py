@@ -12,6 +12,7 @@ the fused-vs-single ratio.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -97,13 +98,12 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from loraplane.lora import LoraSpec, init_lora_params
-    from trainer_svc.backends.base import BatchItem, DatumInput
+    from bench.common import fresh_adapter_state, random_datums
+    from trainer_svc.backends.base import BatchItem
     from trainer_svc.backends.megatron.backend import MegatronBackend
     from trainer_svc.backends.megatron.engine import Engine
     from trainer_svc.backends.megatron.model import init_parallel
     from trainer_svc.optimizer import AdamHyper
-    from trainer_svc.pool import AdapterState
 
     init_parallel(1)
     base = smollm2_shaped()
@@ -113,17 +113,8 @@ def main() -> None:
     hyper = AdamHyper(learning_rate=1e-4)
     g = torch.Generator().manual_seed(0)
 
-    def state(name: str) -> AdapterState:
-        spec = LoraSpec.create(args.rank, 2.0 * args.rank, [], seed=sum(name.encode()))
-        return AdapterState(name=name, spec=spec, base_model=base.name, params=init_lora_params(base, spec),
-                            exp_avg={}, exp_avg_sq={})
-
-    def data(n: int) -> list[DatumInput]:
-        out = []
-        for _ in range(n):
-            toks = torch.randint(0, base.vocab_size, (args.seq_len + 1,), generator=g)
-            out.append(DatumInput(toks[:-1].clone(), toks[1:].clone()))
-        return out
+    state = functools.partial(fresh_adapter_state, base, rank=args.rank)  # name -> a new adapter's state
+    data = functools.partial(random_datums, base.vocab_size, seq_len=args.seq_len, generator=g)  # n -> datums
 
     tenants = [state(f"tenant{i}") for i in range(8)]
     for s in tenants:
