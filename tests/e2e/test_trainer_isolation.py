@@ -10,7 +10,6 @@ import torch
 from loraplane.adapter_format import parse_training_state
 from loraplane.lora import LoraSpec, init_lora_params
 from loraplane.models import load_base_model
-from loraplane.registry_client import RegistryClient
 from loraplane.v1 import common_pb2, trainer_pb2
 
 ADAM = trainer_pb2.AdamParams(learning_rate=0.05, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01,
@@ -41,15 +40,7 @@ def fb(name: str, seq: int, data) -> trainer_pb2.ForwardBackwardRequest:
 
 def saved_state(trainer, stub, name: str, seq: int):
     version = stub.SaveState(trainer_pb2.SaveStateRequest(adapter=name, seq_id=seq)).version
-
-    async def download():
-        client = RegistryClient(trainer.registry_address)
-        try:
-            return (await client.download(name, version=version.version))[1]
-        finally:
-            await client.close()
-
-    return parse_training_state(trainer.loop.run(download(), timeout=60))
+    return parse_training_state(trainer.download(name, version.version))
 
 
 def wait_queued(scheduler, count: int) -> None:

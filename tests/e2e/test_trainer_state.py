@@ -8,8 +8,8 @@ import torch
 
 from loraplane.adapter_format import materialize_peft_dir, parse_adapter, parse_training_state
 from loraplane.models import load_base_model
-from loraplane.registry_client import RegistryClient
 from loraplane.v1 import common_pb2, trainer_pb2
+from tests.fixtures.trainer import Sequenced
 
 ADAM = trainer_pb2.AdamParams(learning_rate=0.03, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
 
@@ -25,72 +25,32 @@ def create(stub, name, rank=4, alpha=8.0, seed=1, targets=()):
         name=name, lora_config=common_pb2.LoraConfig(rank=rank, alpha=alpha, seed=seed, target_modules=targets)))
 
 
-class Sequenced:
-    """Drives one adapter with consecutive seq_ids."""
-
-    def __init__(self, stub, name):
-        self.stub, self.name, self.seq = stub, name, 0
-
-    def next(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    def train(self, data):
-        self.stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
-            adapter=self.name, seq_id=self.next(), data=data, loss_fn="cross_entropy"))
-        return self.stub.OptimStep(trainer_pb2.OptimStepRequest(adapter=self.name, seq_id=self.next(),
-                                                                adam_params=ADAM))
-
-    def save(self):
-        return self.stub.SaveState(trainer_pb2.SaveStateRequest(adapter=self.name, seq_id=self.next())).version
-
-    def load(self, source: str, version: int, with_optimizer: bool):
-        return self.stub.LoadState(trainer_pb2.LoadStateRequest(
-            adapter=self.name, seq_id=self.next(), with_optimizer=with_optimizer,
-            source=common_pb2.AdapterRef(name=source, version=version))).adapter
-
-    def forward(self, data):
-        return self.stub.Forward(trainer_pb2.ForwardRequest(adapter=self.name, seq_id=self.next(), data=data,
-                                                            loss_fn="cross_entropy"))
-
-
-def download(trainer, name, version):
-    async def go():
-        client = RegistryClient(trainer.registry_address)
-        try:
-            return (await client.download(name, version=version))[1]
-        finally:
-            await client.close()
-
-    return trainer.loop.run(go(), timeout=60)
-
-
 def test_save_then_load_with_optimizer_continues_exactly_and_without_it_restarts_adam(trainer):
     stub = trainer.stub()
     create(stub, "orig", seed=4)
     create(stub, "copy-full", seed=99)  # a different seed: LoadState must overwrite everything
     create(stub, "copy-params", seed=98)
-    orig = Sequenced(stub, "orig")
+    orig = Sequenced(stub, "orig", ADAM)
     batches = [[datum(10 * i + j, 9 + j) for j in range(2)] for i in range(5)]
     for batch in batches[:3]:
         orig.train(batch)
     saved = orig.save()
     assert saved.kind == common_pb2.VERSION_KIND_TRAINING_STATE and saved.training_step == 3
-    state = parse_training_state(download(trainer, "orig", saved.version))
+    state = parse_training_state(trainer.download("orig", saved.version))
     assert state.step == 3
 
-    full = Sequenced(stub, "copy-full")
+    full = Sequenced(stub, "copy-full", ADAM)
     loaded = full.load("orig", saved.version, with_optimizer=True)
     assert loaded.step == 3 and loaded.lora_config.seed == 99
-    params_only = Sequenced(stub, "copy-params")
+    params_only = Sequenced(stub, "copy-params", ADAM)
     assert params_only.load("orig", saved.version, with_optimizer=False).step == 0
 
     for batch in batches[3:]:
         want = orig.train(batch)
         got = full.train(batch)
         assert (got.step, got.grad_norm) == (want.step, want.grad_norm)
-    after_orig = parse_training_state(download(trainer, "orig", orig.save().version))
-    after_full = parse_training_state(download(trainer, "copy-full", full.save().version))
+    after_orig = parse_training_state(trainer.download("orig", orig.save().version))
+    after_full = parse_training_state(trainer.download("copy-full", full.save().version))
     assert after_full.step == after_orig.step == 5
     for key in after_orig.params:
         assert torch.equal(after_full.params[key], after_orig.params[key]), key
@@ -102,8 +62,8 @@ def test_save_then_load_with_optimizer_continues_exactly_and_without_it_restarts
     # run that kept its moments.
     outcome = params_only.train(batches[3])
     assert outcome.step == 1
-    fresh = parse_training_state(download(trainer, "copy-params", params_only.save().version))
-    kept = parse_training_state(download(trainer, "copy-full", Sequenced(stub, "copy-full").stub.SaveState(
+    fresh = parse_training_state(trainer.download("copy-params", params_only.save().version))
+    kept = parse_training_state(trainer.download("copy-full", Sequenced(stub, "copy-full", ADAM).stub.SaveState(
         trainer_pb2.SaveStateRequest(adapter="copy-full", seq_id=full.next())).version.version))
     factor = (1 - ADAM.beta2) / (1 - ADAM.beta1) ** 2
     for key in fresh.params:
@@ -117,17 +77,17 @@ def test_load_state_rejects_incompatible_or_wrong_sources(trainer):
     create(stub, "src", rank=4)
     create(stub, "wide", rank=8)
     create(stub, "target", rank=4)
-    src = Sequenced(stub, "src")
+    src = Sequenced(stub, "src", ADAM)
     src.train([datum(1, 8)])
     saved = src.save()
     weights = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(adapter="src", seq_id=src.next())).version
-    wide = Sequenced(stub, "wide")
+    wide = Sequenced(stub, "wide", ADAM)
     # Tried: a rank-4 state into a rank-8 adapter.
     with pytest.raises(grpc.RpcError) as info:
         wide.load("src", saved.version, with_optimizer=True)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "rank" in info.value.details()
     # Tried: a weights version instead of a training state.
-    target = Sequenced(stub, "target")
+    target = Sequenced(stub, "target", ADAM)
     with pytest.raises(grpc.RpcError) as info:
         target.load("src", weights.version, with_optimizer=False)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "SaveState" in info.value.details()
@@ -150,7 +110,7 @@ def test_published_blob_in_hf_peft_gives_the_trainers_forward_logprobs(trainer, 
     stub = trainer.stub()
     create(stub, "peft-check", rank=8, alpha=16, seed=3, targets=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                    "gate_proj", "up_proj", "down_proj"])
-    seq = Sequenced(stub, "peft-check")
+    seq = Sequenced(stub, "peft-check", ADAM)
     for i in range(4):
         seq.train([datum(100 + i, 15), datum(200 + i, 7)])
     probe = [datum(300, 20), datum(301, 9)]
@@ -158,7 +118,7 @@ def test_published_blob_in_hf_peft_gives_the_trainers_forward_logprobs(trainer, 
     published = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(
         adapter="peft-check", seq_id=seq.next(), aliases=["candidate"], metadata={"note": "peft parity"})).version
     assert list(published.aliases) == ["candidate"] and published.metadata["note"] == "peft parity"
-    blob = download(trainer, "peft-check", published.version)
+    blob = trainer.download("peft-check", published.version)
     params, spec, base_name = parse_adapter(blob)
     assert base_name == "tiny" and spec.rank == 8 and spec.effective_alpha == 16
     assert len(params) == 2 * 7 * 2 and all(t.dtype == torch.float32 for t in params.values())

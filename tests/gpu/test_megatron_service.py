@@ -23,9 +23,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from loraplane.adapter_format import parse_adapter, parse_training_state
 from loraplane.models import load_base_model
-from loraplane.registry_client import RegistryClient
 from loraplane.v1 import common_pb2, trainer_pb2
-from tests.fixtures.trainer import LiveTrainer
+from tests.fixtures.trainer import LiveTrainer, Sequenced
 
 ADAM = trainer_pb2.AdamParams(learning_rate=0.02, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01,
                               grad_clip_norm=1.0)
@@ -54,36 +53,10 @@ def datum(seed: int, n: int) -> trainer_pb2.Datum:
     return trainer_pb2.Datum(input_tokens=tokens[:-1], target_tokens=tokens[1:])
 
 
-class Driver:
-    def __init__(self, stub, name, seed, rank=4):
-        self.stub, self.name, self.seq = stub, name, 0
-        stub.CreateAdapter(trainer_pb2.TrainerServiceCreateAdapterRequest(
-            name=name, lora_config=common_pb2.LoraConfig(rank=rank, alpha=8.0, seed=seed)))
-
-    def next(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    def train(self, data):
-        self.stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
-            adapter=self.name, seq_id=self.next(), data=data, loss_fn="cross_entropy"))
-        return self.stub.OptimStep(trainer_pb2.OptimStepRequest(adapter=self.name, seq_id=self.next(),
-                                                                adam_params=ADAM))
-
-    def forward(self, data):
-        return self.stub.Forward(trainer_pb2.ForwardRequest(adapter=self.name, seq_id=self.next(), data=data,
-                                                            loss_fn="cross_entropy"))
-
-
-def download(trainer, name, version) -> bytes:
-    async def go():
-        client = RegistryClient(trainer.registry_address)
-        try:
-            return (await client.download(name, version=version))[1]
-        finally:
-            await client.close()
-
-    return trainer.loop.run(go(), timeout=60)
+def driver(stub, name: str, seed: int, rank: int = 4) -> Sequenced:
+    stub.CreateAdapter(trainer_pb2.TrainerServiceCreateAdapterRequest(
+        name=name, lora_config=common_pb2.LoraConfig(rank=rank, alpha=8.0, seed=seed)))
+    return Sequenced(stub, name, ADAM)
 
 
 def test_publish_save_load_delete_through_the_service(megatron_trainer):
@@ -92,9 +65,9 @@ def test_publish_save_load_delete_through_the_service(megatron_trainer):
     info = stub.GetInfo(trainer_pb2.GetInfoRequest())
     assert info.backend == "megatron"
 
-    a = Driver(stub, "mg-a", seed=4)
-    copy = Driver(stub, "mg-copy", seed=77)
-    spill = Driver(stub, "mg-spill", seed=5)  # three adapters on two device slots: the pool spills
+    a = driver(stub, "mg-a", seed=4)
+    copy = driver(stub, "mg-copy", seed=77)
+    spill = driver(stub, "mg-spill", seed=5)  # three adapters on two device slots: the pool spills
     batches = [[datum(10 * i + j, 8 + 3 * j) for j in range(2)] for i in range(4)]
     for batch in batches[:2]:
         step = a.train(batch)
@@ -102,7 +75,7 @@ def test_publish_save_load_delete_through_the_service(megatron_trainer):
     assert step.step == 2 and not step.skipped and step.grad_norm > 0
 
     published = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(adapter="mg-a", seq_id=a.next())).version
-    params, spec, _ = parse_adapter(download(megatron_trainer, "mg-a", published.version))
+    params, spec, _ = parse_adapter(megatron_trainer.download("mg-a", published.version))
     state = megatron_trainer.service.pool.get("mg-a")
     engine_params = backend.export_params(state)
     assert spec.rank == 4 and set(params) == set(engine_params)
@@ -110,7 +83,7 @@ def test_publish_save_load_delete_through_the_service(megatron_trainer):
     assert any(params[k].abs().max() > 0 for k in params if "lora_B" in k)
 
     saved = stub.SaveState(trainer_pb2.SaveStateRequest(adapter="mg-a", seq_id=a.next())).version
-    training = parse_training_state(download(megatron_trainer, "mg-a", saved.version))
+    training = parse_training_state(megatron_trainer.download("mg-a", saved.version))
     assert training.step == 2 and any(v.abs().max() > 0 for v in training.exp_avg_sq.values())
     stub.LoadState(trainer_pb2.LoadStateRequest(
         adapter="mg-copy", seq_id=copy.next(), with_optimizer=True,
