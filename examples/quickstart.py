@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import argparse
 
+from loraplane.cli.product import encode_prompt
 from loraplane.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
-
-
-def chat_prompt(tokenizer, question: str) -> list[int]:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                           tokenize=True)
-    if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
-        prompt = prompt["input_ids"]
-    return [int(t) for t in prompt]
 
 
 def build_datum(tokenizer, question: str, answer: str) -> Datum:
     """Prompt tokens weigh 0, answer tokens 1: only the answer is learned."""
-    prompt = chat_prompt(tokenizer, question)
+    prompt = encode_prompt(tokenizer, question)
     completion = [int(t) for t in tokenizer.encode(answer, add_special_tokens=False)] + [tokenizer.eos_token_id]
     tokens = prompt + completion
     weights = [0.0] * len(prompt) + [1.0] * len(completion)
@@ -49,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"step {step + 1:>2}  loss {losses[-1]:.3f}")
 
     sampler = training.save_weights_for_sampler("quickstart").result()
-    reply = sampler.sample(ModelInput.from_ints(chat_prompt(tokenizer, "What is loraplane?")), 1,
+    reply = sampler.sample(ModelInput.from_ints(encode_prompt(tokenizer, "What is loraplane?")), 1,
                            SamplingParams(max_tokens=16, temperature=0.0, stop=[tokenizer.eos_token_id])).result()
     text = tokenizer.decode(reply.sequences[0].tokens, skip_special_tokens=True)
     print(f"{sampler.path} (served v{reply.served_version}): {text!r}")

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraplane.cli.product import encode_prompt
 from loraplane.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TrainingClient
 
 NUMBER = re.compile(r"-?\d+")
@@ -71,14 +72,6 @@ def group_advantages(rewards: list[float]) -> list[float] | None:
     return [(r - mean) / (std + 1e-6) for r in rewards]
 
 
-def prompt_tokens(tokenizer, question: str) -> list[int]:
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                            tokenize=True)
-    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    return [int(t) for t in encoded]
-
-
 def stop_ids(tokenizer) -> list[int]:
     ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     return sorted(int(i) for i in ids if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id)
@@ -119,7 +112,7 @@ def run_tenant(service: ServiceClient, tokenizer, run: TenantRun, args, print_lo
         started = time.monotonic()
         sampler = training.save_weights_for_sampler(f"iter-{iteration}").result()
         problems = [Problem(rng.randint(0, 9), rng.randint(0, 9), run.op) for _ in range(args.problems)]
-        prompts = [prompt_tokens(tokenizer, p.question) for p in problems]
+        prompts = [encode_prompt(tokenizer, p.question) for p in problems]
         futures = [sampler.sample(prompt, args.group_size, dataclasses.replace(params, seed=rng.getrandbits(31)))
                    for prompt in prompts]
         data, rewards, correct = [], [], []
