@@ -121,20 +121,12 @@ class MegatronLora:
         self.compute_dtype = compute_dtype
         self.groups_local = shape.num_kv_heads // self.tp
         self.classes = lora_classes(shape, self.tp)
-        self._handles = []
         for i, layer in enumerate(model.decoder.layers if model is not None else ()):
             attn, mlp = layer.self_attention, layer.mlp
-            self._handles += [
-                attn.linear_qkv.register_forward_hook(self._hook(i, "qkv")),
-                attn.linear_proj.register_forward_hook(self._hook(i, "o_proj")),
-                mlp.linear_fc1.register_forward_hook(self._hook(i, "fc1")),
-                mlp.linear_fc2.register_forward_hook(self._hook(i, "down_proj")),
-            ]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+            attn.linear_qkv.register_forward_hook(self._hook(i, "qkv"))
+            attn.linear_proj.register_forward_hook(self._hook(i, "o_proj"))
+            mlp.linear_fc1.register_forward_hook(self._hook(i, "fc1"))
+            mlp.linear_fc2.register_forward_hook(self._hook(i, "down_proj"))
 
     @contextlib.contextmanager
     def route(self, segments: Sequence[RowSegment], batch_rows: int) -> Iterator[BatchRouting]:
@@ -181,7 +173,6 @@ class BatchRouting:
 
     def __init__(self, lora: MegatronLora, segments: list[RowSegment], batch_rows: int):
         self.lora = lora
-        self.segments = segments
         members = [s for s in segments if s.adapter is not None]
         if len({id(s.adapter) for s in members}) != len(members):
             raise ValueError("each adapter must occupy one contiguous row range of the batch")
