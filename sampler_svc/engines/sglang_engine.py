@@ -354,7 +354,8 @@ class SGLangEngine(Engine):
         return body if isinstance(body, list) else [body]
 
     def _payload(self, request: GenerationRequest, indices: Sequence[int]) -> dict:
-        batch = len(indices) > 1
+        # A Sample sends its samples as one batch; a streamed sample goes alone (SGLang streams single requests).
+        batch = not request.stream
         params = [self._sampling_params(request, i) for i in indices]
         return {
             "input_ids": [list(request.prompt_tokens)] * len(indices) if batch else list(request.prompt_tokens),
