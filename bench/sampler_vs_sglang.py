@@ -200,7 +200,7 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) ->
 
     rng = random.Random(0)
     vocab = engine.vocab_size
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
     channel = grpc.aio.insecure_channel(sampler_address, options=channel_options())
     stub = sampler_pb2_grpc.SamplerServiceStub(channel)
     throughput, latency = [], []
@@ -216,10 +216,12 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) ->
         for concurrency, mix_name, num_samples in configs:
             mix = Mix(mix_name)
             requests = max(2 * concurrency // num_samples, concurrency // num_samples, 8)
-            prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(requests)]
             rates: dict[str, list[float]] = {"raw": [], "engine": [], "grpc": []}
-            for _ in range(args.rounds):
-                for path in ("raw", "engine", "grpc"):
+            for round_ in range(args.rounds):
+                # Fresh prompts per run (no path gains from another's prefix cache); the order rotates per round.
+                order = ("raw", "engine", "grpc")[round_ % 3:] + ("raw", "engine", "grpc")[:round_ % 3]
+                for path in order:
+                    prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(requests)]
                     start = time.perf_counter()
                     if path == "raw":
                         tokens = await run_raw(session, url, prompts, mix, num_samples, args.max_tokens, concurrency)

@@ -176,9 +176,10 @@ class SGLangEngine(Engine):
         from loraplane.models import load_base_model
 
         # No per-host connection cap: every request the sampler accepts goes to SGLang at once and SGLang's own
-        # scheduler decides the batch; keep-alive reuses the connections across requests.
+        # scheduler decides the batch. Idle connections are dropped before uvicorn's 5 s keep-alive closes them on
+        # its side: reusing one it closed fails the request with ServerDisconnectedError.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=300),
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4),
             json_serialize=json.dumps)
 
         # Vocabulary, context length and EOS come from the same base model the trainer uses (CPU copy, small for

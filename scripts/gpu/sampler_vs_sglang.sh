@@ -8,7 +8,7 @@ mode=$1; shift
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/sgparts /tmp/extra
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LORAPLANE_MODEL_CACHE=/tmp/lp-models
-export PYTHONPATH=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages
+export PYTHONPATH=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages PATH=/tmp/sgsite/bin:$PATH
 case "$mode" in
   part)
     cp ".gpuwh/sglang/parts/$1" /tmp/sgparts/ && ls /tmp/sgparts | tr '\n' ' ' ;;
