@@ -49,12 +49,13 @@ def status_code_of(exc: BaseException) -> grpc.StatusCode:
 
 def to_rpc_status(exc: errors.LoraplaneError) -> grpc.Status:
     code = status_code_of(exc)
-    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=ERROR_DOMAIN)
+    info = error_details_pb2.ErrorInfo(reason=errors.clip(exc.reason), domain=ERROR_DOMAIN)
     if exc.field:
-        info.metadata["field"] = exc.field
+        info.metadata["field"] = errors.clip(exc.field)
     detail = any_pb2.Any()
     detail.Pack(info)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=exc.message, details=[detail])
+    status = status_pb2.Status(code=getattr(code_pb2, code.name),
+                               message=errors.clip(exc.message, errors.MAX_MESSAGE_CHARS), details=[detail])
     return rpc_status.to_status(status)
 
 
