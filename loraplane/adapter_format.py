@@ -300,7 +300,9 @@ class BlobCheck:
     safetensors LoRA adapter (header, adapter_config, tensor names and shapes consistent with it, finite values),
     a training-state blob what `parse_training_state` accepts. Memory stays at one chunk plus the header.
 
-    Every failure is InvalidArgument naming `field` (the upload's bytes), since the caller sent them."""
+    Every failure is InvalidArgument naming `field` (the upload's bytes), since the caller sent them. `feed` only
+    records the first failure (and stops looking); `finish` raises it. So an uploader can let the transport's own
+    checks (length, digest) speak first: a truncated stream is reported as truncated, not as a malformed adapter."""
 
     def __init__(self, size: int, *, training_state: bool, field: str = "chunk"):
         self.size = size
@@ -314,6 +316,18 @@ class BlobCheck:
         self._received = 0
         self._index = 0
         self._carry = b""
+        self.error: InvalidArgument | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.error is None:
+            try:
+                self._feed(chunk)
+            except InvalidArgument as exc:
+                self.error = exc
+
+    @property
+    def received(self) -> int:
+        return self._received
 
     def _fail(self, message: str) -> InvalidArgument:
         kind = "training-state" if self.training_state else "weights"
@@ -323,7 +337,7 @@ class BlobCheck:
     def _what(self) -> str:
         return "a loraplane training state" if self.training_state else "a PEFT safetensors LoRA adapter"
 
-    def feed(self, chunk: bytes) -> None:
+    def _feed(self, chunk: bytes) -> None:
         view = memoryview(chunk)
         if self._data_start is None:
             need = 8 if len(self._head) < 8 else 8 + self._header_len()
@@ -334,7 +348,7 @@ class BlobCheck:
             if len(self._head) == 8:
                 self._header_len()
                 if view:
-                    return self.feed(bytes(view))
+                    return self._feed(bytes(view))
                 return None
             if len(self._head) == need and need > 8:
                 self._parse_header(bytes(self._head[8:]))
@@ -452,6 +466,10 @@ class BlobCheck:
                 self._index += 1
 
     def finish(self) -> None:
-        """Call after the last chunk: the blob must have been complete."""
-        if self._data_start is None or self._received != self.size:
+        """Call after the last chunk: raises the first failure, or if the blob was incomplete."""
+        if self.error is not None:
+            raise self.error
+        if self._data_start is None:
+            raise self._fail(f"its {self._received} bytes end inside the safetensors header")
+        if self._received != self.size:
             raise self._fail(f"it ended after {self._received} of {self.size} bytes")

@@ -475,11 +475,15 @@ class RegistryStore:
         committed = False
         check = BlobCheck(header.size_bytes, training_state=header.kind == KIND_TRAINING_STATE)
         try:
-            await self.blobs.upload(self._checked_chunks(chunks, check), header.size_bytes, header.sha256)
-            # Only an adapter (or a training state) the samplers and trainers can load becomes a version: a blob
-            # that is not would make every Sample of "latest" fail until someone deleted it.
-            check.finish()
-            self._check_blob_matches(adapter, check)
+            # Only an adapter (or a training state) that samplers and trainers can load becomes a version: a blob
+            # that is not would make every Sample of "latest" fail until someone deleted it. The content check
+            # runs once length and digest are right (a truncated stream is reported as truncated) and before the
+            # upload completes (a rejected blob never becomes an S3 object).
+            def verify() -> None:
+                check.finish()
+                self._check_blob_matches(adapter, check)
+
+            await self.blobs.upload(self._checked_chunks(chunks, check), header.size_bytes, header.sha256, verify)
             result = await self._script(
                 "PUBLISH", header.adapter, _now_ms(), header.idempotency_key, header.kind, header.sha256,
                 header.size_bytes, header.training_step, json.dumps(header.metadata), token, *header.aliases)
