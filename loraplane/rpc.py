@@ -225,7 +225,21 @@ def domain_error_from_rpc(exc: grpc.RpcError, what: str = "") -> errors.Loraplan
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     message = f"{what}: {details}" if what else (details or code.name)
+    # The callee's ErrorInfo names the field at fault; the caller's caller needs it too.
+    field = _error_info_field(exc)
     for exc_type, mapped in _STATUS_OF:
         if mapped == code:
-            return exc_type(message)
+            return exc_type(message, field=field)
     return errors.Unavailable(message)
+
+
+def _error_info_field(exc: grpc.RpcError) -> str | None:
+    try:
+        status = rpc_status.from_call(exc)
+    except (AttributeError, ValueError):
+        return None
+    for detail in status.details if status else []:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.metadata.get("field") or None
+    return None

@@ -171,9 +171,10 @@ class TrainerService:
                 field="name")
 
     async def delete_adapter(self, name: str, delete_from_registry: bool = False) -> None:
+        validate_adapter_name(name)
         local = name in self.pool
         if not local and not delete_from_registry:
-            raise NotFound(f"adapter {name!r} does not exist on this trainer", field="name")
+            raise NotFound(f"name: adapter {shown(name)} does not exist on this trainer", field="name")
         if local:
             self.scheduler.close_lane(name, f"adapter {name!r} was deleted")
             await self._on_worker(lambda: self.pool.remove(name))
