@@ -275,3 +275,21 @@ def test_a_training_state_upload_must_be_a_training_state(registry):
         assert exc.code() == INVALID and error_field(exc) == "chunk" and "training state" in exc.details()
     reply = stub.PublishVersion(publish_requests("states", adapter_blob(3000, training_state=True), kind=state))
     assert reply.version.version == 1 and reply.version.kind == state
+
+
+def test_a_rejection_takes_its_turn_in_seq_id_order(trainer):
+    """A rejected request that arrives ahead of its turn waits like any other, then is consumed in order."""
+    stub = trainer.stub()
+    create(stub, "turns", seed=8)
+    early = stub.OptimStep.future(trainer_pb2.OptimStepRequest(
+        adapter="turns", seq_id=2, adam_params=trainer_pb2.AdamParams(learning_rate=0.05, eps=-1.0)))
+    assert failure(lambda: stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="turns", seq_id=1))).code() == INVALID
+    with pytest.raises(grpc.RpcError) as caught:
+        early.result(30)
+    assert caught.value.code() == INVALID and error_field(caught.value) == "adam_params.eps"
+    assert row(stub, "turns").last_seq_id == 2 and row(stub, "turns").step == 0
+    stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(adapter="turns", seq_id=3, data=[datum()], loss_fn=CE),
+                         timeout=10)
+    step = stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="turns", seq_id=4, adam_params=trainer_pb2.AdamParams(
+        learning_rate=0.05)), timeout=10)
+    assert step.step == 1 and step.grad_norm > 0
