@@ -7,6 +7,7 @@ status codes by `loraplane.rpc`.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -187,7 +188,7 @@ class SamplerService:
                      params: SamplingInput, include_prompt_logprobs: bool = False) -> SampleResult:
         request = self._generation_request(selector, prompt, num_samples, params, include_prompt_logprobs)
         async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
-            request = _with_adapter(request, lease.adapter_key)
+            request = dataclasses.replace(request, adapter_key=lease.adapter_key)
             sequences = [SampledSequence() for _ in range(request.num_samples)]
             prompt_logprobs: list[float] = []
             stream = self.engine.generate(request)
@@ -204,7 +205,7 @@ class SamplerService:
                             params: SamplingInput) -> AsyncIterator[StreamChunk]:
         request = self._generation_request(selector, prompt, num_samples, params, False)
         async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
-            stream = self.engine.generate(_with_adapter(request, lease.adapter_key))
+            stream = self.engine.generate(dataclasses.replace(request, adapter_key=lease.adapter_key, stream=True))
             try:
                 async for update in stream:
                     if update.tokens or update.finish_reason is not None:
@@ -255,12 +256,6 @@ class SamplerService:
             queue_depth=self.engine.queue_depth, running_requests=self.engine.running_requests,
             watch_cursor=self.manager.cursor, registry_connected=self.manager.registry_connected,
             keep_versions=self.manager.keep_versions, max_loaded=self.manager.max_loaded)
-
-
-def _with_adapter(request: GenerationRequest, key: str | None) -> GenerationRequest:
-    return GenerationRequest(prompt_tokens=request.prompt_tokens, options=request.options,
-                             num_samples=request.num_samples, adapter_key=key,
-                             include_prompt_logprobs=request.include_prompt_logprobs)
 
 
 def _merge(sequences: list[SampledSequence], update: GenerationUpdate) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from loraplane.client._runtime import RetryConfig, call_with_retry, runtime
 from loraplane.client.futures import APIFuture
+from loraplane.client.tokenizer import fetch_tokenizer
 from loraplane.client.types import (
     SampleResponse,
     SamplingParams,
@@ -105,6 +106,4 @@ class SamplingClient:
         if not self.trainer_address:
             raise ValueError("this SamplingClient knows no trainer to ask for the tokenizer; "
                              "use ServiceClient(...).get_tokenizer()")
-        from loraplane.client.service_client import fetch_tokenizer
-
         return fetch_tokenizer(self.trainer_address)

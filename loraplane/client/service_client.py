@@ -6,16 +6,11 @@ import random
 import threading
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from pathlib import Path
-from typing import Any, Self
 
 from loraplane import errors
-from loraplane.client._runtime import RetryConfig, call_with_retry, runtime
-from loraplane.client.addresses import resolve_address
-from loraplane.client.chunking import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNK_DATUMS
-from loraplane.client.errors import AlreadyExistsError, NotFoundError, error_from_domain
-from loraplane.client.sampling_client import SamplingClient
-from loraplane.client.tokenizer import tokenizer_from_info
+from loraplane.client._runtime import call_with_retry, runtime
+from loraplane.client._session import Session
+from loraplane.client.errors import AlreadyExistsError, error_from_domain
 from loraplane.client.training_client import SeqCounter, TrainingClient
 from loraplane.client.types import TrainerAdapterInfo, VersionInfo, parse_path
 from loraplane.registry_client import RegistryClient
@@ -24,96 +19,16 @@ from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2, trainer_pb2_grpc
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
-_tokenizers: dict[tuple[str, str, int], Any] = {}
-_tokenizers_lock = threading.Lock()
 _seq_counters: dict[tuple[str, str], SeqCounter] = {}
 _seq_lock = threading.Lock()
 
 
-async def _get_info(trainer_address: str, include_tokenizer: bool, retry: RetryConfig
-                    ) -> trainer_pb2.GetInfoResponse:
-    stub = trainer_pb2_grpc.TrainerServiceStub(runtime().channel(trainer_address))
-    request = trainer_pb2.GetInfoRequest(include_tokenizer=include_tokenizer)
-    return await call_with_retry(lambda timeout: stub.GetInfo(request, timeout=timeout), retry, method="GetInfo",
-                                 address=trainer_address)
-
-
-def fetch_tokenizer(trainer_address: str, retry: RetryConfig | None = None):
-    """The trainer base model's tokenizer. Built once per (trainer, base model): a cheap GetInfo first tells whether
-    the cached one still fits the server now at that address."""
-    retry = retry or RetryConfig()
-    info = runtime().run(_get_info(trainer_address, False, retry))
-    key = (trainer_address, info.base_model, info.tokenizer.vocab_size)
-    with _tokenizers_lock:
-        if key not in _tokenizers:
-            full = runtime().run(_get_info(trainer_address, True, retry))
-            _tokenizers[key] = tokenizer_from_info(full.tokenizer)
-        return _tokenizers[key]
-
-
-class ServiceClient:
+class ServiceClient(Session):
     """Addresses default to LORAPLANE_TRAINER_ADDRESS / LORAPLANE_SAMPLER_ADDRESS / LORAPLANE_REGISTRY_ADDRESS,
     then to the cluster that `loraplane up` started (its state file under LORAPLANE_DATA_DIR or ./.loraplane).
 
     `max_chunk_datums` / `max_chunk_bytes` bound each forward_backward request; larger batches are split into
     several sequenced requests whose gradients accumulate."""
-
-    def __init__(self, trainer: str | None = None, sampler: str | None = None, registry: str | None = None, *,
-                 retry: RetryConfig | None = None, data_dir: str | Path | None = None,
-                 max_chunk_datums: int = DEFAULT_MAX_CHUNK_DATUMS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
-        self._trainer = resolve_address("trainer", trainer, data_dir)
-        self._sampler = resolve_address("sampler", sampler, data_dir)
-        self._registry = resolve_address("registry", registry, data_dir)
-        self.retry = retry or RetryConfig()
-        self.max_chunk_datums = max_chunk_datums
-        self.max_chunk_bytes = max_chunk_bytes
-        self._info: trainer_pb2.GetInfoResponse | None = None
-        self._registry_client: RegistryClient | None = None
-
-    def __repr__(self) -> str:
-        return f"ServiceClient(trainer={self._trainer}, sampler={self._sampler}, registry={self._registry})"
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    @staticmethod
-    def _need(address: str | None, service: str) -> str:
-        if not address:
-            raise ValueError(f"no {service} address: pass {service}=host:port, set "
-                             f"LORAPLANE_{service.upper()}_ADDRESS, or start a cluster with `loraplane up`")
-        return address
-
-    @property
-    def trainer_address(self) -> str:
-        return self._need(self._trainer, "trainer")
-
-    @property
-    def sampler_address(self) -> str:
-        return self._need(self._sampler, "sampler")
-
-    @property
-    def registry_address(self) -> str:
-        return self._need(self._registry, "registry")
-
-    def close(self) -> None:
-        """Closes this client's registry channel. Trainer/sampler channels are shared by the process and stay."""
-        if self._registry_client is not None:
-            client, self._registry_client = self._registry_client, None
-            runtime().run(client.close(), timeout=10)
-
-    # ---- server info ----------------------------------------------------------------------------------------
-
-    def get_server_capabilities(self) -> trainer_pb2.GetInfoResponse:
-        """The trainer's GetInfo: base model, backend, limits, supported losses and target modules."""
-        if self._info is None:
-            self._info = runtime().run(_get_info(self.trainer_address, False, self.retry))
-        return self._info
-
-    def get_tokenizer(self):
-        return fetch_tokenizer(self.trainer_address, self.retry)
 
     # ---- training clients -----------------------------------------------------------------------------------
 
@@ -191,26 +106,6 @@ class ServiceClient:
 
         return await asyncio.to_thread(self.create_lora_training_client, *args, **kwargs)
 
-    async def _list_trainer_adapters(self) -> list[TrainerAdapterInfo]:
-        stub = trainer_pb2_grpc.TrainerServiceStub(runtime().channel(self.trainer_address))
-        found: list[TrainerAdapterInfo] = []
-        token = ""
-        while True:
-            request = trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000, page_token=token)
-            reply = await call_with_retry(lambda timeout, r=request: stub.ListAdapters(r, timeout=timeout), self.retry,
-                                          method="ListAdapters", address=self.trainer_address)
-            found.extend(TrainerAdapterInfo.from_proto(a) for a in reply.adapters)
-            token = reply.next_page_token
-            if not token:
-                return found
-
-    async def _find_trainer_adapter(self, name: str) -> TrainerAdapterInfo:
-        for info in await self._list_trainer_adapters():
-            if info.name == name:
-                return info
-        raise NotFoundError(f"adapter {name!r} is not on the trainer", method="ListAdapters",
-                            address=self.trainer_address)
-
     def list_training_adapters(self) -> list[TrainerAdapterInfo]:
         return runtime().run(self._list_trainer_adapters())
 
@@ -229,17 +124,6 @@ class ServiceClient:
             target_modules=list(lora.target_modules), seed=lora.seed if seed is None else seed, name=name)
         client.load_state(path, with_optimizer=with_optimizer).result()
         return client
-
-    # ---- sampling clients -----------------------------------------------------------------------------------
-
-    def create_sampling_client(self, adapter: str | None = None, version: int = 0, alias: str = "", *,
-                               model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
-        """A SamplingClient of `adapter` at `version` (or `alias`; neither = its latest), of `model_path`
-        ("loraplane://name@v3"), or of the base model (no adapter)."""
-        if model_path:
-            adapter, version, alias = parse_path(model_path)
-        return SamplingClient(self.sampler_address, adapter or "", version, alias, retry=self.retry,
-                              trainer_address=self._trainer)
 
     # ---- registry -------------------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from loraplane.client.types import (
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 
 if TYPE_CHECKING:
-    from loraplane.client.service_client import ServiceClient
+    from loraplane.client._session import Session
 
 LOSS_FUNCTIONS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 
@@ -73,7 +73,7 @@ class TrainingClient:
     """Calls return an APIFuture at once; `*_async` twins are coroutines that submit (taking the seq_id) and return
     the APIFuture, so `fut = await tc.forward_backward_async(...)` then `out = await fut` (Tinker's double await)."""
 
-    def __init__(self, service: ServiceClient, adapter: str, seq: SeqCounter, *,
+    def __init__(self, service: Session, adapter: str, seq: SeqCounter, *,
                  info: TrainerAdapterInfo | None = None, max_chunk_datums: int = DEFAULT_MAX_CHUNK_DATUMS,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, retry: RetryConfig | None = None):
         self.service = service

@@ -109,6 +109,17 @@ def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.f
     return _wrap(name, model, tokenizer, torch.device(device), dtype)
 
 
+def checkpoint_directory(name: str) -> Path | None:
+    """The Hugging Face directory a named base model is loaded from (weights in their own dtype), or None for a
+    model built in memory (`tiny`). Engines that load the model themselves (SGLang) read it from here."""
+    if name == TINY_NAME:
+        return None
+    if name == SMOLLM2_NAME:
+        return ensure_smollm2_cache()
+    path = Path(name).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
 def from_hf_model(name: str, model: PreTrainedModel, tokenizer, device: str = "cpu",
                   dtype: torch.dtype = torch.float32) -> BaseModel:
     """Wraps an already built HF causal LM (e.g. random weights in a real model's shape, for benchmarks)."""

@@ -51,6 +51,9 @@ class GenerationRequest:
     # Engine-level adapter name (`<adapter>@v<N>`) or None for the base model.
     adapter_key: str | None = None
     include_prompt_logprobs: bool = False
+    # The caller forwards tokens as they are produced (SampleStream); otherwise it only wants the whole result,
+    # which an engine may fetch in one piece.
+    stream: bool = False
 
 
 FINISH_LENGTH = "length"

@@ -11,8 +11,12 @@ cached path, so this engine removes a name from its routing table BEFORE asking 
 
 Logprobs: SGLang returns logprobs of the temperature-scaled distribution unless the server runs with
 SGLANG_RETURN_ORIGINAL_LOGPROB=True; servers this engine launches get it, so logprobs mean the same as the torch
-engine's (unmodified distribution). Servers given by URL must be started with it. SampleStream is served
-from one non-streaming /generate call per request (tokens arrive together at the end).
+engine's (unmodified distribution). Servers given by URL must be started with it.
+
+Transport: one pooled aiohttp session per engine, no thread per request and no connection cap (the engine must
+not throttle below SGLang's own batch size: a 20-thread pool once held it to a third of SGLang's throughput).
+A Sample is one non-streaming /generate call (all samples as one batch); a SampleStream is one streaming call per
+sample, forwarding each token as SGLang produces it.
 """
 
 from __future__ import annotations
@@ -27,8 +31,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,25 +55,6 @@ class SGLangServer:
     process: subprocess.Popen | None = None
     adapters: set[str] = field(default_factory=set)
     in_flight: int = 0
-
-
-def _http(url: str, payload: dict | None, timeout: float) -> tuple[int, object]:
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            body = reply.read()
-            status = reply.status
-    except urllib.error.HTTPError as exc:
-        body = exc.read()
-        status = exc.code
-    except (urllib.error.URLError, OSError) as exc:
-        raise errors.Unavailable(f"SGLang server {url} unreachable: {exc}") from None
-    try:
-        return status, json.loads(body) if body else None
-    except ValueError:
-        return status, body.decode(errors="replace")
 
 
 class SGLangEngine(Engine):
@@ -117,6 +100,7 @@ class SGLangEngine(Engine):
         self._eos: list[int] = []
         self._tokenizer = None
         self._waiting = 0
+        self._session = None  # aiohttp.ClientSession, made in start() on the serving loop
 
     # ------------------------------------------------------------------ properties
 
@@ -146,8 +130,56 @@ class SGLangEngine(Engine):
 
     # ------------------------------------------------------------------ lifecycle
 
+    async def _request(self, server: SGLangServer, path: str, payload: dict | None = None, *,
+                       timeout: float | None = None) -> tuple[int, object]:
+        """One HTTP call on the pooled session: (status, parsed JSON body or text)."""
+        import aiohttp
+
+        method = "GET" if payload is None else "POST"
+        try:
+            async with self._session.request(method, server.url + path, json=payload,
+                                             timeout=aiohttp.ClientTimeout(total=timeout or self.request_timeout_s)
+                                             ) as reply:
+                body = await reply.read()
+                status = reply.status
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise errors.Unavailable(f"SGLang server {server.url} unreachable: {type(exc).__name__}: {exc}") from None
+        try:
+            return status, json.loads(body) if body else None
+        except ValueError:
+            return status, body.decode(errors="replace")
+
+    async def _stream(self, server: SGLangServer, payload: dict) -> AsyncIterator[dict]:
+        """The chunks of a streaming /generate call (server-sent events `data: {...}` up to `data: [DONE]`)."""
+        import aiohttp
+
+        try:
+            async with self._session.post(server.url + "/generate", json={**payload, "stream": True},
+                                          timeout=aiohttp.ClientTimeout(total=self.request_timeout_s)) as reply:
+                if reply.status != 200:
+                    body = (await reply.read()).decode(errors="replace")
+                    raise errors.Unavailable(f"SGLang {server.url} /generate failed with HTTP {reply.status}: "
+                                             f"{body[:500]}")
+                async for line in reply.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    yield json.loads(data)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise errors.Unavailable(f"SGLang server {server.url} unreachable: {type(exc).__name__}: {exc}") from None
+
     async def start(self) -> None:
+        import aiohttp
+
         from loraplane.models import load_base_model
+
+        # No per-host connection cap: every request the sampler accepts goes to SGLang at once and SGLang's own
+        # scheduler decides the batch; keep-alive reuses the connections across requests.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=300),
+            json_serialize=json.dumps)
 
         # Vocabulary, context length and EOS come from the same base model the trainer uses (CPU copy, small for
         # the models this project serves); the weights SGLang serves come from the directory written below.
@@ -163,23 +195,29 @@ class SGLangEngine(Engine):
             for index in range(self._launch):
                 self.servers.append(await asyncio.to_thread(self._launch_server, model_dir, index))
         for server in self.servers:
-            await asyncio.to_thread(self._wait_healthy, server)
+            await self._wait_healthy(server)
             if server.process is None:
                 await self._drop_leftovers(server)
 
     async def _drop_leftovers(self, server: SGLangServer) -> None:
         """A server given by URL may still hold names a previous sampler loaded (it crashed, or restarted). Only
         this sampler's manager decides what exists, so everything found there is unloaded first."""
-        status, body = await asyncio.to_thread(_http, f"{server.url}/v1/models", None, 30)
+        status, body = await self._request(server, "/v1/models", timeout=30)
         if status != 200 or not isinstance(body, dict):
             return
         for model in body.get("data", []):
             if model.get("parent"):
                 log.info("unloading %s left on %s by an earlier sampler", model.get("id"), server.url)
-                await asyncio.to_thread(_http, f"{server.url}/unload_lora_adapter", {"lora_name": model["id"]},
-                                        self.request_timeout_s)
+                await self._request(server, "/unload_lora_adapter", {"lora_name": model["id"]})
 
     def _model_dir(self, base) -> Path:
+        """The directory SGLang loads: the checkpoint itself when the model has one (its weights in their own
+        dtype: bf16 stays bf16, nothing is rewritten), else (`tiny`, built in memory) a one-time save."""
+        from loraplane.models.base import checkpoint_directory
+
+        checkpoint = checkpoint_directory(self._base_model_name)
+        if checkpoint is not None:
+            return checkpoint
         directory = self.work_dir / "base" / self._base_model_name.replace("/", "_")
         if not (directory / "config.json").exists():
             directory.mkdir(parents=True, exist_ok=True)
@@ -204,18 +242,18 @@ class SGLangEngine(Engine):
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return SGLangServer(url=f"http://127.0.0.1:{port}", process=process)
 
-    def _wait_healthy(self, server: SGLangServer) -> None:
+    async def _wait_healthy(self, server: SGLangServer) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if server.process is not None and server.process.poll() is not None:
                 raise errors.Unavailable(f"SGLang server {server.url} exited with {server.process.returncode}")
             try:
-                status, _ = _http(f"{server.url}/health", None, 5)
+                status, _ = await self._request(server, "/health", timeout=5)
                 if status == 200:
                     return
             except errors.Unavailable:
                 pass
-            time.sleep(1.0)
+            await asyncio.sleep(1.0)
         raise errors.Unavailable(f"SGLang server {server.url} not healthy after {self.startup_timeout_s:.0f}s")
 
     async def stop(self) -> None:
@@ -231,6 +269,9 @@ class SGLangEngine(Engine):
                     await asyncio.to_thread(server.process.wait, 30)
                 except subprocess.TimeoutExpired:
                     os.killpg(server.process.pid, 9)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     # ------------------------------------------------------------------ adapters
 
@@ -251,14 +292,11 @@ class SGLangEngine(Engine):
         await asyncio.to_thread(materialize_peft_dir, blob, directory)
         server = min(self.servers, key=lambda s: len(s.adapters))
         request = {"lora_name": key, "lora_path": str(directory)}
-        status, body = await asyncio.to_thread(_http, f"{server.url}/load_lora_adapter", request,
-                                               self.request_timeout_s)
+        status, body = await self._request(server, "/load_lora_adapter", request)
         if status == 400 and "already loaded" in str(body):
             # Left there by an earlier sampler process: the bytes may differ, so replace it.
-            await asyncio.to_thread(_http, f"{server.url}/unload_lora_adapter", {"lora_name": key},
-                                    self.request_timeout_s)
-            status, body = await asyncio.to_thread(_http, f"{server.url}/load_lora_adapter", request,
-                                                   self.request_timeout_s)
+            await self._request(server, "/unload_lora_adapter", {"lora_name": key})
+            status, body = await self._request(server, "/load_lora_adapter", request)
         if status != 200 or (isinstance(body, dict) and body.get("success") is False):
             await asyncio.to_thread(shutil.rmtree, directory, True)
             raise errors.FailedPrecondition(f"SGLang {server.url} refused to load {key}: {body}", field="adapter")
@@ -271,8 +309,7 @@ class SGLangEngine(Engine):
         if server is None:
             return
         server.adapters.discard(key)
-        status, body = await asyncio.to_thread(_http, f"{server.url}/unload_lora_adapter", {"lora_name": key},
-                                               self.request_timeout_s)
+        status, body = await self._request(server, "/unload_lora_adapter", {"lora_name": key})
         if status != 200:
             log.warning("SGLang %s failed to unload %s: %s", server.url, key, body)
         await asyncio.to_thread(shutil.rmtree, self._adapter_dir(key), True)
@@ -308,36 +345,90 @@ class SGLangEngine(Engine):
         self._waiting += 1
         server.in_flight += 1
         try:
-            status, body = await asyncio.to_thread(_http, f"{server.url}/generate", payload, self.request_timeout_s)
+            status, body = await self._request(server, "/generate", payload)
         finally:
             self._waiting -= 1
             server.in_flight -= 1
         if status != 200:
-            raise errors.Unavailable(f"SGLang {server.url} /generate failed with HTTP {status}: {body}")
+            raise errors.Unavailable(f"SGLang {server.url} /generate failed with HTTP {status}: {str(body)[:500]}")
         return body if isinstance(body, list) else [body]
+
+    def _payload(self, request: GenerationRequest, indices: Sequence[int]) -> dict:
+        # A Sample sends its samples as one batch; a streamed sample goes alone (SGLang streams single requests).
+        batch = not request.stream
+        params = [self._sampling_params(request, i) for i in indices]
+        return {
+            "input_ids": [list(request.prompt_tokens)] * len(indices) if batch else list(request.prompt_tokens),
+            "sampling_params": params if batch else params[0],
+            "return_logprob": True,
+            # Prompt logprobs cost a prefill-length logprob pass: only when asked.
+            "logprob_start_len": 0 if request.include_prompt_logprobs else -1,
+            "lora_path": [request.adapter_key] * len(indices) if batch else request.adapter_key,
+        }
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         server = self._server_for(request.adapter_key)
-        count = request.num_samples
-        payload = {
-            "input_ids": [list(request.prompt_tokens)] * count,
-            "sampling_params": [self._sampling_params(request, i) for i in range(count)],
-            "return_logprob": True,
-            "logprob_start_len": 0 if request.include_prompt_logprobs else -1,
-            "lora_path": [request.adapter_key] * count,
-        }
-        outputs = await self._generate_call(server, payload)
+        if request.stream:
+            async for update in self._generate_streaming(server, request):
+                yield update
+            return
+        outputs = await self._generate_call(server, self._payload(request, range(request.num_samples)))
         for index, output in enumerate(outputs):
             meta = output.get("meta_info", {})
             pairs = meta.get("output_token_logprobs") or []
             tokens = [int(p[1]) for p in pairs] or list(output.get("output_ids", []))
-            logprobs = [float(p[0]) if p[0] is not None else math.nan for p in pairs]
-            finish = (meta.get("finish_reason") or {}).get("type")
-            update = GenerationUpdate(sequence_index=index, tokens=tokens, logprobs=logprobs,
-                                      finish_reason=FINISH_LENGTH if finish == "length" else FINISH_STOP)
+            update = GenerationUpdate(sequence_index=index, tokens=tokens, logprobs=_logprob_values(pairs),
+                                      finish_reason=_finish_reason(meta))
             if index == 0 and request.include_prompt_logprobs:
                 update.prompt_logprobs = _input_logprobs(meta)
             yield update
+
+    async def _generate_streaming(self, server: SGLangServer, request: GenerationRequest
+                                  ) -> AsyncIterator[GenerationUpdate]:
+        """One streaming call per sample, all at once; updates are yielded in the order SGLang produces them."""
+        updates: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def follow(index: int) -> None:
+            try:
+                sent = 0  # tokens of this sample already forwarded
+                async for chunk in self._stream(server, self._payload(request, [index])):
+                    meta = chunk.get("meta_info", {})
+                    pairs = meta.get("output_token_logprobs") or []
+                    # SGLang streams cumulative outputs by default (every chunk repeats what came before) and only
+                    # the new part with --incremental-streaming-output; the completion count tells which.
+                    produced = int(meta.get("completion_tokens", sent + len(pairs)))
+                    if len(pairs) == produced:
+                        pairs = pairs[sent:]
+                    sent = produced
+                    finish = _finish_reason(meta) if meta.get("finish_reason") else None
+                    if pairs or finish is not None:
+                        await updates.put(GenerationUpdate(sequence_index=index, tokens=[int(p[1]) for p in pairs],
+                                                           logprobs=_logprob_values(pairs), finish_reason=finish))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer below
+                await updates.put(exc)
+            finally:
+                await updates.put(done)
+
+        self._waiting += request.num_samples
+        server.in_flight += request.num_samples
+        tasks = [asyncio.create_task(follow(i)) for i in range(request.num_samples)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await updates.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # a consumer that stops early (client went away) aborts the SGLang requests
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._waiting -= request.num_samples
+            server.in_flight -= request.num_samples
 
     async def compute_logprobs(self, tokens: Sequence[int], adapter_key: str | None) -> list[float]:
         server = self._server_for(adapter_key)
@@ -348,9 +439,17 @@ class SGLangEngine(Engine):
         return values[: len(tokens)]
 
 
+def _logprob_values(pairs: list) -> list[float]:
+    return [float(p[0]) if p[0] is not None else math.nan for p in pairs]
+
+
+def _finish_reason(meta: dict) -> str:
+    return FINISH_LENGTH if (meta.get("finish_reason") or {}).get("type") == "length" else FINISH_STOP
+
+
 def _input_logprobs(meta: dict) -> list[float]:
     pairs = meta.get("input_token_logprobs") or []
-    values = [float(p[0]) if p[0] is not None else math.nan for p in pairs]
+    values = _logprob_values(pairs)
     if values:
         values[0] = math.nan
     return values
