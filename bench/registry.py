@@ -23,11 +23,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch
+
 from bench.common import environment, latency_summary, print_table, write_results
+from loraplane.adapter_format import serialize_adapter
 from loraplane.local.processes import seaweed_s3_server, valkey_server
+from loraplane.lora import LoraSpec, peft_key
 from loraplane.registry_client import RegistryClient
+from loraplane.v1 import common_pb2
 
 MB = 1_000_000
+# The registry checks every published blob as an adapter of the registered shape, so the benchmark publishes real
+# ones: rank 8 on q_proj of one layer, as wide as the wanted size needs.
+BENCH_ADAPTER = {"lora_config": common_pb2.LoraConfig(rank=8, alpha=16, target_modules=["q_proj"]),
+                 "base_model": "bench"}
+
+
+def adapter_of_size(size: int, seed: int) -> bytes:
+    """A PEFT adapter blob of about `size` bytes (at least ~1 KB) with random values."""
+    spec = LoraSpec.create(8, 16.0, ["q_proj"], 0)
+    width = max(1, (size - 1500) // (2 * spec.rank * 4))
+    generator = torch.Generator().manual_seed(seed)
+    params = {peft_key(0, "q_proj", "A"): torch.randn(spec.rank, width, generator=generator),
+              peft_key(0, "q_proj", "B"): torch.randn(width, spec.rank, generator=generator)}
+    return serialize_adapter(params, spec, "bench")
+
+
 TARGETS = {"publish_10mb_p50_ms": 150.0, "event_delivery_p99_ms": 50.0}
 
 
@@ -45,8 +66,8 @@ def start_registry_process(env: dict[str, str], log_path: Path) -> tuple[subproc
 
 async def publish_latency(client: RegistryClient, size: int, runs: int) -> dict:
     adapter = f"pub-{size // MB}mb"
-    await client.create_adapter(adapter, exist_ok=True)
-    blobs = [os.urandom(size) for _ in range(min(runs, 3))]
+    await client.create_adapter(adapter, **BENCH_ADAPTER, exist_ok=True)
+    blobs = [adapter_of_size(size, seed) for seed in range(min(runs, 3))]
     await client.publish(adapter, blobs[0])  # warm up connections
     times = []
     for run in range(runs):
@@ -62,8 +83,8 @@ async def publish_latency(client: RegistryClient, size: int, runs: int) -> dict:
 
 async def download_throughput(client: RegistryClient, size: int, runs: int) -> dict:
     adapter = "download"
-    await client.create_adapter(adapter, exist_ok=True)
-    blob = os.urandom(size)
+    await client.create_adapter(adapter, **BENCH_ADAPTER, exist_ok=True)
+    blob = adapter_of_size(size, 7)
     await client.publish(adapter, blob)
     await client.download(adapter)
     times = []
@@ -82,7 +103,7 @@ async def event_delivery(client: RegistryClient, watcher_client: RegistryClient,
     """Time from the commit of a version (the server's event time) and from the start of its publish call to its
     arrival at a watcher that is blocked on WatchEvents."""
     adapter = "events"
-    await client.create_adapter(adapter, exist_ok=True)
+    await client.create_adapter(adapter, **BENCH_ADAPTER, exist_ok=True)
     received: dict[int, float] = {}
     ready = asyncio.Event()
 
@@ -95,13 +116,14 @@ async def event_delivery(client: RegistryClient, watcher_client: RegistryClient,
                 commit_times[event.version] = event.time.ToMilliseconds() / 1000
 
     commit_times: dict[int, float] = {}
+    event_blobs = [adapter_of_size(1024, run) for run in range(runs)]
     task = asyncio.create_task(watch())
     await ready.wait()
     await asyncio.sleep(0.3)
     started: dict[int, float] = {}
     for run in range(runs):
         begin = time.time()
-        version = await client.publish(adapter, run.to_bytes(8, "little") * 128)
+        version = await client.publish(adapter, event_blobs[run])
         started[version.version] = begin
         deadline = time.monotonic() + 5
         while version.version not in received and time.monotonic() < deadline:
@@ -117,14 +139,16 @@ async def event_delivery(client: RegistryClient, watcher_client: RegistryClient,
 async def concurrent_publishers(client_address: str, publishers: int, per_publisher: int, size: int) -> dict:
     adapter = "concurrent"
     setup = RegistryClient(client_address)
-    await setup.create_adapter(adapter, exist_ok=True)
+    await setup.create_adapter(adapter, **BENCH_ADAPTER, exist_ok=True)
     await setup.close()
     clients = [RegistryClient(client_address) for _ in range(publishers)]
+
+    base = adapter_of_size(size, 0)
 
     async def run(index: int) -> list[int]:
         versions = []
         for item in range(per_publisher):
-            blob = os.urandom(size - 16) + index.to_bytes(8, "little") + item.to_bytes(8, "little")
+            blob = base[:-16] + index.to_bytes(8, "little") + item.to_bytes(8, "little")  # finite floats
             versions.append((await clients[index].publish(adapter, blob)).version)
         return versions
 

@@ -81,7 +81,7 @@ async def publish_to_first_sample(model: str, iterations: int, workdir: Path, en
     client = RegistryClient(registry.address)
     base = load_base_model(model)
     try:
-        await client.create_adapter("bench", base_model=model)
+        await client.create_adapter("bench", base_model=model, lora_config=common_pb2.LoraConfig(rank=16))
         blobs = [adapter_blob(base, seed) for seed in range(2 * iterations + 2)]
         channel = grpc.aio.insecure_channel(sampler.address, options=channel_options())
         stub = sampler_pb2_grpc.SamplerServiceStub(channel)

@@ -176,7 +176,8 @@ def bench_publish(backend: TorchBackend, rank: int, runs: int, work: Path) -> di
             stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(adapter="bench-publish", seq_id=seq,
                                                                     data=request_data, loss_fn="cross_entropy"))
             seq += 1
-            stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="bench-publish", seq_id=seq))
+            stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="bench-publish", seq_id=seq,
+                                                        adam_params=trainer_pb2.AdamParams(learning_rate=1e-4)))
             seq += 1
             started = time.perf_counter()
             version = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(adapter="bench-publish", seq_id=seq))

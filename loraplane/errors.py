@@ -2,6 +2,30 @@
 
 from __future__ import annotations
 
+# Caller-supplied values echoed in an error (names, keys, aliases) are cut to this many characters: a status travels
+# in gRPC trailers, whose default size limit (8-16 KB) a long echoed name would exceed, turning the caller's
+# INVALID_ARGUMENT into a transport error.
+MAX_ECHO_CHARS = 128
+# The whole message and each ErrorInfo metadata value are capped too, whatever composed them.
+MAX_MESSAGE_CHARS = 1024
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """`text` cut to at most about `limit` bytes. Text of up to `limit` bytes is returned as it is; anything longer
+    is escaped to ASCII first (gRPC percent-encodes every other byte of a status message, tripling it), then
+    cut with an ellipsis and the original length."""
+    if len(text.encode()) <= limit:
+        return text
+    escaped = text.encode("ascii", "backslashreplace").decode("ascii")
+    if len(escaped) <= limit:
+        return escaped
+    return f"{escaped[:limit]}...({len(text)} chars)"
+
+
+def shown(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """repr(value) for an error message, clipped: what to write instead of {value!r}."""
+    return clip(repr(value), limit)
+
 
 class LoraplaneError(Exception):
     """Base class. `reason` is a stable UPPER_SNAKE machine-readable code (AIP-193 ErrorInfo.reason)."""

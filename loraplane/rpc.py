@@ -49,12 +49,13 @@ def status_code_of(exc: BaseException) -> grpc.StatusCode:
 
 def to_rpc_status(exc: errors.LoraplaneError) -> grpc.Status:
     code = status_code_of(exc)
-    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=ERROR_DOMAIN)
+    info = error_details_pb2.ErrorInfo(reason=errors.clip(exc.reason), domain=ERROR_DOMAIN)
     if exc.field:
-        info.metadata["field"] = exc.field
+        info.metadata["field"] = errors.clip(exc.field)
     detail = any_pb2.Any()
     detail.Pack(info)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=exc.message, details=[detail])
+    status = status_pb2.Status(code=getattr(code_pb2, code.name),
+                               message=errors.clip(exc.message, errors.MAX_MESSAGE_CHARS), details=[detail])
     return rpc_status.to_status(status)
 
 
@@ -224,7 +225,21 @@ def domain_error_from_rpc(exc: grpc.RpcError, what: str = "") -> errors.Loraplan
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     message = f"{what}: {details}" if what else (details or code.name)
+    # The callee's ErrorInfo names the field at fault; the caller's caller needs it too.
+    field = _error_info_field(exc)
     for exc_type, mapped in _STATUS_OF:
         if mapped == code:
-            return exc_type(message)
+            return exc_type(message, field=field)
     return errors.Unavailable(message)
+
+
+def _error_info_field(exc: grpc.RpcError) -> str | None:
+    try:
+        status = rpc_status.from_call(exc)
+    except (AttributeError, ValueError):
+        return None
+    for detail in status.details if status else []:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.metadata.get("field") or None
+    return None

@@ -105,17 +105,20 @@ class BlobStore:
                 return False
             raise
 
-    async def upload(self, chunks: AsyncIterator[bytes], size: int, sha256: str) -> StoredBlob:
+    async def upload(self, chunks: AsyncIterator[bytes], size: int, sha256: str,
+                     verify: Callable[[], None] | None = None) -> StoredBlob:
         """Consumes `chunks` (exactly `size` bytes hashing to `sha256`) into `blobs/sha256/<sha256>`.
 
-        Raises InvalidArgument when the stream is longer or shorter than `size`, DataLoss when the digest differs.
-        On any failure or cancellation the multipart upload is aborted: nothing becomes visible.
+        Raises InvalidArgument when the stream is longer or shorter than `size`, DataLoss when the digest differs,
+        and whatever `verify` (a check of the content, called once length and digest are right) raises. On any
+        failure or cancellation the multipart upload is aborted: nothing becomes visible.
         """
         if size < MIN_PART_BYTES:
-            return await self._upload_single(chunks, size, sha256)
-        return await self._upload_multipart(chunks, size, sha256)
+            return await self._upload_single(chunks, size, sha256, verify)
+        return await self._upload_multipart(chunks, size, sha256, verify)
 
-    async def _upload_single(self, chunks: AsyncIterator[bytes], size: int, sha256: str) -> StoredBlob:
+    async def _upload_single(self, chunks: AsyncIterator[bytes], size: int, sha256: str,
+                             verify: Callable[[], None] | None) -> StoredBlob:
         hasher = hashlib.sha256()
         parts: list[bytes] = []
         received = 0
@@ -125,6 +128,8 @@ class BlobStore:
             hasher.update(chunk)
             parts.append(chunk)
         _check_complete(received, size, hasher.hexdigest(), sha256)
+        if verify is not None:
+            verify()
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         await self._call("write a blob", self._put, blob_key(sha256), data)
         return StoredBlob(sha256, size)
@@ -133,7 +138,8 @@ class BlobStore:
         # The low-level PUT takes bytes directly; put_object would wrap them in a stream and copy them again.
         self.client._put_object(self.bucket, key, data, {"Content-Type": "application/octet-stream"})
 
-    async def _upload_multipart(self, chunks: AsyncIterator[bytes], size: int, sha256: str) -> StoredBlob:
+    async def _upload_multipart(self, chunks: AsyncIterator[bytes], size: int, sha256: str,
+                                verify: Callable[[], None] | None) -> StoredBlob:
         key = blob_key(sha256)
         loop = asyncio.get_running_loop()
         # The upload is created while the first bytes arrive instead of before: one S3 round trip less.
@@ -169,6 +175,8 @@ class BlobStore:
                     current.feed(view[:take])
                     view = view[take:]
             _check_complete(received, size, hasher.hexdigest(), sha256)
+            if verify is not None:
+                verify()
             etags = [await self._settle_part(part) for part in parts]
             await self._call("complete a multipart upload", self.client._complete_multipart_upload,
                              self.bucket, key, upload_id, [Part(p.number, etag) for p, etag in zip(parts, etags)])

@@ -27,17 +27,21 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from loraplane import errors
+from loraplane.adapter_format import BlobCheck
 from loraplane.config import Settings
+from loraplane.errors import shown
 from registry_svc import lua
 from registry_svc.blobs import BlobStore
 
 log = logging.getLogger(__name__)
 
 _NAME_PART = r"[a-z0-9][a-z0-9._-]{0,62}"
-NAME_RE = re.compile(rf"^(?:{_NAME_PART}/)?{_NAME_PART}$")
-ALIAS_RE = re.compile(rf"^{_NAME_PART}$")
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-CURSOR_RE = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")
+# \Z, not $: "$" also matches before a trailing newline, which would let "name\n" through.
+NAME_RE = re.compile(rf"^(?:{_NAME_PART}/)?{_NAME_PART}\Z")
+ALIAS_RE = re.compile(rf"^{_NAME_PART}\Z")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
+BASE_MODEL_RE = re.compile(r"^[A-Za-z0-9._/][A-Za-z0-9._/:@+-]*\Z")
+CURSOR_RE = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}\Z")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 KIND_WEIGHTS = 1
@@ -49,6 +53,9 @@ EVENT_VERSION_PUBLISHED = 2
 EVENT_ALIAS_SET = 3
 EVENT_VERSION_DELETED = 4
 EVENT_ADAPTER_DELETED = 5
+
+# Chunks larger than this are checked on a worker thread, so a big upload does not stall the event loop.
+CHECK_OFF_LOOP_BYTES = 256 * 1024
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -159,7 +166,7 @@ class GarbageReport:
 def validate_name(name: str, field_name: str = "name") -> str:
     if not NAME_RE.match(name or ""):
         raise errors.InvalidArgument(
-            f"{field_name}: {name!r} is not a valid adapter name: it must match ^[a-z0-9][a-z0-9._-]{{0,62}}$, "
+            f"{field_name}: {shown(name)} is not a valid adapter name: it must match ^[a-z0-9][a-z0-9._-]{{0,62}}$, "
             "optionally prefixed by a tenant of the same form and '/'", field=field_name, reason="INVALID_NAME")
     return name
 
@@ -167,7 +174,7 @@ def validate_name(name: str, field_name: str = "name") -> str:
 def validate_alias(alias: str, field_name: str = "alias") -> str:
     if not ALIAS_RE.match(alias or ""):
         raise errors.InvalidArgument(
-            f"{field_name}: {alias!r} is not a valid alias: it must match ^[a-z0-9][a-z0-9._-]{{0,62}}$",
+            f"{field_name}: {shown(alias)} is not a valid alias: it must match ^[a-z0-9][a-z0-9._-]{{0,62}}$",
             field=field_name, reason="INVALID_ALIAS")
     return alias
 
@@ -184,12 +191,14 @@ def validate_metadata(metadata: Mapping[str, str], limits: RegistryLimits, field
                 field=field_name)
         if len(value) > limits.max_metadata_value_chars:
             raise errors.InvalidArgument(
-                f"{field_name}[{key!r}]: value of {len(value)} characters, at most "
+                f"{field_name}[{shown(key)}]: value of {len(value)} characters, at most "
                 f"{limits.max_metadata_value_chars} are allowed", field=field_name)
     return dict(metadata)
 
 
 def validate_lora(spec: LoraSpec, limits: RegistryLimits, field_name: str = "adapter.lora_config") -> LoraSpec:
+    if spec.rank < 1:
+        raise errors.InvalidArgument(f"{field_name}.rank: {spec.rank} must be >= 1", field=f"{field_name}.rank")
     if spec.rank > limits.max_lora_rank:
         raise errors.InvalidArgument(f"{field_name}.rank: {spec.rank} exceeds the limit {limits.max_lora_rank}",
                                      field=f"{field_name}.rank")
@@ -204,6 +213,22 @@ def validate_lora(spec: LoraSpec, limits: RegistryLimits, field_name: str = "ada
     if len(set(spec.target_modules)) != len(spec.target_modules):
         raise errors.InvalidArgument(f"{field_name}.target_modules: names repeat", field=f"{field_name}.target_modules")
     return spec
+
+
+def validate_base_model(base_model: str, limits: RegistryLimits, field_name: str = "adapter.base_model") -> str:
+    """A model id or path as trainers spell it ("org/name", "tiny", "/models/x"): required, printable ASCII
+    without spaces, no ".." segment (it may end up in a path)."""
+    if not base_model:
+        raise errors.InvalidArgument(f"{field_name}: required (the model the adapter was trained on)",
+                                     field=field_name)
+    if len(base_model) > limits.max_base_model_chars:
+        raise errors.InvalidArgument(f"{field_name}: {len(base_model)} characters, at most "
+                                     f"{limits.max_base_model_chars}", field=field_name)
+    if not BASE_MODEL_RE.match(base_model) or ".." in base_model.split("/"):
+        raise errors.InvalidArgument(
+            f"{field_name}: {shown(base_model)} is not a model id: letters, digits and ._-/:@+ only, not starting "
+            "with '-', and no '..' segment", field=field_name)
+    return base_model
 
 
 def page_size_of(page_size: int) -> int:
@@ -359,15 +384,13 @@ class RegistryStore:
                              metadata: Mapping[str, str]) -> AdapterRecord:
         validate_name(name, "adapter.name")
         validate_lora(lora, self.limits)
-        if len(base_model) > self.limits.max_base_model_chars:
-            raise errors.InvalidArgument(f"adapter.base_model: {len(base_model)} characters, at most "
-                                         f"{self.limits.max_base_model_chars}", field="adapter.base_model")
+        validate_base_model(base_model, self.limits)
         validate_metadata(metadata, self.limits, "adapter.metadata")
         created = await self._script(
             "CREATE_ADAPTER", name, _now_ms(), json.dumps(lora.__dict__), base_model, keep_last,
             json.dumps(dict(metadata)))
         if not created:
-            raise errors.AlreadyExists(f"adapter.name: adapter {name!r} already exists", field="adapter.name")
+            raise errors.AlreadyExists(f"adapter.name: adapter {shown(name)} already exists", field="adapter.name")
         return await self.get_adapter(name)
 
     async def get_adapter(self, name: str, field_name: str = "name") -> AdapterRecord:
@@ -378,7 +401,7 @@ class RegistryStore:
                 pipe.hgetall(self._akey(name, ":aliases"))
                 fields, aliases = await pipe.execute()
         if not fields:
-            raise errors.NotFound(f"{field_name}: adapter {name!r} not found", field=field_name)
+            raise errors.NotFound(f"{field_name}: adapter {shown(name)} not found", field=field_name)
         return self._adapter_record(fields, aliases)
 
     async def list_adapters(self, prefix: str, page_size: int, page_token: str) -> tuple[list[AdapterRecord], str]:
@@ -405,7 +428,7 @@ class RegistryStore:
         validate_name(name)
         result = await self._script("DELETE_ADAPTER", name, _now_ms())
         if result[0] == -1:
-            raise errors.NotFound(f"name: adapter {name!r} not found", field="name")
+            raise errors.NotFound(f"name: adapter {shown(name)} not found", field="name")
         await self._collect_freed(result[1:])
 
     # ------------------------------------------------------------------------------------------------ versions
@@ -450,8 +473,17 @@ class RegistryStore:
         token = uuid.uuid4().hex
         await self._register_upload(header.sha256, token, header.size_bytes)
         committed = False
+        check = BlobCheck(header.size_bytes, training_state=header.kind == KIND_TRAINING_STATE)
         try:
-            await self.blobs.upload(self._checked_chunks(chunks), header.size_bytes, header.sha256)
+            # Only an adapter (or a training state) that samplers and trainers can load becomes a version: a blob
+            # that is not would make every Sample of "latest" fail until someone deleted it. The content check
+            # runs once length and digest are right (a truncated stream is reported as truncated) and before the
+            # upload completes (a rejected blob never becomes an S3 object).
+            def verify() -> None:
+                check.finish()
+                self._check_blob_matches(adapter, check)
+
+            await self.blobs.upload(self._checked_chunks(chunks, check), header.size_bytes, header.sha256, verify)
             result = await self._script(
                 "PUBLISH", header.adapter, _now_ms(), header.idempotency_key, header.kind, header.sha256,
                 header.size_bytes, header.training_step, json.dumps(header.metadata), token, *header.aliases)
@@ -463,7 +495,7 @@ class RegistryStore:
                     await asyncio.shield(self._script("FORGET_UPLOAD", header.sha256, token))
         if result[0] == -1:
             await self._collect_freed([header.sha256])
-            raise errors.NotFound(f"header.adapter: adapter {header.adapter!r} was deleted during the upload",
+            raise errors.NotFound(f"header.adapter: adapter {shown(header.adapter)} was deleted during the upload",
                                   field="header.adapter")
         version, deduplicated, freed = int(result[0]), bool(result[1]), result[2:]
         await self._collect_freed(freed)
@@ -486,7 +518,7 @@ class RegistryStore:
             return None
         if record.sha256 != header.sha256:
             raise errors.AlreadyExists(
-                f"header.idempotency_key: {header.idempotency_key!r} was used for version {record.version} with a "
+                f"header.idempotency_key: {shown(header.idempotency_key)} was used for version {record.version} with a "
                 f"different sha256 ({record.sha256}); use a new key for different content",
                 field="header.idempotency_key")
         return record
@@ -501,14 +533,35 @@ class RegistryStore:
             await asyncio.sleep(0.05)  # GC is deleting this very blob right now; it finishes quickly.
         raise errors.Unavailable(f"blob {sha256} is being garbage-collected; retry", reason="BLOB_BUSY")
 
-    async def _checked_chunks(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _checked_chunks(self, chunks: AsyncIterator[bytes], check: BlobCheck) -> AsyncIterator[bytes]:
         limit = self.limits.max_chunk_bytes
         async for chunk in chunks:
             if len(chunk) > limit:
                 raise errors.InvalidArgument(f"chunk: {len(chunk)} bytes, at most {limit} per message",
                                              field="chunk")
             if chunk:
+                if len(chunk) > CHECK_OFF_LOOP_BYTES:
+                    await asyncio.to_thread(check.feed, chunk)
+                else:
+                    check.feed(chunk)
                 yield chunk
+
+    @staticmethod
+    def _check_blob_matches(adapter: AdapterRecord, check: BlobCheck) -> None:
+        """The blob's LoRA shape and base model must be the adapter's (when the adapter states them)."""
+        spec = check.spec
+        if adapter.lora.rank and spec.rank != adapter.lora.rank:
+            raise errors.InvalidArgument(
+                f"chunk: the blob has LoRA rank {spec.rank}, adapter {shown(adapter.name)} has rank "
+                f"{adapter.lora.rank}", field="chunk")
+        if adapter.lora.target_modules and set(spec.target_modules) != set(adapter.lora.target_modules):
+            raise errors.InvalidArgument(
+                f"chunk: the blob targets {list(spec.target_modules)}, adapter {shown(adapter.name)} targets "
+                f"{adapter.lora.target_modules}", field="chunk")
+        if adapter.base_model and check.base_model and check.base_model != adapter.base_model:
+            raise errors.InvalidArgument(
+                f"chunk: the blob was trained on base model {shown(check.base_model)}, adapter "
+                f"{shown(adapter.name)} is on {shown(adapter.base_model)}", field="chunk")
 
     async def resolve(self, adapter: str, version: int = 0, alias: str = "", field_name: str = "ref") -> int:
         """The version number a reference names: explicit version, alias, or the latest weights."""
@@ -519,11 +572,11 @@ class RegistryStore:
         if alias:
             validate_alias(alias, f"{field_name}.alias")
             if alias not in record.aliases:
-                raise errors.NotFound(f"{field_name}.alias: adapter {adapter!r} has no alias {alias!r}",
+                raise errors.NotFound(f"{field_name}.alias: adapter {shown(adapter)} has no alias {shown(alias)}",
                                       field=f"{field_name}.alias")
             return record.aliases[alias]
         if not record.latest_version:
-            raise errors.NotFound(f"{field_name}: adapter {adapter!r} has no published weights yet",
+            raise errors.NotFound(f"{field_name}: adapter {shown(adapter)} has no published weights yet",
                                   field=field_name)
         return record.latest_version
 
@@ -537,9 +590,9 @@ class RegistryStore:
                 pipe.hgetall(self._akey(adapter, ":aliases"))
                 exists, fields, aliases = await pipe.execute()
         if not exists:
-            raise errors.NotFound(f"{field_name}.name: adapter {adapter!r} not found", field=f"{field_name}.name")
+            raise errors.NotFound(f"{field_name}.name: adapter {shown(adapter)} not found", field=f"{field_name}.name")
         if not fields:
-            raise errors.NotFound(f"{field_name}.version: adapter {adapter!r} has no version {number}",
+            raise errors.NotFound(f"{field_name}.version: adapter {shown(adapter)} has no version {number}",
                                   field=f"{field_name}.version")
         return self._version_record(adapter, number, fields, aliases)
 
@@ -559,7 +612,7 @@ class RegistryStore:
                 pipe.hgetall(self._akey(adapter, ":aliases"))
                 exists, numbers, aliases = await pipe.execute()
             if not exists:
-                raise errors.NotFound(f"adapter: adapter {adapter!r} not found", field="adapter")
+                raise errors.NotFound(f"adapter: adapter {shown(adapter)} not found", field="adapter")
             async with self.redis.pipeline(transaction=False) as pipe:
                 for number in numbers[:size]:
                     pipe.hgetall(self._akey(adapter, f":v:{number}"))
@@ -575,12 +628,12 @@ class RegistryStore:
             raise errors.InvalidArgument("version: must be >= 1", field="version")
         result = await self._script("DELETE_VERSION", adapter, _now_ms(), version)
         if result[0] == -1:
-            raise errors.NotFound(f"adapter: adapter {adapter!r} not found", field="adapter")
+            raise errors.NotFound(f"adapter: adapter {shown(adapter)} not found", field="adapter")
         if result[0] == -2:
-            raise errors.NotFound(f"version: adapter {adapter!r} has no version {version}", field="version")
+            raise errors.NotFound(f"version: adapter {shown(adapter)} has no version {version}", field="version")
         if result[0] == -3:
             raise errors.FailedPrecondition(
-                f"version: version {version} of {adapter!r} is the target of alias {result[1]!r}; move or remove "
+                f"version: version {version} of {shown(adapter)} is the target of alias {result[1]!r}; move or remove "
                 "the alias first", field="version", reason="VERSION_ALIASED")
         await self._collect_freed(result[1:])
 
@@ -590,12 +643,12 @@ class RegistryStore:
         result = await self._script("SET_ALIAS", adapter, _now_ms(), alias, version)
         code = result[0]
         if code == -1:
-            raise errors.NotFound(f"adapter: adapter {adapter!r} not found", field="adapter")
+            raise errors.NotFound(f"adapter: adapter {shown(adapter)} not found", field="adapter")
         if code == -2:
-            raise errors.NotFound(f"version: adapter {adapter!r} has no version {version}", field="version")
+            raise errors.NotFound(f"version: adapter {shown(adapter)} has no version {version}", field="version")
         if code == -3:
             raise errors.InvalidArgument(
-                f"version: version {version} of {adapter!r} is not a WEIGHTS version; aliases name weights only",
+                f"version: version {version} of {shown(adapter)} is not a WEIGHTS version; aliases name weights only",
                 field="version")
         await self._collect_freed(result[1:])
         return await self.get_adapter(adapter, "adapter")
@@ -628,7 +681,7 @@ class RegistryStore:
                 hasher.update(data)
             held = data
         if sent != record.size_bytes or (hasher is not None and hasher.hexdigest() != record.sha256):
-            raise errors.DataLoss(f"stored blob of {record.adapter!r} v{record.version} is corrupt: {sent} bytes, "
+            raise errors.DataLoss(f"stored blob of {shown(record.adapter)} v{record.version} is corrupt: {sent} bytes, "
                                   f"expected {record.size_bytes} with sha256 {record.sha256}", reason="BLOB_CORRUPT")
         if held is not None:
             yield held

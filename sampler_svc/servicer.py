@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 from google.protobuf import timestamp_pb2
 
+from loraplane import errors
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from sampler_svc.adapter_manager import LoadedVersion
@@ -17,8 +20,22 @@ _FINISH = {
 }
 
 
-def _selector(ref: common_pb2.AdapterRef) -> AdapterSelector:
+# The registry's spelling of names and aliases. \Z, not $: "$" also matches before a trailing newline.
+_NAME = re.compile(r"^(?:[a-z0-9][a-z0-9._-]{0,62}/)?[a-z0-9][a-z0-9._-]{0,62}\Z")
+_ALIAS = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}\Z")
+
+
+def _selector(ref: common_pb2.AdapterRef, field: str = "adapter") -> AdapterSelector:
+    """Wire checks of a reference, before the service resolves it: a name or alias the registry would refuse is
+    this request's INVALID_ARGUMENT (naming this request's field), not a registry error about its own."""
     which = ref.WhichOneof("selector")
+    if ref.name and not _NAME.match(ref.name):
+        raise errors.InvalidArgument(f"{field}.name {errors.shown(ref.name)} is not a valid adapter name "
+                                     "([a-z0-9][a-z0-9._-]{0,62}, optionally tenant/name)", field=f"{field}.name")
+    if which == "alias" and not _ALIAS.match(ref.alias):
+        raise errors.InvalidArgument(f"{field}.alias {errors.shown(ref.alias)} is not a valid alias "
+                                     "([a-z0-9][a-z0-9._-]{0,62}; unset it for the latest version)",
+                                     field=f"{field}.alias")
     return AdapterSelector(name=ref.name, version=ref.version if which == "version" else 0,
                            alias=ref.alias if which == "alias" else "")
 
@@ -76,6 +93,9 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
 
     async def ListLoadedAdapters(self, request: sampler_pb2.ListLoadedAdaptersRequest,
                                  context) -> sampler_pb2.ListLoadedAdaptersResponse:
+        if request.adapter and not _NAME.match(request.adapter):
+            raise errors.InvalidArgument(f"adapter {errors.shown(request.adapter)} is not a valid adapter name",
+                                         field="adapter")
         page, token = self.service.list_loaded(request.adapter, request.page_size, request.page_token)
         return sampler_pb2.ListLoadedAdaptersResponse(adapters=[_loaded(e) for e in page], next_page_token=token)
 
@@ -85,6 +105,9 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
 
     async def UnloadAdapter(self, request: sampler_pb2.UnloadAdapterRequest,
                             context) -> sampler_pb2.UnloadAdapterResponse:
+        if request.adapter and not _NAME.match(request.adapter):
+            raise errors.InvalidArgument(f"adapter {errors.shown(request.adapter)} is not a valid adapter name",
+                                         field="adapter")
         self.service.unload_adapter(request.adapter, request.version)
         return sampler_pb2.UnloadAdapterResponse()
 

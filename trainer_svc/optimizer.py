@@ -15,10 +15,15 @@ import torch
 
 from loraplane.errors import InvalidArgument
 
+ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
 
 @dataclass(frozen=True)
 class AdamHyper:
-    learning_rate: float = 1e-4
+    """Tinker's defaults. learning_rate None = not given by the caller, which `validate` rejects: the wire format
+    has no default for it."""
+
+    learning_rate: float | None = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-12
@@ -26,14 +31,24 @@ class AdamHyper:
     grad_clip_norm: float = 0.0
 
     def validate(self) -> AdamHyper:
-        for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        if self.learning_rate is None:
+            raise InvalidArgument("adam_params.learning_rate is required (> 0)", field="adam_params.learning_rate")
+        for name in ADAM_FIELDS:
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise InvalidArgument(f"adam_params.{name} must be finite, got {value}", field=f"adam_params.{name}")
-            if value < 0:
-                raise InvalidArgument(f"adam_params.{name} must be >= 0, got {value}", field=f"adam_params.{name}")
+        # Zero eps divides 0 by 0 wherever a gradient is exactly zero (all of lora_A on the first step), and a
+        # zero learning rate is a caller's mistake, not a no-op step: both are refused rather than obeyed.
+        for name in ("learning_rate", "eps"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"adam_params.{name} must be > 0, got {getattr(self, name)}",
+                                      field=f"adam_params.{name}")
+        for name in ("weight_decay", "grad_clip_norm"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"adam_params.{name} must be >= 0, got {getattr(self, name)}",
+                                      field=f"adam_params.{name}")
         for name in ("beta1", "beta2"):
-            if getattr(self, name) >= 1.0:
+            if not 0.0 <= getattr(self, name) < 1.0:
                 raise InvalidArgument(f"adam_params.{name} must be in [0, 1), got {getattr(self, name)}",
                                       field=f"adam_params.{name}")
         return self

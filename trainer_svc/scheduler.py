@@ -32,6 +32,9 @@ from loraplane.errors import (
 log = logging.getLogger(__name__)
 
 FUSABLE = frozenset({"forward_backward", "forward"})
+# The kind of a request that failed validation: it runs in its seq_id's turn, changes nothing, and its error is
+# that seq_id's recorded outcome (the payload is the error).
+REJECTED = "rejected"
 # Failures that say nothing about the request itself: the seq_id is not consumed and a retry runs it again.
 TRANSIENT = (Unavailable, DeadlineExceeded, ResourceExhausted)
 

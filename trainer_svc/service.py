@@ -8,7 +8,7 @@ import concurrent.futures
 import hashlib
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +21,7 @@ from loraplane.errors import (
     InvalidArgument,
     LoraplaneError,
     NotFound,
+    shown,
 )
 from loraplane.lora import LoraSpec
 from loraplane.registry_client import RegistryClient
@@ -29,8 +30,15 @@ from trainer_svc.backends.base import BatchItem, ItemResult, TrainerBackend
 from trainer_svc.losses import supported_losses
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 from trainer_svc.pool import AdapterPool, AdapterState
-from trainer_svc.scheduler import FUSABLE, Job, Scheduler
-from trainer_svc.validation import validate_adapter_name, validate_data, validate_page
+from trainer_svc.scheduler import FUSABLE, REJECTED, Job, Scheduler
+from trainer_svc.validation import (
+    validate_adapter_name,
+    validate_alias,
+    validate_aliases,
+    validate_data,
+    validate_metadata,
+    validate_page,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +124,9 @@ class TrainerService:
                              keep_last: int = 0, metadata: Mapping[str, str] | None = None) -> AdapterInfo:
         self._loop = asyncio.get_running_loop()
         validate_adapter_name(name)
+        validate_metadata(metadata or {})
         if base_model and base_model != self.base_model:
-            raise InvalidArgument(f"base_model {base_model!r} differs from this trainer's {self.base_model!r}",
+            raise InvalidArgument(f"base_model {shown(base_model)} differs from this trainer's {self.base_model!r}",
                                   field="base_model")
         spec = LoraSpec.create(int(lora_config.rank), float(lora_config.alpha), list(lora_config.target_modules),
                                int(lora_config.seed), max_rank=self.limits.max_lora_rank)
@@ -162,9 +171,10 @@ class TrainerService:
                 field="name")
 
     async def delete_adapter(self, name: str, delete_from_registry: bool = False) -> None:
+        validate_adapter_name(name)
         local = name in self.pool
         if not local and not delete_from_registry:
-            raise NotFound(f"adapter {name!r} does not exist on this trainer", field="name")
+            raise NotFound(f"name: adapter {shown(name)} does not exist on this trainer", field="name")
         if local:
             self.scheduler.close_lane(name, f"adapter {name!r} was deleted")
             await self._on_worker(lambda: self.pool.remove(name))
@@ -208,7 +218,7 @@ class TrainerService:
     # ---------------------------------------------------------------- sequenced requests
     def _require(self, adapter: str) -> None:
         if adapter not in self.pool:
-            raise NotFound(f"adapter {adapter!r} does not exist on this trainer", field="adapter")
+            raise NotFound(f"adapter {shown(adapter)} does not exist on this trainer", field="adapter")
 
     async def _submit(self, adapter: str, seq_id: int, kind: str, payload, payload_hash: bytes, tokens: int = 0):
         self._loop = asyncio.get_running_loop()
@@ -216,36 +226,52 @@ class TrainerService:
                   tokens=tokens)
         return await asyncio.wrap_future(self.scheduler.submit(job))
 
+    async def _sequenced(self, adapter: str, seq_id: int, kind: str, payload_hash: bytes,
+                         checked: Callable[[], tuple[object, int]]):
+        """Validates (`checked` returns the payload and its token count, or raises InvalidArgument) and submits.
+        A rejection still takes its seq_id's turn and is recorded as that seq_id's outcome (the seq_id rule in
+        trainer.proto), so client and trainer never disagree on the next seq_id; it touches no state."""
+        self._require(adapter)
+        try:
+            payload, tokens = checked()
+        except InvalidArgument as exc:
+            return await self._submit(adapter, seq_id, REJECTED, exc, payload_hash)
+        return await self._submit(adapter, seq_id, kind, payload, payload_hash, tokens=tokens)
+
     async def forward_backward(self, adapter: str, seq_id: int, data: Sequence, loss_fn: str,
                                loss_config: Mapping[str, float], payload_hash: bytes, *, backward: bool = True
                                ) -> ItemResult:
-        self._require(adapter)
-        datums, name, config = validate_data(
-            data, loss_fn, loss_config, vocab_size=self.backend.description.vocab_size,
-            max_context_length=self.max_context_length, max_batch_datums=self.limits.max_batch_datums,
-            max_request_tokens=self.limits.max_request_tokens)
+        def checked():
+            datums, name, config = validate_data(
+                data, loss_fn, loss_config, vocab_size=self.backend.description.vocab_size,
+                max_context_length=self.max_context_length, max_batch_datums=self.limits.max_batch_datums,
+                max_request_tokens=self.limits.max_request_tokens)
+            return (datums, name, config), sum(d.length for d in datums)
+
         kind = "forward_backward" if backward else "forward"
-        return await self._submit(adapter, seq_id, kind, (datums, name, config), payload_hash,
-                                  tokens=sum(d.length for d in datums))
+        return await self._sequenced(adapter, seq_id, kind, payload_hash, checked)
 
     async def optim_step(self, adapter: str, seq_id: int, hyper: AdamHyper, payload_hash: bytes) -> StepOutcome:
-        self._require(adapter)
-        hyper.validate()
-        return await self._submit(adapter, seq_id, "optim_step", hyper, payload_hash)
+        return await self._sequenced(adapter, seq_id, "optim_step", payload_hash, lambda: (hyper.validate(), 0))
 
     async def publish_weights(self, adapter: str, seq_id: int, aliases: Sequence[str], metadata: Mapping[str, str],
                               payload_hash: bytes) -> common_pb2.AdapterVersion:
-        self._require(adapter)
-        for i, alias in enumerate(aliases):
-            if not alias:
-                raise InvalidArgument(f"aliases[{i}] is empty", field=f"aliases[{i}]")
-        exported: ExportedBlob = await self._submit(adapter, seq_id, "publish", None, payload_hash)
+        def checked():
+            # The registry's own rules, checked before anything is exported.
+            validate_aliases(aliases)
+            validate_metadata(metadata)
+            return None, 0
+
+        exported: ExportedBlob = await self._sequenced(adapter, seq_id, "publish", payload_hash, checked)
         return await self._finish_publish(adapter, exported, common_pb2.VERSION_KIND_WEIGHTS, aliases, metadata)
 
     async def save_state(self, adapter: str, seq_id: int, metadata: Mapping[str, str], payload_hash: bytes
                          ) -> common_pb2.AdapterVersion:
-        self._require(adapter)
-        exported: ExportedBlob = await self._submit(adapter, seq_id, "save_state", None, payload_hash)
+        def checked():
+            validate_metadata(metadata)
+            return None, 0
+
+        exported: ExportedBlob = await self._sequenced(adapter, seq_id, "save_state", payload_hash, checked)
         return await self._finish_publish(adapter, exported, common_pb2.VERSION_KIND_TRAINING_STATE, (), metadata)
 
     async def _finish_publish(self, adapter: str, exported: ExportedBlob, kind: int, aliases: Sequence[str],
@@ -261,11 +287,15 @@ class TrainerService:
 
     async def load_state(self, adapter: str, seq_id: int, source: common_pb2.AdapterRef, with_optimizer: bool,
                          payload_hash: bytes) -> AdapterInfo:
-        self._require(adapter)
-        if not source.name:
-            raise InvalidArgument("source.name is empty", field="source.name")
-        validate_adapter_name(source.name, "source.name")
-        return await self._submit(adapter, seq_id, "load_state", (source, with_optimizer), payload_hash)
+        def checked():
+            if not source.name:
+                raise InvalidArgument("source.name is empty", field="source.name")
+            validate_adapter_name(source.name, "source.name")
+            if source.HasField("alias"):
+                validate_alias(source.alias, "source.alias")
+            return (source, with_optimizer), 0
+
+        return await self._sequenced(adapter, seq_id, "load_state", payload_hash, checked)
 
     # ---------------------------------------------------------------- worker side
     def _execute(self, jobs: list[Job]) -> list:
@@ -288,6 +318,9 @@ class TrainerService:
                     log.exception("%s of %s failed", job.kind, job.adapter)
                 outcomes.append(exc)
         return outcomes
+
+    def _run_rejected(self, job: Job):
+        raise job.payload
 
     def _run_optim_step(self, job: Job) -> StepOutcome:
         (state,) = self.pool.activate([job.adapter])

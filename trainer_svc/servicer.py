@@ -7,7 +7,7 @@ import hashlib
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import ItemResult
-from trainer_svc.optimizer import AdamHyper
+from trainer_svc.optimizer import ADAM_FIELDS, AdamHyper
 from trainer_svc.service import AdapterInfo, TrainerService
 
 
@@ -52,11 +52,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.ForwardResponse(outputs=_outputs(result), metrics=result.metrics)
 
     async def OptimStep(self, request, context):
-        if request.HasField("adam_params"):
-            p = request.adam_params
-            hyper = AdamHyper(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
-        else:
-            hyper = AdamHyper()
+        p = request.adam_params
+        given = {name: getattr(p, name) for name in ADAM_FIELDS if p.HasField(name)}
+        hyper = AdamHyper(**{"learning_rate": None, **given})
         outcome = await self.service.optim_step(request.adapter, request.seq_id, hyper, payload_hash(request))
         return trainer_pb2.OptimStepResponse(
             step=outcome.step, grad_norm=outcome.grad_norm, skipped=outcome.skipped,

@@ -3,7 +3,9 @@
 Every trainer RPC of an adapter carries a seq_id (1, 2, 3, ...) taken at the moment the call is made, and the
 trainer runs them in seq_id order. So a caller may submit forward_backward and optim_step back to back without
 waiting for either (pipelining), and a retry after a lost connection reuses the seq_id it was given (the trainer
-returns the first result instead of applying the request twice).
+returns the first result instead of applying the request twice). A seq_id, once taken, is never given back: the
+trainer consumes it whatever the outcome (a rejected request is that seq_id's recorded error; the rule is in
+trainer.proto), so the counter only moves forward and one bad request never wedges the ones after it.
 """
 
 from __future__ import annotations

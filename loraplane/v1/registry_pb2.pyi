@@ -91,12 +91,17 @@ class Adapter(google.protobuf.message.Message):
     name: builtins.str
     """`^[a-z0-9][a-z0-9._-]{0,62}$`, optionally prefixed by a tenant of the same form: `tenant/name`."""
     base_model: builtins.str
+    """Required: the model id or path the adapter trains on, at most 512 printable ASCII characters without spaces
+    (letters, digits, ._-/:@+), no ".." segment.
+    """
     keep_last: builtins.int
     """Retention: newest weights versions kept; 0 = keep all. Alias targets are always kept."""
     latest_version: builtins.int
     """Newest weights version; 0 = none published yet."""
     @property
-    def lora_config(self) -> loraplane.v1.common_pb2.LoraConfig: ...
+    def lora_config(self) -> loraplane.v1.common_pb2.LoraConfig:
+        """Required: rank >= 1 (see LoraConfig)."""
+
     @property
     def metadata(self) -> google.protobuf.internal.containers.ScalarMap[builtins.str, builtins.str]: ...
     @property

@@ -128,7 +128,10 @@ class AdapterRegistryServiceServicer(object):
 
     def PublishVersion(self, request_iterator, context):
         """First message: header. Then chunks of at most 1 MiB. The version is committed only when the received bytes
-        match the header's size and sha256.
+        match the header's size and sha256 (else INVALID_ARGUMENT / DATA_LOSS naming header.size_bytes / header.sha256)
+        and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
+        adapter (header, adapter_config, tensor names and shapes consistent with it, finite values) whose rank, target
+        modules and base model are the adapter's; a TRAINING_STATE blob a trainer training state of the same shape.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

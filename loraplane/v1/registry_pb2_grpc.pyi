@@ -47,7 +47,10 @@ class AdapterRegistryServiceStub:
         loraplane.v1.registry_pb2.PublishVersionResponse,
     ]
     """First message: header. Then chunks of at most 1 MiB. The version is committed only when the received bytes
-    match the header's size and sha256.
+    match the header's size and sha256 (else INVALID_ARGUMENT / DATA_LOSS naming header.size_bytes / header.sha256)
+    and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
+    adapter (header, adapter_config, tensor names and shapes consistent with it, finite values) whose rank, target
+    modules and base model are the adapter's; a TRAINING_STATE blob a trainer training state of the same shape.
     """
 
     GetVersion: grpc.UnaryUnaryMultiCallable[
@@ -117,7 +120,10 @@ class AdapterRegistryServiceAsyncStub:
         loraplane.v1.registry_pb2.PublishVersionResponse,
     ]
     """First message: header. Then chunks of at most 1 MiB. The version is committed only when the received bytes
-    match the header's size and sha256.
+    match the header's size and sha256 (else INVALID_ARGUMENT / DATA_LOSS naming header.size_bytes / header.sha256)
+    and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
+    adapter (header, adapter_config, tensor names and shapes consistent with it, finite values) whose rank, target
+    modules and base model are the adapter's; a TRAINING_STATE blob a trainer training state of the same shape.
     """
 
     GetVersion: grpc.aio.UnaryUnaryMultiCallable[
@@ -197,7 +203,10 @@ class AdapterRegistryServiceServicer(metaclass=abc.ABCMeta):
         context: _ServicerContext,
     ) -> typing.Union[loraplane.v1.registry_pb2.PublishVersionResponse, collections.abc.Awaitable[loraplane.v1.registry_pb2.PublishVersionResponse]]:
         """First message: header. Then chunks of at most 1 MiB. The version is committed only when the received bytes
-        match the header's size and sha256.
+        match the header's size and sha256 (else INVALID_ARGUMENT / DATA_LOSS naming header.size_bytes / header.sha256)
+        and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
+        adapter (header, adapter_config, tensor names and shapes consistent with it, finite values) whose rank, target
+        modules and base model are the adapter's; a TRAINING_STATE blob a trainer training state of the same shape.
         """
 
     @abc.abstractmethod

@@ -352,7 +352,10 @@ global___ForwardResponse = ForwardResponse
 
 @typing.final
 class AdamParams(google.protobuf.message.Message):
-    """torch.optim.AdamW hyper-parameters (decoupled weight decay) plus global-norm clipping."""
+    """torch.optim.AdamW hyper-parameters (decoupled weight decay) plus global-norm clipping. Unset fields take Tinker's
+    defaults; learning_rate has none and must be set. Out-of-range or non-finite values are INVALID_ARGUMENT naming
+    the field (they would make every later step NaN).
+    """
 
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
@@ -363,23 +366,41 @@ class AdamParams(google.protobuf.message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: builtins.int
     GRAD_CLIP_NORM_FIELD_NUMBER: builtins.int
     learning_rate: builtins.float
+    """Required; > 0."""
     beta1: builtins.float
+    """Unset = 0.9; in [0, 1)."""
     beta2: builtins.float
+    """Unset = 0.95; in [0, 1)."""
     eps: builtins.float
+    """Unset = 1e-12; > 0."""
     weight_decay: builtins.float
+    """Unset = 0; >= 0."""
     grad_clip_norm: builtins.float
-    """0 = no clipping."""
+    """Unset or 0 = no clipping; >= 0."""
     def __init__(
         self,
         *,
-        learning_rate: builtins.float = ...,
-        beta1: builtins.float = ...,
-        beta2: builtins.float = ...,
-        eps: builtins.float = ...,
-        weight_decay: builtins.float = ...,
-        grad_clip_norm: builtins.float = ...,
+        learning_rate: builtins.float | None = ...,
+        beta1: builtins.float | None = ...,
+        beta2: builtins.float | None = ...,
+        eps: builtins.float | None = ...,
+        weight_decay: builtins.float | None = ...,
+        grad_clip_norm: builtins.float | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["beta1", b"beta1", "beta2", b"beta2", "eps", b"eps", "grad_clip_norm", b"grad_clip_norm", "learning_rate", b"learning_rate", "weight_decay", b"weight_decay"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_beta1", b"_beta1", "_beta2", b"_beta2", "_eps", b"_eps", "_grad_clip_norm", b"_grad_clip_norm", "_learning_rate", b"_learning_rate", "_weight_decay", b"_weight_decay", "beta1", b"beta1", "beta2", b"beta2", "eps", b"eps", "grad_clip_norm", b"grad_clip_norm", "learning_rate", b"learning_rate", "weight_decay", b"weight_decay"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_beta1", b"_beta1", "_beta2", b"_beta2", "_eps", b"_eps", "_grad_clip_norm", b"_grad_clip_norm", "_learning_rate", b"_learning_rate", "_weight_decay", b"_weight_decay", "beta1", b"beta1", "beta2", b"beta2", "eps", b"eps", "grad_clip_norm", b"grad_clip_norm", "learning_rate", b"learning_rate", "weight_decay", b"weight_decay"]) -> None: ...
+    @typing.overload
+    def WhichOneof(self, oneof_group: typing.Literal["_beta1", b"_beta1"]) -> typing.Literal["beta1"] | None: ...
+    @typing.overload
+    def WhichOneof(self, oneof_group: typing.Literal["_beta2", b"_beta2"]) -> typing.Literal["beta2"] | None: ...
+    @typing.overload
+    def WhichOneof(self, oneof_group: typing.Literal["_eps", b"_eps"]) -> typing.Literal["eps"] | None: ...
+    @typing.overload
+    def WhichOneof(self, oneof_group: typing.Literal["_grad_clip_norm", b"_grad_clip_norm"]) -> typing.Literal["grad_clip_norm"] | None: ...
+    @typing.overload
+    def WhichOneof(self, oneof_group: typing.Literal["_learning_rate", b"_learning_rate"]) -> typing.Literal["learning_rate"] | None: ...
+    @typing.overload
+    def WhichOneof(self, oneof_group: typing.Literal["_weight_decay", b"_weight_decay"]) -> typing.Literal["weight_decay"] | None: ...
 
 global___AdamParams = AdamParams
 

@@ -28,6 +28,15 @@ if _version_not_supported:
 class TrainerServiceStub(object):
     """Forward/backward and AdamW steps for many LoRA adapters on one base model. Requests of one adapter run in
     seq_id order; a retried seq_id with the same payload returns the first result without re-applying it.
+
+    seq_id rule (the same for every sequenced RPC and every outcome): a request that names an existing adapter and
+    carries a seq_id >= 1 that is not yet used takes its turn in seq_id order and CONSUMES that seq_id whatever its
+    outcome. A rejected request (INVALID_ARGUMENT from validation, a registry refusing a publish, ...) is recorded as
+    that seq_id's outcome: the adapter's state is untouched, last_seq_id advances, a retry with the same payload gets
+    the same error and a different payload on that seq_id is ALREADY_EXISTS, as for accepted requests. So a client
+    always moves on to the next seq_id after any answer. Consumed nothing: NOT_FOUND for the adapter, a malformed
+    seq_id (0), ALREADY_EXISTS for a reused seq_id, and the transient UNAVAILABLE / DEADLINE_EXCEEDED /
+    RESOURCE_EXHAUSTED (retry the same seq_id), and FAILED_PRECONDITION when an earlier seq_id never arrived.
     """
 
     def __init__(self, channel):
@@ -91,6 +100,15 @@ class TrainerServiceStub(object):
 class TrainerServiceServicer(object):
     """Forward/backward and AdamW steps for many LoRA adapters on one base model. Requests of one adapter run in
     seq_id order; a retried seq_id with the same payload returns the first result without re-applying it.
+
+    seq_id rule (the same for every sequenced RPC and every outcome): a request that names an existing adapter and
+    carries a seq_id >= 1 that is not yet used takes its turn in seq_id order and CONSUMES that seq_id whatever its
+    outcome. A rejected request (INVALID_ARGUMENT from validation, a registry refusing a publish, ...) is recorded as
+    that seq_id's outcome: the adapter's state is untouched, last_seq_id advances, a retry with the same payload gets
+    the same error and a different payload on that seq_id is ALREADY_EXISTS, as for accepted requests. So a client
+    always moves on to the next seq_id after any answer. Consumed nothing: NOT_FOUND for the adapter, a malformed
+    seq_id (0), ALREADY_EXISTS for a reused seq_id, and the transient UNAVAILABLE / DEADLINE_EXCEEDED /
+    RESOURCE_EXHAUSTED (retry the same seq_id), and FAILED_PRECONDITION when an earlier seq_id never arrived.
     """
 
     def CreateAdapter(self, request, context):
@@ -222,6 +240,15 @@ def add_TrainerServiceServicer_to_server(servicer, server):
 class TrainerService(object):
     """Forward/backward and AdamW steps for many LoRA adapters on one base model. Requests of one adapter run in
     seq_id order; a retried seq_id with the same payload returns the first result without re-applying it.
+
+    seq_id rule (the same for every sequenced RPC and every outcome): a request that names an existing adapter and
+    carries a seq_id >= 1 that is not yet used takes its turn in seq_id order and CONSUMES that seq_id whatever its
+    outcome. A rejected request (INVALID_ARGUMENT from validation, a registry refusing a publish, ...) is recorded as
+    that seq_id's outcome: the adapter's state is untouched, last_seq_id advances, a retry with the same payload gets
+    the same error and a different payload on that seq_id is ALREADY_EXISTS, as for accepted requests. So a client
+    always moves on to the next seq_id after any answer. Consumed nothing: NOT_FOUND for the adapter, a malformed
+    seq_id (0), ALREADY_EXISTS for a reused seq_id, and the transient UNAVAILABLE / DEADLINE_EXCEEDED /
+    RESOURCE_EXHAUSTED (retry the same seq_id), and FAILED_PRECONDITION when an earlier seq_id never arrived.
     """
 
     @staticmethod

@@ -16,6 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplane.v1 import common_pb2, registry_pb2
 from tests.fixtures.registry import (
+    TEST_BASE_MODEL,
+    TEST_LORA,
+    adapter_blob,
     all_events,
     bucket_objects,
     download,
@@ -37,6 +40,8 @@ E = registry_pb2
 
 
 def create(stub, name: str, **fields) -> registry_pb2.Adapter:
+    fields.setdefault("lora_config", TEST_LORA)
+    fields.setdefault("base_model", TEST_BASE_MODEL)
     return stub.CreateAdapter(E.CreateAdapterRequest(adapter=E.Adapter(name=name, **fields))).adapter
 
 
@@ -49,8 +54,10 @@ def ref(name: str, version: int = 0, alias: str = "") -> common_pb2.AdapterRef:
     return r
 
 
-def blob_of(size: int, seed: int = 0) -> bytes:
-    return os.urandom(size) if seed == 0 else bytes([seed % 256]) * size
+def blob_of(size: int, seed: int = 0, *, kind: int = WEIGHTS) -> bytes:
+    """A blob the registry accepts (an adapter, or a training state) of about `size` bytes: random values, or the
+    same bytes for the same non-zero seed."""
+    return adapter_blob(size, seed or None, training_state=kind == STATE)
 
 
 # ---------------------------------------------------------------------------------------------------- adapters
@@ -116,6 +123,12 @@ def test_create_adapter_bad_input_is_rejected_and_changes_nothing(registry, regi
         ("129-char metadata key", {"name": "x", "metadata": {"k" * 129: "v"}}, "adapter.metadata"),
         ("4097-char metadata value", {"name": "x", "metadata": {"k": "v" * 4097}}, "adapter.metadata"),
         ("513-char base model", {"name": "x", "base_model": "m" * 513}, "adapter.base_model"),
+        ("rank 0", {"name": "x", "lora_config": common_pb2.LoraConfig(rank=0)}, "adapter.lora_config.rank"),
+        ("no lora_config (rank 0)", {"name": "x", "lora_config": common_pb2.LoraConfig()}, "adapter.lora_config.rank"),
+        ("empty base model", {"name": "x", "base_model": ""}, "adapter.base_model"),
+        ("base model with '..'", {"name": "x", "base_model": "../../etc/passwd"}, "adapter.base_model"),
+        ("base model with a space", {"name": "x", "base_model": "my model"}, "adapter.base_model"),
+        ("name with a trailing newline", {"name": "exp\n"}, "adapter.name"),
     ]
     for what, fields, field in cases:
         with rpc_error(INVALID, field) as caught:
@@ -196,11 +209,11 @@ def test_delete_adapter_removes_versions_and_blobs_and_the_name_can_be_reused(re
 def test_publish_and_get_version(registry, registry_stub):
     stub = registry_stub
     create(stub, "pub")
-    first, second, state = blob_of(100), blob_of(2_500_000), blob_of(777)
+    first, second, state = blob_of(100), blob_of(2_500_000), blob_of(777, kind=STATE)
     v1 = publish(stub, "pub", first, training_step=10, metadata={"loss": "1.5"}, aliases=["stable"])
     assert not v1.deduplicated
     assert (v1.version.adapter, v1.version.version, v1.version.kind) == ("pub", 1, WEIGHTS)
-    assert v1.version.sha256 == sha256_hex(first) and v1.version.size_bytes == 100
+    assert v1.version.sha256 == sha256_hex(first) and v1.version.size_bytes == len(first)
     assert v1.version.training_step == 10 and dict(v1.version.metadata) == {"loss": "1.5"}
     assert list(v1.version.aliases) == ["stable"] and v1.version.create_time.seconds > 0
     v2 = publish(stub, "pub", second, chunk=300_000)
@@ -222,7 +235,7 @@ def test_publish_and_get_version(registry, registry_stub):
 def test_publish_and_download_a_blob_of_several_parts(registry, registry_stub):
     stub = registry_stub
     create(stub, "big")
-    blob = os.urandom(37 * 1024 * 1024 + 3)  # three S3 parts (16 MiB each but the last)
+    blob = blob_of(37 * 1024 * 1024 + 3)  # three S3 parts (16 MiB each but the last)
     version = publish(stub, "big", blob, chunk=1024 * 1024).version
     assert (version.size_bytes, version.sha256) == (len(blob), sha256_hex(blob))
     assert bucket_objects(registry.settings) == {f"blobs/sha256/{sha256_hex(blob)}": len(blob)}
@@ -259,6 +272,17 @@ def test_publish_with_an_idempotency_key_returns_the_first_version(registry, reg
         publish(stub, "idem", blob_of(10), idempotency_key="step-100")
     assert registry_state(stub, registry.settings) == before
     assert publish(stub, "idem", blob, idempotency_key="step-200").version.version == 2
+
+
+def rank_8_blob() -> bytes:
+    import torch
+
+    from loraplane.adapter_format import serialize_adapter
+    from loraplane.lora import LoraSpec, peft_key
+
+    spec = LoraSpec.create(8, 8.0, ["q_proj"], 0)
+    params = {peft_key(0, "q_proj", "A"): torch.ones(8, 16), peft_key(0, "q_proj", "B"): torch.ones(16, 8)}
+    return serialize_adapter(params, spec, TEST_BASE_MODEL)
 
 
 def test_publish_bad_input_is_rejected_and_commits_nothing(registry, registry_stub):
@@ -302,6 +326,16 @@ def test_publish_bad_input_is_rejected_and_commits_nothing(registry, registry_st
          grpc.StatusCode.DATA_LOSS, "header.sha256"),
         ("wrong sha256 (small)", publish_requests("target", good[:100], sha256="0" * 64),
          grpc.StatusCode.DATA_LOSS, "header.sha256"),
+        ("4 KB of garbage as WEIGHTS", publish_requests("target", os.urandom(4096)), INVALID, "chunk"),
+        ("6 MB of garbage as WEIGHTS (multipart)", publish_requests("target", os.urandom(6_000_000)), INVALID,
+         "chunk"),
+        ("a training state as WEIGHTS", publish_requests("target", blob_of(3000, kind=STATE)), INVALID, "chunk"),
+        ("an adapter as TRAINING_STATE", publish_requests("target", blob_of(3000), kind=STATE), INVALID, "chunk"),
+        ("an adapter cut short, announced so", publish_requests("target", good[:-4096]), INVALID, "chunk"),
+        ("an adapter with a NaN", publish_requests("target", good[:-4] + b"\x00\x00\xc0\x7f"), INVALID, "chunk"),
+        ("an adapter of another rank", publish_requests("target", rank_8_blob()), INVALID, "chunk"),
+        ("an adapter of another base model",
+         publish_requests("target", adapter_blob(3000, base_model="other-model")), INVALID, "chunk"),
     ]
     for what, requests, code, field in cases:
         with pytest.raises(grpc.RpcError) as caught:
@@ -319,7 +353,7 @@ def test_get_version_bad_input(registry, registry_stub):
     create(stub, "empty")
     create(stub, "full")
     publish(stub, "full", blob_of(10), aliases=["prod"])
-    publish(stub, "full", blob_of(10), kind=STATE)
+    publish(stub, "full", blob_of(10, kind=STATE), kind=STATE)
     before = registry_state(stub, registry.settings)
     cases = [
         ("unknown adapter", ref("ghost"), NOT_FOUND, "ref.name"),
@@ -341,7 +375,7 @@ def test_list_versions_pagination_and_kind(registry, registry_stub):
     create(stub, "many")
     kinds = [WEIGHTS, STATE, WEIGHTS, WEIGHTS, STATE, WEIGHTS, WEIGHTS]
     for index, kind in enumerate(kinds):
-        publish(stub, "many", blob_of(20 + index), kind=kind)
+        publish(stub, "many", blob_of(20 + index, kind=kind), kind=kind)
     seen, token = [], ""
     while True:
         reply = stub.ListVersions(E.ListVersionsRequest(adapter="many", page_size=3, page_token=token))
@@ -404,7 +438,7 @@ def test_set_alias(registry, registry_stub):
     create(stub, "al")
     for i in range(3):
         publish(stub, "al", blob_of(50 + i))
-    publish(stub, "al", blob_of(9), kind=STATE)
+    publish(stub, "al", blob_of(9, kind=STATE), kind=STATE)
     adapter = stub.SetAlias(E.SetAliasRequest(adapter="al", alias="prod", version=1)).adapter
     assert dict(adapter.aliases) == {"prod": 1}
     adapter = stub.SetAlias(E.SetAliasRequest(adapter="al", alias="prod", version=2)).adapter
@@ -438,7 +472,7 @@ def test_keep_last_retention_keeps_alias_targets_and_collects_blobs(registry, re
     create(stub, "ret", keep_last=2)
     blobs = [blob_of(400 + i) for i in range(5)]
     publish(stub, "ret", blobs[0], aliases=["golden"])
-    state = publish(stub, "ret", blob_of(31), kind=STATE).version.version  # training states are not counted
+    state = publish(stub, "ret", blob_of(31, kind=STATE), kind=STATE).version.version  # training states are not counted
     for blob in blobs[1:]:
         publish(stub, "ret", blob)
     # Weights versions 1,3,4,5,6: the newest two stay, v1 stays for its alias, the training state is untouched.

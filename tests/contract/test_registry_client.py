@@ -4,7 +4,6 @@ the streaming protocol is hidden and every failure arrives as a domain error."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -12,7 +11,7 @@ from loraplane import errors
 from loraplane.local.processes import free_port
 from loraplane.registry_client import RegistryClient
 from loraplane.v1 import common_pb2, registry_pb2
-from tests.fixtures.registry import sha256_hex
+from tests.fixtures.registry import TEST_LORA, adapter_blob, sha256_hex
 
 
 async def test_client_round_trip(registry):
@@ -21,16 +20,17 @@ async def test_client_round_trip(registry):
         made = await client.create_adapter("team/c1", lora_config=lora, base_model="tiny", keep_last=5,
                                            metadata={"a": "b"})
         assert made.lora_config == lora and made.keep_last == 5
-        again = await client.create_adapter("team/c1", exist_ok=True)
+        again = await client.create_adapter("team/c1", lora_config=lora, base_model="tiny", exist_ok=True)
         assert again == made
         with pytest.raises(errors.AlreadyExists):
-            await client.create_adapter("team/c1")
+            await client.create_adapter("team/c1", lora_config=lora, base_model="tiny")
 
-        blob = os.urandom(6 * 1024 * 1024 + 5)
+        blob = adapter_blob(6 * 1024 * 1024 + 5)
         first = await client.publish("team/c1", blob, training_step=3, aliases=["prod"], idempotency_key="k1")
         assert (first.version, first.sha256, first.size_bytes) == (1, sha256_hex(blob), len(blob))
         assert (await client.publish("team/c1", blob, idempotency_key="k1")).version == 1
-        state = await client.publish("team/c1", b"state", kind=common_pb2.VERSION_KIND_TRAINING_STATE)
+        state = await client.publish("team/c1", adapter_blob(2000, training_state=True),
+                                    kind=common_pb2.VERSION_KIND_TRAINING_STATE)
         assert state.version == 2
 
         described, data = await client.download("team/c1", alias="prod")
@@ -77,6 +77,6 @@ async def test_watch_is_cancellable_while_blocked(registry):
         task = asyncio.create_task(first_event())
         await asyncio.sleep(0.3)
         assert not task.done()  # blocked: nothing happened after the call started
-        await client.create_adapter("late")
+        await client.create_adapter("late", lora_config=TEST_LORA, base_model="tiny")
         event = await asyncio.wait_for(task, 10)
         assert (event.type, event.adapter) == (registry_pb2.EVENT_TYPE_ADAPTER_CREATED, "late")

@@ -3,7 +3,6 @@ test uses real servers; the crash tests start private Valkey / SeaweedFS instanc
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -17,6 +16,9 @@ from loraplane.local.processes import seaweed_s3_server, valkey_server, wait_unt
 from loraplane.v1 import registry_pb2 as E
 from loraplane.v1 import registry_pb2_grpc
 from tests.fixtures.registry import (
+    TEST_BASE_MODEL,
+    TEST_LORA,
+    adapter_blob,
     all_events,
     bucket_objects,
     download,
@@ -30,6 +32,8 @@ from tests.fixtures.registry import (
 
 
 def create(stub, name: str, **fields) -> None:
+    fields.setdefault("lora_config", TEST_LORA)
+    fields.setdefault("base_model", TEST_BASE_MODEL)
     stub.CreateAdapter(E.CreateAdapterRequest(adapter=E.Adapter(name=name, **fields)))
 
 
@@ -42,7 +46,7 @@ def test_concurrent_publishers_get_versions_without_gap_or_duplicate(registry):
         own = registry.stub()  # each publisher on its own channel, as separate processes would be
         results = []
         for index in range(per_publisher):
-            blob = f"{worker}-{index}-".encode() + os.urandom(64)
+            blob = adapter_blob(1000)
             reply = publish(own, "busy", blob, metadata={"worker": str(worker)})
             results.append((reply.version.version, sha256_hex(blob)))
         return results
@@ -61,7 +65,7 @@ def test_concurrent_publishers_get_versions_without_gap_or_duplicate(registry):
 def test_a_cancelled_upload_leaves_no_version_and_no_blob(registry):
     stub = registry.stub()
     create(stub, "cancel")
-    blob = os.urandom(20 * 1024 * 1024)
+    blob = adapter_blob(20 * 1024 * 1024)
     release = threading.Event()
 
     def stalled_stream():
@@ -92,7 +96,7 @@ def test_a_cancelled_upload_leaves_no_version_and_no_blob(registry):
 def test_a_wrong_sha256_is_data_loss_and_commits_nothing(registry):
     stub = registry.stub()
     create(stub, "integrity")
-    blob = os.urandom(20 * 1024 * 1024)  # multipart: two parts, both sent to S3 before the digest check
+    blob = adapter_blob(20 * 1024 * 1024)  # multipart: two parts, both sent to S3 before the digest check
     claimed = sha256_hex(blob[:-1] + bytes([blob[-1] ^ 1]))
     with pytest.raises(grpc.RpcError) as caught:
         publish(stub, "integrity", blob, sha256=claimed)
@@ -151,7 +155,7 @@ def test_a_watcher_that_reconnects_from_its_cursor_sees_every_event_once_in_orde
     try:
         for round_ in range(4):
             for index in range(5):
-                publish(stub, "w", f"{round_}-{index}".encode())
+                publish(stub, "w", adapter_blob(1000))
             watcher.wait_for(1 + 5 * (round_ + 1))
             watcher.disconnect()  # drops the stream; publishes of the next round happen while it reconnects
         time.sleep(0.3)
@@ -175,7 +179,7 @@ def test_valkey_killed_and_restarted_loses_nothing_and_watchers_resume(tmp_path,
     try:
         stub = live.stub()
         create(stub, "durable", keep_last=0)
-        blobs = [os.urandom(1000 + i) for i in range(5)]
+        blobs = [adapter_blob(1000 + i) for i in range(5)]
         for blob in blobs[:3]:
             publish(stub, "durable", blob)
         watcher.wait_for(4)
@@ -213,7 +217,7 @@ def test_valkey_restart_keeps_committed_versions(tmp_path, seaweed, background_l
     try:
         stub = live.stub()
         create(stub, "kept")
-        blobs = [os.urandom(2000 + i) for i in range(4)]
+        blobs = [adapter_blob(2000 + i) for i in range(4)]
         for blob in blobs:
             publish(stub, "kept", blob, aliases=["last"])
         valkey.kill()
@@ -222,7 +226,7 @@ def test_valkey_restart_keeps_committed_versions(tmp_path, seaweed, background_l
         assert stub.GetAdapter(E.GetAdapterRequest(name="kept")).adapter.aliases["last"] == 4
         for number, blob in enumerate(blobs, start=1):
             assert download(stub, "kept", version=number)[1] == blob
-        assert publish(stub, "kept", b"after").version.version == 5  # the counter survived too
+        assert publish(stub, "kept", adapter_blob(1000)).version.version == 5  # the counter survived too
     finally:
         live.close()
         valkey.stop()
@@ -235,11 +239,11 @@ def test_s3_down_is_unavailable_with_a_clear_message_and_the_registry_recovers(t
     try:
         stub = live.stub()
         create(stub, "s3")
-        before = os.urandom(7 * 1024 * 1024)
+        before = adapter_blob(7 * 1024 * 1024)
         publish(stub, "s3", before)
 
         s3.kill()
-        for attempt, blob in (("small", b"x" * 100), ("multipart", os.urandom(6 * 1024 * 1024))):
+        for attempt, blob in (("small", adapter_blob(100)), ("multipart", adapter_blob(6 * 1024 * 1024))):
             with pytest.raises(grpc.RpcError) as caught:
                 publish(stub, "s3", blob)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, attempt
@@ -251,7 +255,7 @@ def test_s3_down_is_unavailable_with_a_clear_message_and_the_registry_recovers(t
         assert versions_of(stub, "s3") == [1]  # metadata still answers; nothing was committed
 
         s3.start()  # same port, same data directory; no registry restart
-        after = os.urandom(6 * 1024 * 1024)
+        after = adapter_blob(6 * 1024 * 1024)
         assert publish(stub, "s3", after).version.version == 2
         assert download(stub, "s3", version=1)[1] == before
         assert download(stub, "s3", version=2)[1] == after

@@ -173,38 +173,47 @@ BAD_TRAINING_INPUTS = [
 ]
 
 
-def test_every_bad_training_input_is_rejected_and_changes_nothing(trainer):
+def test_every_bad_training_input_is_rejected_consumes_its_seq_id_and_changes_nothing(trainer):
+    """The seq_id rule (trainer.proto): a rejected request of an existing adapter is that seq_id's outcome. It
+    changes no params, moments or step; last_seq_id advances; a retry gets the same error."""
     stub = trainer.stub()
     create(stub, "a", rank=4, seed=9)
-    probe = trainer_pb2.ForwardRequest(adapter="a", seq_id=1, data=[datum(n=12)], loss_fn=CE)
+    seq = 0
     for what, build, field in BAD_TRAINING_INPUTS:
-        expect_error(lambda build=build: stub.ForwardBackward(build()), grpc.StatusCode.INVALID_ARGUMENT, field)
-        # Same validation for Forward.
         request = build()
         forward = trainer_pb2.ForwardRequest(adapter=request.adapter, seq_id=request.seq_id, data=request.data,
                                              loss_fn=request.loss_fn, loss_fn_config=request.loss_fn_config)
-        expect_error(lambda forward=forward: stub.Forward(forward), grpc.StatusCode.INVALID_ARGUMENT, field)
-        assert snapshot(stub, "a") == (0, 0), what
+        for call, message in ((stub.ForwardBackward, request), (stub.Forward, forward)):  # same validation
+            if request.seq_id != 0:  # a malformed seq_id is refused without consuming anything
+                seq += 1
+                message.seq_id = seq
+            expect_error(lambda call=call, message=message: call(message), grpc.StatusCode.INVALID_ARGUMENT, field)
+            expect_error(lambda call=call, message=message: call(message), grpc.StatusCode.INVALID_ARGUMENT, field)
+            assert snapshot(stub, "a") == (0, seq), what
     # Tried: OptimStep with bad hyper-parameters; LoadState with no source.
-    for field, value in (("learning_rate", float("nan")), ("beta2", 1.0), ("eps", -1.0)):
-        expect_error(lambda field=field, value=value: stub.OptimStep(step("a", 1, **{field: value})),
+    for field, value in (("learning_rate", float("nan")), ("beta2", 1.0), ("eps", -1.0), ("eps", 0.0),
+                         ("learning_rate", 0.0), ("beta1", -0.1)):
+        seq += 1
+        expect_error(lambda field=field, value=value, seq=seq: stub.OptimStep(step("a", seq, **{field: value})),
                      grpc.StatusCode.INVALID_ARGUMENT, f"adam_params.{field}")
-    expect_error(lambda: stub.LoadState(trainer_pb2.LoadStateRequest(adapter="a", seq_id=1)),
+    seq += 1
+    expect_error(lambda: stub.LoadState(trainer_pb2.LoadStateRequest(adapter="a", seq_id=seq)),
                  grpc.StatusCode.INVALID_ARGUMENT, "source.name")
-    # Tried: every sequenced RPC on an unknown adapter.
-    expect_error(lambda: stub.ForwardBackward(fb("zzz", 1)), grpc.StatusCode.NOT_FOUND, "adapter")
-    expect_error(lambda: stub.OptimStep(step("zzz", 1)), grpc.StatusCode.NOT_FOUND, "adapter")
-    expect_error(lambda: stub.PublishWeights(trainer_pb2.PublishWeightsRequest(adapter="zzz", seq_id=1)),
+    # Tried: every sequenced RPC on an unknown adapter (consumes nothing anywhere).
+    expect_error(lambda: stub.ForwardBackward(fb("zzz", seq + 1)), grpc.StatusCode.NOT_FOUND, "adapter")
+    expect_error(lambda: stub.OptimStep(step("zzz", seq + 1)), grpc.StatusCode.NOT_FOUND, "adapter")
+    expect_error(lambda: stub.PublishWeights(trainer_pb2.PublishWeightsRequest(adapter="zzz", seq_id=seq + 1)),
                  grpc.StatusCode.NOT_FOUND, "adapter")
-    assert snapshot(stub, "a") == (0, 0)
-    # Nothing was consumed or changed: seq_id 1 is still free and the adapter is still its fresh init (B = 0, so
-    # Forward equals the base model, and an OptimStep has nothing to apply).
+    assert snapshot(stub, "a") == (0, seq)
+    # Nothing changed: the adapter is still its fresh init (B = 0, so Forward equals that of a twin that saw no
+    # request, and an OptimStep has nothing to apply).
+    probe = trainer_pb2.ForwardRequest(adapter="a", seq_id=seq + 1, data=[datum(n=12)], loss_fn=CE)
     first = stub.Forward(probe)
     fresh = create(stub, "twin", rank=4, seed=9)
     assert fresh.adapter.step == 0
     twin_probe = trainer_pb2.ForwardRequest(adapter="twin", seq_id=1, data=[datum(n=12)], loss_fn=CE)
     assert list(stub.Forward(twin_probe).outputs[0].logprobs) == list(first.outputs[0].logprobs)
-    outcome = stub.OptimStep(step("a", 2))
+    outcome = stub.OptimStep(step("a", seq + 2))
     assert outcome.step == 1 and outcome.grad_norm == 0.0
 
 

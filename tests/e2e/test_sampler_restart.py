@@ -16,7 +16,7 @@ import redis
 from loraplane.local.processes import free_port
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import check_health
-from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from tests.fixtures.sampler import adapter_blob
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_sigkill_mid_publish_stream_then_restart_loads_exactly_the_right_version
         published = 0
         try:
             for name in ADAPTERS:
-                await client.create_adapter(name, base_model="tiny")
+                await client.create_adapter(name, base_model="tiny", lora_config=common_pb2.LoraConfig(rank=4))
             for version in range(1, VERSIONS + 1):
                 for index, name in enumerate(ADAPTERS):
                     await client.publish(name, adapter_blob(version * 10 + index))

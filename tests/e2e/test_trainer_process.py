@@ -18,6 +18,7 @@ from registry_svc.server import start_registry_server
 from tests.fixtures.trainer import start_live_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
+ADAM = trainer_pb2.AdamParams(learning_rate=1e-4)
 
 
 def test_python_m_trainer_svc_serves_and_stops_cleanly(registry):
@@ -54,7 +55,7 @@ def test_publish_while_the_registry_is_down_is_unavailable_and_a_retry_publishes
             name="outage", lora_config=common_pb2.LoraConfig(rank=2, seed=4)))
         data = [trainer_pb2.Datum(input_tokens=list(range(10, 30)), target_tokens=list(range(11, 31)))]
         stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(adapter="outage", seq_id=1, data=data))
-        stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="outage", seq_id=2))
+        stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="outage", seq_id=2, adam_params=ADAM))
         background_loop.run(registry.running.stop(grace=0.1), timeout=30)
         # Tried: PublishWeights with the registry down (a real outage: the server is stopped).
         request = trainer_pb2.PublishWeightsRequest(adapter="outage", seq_id=3)
@@ -63,7 +64,7 @@ def test_publish_while_the_registry_is_down_is_unavailable_and_a_retry_publishes
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         # Training goes on meanwhile; the publish captured the weights at seq 3, before this step.
         stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(adapter="outage", seq_id=4, data=data))
-        assert stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="outage", seq_id=5)).step == 2
+        assert stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="outage", seq_id=5, adam_params=ADAM)).step == 2
         registry.running = background_loop.run(start_registry_server(registry.settings, port=port), timeout=60)
         deadline = time.monotonic() + 30
         while True:
