@@ -20,6 +20,7 @@ WORKDIR /app
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY loraplane ./loraplane
+COPY loraplane_cli ./loraplane_cli
 COPY registry_svc ./registry_svc
 COPY trainer_svc ./trainer_svc
 COPY sampler_svc ./sampler_svc
@@ -43,6 +44,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY loraplane ./loraplane
+COPY loraplane_cli ./loraplane_cli
 COPY registry_svc ./registry_svc
 COPY trainer_svc ./trainer_svc
 COPY sampler_svc ./sampler_svc

@@ -38,7 +38,7 @@ bench:
 	$(PY) bench/sampler.py
 
 lint:
-	$(VENV)/bin/ruff check loraplane registry_svc trainer_svc sampler_svc tests bench scripts
+	$(VENV)/bin/ruff check loraplane loraplane_cli registry_svc trainer_svc sampler_svc tests bench scripts
 
 up:
 	$(VENV)/bin/loraplane up

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from loraplane.cli.product import encode_prompt
 from loraplane.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from loraplane_cli.product import encode_prompt
 
 
 def build_datum(tokenizer, question: str, answer: str) -> Datum:

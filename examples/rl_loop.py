@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplane.cli.product import encode_prompt
 from loraplane.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TrainingClient
+from loraplane_cli.product import encode_prompt
 
 NUMBER = re.compile(r"-?\d+")
 OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b, "-": lambda a, b: a - b}
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.ExitStack() as stack:
         if args.local:
-            from loraplane.demo import embedded_cluster
+            from loraplane_cli.demo import embedded_cluster
 
             cluster = stack.enter_context(embedded_cluster(args.model, on_progress=lambda m: print(f"[cluster] {m}")))
             service = cluster.service_client()

@@ -12,7 +12,7 @@ SERVICES = ("trainer", "sampler", "registry")
 def cluster_state_addresses(data_dir: str | Path | None = None) -> dict[str, str]:
     directory = Path(data_dir or os.environ.get("LORAPLANE_DATA_DIR") or ".loraplane")
     try:
-        from loraplane.local.cluster import read_cluster_state
+        from loraplane.local.state import read_cluster_state
     except ImportError:
         return {}
     try:

@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 
-from loraplane.local.cluster import pid_alive, read_cluster_state
+from loraplane.local.state import pid_alive, read_cluster_state
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from loraplane.cli import app; app()", *args],
+    return subprocess.run([sys.executable, "-c", "from loraplane_cli import app; app()", *args],
                           capture_output=True, text=True, timeout=timeout, check=False,
                           env={**os.environ, "COLUMNS": "200", **(env or {})})
 

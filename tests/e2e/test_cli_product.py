@@ -8,8 +8,8 @@ import threading
 import pytest
 from typer.testing import CliRunner
 
-from loraplane.cli import app
 from loraplane.client import AdamParams, ServiceClient, datum_from_sequence
+from loraplane_cli import app
 
 runner = CliRunner()
 

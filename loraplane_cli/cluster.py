@@ -8,9 +8,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loraplane.cli import app
 from loraplane.config import Settings
-from loraplane.local.cluster import (
+from loraplane.local.processes import ProcessStartError
+from loraplane_cli import app
+from loraplane_cli.local_cluster import (
     SERVICE_NAMES,
     ClusterState,
     component_health,
@@ -18,7 +19,6 @@ from loraplane.local.cluster import (
     start_cluster,
     stop_cluster,
 )
-from loraplane.local.processes import ProcessStartError
 
 console = Console()
 

@@ -14,10 +14,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loraplane.cli import app
 from loraplane.client import APIError, SamplingParams, ServiceClient
 from loraplane.client.addresses import resolve_address
 from loraplane.v1 import common_pb2, registry_pb2, sampler_pb2, sampler_pb2_grpc
+from loraplane_cli import app
 
 console = Console()
 err_console = Console(stderr=True)
@@ -324,7 +324,7 @@ def demo(quick: bool = typer.Option(False, "--quick", help="A short run (tiny mo
          live: bool = typer.Option(True, "--live/--no-live", help="Rich live display (off = plain log lines).")
          ) -> None:
     """Two tenants teach SmolLM2 two behaviours at once on one local cluster; watch both take effect."""
-    from loraplane.demo import DemoConfig, run_demo
+    from loraplane_cli.demo import DemoConfig, run_demo
 
     config = DemoConfig.quick() if quick else DemoConfig()
     if model:

@@ -1,4 +1,4 @@
-"""A whole loraplane cluster on loopback: Valkey + SeaweedFS S3 (unless external ones are configured), then the
+"""A whole loraplane cluster on loopback (the CLI layer: it starts the services as processes): Valkey + SeaweedFS S3 (unless external ones are configured), then the
 registry, trainer and sampler, each as its own process, each checked healthy before the next starts.
 
 `loraplane up` calls `start_cluster`; the processes outlive the command and are recorded in a state file under
@@ -8,12 +8,11 @@ the data dir, which `loraplane down` and `loraplane status` read.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraplane.config import Settings
@@ -26,9 +25,15 @@ from loraplane.local.processes import (
     valkey_server,
     wait_until,
 )
+from loraplane.local.state import (
+    SERVICE_NAMES,
+    STATE_FILE,
+    ClusterState,
+    ComponentState,
+    pid_alive,
+    read_cluster_state,
+)
 from loraplane.rpc import check_health
-
-STATE_FILE = "cluster.json"
 
 
 @dataclass(frozen=True)
@@ -50,57 +55,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("sampler", "sampler_svc", "loraplane.v1.SamplerService",
                 "LORAPLANE_SAMPLER_PORT", "LORAPLANE_SAMPLER_ADDRESS", start_timeout=900.0),
 )
-SERVICE_NAMES = tuple(spec.name for spec in SERVICES)
-
-
-@dataclass
-class ComponentState:
-    name: str
-    kind: str  # "valkey" | "s3" | "service" | "external"
-    endpoint: str
-    pid: int | None = None
-    log: str = ""
-
-
-@dataclass
-class ClusterState:
-    data_dir: str
-    components: list[ComponentState] = field(default_factory=list)
-    started_at: float = field(default_factory=time.time)
-
-    def component(self, name: str) -> ComponentState | None:
-        return next((c for c in self.components if c.name == name), None)
-
-    def addresses(self) -> dict[str, str]:
-        return {c.name: c.endpoint for c in self.components if c.name in SERVICE_NAMES}
-
-    def save(self) -> None:
-        path = Path(self.data_dir) / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(path)
-
-
-def read_cluster_state(data_dir: Path) -> ClusterState | None:
-    path = Path(data_dir) / STATE_FILE
-    if not path.exists():
-        return None
-    raw = json.loads(path.read_text())
-    return ClusterState(data_dir=raw["data_dir"], started_at=raw.get("started_at", 0.0),
-                        components=[ComponentState(**c) for c in raw["components"]])
-
-
-def pid_alive(pid: int | None) -> bool:
-    """True while the process runs. A zombie counts as gone: `up` exits, so nothing of ours may reap its children."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _is_zombie(pid)
+# The state file's service names and these specs must agree.
+assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
@@ -190,13 +146,6 @@ def _terminate_group(pid: int, timeout: float) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except OSError:
-        return False
 
 
 def component_health(component: ComponentState) -> str:

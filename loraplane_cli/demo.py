@@ -179,7 +179,7 @@ def printable(text: str) -> str:
 
 
 def prompt_tokens(tokenizer, question: str) -> list[int]:
-    from loraplane.cli.product import encode_prompt
+    from loraplane_cli.product import encode_prompt
 
     return encode_prompt(tokenizer, question, chat=True)
 

@@ -1,0 +1,77 @@
+"""The dependency arrows point one way (docs/architecture.md): CLI / demo / local cluster (loraplane_cli) ->
+services (registry_svc, trainer_svc, sampler_svc, gateway_svc) -> shared library (loraplane). This test reads every
+import statement of the repository's packages (module level, inside functions and under TYPE_CHECKING alike) and
+fails when a lower layer imports a higher one, when one service imports another (they talk over gRPC), or when the
+client modules import each other in a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY = "loraplane"
+SERVICES = ("registry_svc", "trainer_svc", "sampler_svc", "gateway_svc")
+TOP = "loraplane_cli"
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def imports_of(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def modules(package: str) -> dict[str, Path]:
+    base = ROOT / package
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in base.rglob("*.py")
+            if "__pycache__" not in p.parts}
+
+
+def test_the_shared_library_imports_no_service_and_no_cli():
+    offenders = {module: sorted(i for i in imports_of(path) if package_of(i) in (*SERVICES, TOP))
+                 for module, path in modules(LIBRARY).items()}
+    assert {m: i for m, i in offenders.items() if i} == {}
+
+
+def test_services_import_neither_the_cli_nor_each_other():
+    offenders = {}
+    for service in SERVICES:
+        if not (ROOT / service).is_dir():
+            continue
+        for module, path in modules(service).items():
+            bad = sorted(i for i in imports_of(path) if package_of(i) in {*SERVICES, TOP} - {service})
+            if bad:
+                offenders[module] = bad
+    assert offenders == {}
+
+
+def test_the_client_modules_import_each_other_without_a_circle():
+    graph = {module: {i for i in imports_of(path) if i in modules(LIBRARY) and i.startswith("loraplane.client.")}
+             for module, path in modules(LIBRARY).items() if module.startswith("loraplane.client.")}
+    done: set[str] = set()
+
+    def visit(module: str, stack: tuple[str, ...]) -> None:
+        assert module not in stack, f"import circle: {' -> '.join((*stack, module))}"
+        if module in done:
+            return
+        for target in graph.get(module, ()):
+            visit(target, (*stack, module))
+        done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
+def test_this_test_sees_the_arrows_it_guards():
+    # The checks above would pass vacuously if the import reader found nothing.
+    assert "loraplane.client._session" in imports_of(ROOT / "loraplane/client/service_client.py")
+    assert any(package_of(i) == "trainer_svc" for path in modules(TOP).values() for i in imports_of(path))
