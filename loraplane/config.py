@@ -33,7 +33,9 @@ class Settings(BaseSettings):
     trainer_address: str = ""
     sampler_address: str = ""
 
-    base_model: str = "tiny"
+    # A real model by default (its weights ship with the install), so a newcomer's first sample is text; the
+    # tests choose the random `tiny` model explicitly (tests/conftest.py).
+    base_model: str = "smollm2-135m-instruct"
     device: str = "cpu"
 
 

@@ -277,20 +277,28 @@ def render(config: DemoConfig, base_answer: str, progress: dict[str, TenantProgr
 
 
 def write_plot(progress: dict[str, TenantProgress], path: Path, base_model: str) -> Path:
+    return plot_losses({f"{p.tenant.name} ({p.tenant.title})": p.losses for p in progress.values()}, path,
+                       f"Two tenants, one {base_model} (vertical lines: published versions)",
+                       marks={f"{p.tenant.name} ({p.tenant.title})": [v["step"] for v in p.versions]
+                              for p in progress.values()})
+
+
+def plot_losses(series: dict[str, list[float]], path: Path, title: str,
+                marks: dict[str, list[int]] | None = None) -> Path:
+    """A PNG of loss curves (one per label), with optional vertical marks at given steps (e.g. publishes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4))
-    for p in progress.values():
-        axes.plot(range(1, len(p.losses) + 1), p.losses, marker="o", markersize=3,
-                  label=f"{p.tenant.name} ({p.tenant.title})")
-        for v in p.versions:
-            axes.axvline(v["step"], color=axes.lines[-1].get_color(), alpha=0.15)
+    for label, losses in series.items():
+        axes.plot(range(1, len(losses) + 1), losses, marker="o", markersize=3, label=label)
+        for step in (marks or {}).get(label, ()):
+            axes.axvline(step, color=axes.lines[-1].get_color(), alpha=0.15)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss per example")
-    axes.set_title(f"Two tenants, one {base_model} (vertical lines: published versions)")
+    axes.set_title(title)
     axes.legend()
     axes.grid(alpha=0.3)
     figure.tight_layout()

@@ -6,6 +6,7 @@ Tests that crash or restart a server start their own private instances instead o
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -14,6 +15,10 @@ import pytest
 from loraplane.config import Settings
 from loraplane.local.processes import SeaweedS3Server, ValkeyServer, seaweed_s3_server, valkey_server
 from loraplane.rpc import BackgroundLoop
+
+# The product defaults to SmolLM2; every test (and every process a test starts, which inherits this) uses the
+# small random `tiny` model unless it names another.
+os.environ.setdefault("LORAPLANE_BASE_MODEL", "tiny")
 
 # Each service's live-server fixtures live in their own module (owned by that service's code).
 pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.trainer", "tests.fixtures.sampler"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -189,3 +190,30 @@ def test_quickstart_example_trains_publishes_and_samples(published, monkeypatch)
     result = module.main(["--steps", "6", "--learning-rate", "2e-2"])
     assert result["losses"][-1] < result["losses"][0] * 0.5
     assert result["version"] == 1 and result["served_version"] == 1
+
+
+def test_train_fine_tunes_from_a_jsonl_file_publishes_and_plots(registry, trainer, sampler, tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"colour {i}?", "completion": "blue"}) for i in range(3)) + "\n")
+    plot = tmp_path / "loss.png"
+    addresses = ["--registry", registry.address, "--trainer", trainer.address, "--sampler", sampler.address]
+    result = invoke("train", str(data), "--adapter", "team/cli-train", "--steps", "6", "--lr", "5e-2", "--rank", "4",
+                    "--batch-size", "3", "--plot", str(plot), *addresses)
+    assert result.exit_code == 0, result.output
+    match = re.search(r"loss\s+([0-9.]+)\s+->\s+([0-9.]+)\s+over\s+6\s+steps", result.output)
+    assert match and float(match[2]) < float(match[1]) * 0.8, result.output
+    assert "team/cli-train@v1" in result.output and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    service = ServiceClient(trainer=trainer.address, sampler=sampler.address, registry=registry.address)
+    assert service.get_version("team/cli-train", alias="latest-train").version == 1
+    sampled = invoke("sample", "colour 1?", "--adapter", "team/cli-train", "--max-tokens", "3", *addresses[2:])
+    assert sampled.exit_code == 0 and "team/cli-train@v1" in sampled.output
+
+
+def test_train_rejects_a_malformed_file_naming_the_line(tmp_path):
+    """Tried: a line that is not JSON, and a line without a completion; both are usage errors naming the line,
+    raised before any service is contacted (no addresses are given)."""
+    for body, line in (('{"prompt": "a", "completion": "b"}\nnot json\n', 2), ('{"prompt": "a"}\n', 1)):
+        data = tmp_path / f"bad{line}.jsonl"
+        data.write_text(body)
+        result = runner.invoke(app, ["train", str(data), "--adapter", "x"])
+        assert result.exit_code == 2 and f"line {line}" in result.output, result.output
