@@ -87,3 +87,20 @@ def random_datums(vocab_size: int, count: int, seq_len: int, generator) -> list:
         toks = torch.randint(0, vocab_size, (seq_len + 1,), generator=generator)
         out.append(DatumInput(toks[:-1].clone(), toks[1:].clone()))
     return out
+
+
+def random_adapter_blob(base, seed: int, rank: int = 16) -> bytes:
+    """A PEFT blob of a rank-`rank` adapter on every projection whose B is small and random (not zero), so that it
+    changes the model's output and costs the same as a trained one."""
+    import torch
+
+    from loraplane.adapter_format import serialize_adapter
+    from loraplane.lora import LoraSpec, init_lora_params
+
+    spec = LoraSpec.create(rank, 2.0 * rank, seed=seed)
+    params = init_lora_params(base, spec)
+    generator = torch.Generator().manual_seed(seed)
+    for key in params:
+        if key.endswith("lora_B.weight"):
+            params[key] = torch.randn(params[key].shape, generator=generator) * 0.01
+    return serialize_adapter(params, spec, base.name)

@@ -32,10 +32,9 @@ sys.path.insert(0, str(REPO))
 import grpc
 import torch
 
-from loraplane.adapter_format import serialize_adapter
+from bench.common import random_adapter_blob
 from loraplane.config import Settings
 from loraplane.local.processes import seaweed_s3_server, valkey_server
-from loraplane.lora import LoraSpec, init_lora_params
 from loraplane.models import load_base_model
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import channel_options
@@ -48,16 +47,6 @@ from sampler_svc.server import start_sampler_server
 # and the numbers compared here are ratios between adapter mixes on the same server.
 SGLANG_OPTIONS = {"max_lora_rank": 16, "max_loras_per_batch": 9, "max_loaded_loras": 24,
                   "extra_server_args": ["--mem-fraction-static", "0.3", "--disable-cuda-graph"]}
-
-
-def adapter_blob(base, seed: int, rank: int = 16) -> bytes:
-    spec = LoraSpec.create(rank, 2.0 * rank, seed=seed)
-    params = init_lora_params(base, spec)
-    generator = torch.Generator().manual_seed(seed)
-    for key in params:
-        if key.endswith("lora_B.weight"):
-            params[key] = torch.randn(params[key].shape, generator=generator) * 0.01
-    return serialize_adapter(params, spec, base.name)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -82,7 +71,7 @@ async def publish_to_first_sample(model: str, iterations: int, workdir: Path, en
     base = load_base_model(model)
     try:
         await client.create_adapter("bench", base_model=model, lora_config=common_pb2.LoraConfig(rank=16))
-        blobs = [adapter_blob(base, seed) for seed in range(2 * iterations + 2)]
+        blobs = [random_adapter_blob(base, seed) for seed in range(2 * iterations + 2)]
         channel = grpc.aio.insecure_channel(sampler.address, options=channel_options())
         stub = sampler_pb2_grpc.SamplerServiceStub(channel)
         request_path, committed_path, watcher_path = [], [], []
@@ -145,7 +134,7 @@ async def decode_throughput(model: str, tokens: int, repeats: int, engine_name: 
     base = load_base_model(model)
     try:
         for index in range(8):
-            await engine.load_adapter(f"a{index}@v1", adapter_blob(base, 1000 + index))
+            await engine.load_adapter(f"a{index}@v1", random_adapter_blob(base, 1000 + index))
         configs = {
             "base (no LoRA)": [None] * 16,
             "1 adapter": ["a0@v1"] * 16,

@@ -37,11 +37,9 @@ import itertools
 import grpc
 import torch
 
-from bench.common import percentile
-from loraplane.adapter_format import serialize_adapter
+from bench.common import percentile, random_adapter_blob
 from loraplane.config import Settings
 from loraplane.local.processes import free_port, seaweed_s3_server, valkey_server, wait_until
-from loraplane.lora import LoraSpec, init_lora_params
 from loraplane.models import load_base_model
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import BackgroundLoop, channel_options, check_health
@@ -77,16 +75,6 @@ def build_model(shape: str, directory: Path) -> None:
     build_tiny_tokenizer().save_pretrained(directory)
     del model
     torch.cuda.empty_cache()  # the memory goes to the SGLang server started next
-
-
-def adapter_blob(base, seed: int) -> bytes:
-    spec = LoraSpec.create(RANK, 2.0 * RANK, seed=seed)
-    params = init_lora_params(base, spec)
-    generator = torch.Generator().manual_seed(seed)
-    for key in params:
-        if key.endswith("lora_B.weight"):
-            params[key] = torch.randn(params[key].shape, generator=generator) * 0.01
-    return serialize_adapter(params, spec, base.name)
 
 
 class Mix:
@@ -300,7 +288,7 @@ async def main_async(args) -> dict:
         await engine.start()
         url = engine.servers[0].url
         base = load_base_model(str(model_dir), "cpu")
-        blobs = [adapter_blob(base, 100 + i) for i in range(ADAPTERS)]
+        blobs = [random_adapter_blob(base, 100 + i, RANK) for i in range(ADAPTERS)]
         del base
         async with RegistryClient(registry_address) as client:
             for i, blob in enumerate(blobs):

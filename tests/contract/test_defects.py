@@ -9,12 +9,11 @@ import os
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from loraplane.client import AdamParams, RetryConfig, ServiceClient, datum_from_sequence
 from loraplane.client.errors import InvalidArgumentError
 from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, trainer_pb2, trainer_pb2_grpc
+from tests.contract.fuzzing import error_info
 from tests.fixtures.registry import TEST_BASE_MODEL, TEST_LORA, adapter_blob, publish_requests, registry_state
 from tests.fixtures.sampler import adapter_blob as sampler_adapter_blob
 
@@ -43,12 +42,7 @@ def failure(call) -> grpc.RpcError:
 
 
 def error_field(exc: grpc.RpcError) -> str:
-    status = rpc_status.from_call(exc)
-    for detail in status.details if status else []:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.metadata.get("field", "")
-    return ""
+    return error_info(exc)[1]
 
 
 def params_digest(trainer, name: str) -> str:

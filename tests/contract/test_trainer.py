@@ -7,12 +7,11 @@ import time
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from tokenizers import Tokenizer
 
 from loraplane.models.tiny import build_tiny_tokenizer
 from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2
+from tests.contract.fuzzing import error_info
 from tests.fixtures.trainer import start_live_trainer
 
 CE = "cross_entropy"
@@ -43,12 +42,7 @@ def step(adapter, seq, **adam):
 
 
 def error_field(exc: grpc.RpcError) -> str:
-    status = rpc_status.from_call(exc)
-    for detail in status.details if status else []:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.metadata.get("field", "")
-    return ""
+    return error_info(exc)[1]
 
 
 def expect_error(call, code: grpc.StatusCode, field: str | None = None):
