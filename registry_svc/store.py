@@ -26,19 +26,16 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from loraplane import errors
+from loraplane import errors, fields
 from loraplane.adapter_format import BlobCheck
 from loraplane.config import Settings
 from loraplane.errors import shown
+from loraplane.fields import validate_alias, validate_name
 from registry_svc import lua
 from registry_svc.blobs import BlobStore
 
 log = logging.getLogger(__name__)
 
-_NAME_PART = r"[a-z0-9][a-z0-9._-]{0,62}"
-# \Z, not $: "$" also matches before a trailing newline, which would let "name\n" through.
-NAME_RE = re.compile(rf"^(?:{_NAME_PART}/)?{_NAME_PART}\Z")
-ALIAS_RE = re.compile(rf"^{_NAME_PART}\Z")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
 BASE_MODEL_RE = re.compile(r"^[A-Za-z0-9._/][A-Za-z0-9._/:@+-]*\Z")
 CURSOR_RE = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}\Z")
@@ -163,37 +160,10 @@ class GarbageReport:
 
 # ---------------------------------------------------------------------------------------------------- validation
 
-def validate_name(name: str, field_name: str = "name") -> str:
-    if not NAME_RE.match(name or ""):
-        raise errors.InvalidArgument(
-            f"{field_name}: {shown(name)} is not a valid adapter name: it must match ^[a-z0-9][a-z0-9._-]{{0,62}}$, "
-            "optionally prefixed by a tenant of the same form and '/'", field=field_name, reason="INVALID_NAME")
-    return name
-
-
-def validate_alias(alias: str, field_name: str = "alias") -> str:
-    if not ALIAS_RE.match(alias or ""):
-        raise errors.InvalidArgument(
-            f"{field_name}: {shown(alias)} is not a valid alias: it must match ^[a-z0-9][a-z0-9._-]{{0,62}}$",
-            field=field_name, reason="INVALID_ALIAS")
-    return alias
-
-
 def validate_metadata(metadata: Mapping[str, str], limits: RegistryLimits, field_name: str) -> dict[str, str]:
-    if len(metadata) > limits.max_metadata_entries:
-        raise errors.InvalidArgument(
-            f"{field_name}: {len(metadata)} entries, at most {limits.max_metadata_entries} are allowed",
-            field=field_name)
-    for key, value in metadata.items():
-        if not key or len(key) > limits.max_metadata_key_chars:
-            raise errors.InvalidArgument(
-                f"{field_name}: key {key[:40]!r} must be 1 to {limits.max_metadata_key_chars} characters",
-                field=field_name)
-        if len(value) > limits.max_metadata_value_chars:
-            raise errors.InvalidArgument(
-                f"{field_name}[{shown(key)}]: value of {len(value)} characters, at most "
-                f"{limits.max_metadata_value_chars} are allowed", field=field_name)
-    return dict(metadata)
+    return fields.validate_metadata(metadata, field_name, max_entries=limits.max_metadata_entries,
+                                    max_key_chars=limits.max_metadata_key_chars,
+                                    max_value_chars=limits.max_metadata_value_chars)
 
 
 def validate_lora(spec: LoraSpec, limits: RegistryLimits, field_name: str = "adapter.lora_config") -> LoraSpec:

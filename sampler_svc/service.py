@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from loraplane import errors
+from loraplane.fields import validate_name
 from sampler_svc.adapter_manager import AdapterManager, LoadedVersion
 from sampler_svc.engines.base import DEFAULT_MAX_TOKENS, Engine, GenerationRequest, GenerationUpdate, SamplingOptions
 
-ADAPTER_NAME = re.compile(r"^(?:[a-z0-9][a-z0-9._-]{0,62}/)?[a-z0-9][a-z0-9._-]{0,62}$")
 ALIAS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MAX_TOKENS_LIMIT = 4096
 MAX_TEMPERATURE = 100.0
@@ -95,10 +95,8 @@ class SamplerService:
     # ------------------------------------------------------------------ validation
 
     def _check_adapter(self, selector: AdapterSelector, field_name: str = "adapter") -> None:
-        if selector.name and not ADAPTER_NAME.match(selector.name):
-            raise errors.InvalidArgument(
-                f"{field_name}.name {selector.name!r} is not a valid adapter name ({ADAPTER_NAME.pattern})",
-                field=f"{field_name}.name")
+        if selector.name:
+            validate_name(selector.name, f"{field_name}.name")
         if not selector.name and (selector.version or selector.alias):
             raise errors.InvalidArgument(f"{field_name}.version / {field_name}.alias need {field_name}.name "
                                          "(an empty name means the base model)", field=f"{field_name}.name")
@@ -223,8 +221,8 @@ class SamplerService:
             return values, lease.version
 
     def list_loaded(self, adapter: str, page_size: int, page_token: str) -> tuple[list[LoadedVersion], str]:
-        if adapter and not ADAPTER_NAME.match(adapter):
-            raise errors.InvalidArgument(f"adapter {adapter!r} is not a valid adapter name", field="adapter")
+        if adapter:
+            validate_name(adapter, "adapter")
         if page_size < 0:
             raise errors.InvalidArgument(f"page_size must be >= 0, got {page_size}", field="page_size")
         page_size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
@@ -246,8 +244,7 @@ class SamplerService:
     def unload_adapter(self, adapter: str, version: int) -> None:
         if not adapter:
             raise errors.InvalidArgument("adapter is required", field="adapter")
-        if not ADAPTER_NAME.match(adapter):
-            raise errors.InvalidArgument(f"adapter {adapter!r} is not a valid adapter name", field="adapter")
+        validate_name(adapter, "adapter")
         self.manager.unpin(adapter, version)
 
     def status(self) -> SamplerStatus:

@@ -4,57 +4,27 @@ bad request changes no params, moments or step (its seq_id is still consumed: th
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from loraplane.errors import InvalidArgument, shown
+from loraplane.errors import InvalidArgument
+from loraplane.fields import validate_alias, validate_metadata, validate_name  # noqa: F401 - re-exported
 from trainer_svc.backends.base import DatumInput
 from trainer_svc.losses import LOSSES, resolve_loss
 
-# The registry's rules (registry_svc.store), checked here too so a request the registry would refuse is refused
-# before it is queued. \Z, not $: "$" also matches before a trailing newline.
-_NAME_PART = r"[a-z0-9][a-z0-9._-]{0,62}"
-NAME_RE = re.compile(rf"^({_NAME_PART}/)?{_NAME_PART}\Z")
-ALIAS_RE = re.compile(rf"^{_NAME_PART}\Z")
-MAX_METADATA_ENTRIES = 64
-MAX_METADATA_KEY_CHARS = 128
-MAX_METADATA_VALUE_CHARS = 4096
+# The registry's per-publish limit (registry_svc.store.RegistryLimits.max_aliases_per_publish).
 MAX_ALIASES = 16
 
-
 def validate_adapter_name(name: str, field: str = "name") -> str:
-    if not NAME_RE.match(name or ""):
-        raise InvalidArgument(
-            f"{field} {shown(name)} must match [a-z0-9][a-z0-9._-]{{0,62}} (optionally tenant/name)", field=field)
-    return name
-
-
-def validate_alias(alias: str, field: str) -> str:
-    if not ALIAS_RE.match(alias or ""):
-        raise InvalidArgument(f"{field} {shown(alias)} must match [a-z0-9][a-z0-9._-]{{0,62}}", field=field)
-    return alias
+    return validate_name(name, field)
 
 
 def validate_aliases(aliases: Sequence[str], field: str = "aliases") -> list[str]:
     if len(aliases) > MAX_ALIASES:
         raise InvalidArgument(f"{field} has {len(aliases)} entries, at most {MAX_ALIASES}", field=field)
     return [validate_alias(alias, f"{field}[{i}]") for i, alias in enumerate(aliases)]
-
-
-def validate_metadata(metadata: Mapping[str, str], field: str = "metadata") -> dict[str, str]:
-    if len(metadata) > MAX_METADATA_ENTRIES:
-        raise InvalidArgument(f"{field} has {len(metadata)} entries, at most {MAX_METADATA_ENTRIES}", field=field)
-    for key, value in metadata.items():
-        if not key or len(key) > MAX_METADATA_KEY_CHARS:
-            raise InvalidArgument(f"{field} key {shown(key)} must be 1 to {MAX_METADATA_KEY_CHARS} characters",
-                                  field=field)
-        if len(value) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidArgument(f"{field}[{shown(key)}] has {len(value)} characters, at most "
-                                  f"{MAX_METADATA_VALUE_CHARS}", field=field)
-    return dict(metadata)
 
 
 def _floats(values: Sequence[float], field: str, n: int) -> torch.Tensor | None:

@@ -107,7 +107,8 @@ def bad_generation(draw):
     elif choice == "empty":
         tokens, field = [], tokens_field
     elif choice == "too_long":
-        tokens, field = [5] * draw(st.integers(CONTEXT, CONTEXT + 50)), tokens_field
+        # ComputeLogprobs takes a whole context (CONTEXT tokens); Sample must leave room for one more.
+        tokens, field = [5] * draw(st.integers(CONTEXT + 1, CONTEXT + 50)), tokens_field
     elif choice == "num_samples":
         num_samples, field = draw(st.integers(17, 2**32 - 1)), "num_samples"
     else:
