@@ -38,6 +38,14 @@ class Settings(BaseSettings):
     base_model: str = "smollm2-135m-instruct"
     device: str = "cpu"
 
+    # Durable training: with a Redis configured, the trainer journals every sequenced request there and
+    # checkpoints to the registry, and a restart recovers every adapter. Trainers sharing one Redis need distinct
+    # ids; a trainer restarted under the same id takes over its adapters.
+    trainer_id: str = "trainer"
+    trainer_journal: bool = True
+    checkpoint_every_steps: int = 50
+    checkpoint_every_s: float = 300.0
+
 
 def load_settings(**overrides) -> Settings:
     return Settings(**overrides)

@@ -47,6 +47,8 @@ class Job:
     payload: Any
     payload_hash: bytes
     tokens: int = 0
+    # Re-run from the journal by a restarted trainer: not journaled again.
+    replayed: bool = False
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     arrived: float = field(default_factory=time.monotonic)
 
@@ -118,6 +120,22 @@ class Scheduler:
                 self._queued -= 1
                 if not job.future.done():
                     job.future.set_exception(NotFound(reason, field="adapter"))
+
+    def remember(self, adapter: str, seq_id: int, payload_hash: bytes, outcome) -> None:
+        """Records the outcome of a seq_id that ran before a restart (from the journal), so a retry of it is
+        answered with that outcome and the lane continues after it."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+        with self._cond:
+            lane = self._lanes[adapter]
+            lane.done[seq_id] = (payload_hash, future)
+            lane.done.move_to_end(seq_id)
+            while len(lane.done) > self.result_cache_size:
+                lane.done.popitem(last=False)
+            lane.next_seq = max(lane.next_seq, seq_id + 1)
 
     def last_seq_id(self, adapter: str) -> int:
         with self._cond:

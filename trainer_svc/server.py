@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, fields
 
 from loraplane import errors
@@ -11,10 +12,12 @@ from loraplane.registry_client import RegistryClient
 from loraplane.rpc import GrpcServer
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import TrainerBackend
+from trainer_svc.journal import TrainingJournal
 from trainer_svc.service import TrainerLimits, TrainerService
 from trainer_svc.servicer import TrainerServicer
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,21 +67,37 @@ async def start_trainer_server(
     device: str = "cpu",
     backend: str | TrainerBackend = "torch",
     service_class: type[TrainerService] = TrainerService,
+    journal: bool | None = None,
     **limits,
 ) -> RunningTrainer:
     """Loads the base model (in a thread: it takes a while for real models) and serves TrainerService.
-    `service_class` lets a backend that owns its adapter tensors (megatron) bring its TrainerService subclass."""
+    `service_class` lets a backend that owns its adapter tensors (megatron) bring its TrainerService subclass.
+    With a journal (the default whenever `settings.redis_url` is set) the trainer first recovers every adapter it
+    had before a crash, and only then starts serving."""
     if not registry_address:
         raise errors.InvalidArgument("registry_address is required", field="registry_address")
+    limits.setdefault("checkpoint_every_steps", settings.checkpoint_every_steps)
+    limits.setdefault("checkpoint_every_s", settings.checkpoint_every_s)
     trainer_limits = limits_from(**limits)
     backend_impl = backend if isinstance(backend, TrainerBackend) else await asyncio.to_thread(
         build_backend, backend, base_model, device)
     registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s)
-    service = service_class(backend_impl, registry, trainer_limits)
+    use_journal = settings.trainer_journal and bool(settings.redis_url) if journal is None else journal
+    training_journal = None
+    if use_journal:
+        training_journal = TrainingJournal(settings.redis_url, key_prefix=settings.key_prefix,
+                                           trainer_id=settings.trainer_id)
+    else:
+        log.warning("NO TRAINING JOURNAL: set LORAPLANE_REDIS_URL to make training durable; a crash of this trainer "
+                    "loses every adapter's state since its last SaveState")
+    service = service_class(backend_impl, registry, trainer_limits, journal=training_journal)
     server = GrpcServer(host, port)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
     server.add_service(SERVICE_NAME)
     try:
+        failed = await service.recover()
+        if failed:
+            log.error("serving without %d unrecoverable adapters: %s", len(failed), failed)
         await server.start()
     except BaseException:
         await service.close()

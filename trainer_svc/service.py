@@ -4,9 +4,12 @@ converts protobuf <-> these calls and `loraplane.rpc` maps the domain errors to 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import dataclasses
 import hashlib
 import logging
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,16 +24,30 @@ from loraplane.errors import (
     InvalidArgument,
     LoraplaneError,
     NotFound,
+    Unavailable,
     shown,
 )
 from loraplane.lora import LoraSpec
 from loraplane.registry_client import RegistryClient
 from loraplane.v1 import common_pb2
 from trainer_svc.backends.base import BatchItem, ItemResult, TrainerBackend
+from trainer_svc.journal import (
+    OUTCOME,
+    VOID,
+    AdapterRecord,
+    Checkpoint,
+    JournalEntry,
+    ResolvedSource,
+    TrainingJournal,
+    outcome_from_plain,
+    outcome_to_plain,
+    payload_from_plain,
+    payload_to_plain,
+)
 from trainer_svc.losses import supported_losses
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 from trainer_svc.pool import AdapterPool, AdapterState
-from trainer_svc.scheduler import FUSABLE, REJECTED, Job, Scheduler
+from trainer_svc.scheduler import FUSABLE, REJECTED, TRANSIENT, Job, Scheduler
 from trainer_svc.validation import (
     validate_adapter_name,
     validate_alias,
@@ -41,6 +58,11 @@ from trainer_svc.validation import (
 )
 
 log = logging.getLogger(__name__)
+
+# Registry metadata that marks a training-state version as the trainer's own recovery checkpoint.
+CHECKPOINT_KEY = "loraplane.checkpoint"
+# Kinds whose recorded outcome answers a replay without running them again (they change no adapter tensors).
+ANSWERED_FROM_JOURNAL = frozenset({"forward", REJECTED, "publish", "save_state"})
 
 
 @dataclass
@@ -61,6 +83,14 @@ class TrainerLimits:
     # Extra wait before running a fusable batch so concurrent requests can join it (0 = run at once).
     batch_window_s: float = 0.0
     registry_timeout_s: float = 60.0
+    # Durability (with a journal): an automatic training-state checkpoint after the OptimStep that completes this
+    # many steps since the last one, or the first OptimStep this many seconds after it (0 = never by that rule).
+    checkpoint_every_steps: int = 50
+    checkpoint_every_s: float = 300.0
+    checkpoints_kept: int = 2
+    # How many of the newest requests a checkpoint leaves in the journal, so a client's retry of a request that a
+    # checkpoint already covers is still answered after a restart (pipelined clients have this many in flight).
+    journal_retry_window: int = 16
 
 
 @dataclass
@@ -74,6 +104,15 @@ class AdapterInfo:
     parameter_count: int
 
 
+@dataclass(frozen=True)
+class SourceRef:
+    """A LoadState source as the caller named it: a version number, an alias, or neither (the newest state)."""
+
+    name: str
+    version: int = 0
+    alias: str = ""
+
+
 @dataclass
 class ExportedBlob:
     """The worker-side result of PublishWeights/SaveState: the blob captured at that seq_id. A retry gets this same
@@ -83,14 +122,23 @@ class ExportedBlob:
     step: int
     idempotency_key: str
     version: common_pb2.AdapterVersion | None = None
+    seq_id: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class TrainerService:
-    def __init__(self, backend: TrainerBackend, registry: RegistryClient, limits: TrainerLimits | None = None):
+    def __init__(self, backend: TrainerBackend, registry: RegistryClient, limits: TrainerLimits | None = None,
+                 journal: TrainingJournal | None = None):
         self.backend = backend
         self.registry = registry
         self.limits = limits or TrainerLimits()
+        self.journal = journal
+        # Durability bookkeeping, per adapter: its index record, the newest journal entry ids (a checkpoint trims
+        # up to the oldest of them), and (step, time) of the last checkpoint.
+        self._records: dict[str, AdapterRecord] = {}
+        self._recent_entries: dict[str, collections.deque[str]] = {}
+        self._checkpoint_marks: dict[str, tuple[int, float]] = {}
+        self._checkpoint_locks: dict[str, asyncio.Lock] = {}
         description = backend.description
         self.max_context_length = (min(self.limits.max_context_length, description.max_context_length)
                                    if self.limits.max_context_length else description.max_context_length)
@@ -115,6 +163,8 @@ class TrainerService:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.scheduler.stop)
+        if self.journal is not None:
+            self.journal.close()
 
     async def _on_worker(self, fn):
         return await asyncio.wrap_future(self.scheduler.control(fn))
@@ -141,23 +191,42 @@ class TrainerService:
                 metadata=dict(metadata or {}), exist_ok=True)
             self._check_registry_match(name, registered, canonical)
 
-            def create():
-                params = self.backend.init_params(spec)
-                state = AdapterState(
-                    name=name, spec=spec, base_model=self.base_model, params=params,
-                    exp_avg={k: torch.zeros_like(v) for k, v in params.items()},
-                    exp_avg_sq={k: torch.zeros_like(v) for k, v in params.items()},
-                    metadata=dict(metadata or {}))
-                self.pool.add(state)
-                self.pool.activate([name])
-                return self._info(state)
-
-            info = await self._on_worker(create)
-            self._uids[name] = uuid.uuid4().hex
+            uid = uuid.uuid4().hex
+            record = AdapterRecord(name=name, rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules),
+                                   seed=spec.seed, base_model=self.base_model, uid=uid, metadata=dict(metadata or {}))
+            if self.journal is not None:
+                # Durable before it is acknowledged: a restarted trainer rebuilds the adapter from this record.
+                await asyncio.to_thread(self.journal.put_adapter, record)
+            try:
+                info = await self._on_worker(lambda: self._info(self._new_state(record, spec)))
+            except BaseException:
+                if self.journal is not None:
+                    await asyncio.to_thread(self.journal.drop_adapter, name)
+                raise
+            self._adopt(record)
             self.scheduler.open_lane(name)
             return info
         finally:
             self._creating.discard(name)
+
+    def _new_state(self, record: AdapterRecord, spec: LoraSpec) -> AdapterState:
+        """Worker side: a fresh adapter (seeded init, zero moments) in the pool."""
+        params = self.backend.init_params(spec)
+        state = AdapterState(
+            name=record.name, spec=spec, base_model=self.base_model, params=params,
+            exp_avg={k: torch.zeros_like(v) for k, v in params.items()},
+            exp_avg_sq={k: torch.zeros_like(v) for k, v in params.items()},
+            metadata=dict(record.metadata))
+        self.pool.add(state)
+        self.pool.activate([record.name])
+        return state
+
+    def _adopt(self, record: AdapterRecord) -> None:
+        self._uids[record.name] = record.uid
+        self._records[record.name] = record
+        self._recent_entries[record.name] = collections.deque(maxlen=max(1, self.limits.journal_retry_window))
+        checkpoint = record.checkpoint
+        self._checkpoint_marks[record.name] = (checkpoint.step if checkpoint else 0, time.monotonic())
 
     def _check_registry_match(self, name, registered, canonical: common_pb2.LoraConfig) -> None:
         # exist_ok lets a restarted trainer train an adapter the registry already knows, but only the same shape.
@@ -179,6 +248,13 @@ class TrainerService:
             self.scheduler.close_lane(name, f"adapter {name!r} was deleted")
             await self._on_worker(lambda: self.pool.remove(name))
             self._uids.pop(name, None)
+            self._recent_entries.pop(name, None)
+            self._checkpoint_marks.pop(name, None)
+            record = self._records.pop(name, None)
+            if self.journal is not None:
+                await asyncio.to_thread(self.journal.drop_adapter, name)
+                if record is not None and not delete_from_registry:
+                    await self._delete_checkpoints(name, record.checkpoints)
         if delete_from_registry:
             try:
                 await self.registry.delete_adapter(name)
@@ -283,6 +359,10 @@ class TrainerService:
                     aliases=list(aliases), idempotency_key=exported.idempotency_key)
                 exported.version = version
                 exported.blob = None  # the cache keeps the version, not the bytes
+                if self.journal is not None and exported.seq_id:
+                    await asyncio.to_thread(self.journal.append_outcomes, [(adapter, exported.seq_id, OUTCOME, {
+                        "version": version.SerializeToString(), "step": exported.step,
+                        "idempotency_key": exported.idempotency_key})])
             return exported.version
 
     async def load_state(self, adapter: str, seq_id: int, source: common_pb2.AdapterRef, with_optimizer: bool,
@@ -293,13 +373,59 @@ class TrainerService:
             validate_adapter_name(source.name, "source.name")
             if source.HasField("alias"):
                 validate_alias(source.alias, "source.alias")
-            return (source, with_optimizer), 0
+            ref = SourceRef(source.name, source.version if source.HasField("version") else 0,
+                            source.alias if source.HasField("alias") else "")
+            return (ref, with_optimizer), 0
 
         return await self._sequenced(adapter, seq_id, "load_state", payload_hash, checked)
 
     # ---------------------------------------------------------------- worker side
     def _execute(self, jobs: list[Job]) -> list:
-        """Runs on the worker thread. Returns one outcome (value or exception) per job."""
+        """Runs on the worker thread. Returns one outcome (value or exception) per job. With a journal, each new
+        request is journaled before it runs (LoadState once its source is resolved, in its runner) and its outcome
+        after; a journal that cannot be written fails the jobs as UNAVAILABLE before they change anything."""
+        if self.journal is None:
+            return self._run_jobs(jobs)
+        fresh = [job for job in jobs if not job.replayed and job.kind != "load_state"]
+        if fresh:
+            try:
+                self._journal_requests(fresh)
+            except Unavailable as exc:
+                return [exc] * len(jobs)
+        outcomes = self._run_jobs(jobs)
+        self._journal_outcomes(jobs, outcomes)
+        return outcomes
+
+    def _journal_requests(self, jobs: list[Job]) -> None:
+        entry_ids = self.journal.append_requests(
+            [(job.adapter, job.seq_id, job.kind, job.payload_hash, payload_to_plain(job.kind, job.payload))
+             for job in jobs])
+        for job, entry_id in zip(jobs, entry_ids):
+            recent = self._recent_entries.get(job.adapter)
+            if recent is not None:
+                recent.append(entry_id)
+
+    def _journal_outcomes(self, jobs: list[Job], outcomes: list) -> None:
+        records = []
+        for job, outcome in zip(jobs, outcomes):
+            if job.replayed:
+                continue
+            if isinstance(outcome, TRANSIENT):
+                records.append((job.adapter, job.seq_id, VOID, None))
+            elif isinstance(outcome, BaseException):
+                records.append((job.adapter, job.seq_id, OUTCOME, outcome_to_plain(outcome)))
+            elif job.kind == "load_state":
+                records.append((job.adapter, job.seq_id, OUTCOME, {"load_state_step": outcome.step}))
+            elif job.kind not in ("publish", "save_state"):  # those once the registry has answered
+                records.append((job.adapter, job.seq_id, OUTCOME, outcome_to_plain(outcome)))
+        if records:
+            self.journal.append_outcomes(records)
+        for job, outcome in zip(jobs, outcomes):
+            if not job.replayed and job.kind in ("optim_step", "load_state") and not isinstance(outcome,
+                                                                                               BaseException):
+                self._maybe_checkpoint(job)
+
+    def _run_jobs(self, jobs: list[Job]) -> list:
         if jobs[0].kind in FUSABLE:
             try:
                 states = self.pool.activate([job.adapter for job in jobs])
@@ -334,29 +460,39 @@ class TrainerService:
     def _run_publish(self, job: Job) -> ExportedBlob:
         state = self.pool.get(job.adapter)
         blob = serialize_adapter(self.backend.export_params(state), state.spec, state.base_model)
-        return ExportedBlob(blob=blob, step=state.step, idempotency_key=self._idempotency_key(job))
+        return ExportedBlob(blob=blob, step=state.step, idempotency_key=self._idempotency_key(job),
+                            seq_id=job.seq_id)
+
+    def _training_state(self, state: AdapterState) -> TrainingState:
+        """Host copies of the adapter's params, moments and step (copies: training goes on while they are saved)."""
+        return TrainingState(
+            params=self.backend.export_params(state),
+            exp_avg={k: v.detach().to("cpu", copy=True) for k, v in state.exp_avg.items()},
+            exp_avg_sq={k: v.detach().to("cpu", copy=True) for k, v in state.exp_avg_sq.items()},
+            step=state.step, spec=state.spec, base_model_name=state.base_model)
 
     def _run_save_state(self, job: Job) -> ExportedBlob:
-        state = self.pool.get(job.adapter)
-        training = TrainingState(
-            params=self.backend.export_params(state),
-            exp_avg={k: v.detach().cpu() for k, v in state.exp_avg.items()},
-            exp_avg_sq={k: v.detach().cpu() for k, v in state.exp_avg_sq.items()},
-            step=state.step, spec=state.spec, base_model_name=state.base_model)
-        return ExportedBlob(blob=serialize_training_state(training), step=state.step,
-                            idempotency_key=self._idempotency_key(job))
+        training = self._training_state(self.pool.get(job.adapter))
+        return ExportedBlob(blob=serialize_training_state(training), step=training.step,
+                            idempotency_key=self._idempotency_key(job), seq_id=job.seq_id)
 
     def _run_load_state(self, job: Job) -> AdapterInfo:
-        source, with_optimizer = job.payload
+        if isinstance(job.payload, ResolvedSource):  # a replay: exactly the version the live run loaded
+            source, with_optimizer = SourceRef(job.payload.name, job.payload.version), job.payload.with_optimizer
+        else:
+            source, with_optimizer = job.payload
         # The download runs on the event loop while this worker waits: LoadState keeps its place in the seq_id
         # order (it may load a version a SaveState earlier in the same pipeline just wrote).
         future = asyncio.run_coroutine_threadsafe(self._download_state(source), self._loop)
         try:
-            loaded = future.result(self.limits.registry_timeout_s)
+            version, loaded = future.result(self.limits.registry_timeout_s)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise DeadlineExceeded(f"downloading the LoadState source took over {self.limits.registry_timeout_s}s",
                                    field="source") from None
+        if self.journal is not None and not job.replayed:
+            resolved = ResolvedSource(source.name, version, with_optimizer)
+            self._journal_requests([dataclasses.replace(job, payload=resolved)])
         state = self.pool.get(job.adapter)
         if loaded.base_model_name and loaded.base_model_name != state.base_model:
             raise FailedPrecondition(
@@ -380,25 +516,169 @@ class TrainerService:
             exp_avg = {k: torch.zeros_like(v) for k, v in loaded.params.items()}
             exp_avg_sq = {k: torch.zeros_like(v) for k, v in loaded.params.items()}
             step = 0
-        self.pool.replace_tensors(state, loaded.params, exp_avg, exp_avg_sq)
-        state.step = step
+        self._install(state, loaded.params, exp_avg, exp_avg_sq, step)
         info = self._info(state)
         info.last_seq_id = job.seq_id
         return info
 
-    async def _download_state(self, source: common_pb2.AdapterRef) -> TrainingState:
-        version = source.version if source.HasField("version") else 0
-        alias = source.alias if source.HasField("alias") else ""
-        if not version and not alias:
-            # "latest" in the registry means weights; for LoadState it means the newest training state.
-            versions = await self.registry.list_versions(source.name, kind=common_pb2.VERSION_KIND_TRAINING_STATE)
+    def _install(self, state: AdapterState, params, exp_avg, exp_avg_sq, step: int) -> None:
+        """Worker side: replaces the adapter's tensors and step (LoadState, recovery from a checkpoint)."""
+        self.pool.replace_tensors(state, params, exp_avg, exp_avg_sq)
+        state.step = step
+
+    async def _download_state(self, source: SourceRef) -> tuple[int, TrainingState]:
+        version = source.version
+        if not version and not source.alias:
+            # "latest" in the registry means weights; for LoadState it means the newest training state the user
+            # saved (the trainer's own recovery checkpoints do not count).
+            versions = [v for v in await self.registry.list_versions(
+                source.name, kind=common_pb2.VERSION_KIND_TRAINING_STATE) if v.metadata.get(CHECKPOINT_KEY) != "auto"]
             if not versions:
                 raise NotFound(f"adapter {source.name!r} has no training-state version (SaveState first)",
                                field="source")
             version = max(v.version for v in versions)
-        meta, blob = await self.registry.download(source.name, version=version, alias=alias)
+        meta, blob = await self.registry.download(source.name, version=version, alias=source.alias)
         if meta.kind != common_pb2.VERSION_KIND_TRAINING_STATE:
             raise InvalidArgument(
                 f"source {source.name} v{meta.version} is a weights version; LoadState needs a SaveState version",
                 field="source")
-        return parse_training_state(blob)
+        return meta.version, parse_training_state(blob)
+
+    # ---------------------------------------------------------------- durability: checkpoints
+    def _maybe_checkpoint(self, job: Job) -> None:
+        """Worker side, after an OptimStep or LoadState: when a checkpoint is due, captures the adapter's state
+        (host copies, no pending gradients right after a step) and hands the upload to the event loop."""
+        state = self.pool.get(job.adapter)
+        record = self._records.get(job.adapter)
+        if record is None or state.has_grads():
+            return
+        last_step, last_time = self._checkpoint_marks.get(job.adapter, (0, time.monotonic()))
+        every_steps, every_s = self.limits.checkpoint_every_steps, self.limits.checkpoint_every_s
+        due = (job.kind == "load_state"
+               or (every_steps > 0 and state.step - last_step >= every_steps)
+               or (every_s > 0 and state.step != last_step and time.monotonic() - last_time >= every_s))
+        if not due:
+            return
+        self._checkpoint_marks[job.adapter] = (state.step, time.monotonic())
+        recent = self._recent_entries.get(job.adapter)
+        trim_from = recent[0] if recent else ""
+        training = self._training_state(state)
+        asyncio.run_coroutine_threadsafe(
+            self._store_checkpoint(job.adapter, record.uid, job.seq_id, training, trim_from), self._loop)
+
+    async def _store_checkpoint(self, adapter: str, uid: str, seq_id: int, training: TrainingState,
+                                trim_from: str) -> Checkpoint | None:
+        """Uploads a checkpoint, points the adapter's record at it, then trims the journal it covers. Until the
+        record points at it nothing relies on it, so a failure anywhere leaves the previous checkpoint and the
+        whole journal in force."""
+        lock = self._checkpoint_locks.setdefault(adapter, asyncio.Lock())
+        async with lock:
+            try:
+                blob = await asyncio.to_thread(serialize_training_state, training)
+                version = await self.registry.publish(
+                    adapter, blob, kind=common_pb2.VERSION_KIND_TRAINING_STATE, training_step=training.step,
+                    metadata={CHECKPOINT_KEY: "auto", "loraplane.seq_id": str(seq_id)},
+                    idempotency_key=f"trainer:{uid}:checkpoint:{seq_id}")
+                record = self._records.get(adapter)
+                if record is None or record.uid != uid:  # deleted (or recreated) while uploading
+                    await self._delete_checkpoints(adapter, [Checkpoint(version.version, seq_id, training.step)])
+                    return None
+                if record.checkpoint is not None and record.checkpoint.seq_id >= seq_id:
+                    return record.checkpoint
+                checkpoint = Checkpoint(version=version.version, seq_id=seq_id, step=training.step)
+                kept = max(1, self.limits.checkpoints_kept)
+                dropped = (record.checkpoints + [checkpoint])[:-kept]
+                record.checkpoints = (record.checkpoints + [checkpoint])[-kept:]
+                await asyncio.to_thread(self.journal.put_adapter, record)
+                if trim_from:
+                    await asyncio.to_thread(self.journal.trim, adapter, trim_from)
+                await self._delete_checkpoints(adapter, dropped)
+                return checkpoint
+            except Exception:
+                log.warning("checkpoint of %s at seq_id %d failed; the journal keeps everything since the last one",
+                            adapter, seq_id, exc_info=True)
+                return None
+
+    async def _delete_checkpoints(self, adapter: str, checkpoints: Sequence[Checkpoint]) -> None:
+        for checkpoint in checkpoints:
+            try:
+                await self.registry.delete_version(adapter, checkpoint.version)
+            except LoraplaneError as exc:
+                if not isinstance(exc, NotFound):
+                    log.warning("could not delete checkpoint v%d of %s: %s", checkpoint.version, adapter, exc)
+
+    # ---------------------------------------------------------------- durability: recovery
+    async def recover(self) -> list[str]:
+        """Rebuilds every adapter the journal's index names: its latest checkpoint, then its journal replayed in
+        order, so params, moments, step and last_seq_id equal those before the crash and a client's retry of a
+        journaled request is answered with its outcome. Returns the adapters that could not be recovered (a
+        non-transient failure: logged loudly, their records kept for an operator); transient failures raise."""
+        if self.journal is None:
+            return []
+        self._loop = asyncio.get_running_loop()
+        records = await asyncio.to_thread(self.journal.adapters)
+        results = await asyncio.gather(*(self._recover_adapter(r) for r in records), return_exceptions=True)
+        failed = []
+        for record, result in zip(records, results):
+            if isinstance(result, TRANSIENT):
+                raise result
+            if isinstance(result, BaseException):
+                log.error("adapter %s could not be recovered: %s", record.name, result,
+                          exc_info=not isinstance(result, LoraplaneError))
+                failed.append(record.name)
+        return failed
+
+    async def _recover_adapter(self, record: AdapterRecord) -> None:
+        if record.base_model != self.base_model:
+            raise FailedPrecondition(f"adapter {record.name!r} was trained on {record.base_model!r}, this trainer "
+                                     f"serves {self.base_model!r}")
+        spec = LoraSpec.create(record.rank, record.alpha, record.target_modules, record.seed,
+                               max_rank=max(record.rank, self.limits.max_lora_rank))
+        checkpoint = record.checkpoint
+        loaded = None
+        if checkpoint is not None:
+            _meta, blob = await self.registry.download(record.name, version=checkpoint.version)
+            loaded = await asyncio.to_thread(parse_training_state, blob)
+        entries = await asyncio.to_thread(self.journal.entries, record.name)
+
+        def rebuild():
+            state = self._new_state(record, spec)
+            if loaded is not None:
+                self._install(state, loaded.params, loaded.exp_avg, loaded.exp_avg_sq, loaded.step)
+            return state
+
+        state = await self._on_worker(rebuild)
+        self._adopt(record)
+        covered = checkpoint.seq_id if checkpoint is not None else 0
+        self.scheduler.open_lane(record.name, next_seq=covered + 1)
+        for entry in entries:
+            self._recent_entries[record.name].append(entry.entry_id)
+            if entry.seq_id <= covered or (entry.has_outcome and entry.kind in ANSWERED_FROM_JOURNAL):
+                if entry.has_outcome:
+                    self.scheduler.remember(record.name, entry.seq_id, entry.payload_hash,
+                                            self._recorded_outcome(state, entry))
+                continue
+            payload = payload_from_plain(entry.kind, entry.payload)
+            tokens = sum(d.length for d in payload[0]) if entry.kind in FUSABLE else 0
+            job = Job(adapter=record.name, seq_id=entry.seq_id, kind=entry.kind, payload=payload,
+                      payload_hash=entry.payload_hash, tokens=tokens, replayed=True)
+            try:
+                await asyncio.wrap_future(self.scheduler.submit(job))
+            except TRANSIENT:
+                raise
+            except LoraplaneError:
+                pass  # the live run got the same error; it is this seq_id's recorded outcome now
+        log.info("recovered adapter %s: checkpoint %s, %d journal entries, step %d, last seq_id %d", record.name,
+                 f"v{checkpoint.version}" if checkpoint else "none", len(entries), state.step,
+                 self.scheduler.last_seq_id(record.name))
+
+    def _recorded_outcome(self, state: AdapterState, entry: JournalEntry):
+        data = entry.outcome
+        if entry.kind in ("publish", "save_state") and "version" in data:
+            return ExportedBlob(blob=None, step=data["step"], idempotency_key=data["idempotency_key"],
+                                version=common_pb2.AdapterVersion.FromString(data["version"]), seq_id=entry.seq_id)
+        if "load_state_step" in data:
+            info = self._info(state)
+            info.step, info.last_seq_id = data["load_state_step"], entry.seq_id
+            return info
+        return outcome_from_plain(data)

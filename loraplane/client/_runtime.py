@@ -37,7 +37,8 @@ class RetryConfig:
     """Retries of a failed attempt with exponential backoff and jitter. A sequenced trainer call is retried with
     its original seq_id, so the trainer applies it once however many attempts reach it."""
 
-    max_attempts: int = 10
+    # Attempts are bounded by time (total_timeout_s), so a trainer restart that takes a minute is ridden out.
+    max_attempts: int = 1000
     initial_backoff_s: float = 0.2
     max_backoff_s: float = 5.0
     multiplier: float = 2.0

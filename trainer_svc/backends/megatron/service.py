@@ -12,9 +12,9 @@ import logging
 
 import torch
 
-from loraplane.adapter_format import TrainingState, serialize_training_state
+from loraplane.adapter_format import TrainingState
 from trainer_svc.pool import AdapterPool, AdapterState
-from trainer_svc.service import AdapterInfo, ExportedBlob, TrainerService
+from trainer_svc.service import AdapterInfo, TrainerService
 
 from .backend import MegatronBackend
 
@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 class MegatronTrainerService(TrainerService):
     backend: MegatronBackend
 
-    def __init__(self, backend: MegatronBackend, registry, limits=None):
-        super().__init__(backend, registry, limits)
+    def __init__(self, backend: MegatronBackend, registry, limits=None, journal=None):
+        super().__init__(backend, registry, limits, journal)
         # Host-only bookkeeping; device residency is the engine's (its own LRU over device_slots).
         self.pool = AdapterPool(torch.device("cpu"), self.limits.max_adapters, self.limits.max_adapters)
 
@@ -54,16 +54,11 @@ class MegatronTrainerService(TrainerService):
         if local:
             await self._on_worker(lambda: self.backend.delete_adapter(name))
 
-    def _run_save_state(self, job) -> ExportedBlob:
-        state = self.pool.get(job.adapter)
+    def _training_state(self, state: AdapterState) -> TrainingState:
         params, exp_avg, exp_avg_sq, step = self.backend.export_training_state(state)
-        training = TrainingState(params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, spec=state.spec,
-                                 base_model_name=state.base_model)
-        return ExportedBlob(blob=serialize_training_state(training), step=step,
-                            idempotency_key=self._idempotency_key(job))
+        return TrainingState(params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, spec=state.spec,
+                             base_model_name=state.base_model)
 
-    def _run_load_state(self, job) -> AdapterInfo:
-        info = super()._run_load_state(job)
-        state = self.pool.get(job.adapter)
+    def _install(self, state: AdapterState, params, exp_avg, exp_avg_sq, step: int) -> None:
+        super()._install(state, params, exp_avg, exp_avg_sq, step)
         self.backend.load_training_state(state, state.params, state.exp_avg, state.exp_avg_sq, state.step)
-        return info
