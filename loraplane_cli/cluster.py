@@ -15,6 +15,7 @@ from loraplane_cli.local_cluster import (
     SERVICE_NAMES,
     ClusterState,
     component_health,
+    pid_alive,
     read_cluster_state,
     start_cluster,
     stop_cluster,
@@ -40,12 +41,14 @@ def _endpoint_table(state: ClusterState, with_health: bool) -> Table:
     table.add_column("pid")
     if with_health:
         table.add_column("health")
+        table.add_column("restarts")
     for c in state.components:
         row = [c.name, c.kind, c.endpoint, str(c.pid or "-")]
         if with_health:
             health = component_health(c)
             color = {"healthy": "green", "external": "cyan"}.get(health, "red")
-            row.append(f"[{color}]{health}[/{color}]")
+            supervision = f" ([red]{c.supervision}[/red]: {c.last_exit})" if c.supervision else ""
+            row += [f"[{color}]{health}[/{color}]{supervision}", str(c.restarts)]
         table.add_row(*row)
     return table
 
@@ -60,7 +63,8 @@ def up(
     sampler_port: int = typer.Option(None, help="Fixed sampler port."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
-    services, wait until each is healthy, and print their endpoints."""
+    services, wait until each is healthy, and print their endpoints. On a cluster that already runs, starts only
+    what is missing or dead. A supervisor restarts any component that dies."""
     settings = _settings(data_dir, base_model=base_model, registry_port=registry_port,
                          trainer_port=trainer_port, sampler_port=sampler_port)
     wanted = tuple(s.strip() for s in services.split(",") if s.strip())
@@ -71,12 +75,16 @@ def up(
     extra_env = {"LORAPLANE_BASE_MODEL": settings.base_model}
     try:
         with console.status("starting cluster") as status:
-            state = start_cluster(settings, wanted, extra_env, on_progress=status.update)
+            state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update)
     except ProcessStartError as exc:
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc
     console.print(_endpoint_table(state, with_health=False))
-    console.print("[green]cluster is up[/green]; `loraplane down` stops it.")
+    if started:
+        console.print(f"[green]cluster is up[/green] (started: {', '.join(started)}); a supervisor restarts what "
+                      "dies; `loraplane down` stops it.")
+    else:
+        console.print("[green]cluster is already running[/green]: nothing to start.")
 
 
 @app.command()
@@ -100,6 +108,9 @@ def status(data_dir: Path = DataDirOption) -> None:
         console.print("no cluster is running from " + str(Path(settings.data_dir).resolve()))
         raise typer.Exit(1)
     console.print(_endpoint_table(state, with_health=True))
+    supervised = "[green]running[/green]" if pid_alive(state.supervisor_pid) else \
+        "[red]down[/red] (run `loraplane up` to restart it and anything dead)"
+    console.print(f"supervisor: {supervised}")
     details = _service_details(state)
     if details.row_count:
         console.print(details)
