@@ -54,7 +54,7 @@ def write_results(name: str, results: dict[str, Any]) -> Path:
     return path
 
 
-def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], width: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -63,7 +63,7 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
         table.add_column(column, justify="left" if column == columns[0] else "right")
     for row in rows:
         table.add_row(*[f"{cell:.1f}" if isinstance(cell, float) else str(cell) for cell in row])
-    Console().print(table)
+    Console(width=width).print(table)
 
 
 def fresh_adapter_state(base, name: str, rank: int):
