@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from loraplane import errors
 from loraplane.config import Settings
-from loraplane.rpc import GrpcServer, wait_for_shutdown_signal
+from loraplane.auth import authenticator_from_settings
+from loraplane.rpc import GrpcServer, ServerSecurity, wait_for_shutdown_signal
 from loraplane.v1 import registry_pb2
 from registry_svc.servicer import RegistryServicer, add_to_server
 from registry_svc.store import RegistryLimits, RegistryStore
@@ -47,7 +48,8 @@ async def start_registry_server(settings: Settings, host: str = "127.0.0.1", por
     store = RegistryStore(settings, limits)
     try:
         await store.start()
-        server = GrpcServer(host, port)
+        server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "registry"),
+                            security=ServerSecurity.from_settings(settings))
         add_to_server(RegistryServicer(store), server.server)
         server.add_service(SERVICE_NAME)
         await server.start()
