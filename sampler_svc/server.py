@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from loraplane import errors
 from loraplane.config import Settings
 from loraplane.registry_client import RegistryClient
-from loraplane.rpc import GrpcServer
+from loraplane.auth import authenticator_from_settings
+from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler_svc.adapter_manager import AdapterManager
 from sampler_svc.engines.base import Engine
@@ -77,12 +78,14 @@ async def start_sampler_server(
         engine, base_model, settings, sglang_urls=sglang_urls, sglang_launch=sglang_launch,
         max_batch_rows=max_batch_rows, sglang_options=sglang_options)
     await engine_impl.start()
-    registry = RegistryClient(registry_address)
+    # The sampler watches and downloads with the service key (settings.api_key).
+    registry = RegistryClient(registry_address, security=ClientSecurity.from_settings(settings))
     manager = AdapterManager(engine_impl, registry, redis_url=settings.redis_url, key_prefix=settings.key_prefix,
                              instance_id=instance_id, keep_versions=keep_versions, max_loaded=max_loaded,
                              watch_prefix=watch_prefix)
     service = SamplerService(engine_impl, manager, max_num_samples=max_batch_rows)
-    server = GrpcServer(host, port)
+    server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "sampler"),
+                        security=ServerSecurity.from_settings(settings))
     sampler_pb2_grpc.add_SamplerServiceServicer_to_server(SamplerServicer(service), server.server)
     server.add_service(SERVICE_NAME)
     try:

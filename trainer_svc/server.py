@@ -9,7 +9,8 @@ from dataclasses import dataclass, fields
 from loraplane import errors
 from loraplane.config import Settings
 from loraplane.registry_client import RegistryClient
-from loraplane.rpc import GrpcServer
+from loraplane.auth import authenticator_from_settings
+from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import TrainerBackend
 from trainer_svc.journal import TrainingJournal
@@ -81,7 +82,9 @@ async def start_trainer_server(
     trainer_limits = limits_from(**limits)
     backend_impl = backend if isinstance(backend, TrainerBackend) else await asyncio.to_thread(
         build_backend, backend, base_model, device)
-    registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s)
+    # The trainer reaches the registry with the service key (settings.api_key), acting for the tenant it serves.
+    registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s,
+                              security=ClientSecurity.from_settings(settings))
     use_journal = settings.trainer_journal and bool(settings.redis_url) if journal is None else journal
     training_journal = None
     if use_journal:
@@ -91,7 +94,8 @@ async def start_trainer_server(
         log.warning("NO TRAINING JOURNAL: set LORAPLANE_REDIS_URL to make training durable; a crash of this trainer "
                     "loses every adapter's state since its last SaveState")
     service = service_class(backend_impl, registry, trainer_limits, journal=training_journal)
-    server = GrpcServer(host, port)
+    server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "trainer"),
+                        security=ServerSecurity.from_settings(settings))
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
     server.add_service(SERVICE_NAME)
     try:
