@@ -120,3 +120,52 @@ def quota(tenant: str = typer.Argument(None, help="Tenant to show or change; non
     for name, quotas in found.items():
         table.add_row(name, *(str(getattr(quotas, field)) for field in Quotas.names()))
     console.print(table)
+
+
+ADMIN_KEY_FILE = "admin.key"
+
+
+def secure_cluster_env(data_dir: Path, redis_url: str, key_prefix: str, *, auth: bool, tls: bool) -> dict[str, str]:
+    """What `loraplane up` adds to its services' environment. auth: LORAPLANE_AUTH=1, a fresh service key for
+    trainer and sampler, and a fresh admin key in <data dir>/admin.key (0600; the previous one is revoked). tls: a
+    local CA and certificates in <data dir>/tls. Without them, leftovers of an earlier secured run are removed so
+    clients reading the data dir do not send keys or expect TLS."""
+    import os
+    import shutil
+
+    from loraplane.client.addresses import TLS_DIR
+    from loraplane.local.tls import make_local_pki
+
+    env: dict[str, str] = {}
+    key_file = data_dir / ADMIN_KEY_FILE
+    if auth:
+        async def issue():
+            store = KeyStore(redis_url, key_prefix)
+            try:
+                if key_file.exists():
+                    previous = key_file.read_text().strip().split("_")
+                    if len(previous) >= 3:
+                        await store.revoke(previous[1])
+                _, admin = await store.create_key("ops", "admin", "loraplane up: admin")
+                _, service = await store.create_key("system", "service", "loraplane up: trainer and sampler")
+                return admin, service
+            finally:
+                await store.close()
+
+        admin, service = asyncio.run(issue())
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(admin + "\n")
+        os.chmod(key_file, 0o600)
+        env.update({"LORAPLANE_AUTH": "1", "LORAPLANE_API_KEY": service})
+    else:
+        key_file.unlink(missing_ok=True)
+        env["LORAPLANE_AUTH"] = "0"
+    tls_dir = data_dir / TLS_DIR
+    if tls:
+        pki = make_local_pki(tls_dir)
+        env.update({"LORAPLANE_TLS_CERT": str(pki.server_cert), "LORAPLANE_TLS_KEY": str(pki.server_key),
+                    "LORAPLANE_TLS_CA": str(pki.ca)})
+    else:
+        shutil.rmtree(tls_dir, ignore_errors=True)
+    return env

@@ -33,7 +33,9 @@ from loraplane.local.state import (
     pid_alive,
     read_cluster_state,
 )
+from loraplane.client.addresses import client_security
 from loraplane.rpc import check_health
+from loraplane_cli.keys import secure_cluster_env
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,10 @@ assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
-                  extra_env: dict[str, str] | None = None, on_progress=None) -> ClusterState:
-    """Starts every component in order; on any failure stops what was started and raises ProcessStartError."""
+                  extra_env: dict[str, str] | None = None, on_progress=None, *, auth: bool = False,
+                  tls: bool = False) -> ClusterState:
+    """Starts every component in order; on any failure stops what was started and raises ProcessStartError.
+    `auth`: keys required (an admin key written to the data dir); `tls`: a local CA and TLS everywhere."""
     data_dir = Path(settings.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     existing = read_cluster_state(data_dir)
@@ -81,6 +85,8 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                                                    str(valkey.process.log_path)))
         env["LORAPLANE_REDIS_URL"] = state.component("redis").endpoint
         state.save()
+        env.update(secure_cluster_env(data_dir, env["LORAPLANE_REDIS_URL"], settings.key_prefix, auth=auth, tls=tls))
+        probe = client_security(data_dir)
 
         if settings.s3_endpoint:
             state.components.append(ComponentState("s3", "external", settings.s3_endpoint))
@@ -108,7 +114,7 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
             address = f"{LOOPBACK}:{port}"
             state.components.append(ComponentState(spec.name, "service", address, proc.pid, str(proc.log_path)))
             state.save()
-            wait_until(functools.partial(check_health, address, spec.grpc_service, timeout=1.0),
+            wait_until(functools.partial(check_health, address, spec.grpc_service, timeout=1.0, security=probe),
                        spec.start_timeout, spec.name, proc)
             env[spec.address_env] = address
     except BaseException:
@@ -148,13 +154,14 @@ def _terminate_group(pid: int, timeout: float) -> None:
         pass
 
 
-def component_health(component: ComponentState) -> str:
+def component_health(component: ComponentState, data_dir: str | None = None) -> str:
     """'healthy' | 'down' | 'unhealthy' — 'unhealthy' means the process lives but does not answer."""
     if component.kind == "service":
         spec = next(s for s in SERVICES if s.name == component.name)
         if not pid_alive(component.pid):
             return "down"
-        return "healthy" if check_health(component.endpoint, spec.grpc_service, timeout=1.0) else "unhealthy"
+        return "healthy" if check_health(component.endpoint, spec.grpc_service, timeout=1.0,
+                                         security=client_security(data_dir)) else "unhealthy"
     if component.kind == "external":
         return "external"
     return "healthy" if pid_alive(component.pid) else "down"
