@@ -431,8 +431,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             identity = await self.authenticator.authenticate(metadata.get("authorization"),
                                                              metadata.get(auth.ACTING_FOR_HEADER))
         except errors.LoraplaneError as exc:
-            return _replace_behavior(handler, lambda inner: _deny(exc, streaming_response=handler.response_streaming))
-        return _replace_behavior(handler, lambda inner: _as_caller(inner, identity))
+            denial = exc
+        else:
+            return _replace_behavior(handler, lambda inner: _as_caller(inner, identity))
+        return _replace_behavior(handler, lambda inner: _deny(denial, streaming_response=handler.response_streaming))
 
 
 def _replace_behavior(handler, wrap):

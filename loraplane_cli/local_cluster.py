@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplane.client.addresses import client_security
 from loraplane.config import Settings
 from loraplane.local.processes import (
     LOOPBACK,
@@ -33,7 +34,6 @@ from loraplane.local.state import (
     pid_alive,
     read_cluster_state,
 )
-from loraplane.client.addresses import client_security
 from loraplane.rpc import check_health
 from loraplane_cli.keys import secure_cluster_env
 

@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass
 
 from loraplane import errors
-from loraplane.config import Settings
 from loraplane.auth import authenticator_from_settings
+from loraplane.config import Settings
 from loraplane.rpc import GrpcServer, ServerSecurity, wait_for_shutdown_signal
 from loraplane.v1 import registry_pb2
 from registry_svc.servicer import RegistryServicer, add_to_server

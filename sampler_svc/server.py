@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraplane import errors
+from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
 from loraplane.registry_client import RegistryClient
-from loraplane.auth import authenticator_from_settings
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler_svc.adapter_manager import AdapterManager

@@ -7,9 +7,9 @@ import logging
 from dataclasses import dataclass, fields
 
 from loraplane import errors
+from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
 from loraplane.registry_client import RegistryClient
-from loraplane.auth import authenticator_from_settings
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import TrainerBackend

@@ -90,10 +90,9 @@ def expect_code(call, code: grpc.StatusCode) -> grpc.RpcError:
 
 def drain(stream) -> list:
     """Every message of a stream until it ends or its deadline passes."""
-    out = []
+    out: list = []
     try:
-        for item in stream:
-            out.append(item)
+        out.extend(stream)
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
             raise

@@ -85,7 +85,8 @@ def test_every_registry_rpc_under_every_key(secured, rpc):
             make_adapter(admin, name)
     for who in ("none", "revoked", "other"):
         before = snapshot(admin, targets[who])
-        error = expect_code(lambda: call(keys.stub(Stub, live.address, who), targets[who]), DENIED[who])
+        stub = keys.stub(Stub, live.address, who)
+        error = expect_code(lambda stub=stub, name=targets[who]: call(stub, name), DENIED[who])
         # Neither the adapter's owner nor its existence shows in the answer.
         assert "acme" not in (error.details() or ""), error.details()
         assert targets[who] not in (error.details() or "")
@@ -97,7 +98,7 @@ def test_every_registry_rpc_under_every_key(secured, rpc):
 def test_collect_garbage_is_for_admins_only(secured):
     live, keys = secured
     for who in ("own", "other", "service"):
-        expect_code(lambda: keys.stub(Stub, live.address, who).CollectGarbage(
+        expect_code(lambda who=who: keys.stub(Stub, live.address, who).CollectGarbage(
             registry_pb2.CollectGarbageRequest(dry_run=True)), grpc.StatusCode.PERMISSION_DENIED)
     expect_code(lambda: keys.stub(Stub, live.address, "none").CollectGarbage(
         registry_pb2.CollectGarbageRequest(dry_run=True)), grpc.StatusCode.UNAUTHENTICATED)
@@ -110,7 +111,7 @@ def test_foreign_names_are_denied_alike_whether_they_exist_or_not(secured):
     make_adapter(admin, "acme/exists", versions=1)
     answers = []
     for name in ("acme/exists", "acme/never-created"):
-        error = expect_code(lambda: other.GetAdapter(registry_pb2.GetAdapterRequest(name=name)),
+        error = expect_code(lambda name=name: other.GetAdapter(registry_pb2.GetAdapterRequest(name=name)),
                             grpc.StatusCode.PERMISSION_DENIED)
         answers.append(error.details().replace(name, "NAME"))
     assert answers[0] == answers[1]

@@ -11,8 +11,15 @@ import uuid
 import grpc
 import pytest
 
-from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc, trainer_pb2
-from loraplane.v1 import trainer_pb2_grpc
+from loraplane.v1 import (
+    common_pb2,
+    registry_pb2,
+    registry_pb2_grpc,
+    sampler_pb2,
+    sampler_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 from tests.contract.auth_helpers import CALLERS, auth_settings, expect_code, issue_standard_keys
 from tests.fixtures.registry import start_live_registry
 from tests.fixtures.sampler import adapter_blob, start_live_sampler
@@ -112,8 +119,8 @@ def test_every_trainer_rpc_under_every_key(trainer):
                 source_version = saved.version
         for who in ("none", "revoked", "other"):
             before = trainer_snapshot(admin, registry_admin, targets[who])
-            error = expect_code(lambda: call(keys.stub(Trainer, live.address, who), targets[who], 2, source_version),
-                                DENIED[who])
+            stub = keys.stub(Trainer, live.address, who)
+            error = expect_code(lambda c=call, s=stub, n=targets[who], v=source_version: c(s, n, 2, v), DENIED[who])
             assert "acme" not in error.details(), (rpc, error.details())
             assert trainer_snapshot(admin, registry_admin, targets[who]) == before, f"{rpc} by {who} changed state"
         for who in ("own", "admin"):
@@ -126,7 +133,7 @@ def test_every_trainer_rpc_under_every_key(trainer):
 
 
 def test_trainer_listing_info_and_foreign_sources(trainer):
-    registry, keys, live = trainer
+    _registry, keys, live = trainer
     admin = keys.stub(Trainer, live.address, "admin")
     for name in ("acme/one", "acme/two", "globex/three"):
         create(admin, name)
@@ -138,7 +145,7 @@ def test_trainer_listing_info_and_foreign_sources(trainer):
     assert len(admin.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest()).adapters) == 3
     assert own.GetInfo(trainer_pb2.GetInfoRequest()).base_model
     for who in ("none", "revoked"):
-        expect_code(lambda: keys.stub(Trainer, live.address, who).GetInfo(trainer_pb2.GetInfoRequest()),
+        expect_code(lambda who=who: keys.stub(Trainer, live.address, who).GetInfo(trainer_pb2.GetInfoRequest()),
                     grpc.StatusCode.UNAUTHENTICATED)
     # Loading another tenant's state into one's own adapter is denied, and takes no seq_id.
     globex_state = admin.SaveState(trainer_pb2.SaveStateRequest(adapter="globex/three", seq_id=1)).version
@@ -169,7 +176,7 @@ def test_trainer_quotas(trainer):
 
 
 def test_trainer_queue_quota(trainer):
-    registry, keys, live = trainer
+    _registry, keys, live = trainer
     keys.set_quotas("acme", max_queued_requests=1)
     own = keys.stub(Trainer, live.address, "own")
     create(own, "acme/queue")
@@ -248,7 +255,8 @@ def test_every_sampler_rpc_under_every_key(sampler):
     for rpc, call in SAMPLER_RPCS.items():
         for who in ("none", "revoked", "other"):
             before = loaded()
-            error = expect_code(lambda: call(keys.stub(Sampler, live.address, who), "acme/s1"), DENIED[who])
+            stub = keys.stub(Sampler, live.address, who)
+            error = expect_code(lambda c=call, s=stub: c(s, "acme/s1"), DENIED[who])
             assert "acme" not in error.details(), (rpc, error.details())
             assert loaded() == before, f"{rpc} by {who} changed state"
         for who in ("own", "admin"):
@@ -268,7 +276,7 @@ def test_every_sampler_rpc_under_every_key(sampler):
 
 
 def test_sampler_concurrency_quota(sampler):
-    registry, keys, live = sampler
+    _registry, keys, live = sampler
     keys.set_quotas("acme", max_concurrent_samples=1)
     own = keys.stub(Sampler, live.address, "own")
     stream = own.SampleStream(sampler_pb2.SampleStreamRequest(

@@ -56,7 +56,7 @@ def test_up_tls_with_keys_end_to_end(tmp_path):
 
         created = _cli("keys", "create", "--tenant", "acme", "--data-dir", str(data_dir))
         assert created.returncode == 0, created.stdout + created.stderr
-        token = re.search(r"^(lpk_\S+)$", created.stdout, re.M).group(1)
+        token = re.search(r"^(lpk_\S+)$", created.stdout, re.MULTILINE).group(1)
         key_id = token.split("_")[1]
         listed = _cli("keys", "ls", "--data-dir", str(data_dir))
         assert key_id in listed.stdout and token not in listed.stdout
