@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     # Overrides the name checked against the server certificate (when addresses are IPs the cert does not list).
     tls_server_name: str = ""
 
+    # Prometheus metrics over HTTP on this port (0 = a free port, -1 = off); `loraplane up` gives each service one.
+    metrics_port: int = -1
+
 
 def load_settings(**overrides) -> Settings:
     return Settings(**overrides)

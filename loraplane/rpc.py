@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import inspect
 import logging
 import signal
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,9 +117,16 @@ class GrpcServer:
     every call but health checks and reflection is authenticated (`AuthInterceptor`); with `security`, TLS."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, options: Iterable[tuple[str, Any]] = (), *,
-                 authenticator: auth.Authenticator | None = None, security: ServerSecurity | None = None):
+                 authenticator: auth.Authenticator | None = None, security: ServerSecurity | None = None,
+                 metrics_port: int = -1):
+        """metrics_port: serve Prometheus metrics over HTTP there (0 = a free port, -1 = not at all)."""
         self.authenticator = authenticator
-        interceptors = [AuthInterceptor(authenticator)] if authenticator is not None and not authenticator.open else []
+        self.metrics_port = metrics_port
+        self.metrics: Any = None
+        # Metrics outermost: denied calls are counted too, with their status code.
+        interceptors: list = [MetricsInterceptor()]
+        if authenticator is not None and not authenticator.open:
+            interceptors.append(AuthInterceptor(authenticator))
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -145,6 +154,10 @@ class GrpcServer:
     async def start(self) -> None:
         reflection.enable_server_reflection(self._service_names, self.server)
         await self.server.start()
+        if self.metrics_port >= 0 and self.metrics is None:
+            from loraplane.metrics import MetricsEndpoint
+
+            self.metrics = MetricsEndpoint(self.host, self.metrics_port)
         await self.set_serving(True)
 
     async def set_serving(self, serving: bool) -> None:
@@ -157,6 +170,9 @@ class GrpcServer:
     async def stop(self, grace: float = 5.0) -> None:
         await self.set_serving(False)
         await self.server.stop(grace)
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self.authenticator is not None:
             await self.authenticator.close()
 
@@ -470,3 +486,54 @@ def _deny(exc: errors.LoraplaneError, streaming_response: bool):
     async def unary(request, context):
         await context.abort_with_status(to_rpc_status(exc))
     return unary
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every RPC (but health checks and reflection) by service, method and status code, and times it."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(UNAUTHENTICATED_SERVICES):
+            return handler
+        from loraplane.metrics import RPC_SECONDS, RPCS
+
+        _, service, method = details.method.split("/", 2)
+        service = service.rsplit(".", 1)[-1]
+        timer = RPC_SECONDS.labels(service, method)
+
+        def record(context, started: float, failed: BaseException | None) -> None:
+            timer.observe(time.perf_counter() - started)
+            code = None
+            with contextlib.suppress(Exception):
+                code = context.code()
+            if code is None or code == grpc.StatusCode.OK and failed is not None:
+                code = grpc.StatusCode.CANCELLED if isinstance(failed, asyncio.CancelledError) else (
+                    grpc.StatusCode.UNKNOWN if failed is not None else grpc.StatusCode.OK)
+            RPCS.labels(service, method, getattr(code, "name", str(code))).inc()
+
+        def wrap(inner):
+            if inspect.isasyncgenfunction(inner):
+                async def stream(request, context):
+                    started, failed = time.perf_counter(), None
+                    try:
+                        async for item in inner(request, context):
+                            yield item
+                    except BaseException as exc:
+                        failed = exc
+                        raise
+                    finally:
+                        record(context, started, failed)
+                return stream
+
+            async def unary(request, context):
+                started, failed = time.perf_counter(), None
+                try:
+                    return await inner(request, context)
+                except BaseException as exc:
+                    failed = exc
+                    raise
+                finally:
+                    record(context, started, failed)
+            return unary
+
+        return _replace_behavior(handler, wrap)

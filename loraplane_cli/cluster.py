@@ -87,6 +87,9 @@ def up(
     else:
         console.print("[bold red]auth: OFF[/bold red] (--no-auth): anyone who can reach these ports can read and "
                       "change every tenant's adapters.")
+    for component in state.components:
+        if component.metrics:
+            console.print(f"{component.name} metrics: {component.metrics}")
     if tls:
         console.print(f"tls: on; CA certificate {data / 'tls' / 'ca.pem'} (set LORAPLANE_TLS_CA to it elsewhere).")
     console.print("[green]cluster is up[/green]; `loraplane down` stops it.")

@@ -108,11 +108,14 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
             port = configured or free_port()
             env[spec.port_env] = str(port)
             env["LORAPLANE_HOST"] = LOOPBACK
+            metrics_port = free_port()
+            env["LORAPLANE_METRICS_PORT"] = str(metrics_port)
             proc = ManagedProcess(spec.name, [sys.executable, "-m", spec.module], data_dir / "logs" / f"{spec.name}.log",
                                   env=dict(env))
             proc.start()
             address = f"{LOOPBACK}:{port}"
-            state.components.append(ComponentState(spec.name, "service", address, proc.pid, str(proc.log_path)))
+            state.components.append(ComponentState(spec.name, "service", address, proc.pid, str(proc.log_path),
+                                                   metrics=f"http://{LOOPBACK}:{metrics_port}/metrics"))
             state.save()
             wait_until(functools.partial(check_health, address, spec.grpc_service, timeout=1.0, security=probe),
                        spec.start_timeout, spec.name, proc)

@@ -49,7 +49,7 @@ async def start_registry_server(settings: Settings, host: str = "127.0.0.1", por
     try:
         await store.start()
         server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "registry"),
-                            security=ServerSecurity.from_settings(settings))
+                            security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
         add_to_server(RegistryServicer(store), server.server)
         server.add_service(SERVICE_NAME)
         await server.start()
@@ -62,6 +62,8 @@ async def start_registry_server(settings: Settings, host: str = "127.0.0.1", por
 async def _serve(settings: Settings, host: str, port: int) -> None:
     running = await start_registry_server(settings, host, port)
     print(f"registry listening on {running.address}", flush=True)
+    if running.server.metrics is not None:
+        print(f"registry metrics on {running.server.metrics.url}", flush=True)
     await wait_for_shutdown_signal()
     await running.stop()
 

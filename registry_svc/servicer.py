@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 from google.protobuf import timestamp_pb2
 
 from loraplane import errors
+from loraplane import metrics
 from loraplane.auth import current_caller
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -102,7 +104,10 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
                                                  field="header")
                 yield message.chunk
 
-        result = await self.store.publish(header, chunks(), caller=current_caller())
+        with metrics.PUBLISH_SECONDS.time():
+            result = await self.store.publish(header, chunks(), caller=current_caller())
+        if not result.deduplicated:
+            metrics.PUBLISH_BYTES.labels(metrics.tenant_of(header.adapter)).inc(header.size_bytes)
         return registry_pb2.PublishVersionResponse(version=version_pb(result.version),
                                                    deduplicated=result.deduplicated)
 
@@ -131,12 +136,15 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
                                                     caller=current_caller())
         yield registry_pb2.DownloadVersionResponse(
             header=registry_pb2.DownloadVersionHeader(version=version_pb(record), offset=request.offset))
+        downloaded = metrics.DOWNLOAD_BYTES.labels(metrics.tenant_of(record.adapter))
         async for data in chunks:
+            downloaded.inc(len(data))
             yield registry_pb2.DownloadVersionResponse(chunk=data)
 
     async def WatchEvents(self, request, context):
         async for record in self.store.watch(request.after_cursor, request.adapter, request.prefix,
                                              request.start_at_end, caller=current_caller()):
+            metrics.EVENT_LAG_SECONDS.observe(max(0.0, time.time() - record.time_ms / 1000))
             yield registry_pb2.WatchEventsResponse(event=event_pb(record))
 
     async def CollectGarbage(self, request, context):

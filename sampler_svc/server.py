@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from loraplane import errors
 from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
+from loraplane.metrics import register_source, unregister_source
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
@@ -29,12 +30,14 @@ class RunningSampler:
     registry: RegistryClient
     settings: Settings
     registry_address: str
+    metrics_source: int | None = None
 
     @property
     def address(self) -> str:
         return self.server.address
 
     async def stop(self) -> None:
+        unregister_source(self.metrics_source)
         await self.server.stop(grace=1.0)
         await self.manager.stop()
         await self.engine.stop()
@@ -85,7 +88,7 @@ async def start_sampler_server(
                              watch_prefix=watch_prefix)
     service = SamplerService(engine_impl, manager, max_num_samples=max_batch_rows)
     server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "sampler"),
-                        security=ServerSecurity.from_settings(settings))
+                        security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
     sampler_pb2_grpc.add_SamplerServiceServicer_to_server(SamplerServicer(service), server.server)
     server.add_service(SERVICE_NAME)
     try:
@@ -96,5 +99,14 @@ async def start_sampler_server(
         await engine_impl.stop()
         await registry.close()
         raise
-    return RunningSampler(server=server, engine=engine_impl, manager=manager, service=service, registry=registry,
-                          settings=settings, registry_address=registry_address)
+    running = RunningSampler(server=server, engine=engine_impl, manager=manager, service=service,
+                             registry=registry, settings=settings, registry_address=registry_address)
+    running.metrics_source = register_source("sampler", server.address, {
+        "loraplane_sampler_loaded_versions": ("Adapter versions loaded in the engine",
+                                              lambda: len(manager.list_loaded())),
+        "loraplane_sampler_loads": ("Adapter versions loaded since start (a counter)", lambda: manager.loads),
+        "loraplane_sampler_events_applied": ("Registry events applied since start", lambda: manager.events_applied),
+        "loraplane_sampler_engine_queue_depth": ("Requests waiting in the engine", lambda: engine_impl.queue_depth),
+        "loraplane_sampler_running_requests": ("Requests the engine is running", lambda: engine_impl.running_requests),
+    })
+    return running

@@ -7,6 +7,7 @@ import re
 from google.protobuf import timestamp_pb2
 
 from loraplane import errors
+from loraplane import metrics
 from loraplane.auth import current_caller
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
@@ -75,6 +76,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         result = await self.service.sample(_selector(request.adapter), request.prompt_tokens, request.num_samples,
                                            _sampling(request.sampling_params), request.include_prompt_logprobs,
                                            caller=current_caller())
+        metrics.SAMPLED_TOKENS.labels(metrics.tenant_of(request.adapter.name)).inc(
+            sum(len(s.tokens) for s in result.sequences))
         return sampler_pb2.SampleResponse(
             sequences=[sampler_pb2.SampledSequence(tokens=s.tokens, logprobs=s.logprobs,
                                                    finish_reason=_FINISH[s.finish_reason])
@@ -85,6 +88,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         async for chunk in self.service.sample_stream(_selector(request.adapter), request.prompt_tokens,
                                                       request.num_samples, _sampling(request.sampling_params),
                                                       caller=current_caller()):
+            metrics.SAMPLED_TOKENS.labels(metrics.tenant_of(request.adapter.name)).inc(len(chunk.tokens))
             yield sampler_pb2.SampleStreamResponse(
                 sequence_index=chunk.sequence_index, tokens=chunk.tokens, logprobs=chunk.logprobs,
                 finish_reason=_FINISH[chunk.finish_reason], served_version=chunk.served_version)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from loraplane import errors
 from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
+from loraplane.metrics import register_source, unregister_source
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
@@ -28,12 +29,14 @@ class RunningTrainer:
     registry: RegistryClient
     settings: Settings
     registry_address: str
+    metrics_source: int | None = None
 
     @property
     def address(self) -> str:
         return self.server.address
 
     async def stop(self, grace: float = 1.0) -> None:
+        unregister_source(self.metrics_source)
         try:
             await self.server.stop(grace)
         finally:
@@ -95,7 +98,7 @@ async def start_trainer_server(
                     "loses every adapter's state since its last SaveState")
     service = service_class(backend_impl, registry, trainer_limits, journal=training_journal)
     server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "trainer"),
-                        security=ServerSecurity.from_settings(settings))
+                        security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
     server.add_service(SERVICE_NAME)
     try:
@@ -107,5 +110,15 @@ async def start_trainer_server(
         await service.close()
         await registry.close()
         raise
-    return RunningTrainer(server=server, service=service, registry=registry, settings=settings,
-                          registry_address=registry_address)
+    running = RunningTrainer(server=server, service=service, registry=registry, settings=settings,
+                             registry_address=registry_address)
+    running.metrics_source = register_source("trainer", server.address, {
+        # Read from the metrics thread while the worker changes them: a failed read is skipped (metrics.py).
+        "loraplane_trainer_queue_depth": ("Sequenced requests queued or running", lambda: service.scheduler._queued),
+        "loraplane_trainer_adapters": ("Adapters on this trainer", lambda: len(service.pool)),
+        "loraplane_trainer_resident_adapters": ("Adapters resident on the device",
+                                                lambda: len(service.pool._resident)),
+        "loraplane_trainer_pool_misses": ("Activations that had to bring a spilled adapter back (a counter)",
+                                          lambda: service.pool.misses),
+    })
+    return running

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+from loraplane import metrics
 from loraplane.auth import current_caller
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
@@ -31,6 +32,11 @@ def _outputs(result: ItemResult) -> list[trainer_pb2.DatumOutput]:
             for o in result.outputs]
 
 
+def _count_tokens(request, kind: str) -> None:
+    tokens = sum(len(d.input_tokens) for d in request.data)
+    metrics.TRAINING_TOKENS.labels(metrics.tenant_of(request.adapter), kind).inc(tokens)
+
+
 @map_servicer_errors
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(self, service: TrainerService):
@@ -45,12 +51,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         result = await self.service.forward_backward(request.adapter, request.seq_id, request.data, request.loss_fn,
                                                      dict(request.loss_fn_config), payload_hash(request),
                                                      caller=current_caller())
+        _count_tokens(request, "forward_backward")
         return trainer_pb2.ForwardBackwardResponse(outputs=_outputs(result), metrics=result.metrics)
 
     async def Forward(self, request, context):
         result = await self.service.forward_backward(request.adapter, request.seq_id, request.data, request.loss_fn,
                                                      dict(request.loss_fn_config), payload_hash(request),
                                                      backward=False, caller=current_caller())
+        _count_tokens(request, "forward")
         return trainer_pb2.ForwardResponse(outputs=_outputs(result), metrics=result.metrics)
 
     async def OptimStep(self, request, context):
@@ -59,6 +67,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         hyper = AdamHyper(**{"learning_rate": None, **given})
         outcome = await self.service.optim_step(request.adapter, request.seq_id, hyper, payload_hash(request),
                                                 caller=current_caller())
+        if not outcome.skipped:
+            metrics.TRAINING_STEPS.labels(metrics.tenant_of(request.adapter)).inc()
         return trainer_pb2.OptimStepResponse(
             step=outcome.step, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
             metrics={"grad_norm:mean": outcome.grad_norm, "skipped:sum": float(outcome.skipped)})

@@ -21,6 +21,8 @@ class ComponentState:
     endpoint: str
     pid: int | None = None
     log: str = ""
+    # Prometheus endpoint (services only).
+    metrics: str = ""
 
 
 @dataclass

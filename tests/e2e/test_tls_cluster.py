@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 
@@ -34,6 +35,9 @@ def test_up_tls_with_keys_end_to_end(tmp_path):
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
         ca = (data_dir / "tls" / "ca.pem").read_bytes()
         address = read_cluster_state(data_dir).addresses()["registry"]
+        metrics_url = re.search(r"registry metrics: (http://\S+)", up.stdout).group(1)
+        with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+            assert reply.status == 200
         status = _cli("status", "--data-dir", str(data_dir))
         assert "healthy" in status.stdout and "unhealthy" not in status.stdout, status.stdout
 
@@ -74,6 +78,10 @@ def test_up_tls_with_keys_end_to_end(tmp_path):
         except APIError as exc:
             assert "UNAUTHENTICATED" in str(exc) or "revoked" in str(exc), exc
         revoked.close()
+        with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+            scraped = reply.read().decode()
+        assert 'loraplane_rpc_total{code="UNAUTHENTICATED",method="ListAdapters",service="AdapterRegistryService"}' \
+            in scraped, scraped[:2000]
     finally:
         down = _cli("down", "--data-dir", str(data_dir))
     assert down.returncode == 0, down.stdout + down.stderr
