@@ -71,7 +71,9 @@ class _Sources:
             for name, (help_text, read) in gauges.items():
                 try:
                     value = float(read())
-                except Exception:  # a value that cannot be read now (state changing under us) is left out
+                except (RuntimeError, AttributeError, TypeError, ValueError) as exc:
+                    # Read from this thread while the service changes it ("dict changed size"): left out this time.
+                    log.debug("metric %s of %s unreadable now: %s", name, service, exc)
                     continue
                 family = families.get(name)
                 if family is None:

@@ -8,8 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf import timestamp_pb2
 
-from loraplane import errors
-from loraplane import metrics
+from loraplane import errors, metrics
 from loraplane.auth import current_caller
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc

@@ -6,8 +6,7 @@ import re
 
 from google.protobuf import timestamp_pb2
 
-from loraplane import errors
-from loraplane import metrics
+from loraplane import errors, metrics
 from loraplane.auth import current_caller
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
