@@ -66,6 +66,8 @@ class Settings(BaseSettings):
 
     # Prometheus metrics over HTTP on this port (0 = a free port, -1 = off); `loraplane up` gives each service one.
     metrics_port: int = -1
+    # OpenTelemetry traces go to this OTLP/gRPC endpoint (e.g. http://otel-collector:4317); empty = no tracing.
+    otlp_endpoint: str = ""
 
 
 def load_settings(**overrides) -> Settings:

@@ -13,6 +13,7 @@ from loraplane import errors
 from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
 from loraplane.rpc import GrpcServer, ServerSecurity, wait_for_shutdown_signal
+from loraplane.tracing import setup_tracing
 from loraplane.v1 import registry_pb2
 from registry_svc.servicer import RegistryServicer, add_to_server
 from registry_svc.store import RegistryLimits, RegistryStore
@@ -45,6 +46,7 @@ class RunningRegistry:
 async def start_registry_server(settings: Settings, host: str = "127.0.0.1", port: int = 0,
                                 limits: RegistryLimits | None = None) -> RunningRegistry:
     """Connects to Redis and S3 (creating the bucket if absent) and serves the registry on host:port."""
+    setup_tracing(settings, "registry")
     store = RegistryStore(settings, limits)
     try:
         await store.start()

@@ -11,6 +11,7 @@ from loraplane.config import Settings
 from loraplane.metrics import register_source, unregister_source
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
+from loraplane.tracing import setup_tracing
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler_svc.adapter_manager import AdapterManager
 from sampler_svc.engines.base import Engine
@@ -81,6 +82,7 @@ async def start_sampler_server(
         engine, base_model, settings, sglang_urls=sglang_urls, sglang_launch=sglang_launch,
         max_batch_rows=max_batch_rows, sglang_options=sglang_options)
     await engine_impl.start()
+    setup_tracing(settings, "sampler")
     # The sampler watches and downloads with the service key (settings.api_key).
     registry = RegistryClient(registry_address, security=ClientSecurity.from_settings(settings))
     manager = AdapterManager(engine_impl, registry, redis_url=settings.redis_url, key_prefix=settings.key_prefix,

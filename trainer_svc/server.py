@@ -12,6 +12,7 @@ from loraplane.config import Settings
 from loraplane.metrics import register_source, unregister_source
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
+from loraplane.tracing import setup_tracing
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import TrainerBackend
 from trainer_svc.journal import TrainingJournal
@@ -80,6 +81,7 @@ async def start_trainer_server(
     had before a crash, and only then starts serving."""
     if not registry_address:
         raise errors.InvalidArgument("registry_address is required", field="registry_address")
+    setup_tracing(settings, "trainer")
     limits.setdefault("checkpoint_every_steps", settings.checkpoint_every_steps)
     limits.setdefault("checkpoint_every_s", settings.checkpoint_every_s)
     trainer_limits = limits_from(**limits)

@@ -128,6 +128,11 @@ _runtime_lock = threading.Lock()
 def runtime() -> ClientRuntime:
     global _runtime
     with _runtime_lock:
+        if _runtime is None:
+            from loraplane.config import Settings
+            from loraplane.tracing import setup_tracing
+
+            setup_tracing(Settings(), "client")
         # After a fork the parent's loop thread does not exist in the child: start a fresh one.
         if _runtime is None or _runtime.pid != os.getpid() or _runtime.loop.is_closed():
             _runtime = ClientRuntime()
