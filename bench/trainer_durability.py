@@ -14,7 +14,6 @@ the figure an upper bound for the default.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import tempfile

@@ -46,6 +46,29 @@ class Settings(BaseSettings):
     checkpoint_every_steps: int = 50
     checkpoint_every_s: float = 300.0
 
+    # Authentication (docs/security.md). Off = the open mode (tests, the embedded demo), logged loudly by every
+    # service. On = every RPC needs an API key (keys live in the Redis at redis_url, under key_prefix).
+    auth: bool = False
+    # The key this process sends: a user's key for the SDK and CLI, the service key for trainer and sampler.
+    api_key: str = ""
+    # TLS of every gRPC server (PEM files); with tls_client_ca set, servers also demand client certificates (mTLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # TLS of every gRPC client: clients use TLS when tls_ca is set (the CA that signed the servers' certificates)
+    # or tls is on (system roots); tls_client_cert/key are their certificate for mTLS.
+    tls: bool = False
+    tls_ca: str = ""
+    tls_client_cert: str = ""
+    tls_client_key: str = ""
+    # Overrides the name checked against the server certificate (when addresses are IPs the cert does not list).
+    tls_server_name: str = ""
+
+    # Prometheus metrics over HTTP on this port (0 = a free port, -1 = off); `loraplane up` gives each service one.
+    metrics_port: int = -1
+    # OpenTelemetry traces go to this OTLP/gRPC endpoint (e.g. http://otel-collector:4317); empty = no tracing.
+    otlp_endpoint: str = ""
+
 
 def load_settings(**overrides) -> Settings:
     return Settings(**overrides)

@@ -88,3 +88,16 @@ class Aborted(LoraplaneError):
 
 class Cancelled(LoraplaneError):
     reason = "CANCELLED"
+
+
+class Unauthenticated(LoraplaneError):
+    """No API key, or one the cluster does not know (never issued, or revoked)."""
+
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(LoraplaneError):
+    """A known key reaching outside what its role and tenant allow. The message names only the caller's own scope,
+    never the resource's owner or whether it exists."""
+
+    reason = "PERMISSION_DENIED"

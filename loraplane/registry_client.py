@@ -14,7 +14,7 @@ from typing import Self
 import grpc
 
 from loraplane import errors
-from loraplane.rpc import channel_options, domain_error_from_rpc
+from loraplane.rpc import ClientSecurity, aio_channel, domain_error_from_rpc
 from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 CHUNK_BYTES = 1024 * 1024
@@ -35,16 +35,18 @@ class RegistryClient:
     """One lazily created grpc.aio channel per client. Create the client anywhere; the channel is opened inside
     the running loop on first use (a grpc.aio channel is bound to the loop that creates it)."""
 
-    def __init__(self, address: str, *, timeout: float = 30.0):
+    def __init__(self, address: str, *, timeout: float = 30.0, security: ClientSecurity | None = None):
+        """`security`: API key and TLS (default: from LORAPLANE_* settings)."""
         self.address = address
         self.timeout = timeout
+        self.security = security
         self._channel: grpc.aio.Channel | None = None
         self._stub: registry_pb2_grpc.AdapterRegistryServiceStub | None = None
 
     @property
     def stub(self) -> registry_pb2_grpc.AdapterRegistryServiceStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
+            self._channel = aio_channel(self.address, self.security)
             self._stub = registry_pb2_grpc.AdapterRegistryServiceStub(self._channel)
         return self._stub
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import inspect
 import logging
 import signal
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from loraplane import errors
+from loraplane import auth, errors
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,8 @@ _STATUS_OF: list[tuple[type[errors.LoraplaneError], grpc.StatusCode]] = [
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.Aborted, grpc.StatusCode.ABORTED),
     (errors.Cancelled, grpc.StatusCode.CANCELLED),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 
@@ -107,10 +113,21 @@ def map_servicer_errors(cls: type) -> type:
 
 
 class GrpcServer:
-    """An asyncio gRPC server with health checking and reflection for the given services."""
+    """An asyncio gRPC server with health checking and reflection for the given services; with an authenticator,
+    every call but health checks and reflection is authenticated (`AuthInterceptor`); with `security`, TLS."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, options: Iterable[tuple[str, Any]] = ()):
-        self.server = grpc.aio.server(options=[
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, options: Iterable[tuple[str, Any]] = (), *,
+                 authenticator: auth.Authenticator | None = None, security: ServerSecurity | None = None,
+                 metrics_port: int = -1):
+        """metrics_port: serve Prometheus metrics over HTTP there (0 = a free port, -1 = not at all)."""
+        self.authenticator = authenticator
+        self.metrics_port = metrics_port
+        self.metrics: Any = None
+        # Metrics outermost: denied calls are counted too, with their status code.
+        interceptors: list = [MetricsInterceptor()]
+        if authenticator is not None and not authenticator.open:
+            interceptors.append(AuthInterceptor(authenticator))
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
@@ -119,7 +136,10 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if security is not None and security.enabled:
+            self.port = self.server.add_secure_port(f"{host}:{port}", security.credentials())
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {host}:{port}")
         self.host = host
@@ -134,6 +154,10 @@ class GrpcServer:
     async def start(self) -> None:
         reflection.enable_server_reflection(self._service_names, self.server)
         await self.server.start()
+        if self.metrics_port >= 0 and self.metrics is None:
+            from loraplane.metrics import MetricsEndpoint
+
+            self.metrics = MetricsEndpoint(self.host, self.metrics_port)
         await self.set_serving(True)
 
     async def set_serving(self, serving: bool) -> None:
@@ -146,6 +170,11 @@ class GrpcServer:
     async def stop(self, grace: float = 5.0) -> None:
         await self.set_serving(False)
         await self.server.stop(grace)
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.authenticator is not None:
+            await self.authenticator.close()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -160,10 +189,11 @@ async def wait_for_shutdown_signal() -> None:
     await received.wait()
 
 
-def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
-    """Synchronous health probe: True when the server answers SERVING."""
+def check_health(address: str, service: str = "", timeout: float = 2.0,
+                 security: ClientSecurity | None = None) -> bool:
+    """Synchronous health probe: True when the server answers SERVING (health checks need no key)."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with sync_channel(address, security, options=()) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -243,3 +273,267 @@ def _error_info_field(exc: grpc.RpcError) -> str | None:
         if detail.Unpack(info):
             return info.metadata.get("field") or None
     return None
+
+
+# ---------------------------------------------------------------------------------------------------- auth + TLS
+
+# Open to every caller: load balancers and `loraplane status` probe health without a key; reflection describes only
+# the public contract.
+UNAUTHENTICATED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def _read(path: str) -> bytes | None:
+    return Path(path).expanduser().read_bytes() if path else None
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """A server's TLS: certificate chain and key (PEM), and optionally the CA whose client certificates it demands
+    (mTLS)."""
+
+    cert: bytes | None = None
+    key: bytes | None = None
+    client_ca: bytes | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None
+
+    @classmethod
+    def from_settings(cls, settings) -> ServerSecurity:
+        if bool(settings.tls_cert) != bool(settings.tls_key):
+            raise errors.InvalidArgument("tls_cert and tls_key: set both or neither (LORAPLANE_TLS_CERT/KEY)",
+                                         field="tls_cert")
+        if settings.tls_client_ca and not settings.tls_cert:
+            raise errors.InvalidArgument("tls_client_ca: mTLS needs the server's own tls_cert and tls_key",
+                                         field="tls_client_ca")
+        return cls(_read(settings.tls_cert), _read(settings.tls_key), _read(settings.tls_client_ca))
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.client_ca,
+                                           require_client_auth=self.client_ca is not None)
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """What a client sends: its API key (as `authorization: Bearer ...`) and, with TLS, the CA it trusts and its
+    own certificate for mTLS."""
+
+    api_key: str = ""
+    tls: bool = False
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    server_name: str = ""
+
+    @classmethod
+    def from_settings(cls, settings=None) -> ClientSecurity:
+        if settings is None:
+            from loraplane.config import Settings
+
+            settings = Settings()
+        return cls(api_key=settings.api_key,
+                   tls=bool(settings.tls or settings.tls_ca or settings.tls_client_cert),
+                   ca=_read(settings.tls_ca), cert=_read(settings.tls_client_cert), key=_read(settings.tls_client_key),
+                   server_name=settings.tls_server_name)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.tls and self.server_name else []
+
+    def metadata(self) -> list[tuple[str, str]]:
+        pairs = [("authorization", f"Bearer {self.api_key}")] if self.api_key else []
+        acting_for = auth.acting_for_value()
+        if acting_for and self.api_key:
+            pairs.append((auth.ACTING_FOR_HEADER, acting_for))
+        return pairs
+
+
+def aio_channel(address: str, security: ClientSecurity | None = None,
+                options: Iterable[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to a loraplane service: TLS and API key from `security` (default: LORAPLANE_* settings)."""
+    security = ClientSecurity.from_settings() if security is None else security
+    opts = [*(channel_options() if options is None else options), *security.options()]
+    interceptors = _aio_key_interceptors(security) if security.api_key else None
+    if security.tls:
+        return grpc.aio.secure_channel(address, security.channel_credentials(), options=opts,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors)
+
+
+def sync_channel(address: str, security: ClientSecurity | None = None,
+                 options: Iterable[tuple[str, Any]] | None = None) -> grpc.Channel:
+    """The blocking counterpart of `aio_channel` (CLI, tests)."""
+    security = ClientSecurity.from_settings() if security is None else security
+    opts = [*(channel_options() if options is None else options), *security.options()]
+    if security.tls:
+        channel = grpc.secure_channel(address, security.channel_credentials(), options=opts)
+    else:
+        channel = grpc.insecure_channel(address, options=opts)
+    return grpc.intercept_channel(channel, _SyncKeyInterceptor(security)) if security.api_key else channel
+
+
+def _with_metadata(details, security: ClientSecurity, aio: bool):
+    extra = security.metadata()
+    pairs = [*(details.metadata or ()), *extra]
+    return details._replace(metadata=grpc.aio.Metadata(*pairs) if aio else pairs)
+
+
+def _aio_key_interceptors(security: ClientSecurity) -> list:
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, details, request):
+            return await continuation(_with_metadata(details, security, True), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, details, request):
+            return await continuation(_with_metadata(details, security, True), request)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation, details, request_iterator):
+            return await continuation(_with_metadata(details, security, True), request_iterator)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, details, request_iterator):
+            return await continuation(_with_metadata(details, security, True), request_iterator)
+
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
+
+
+class _SyncDetails(__import__("collections").namedtuple(
+        "_SyncDetails", ["method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"]),
+        grpc.ClientCallDetails):
+    pass
+
+
+class _SyncKeyInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                          grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, security: ClientSecurity):
+        self.security = security
+
+    def _details(self, details):
+        return _SyncDetails(details.method, details.timeout, [*(details.metadata or ()), *self.security.metadata()],
+                            details.credentials, details.wait_for_ready, getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """The one place a service authenticates: resolves the `authorization` metadata to an `auth.Identity` and runs
+    the handler with it as the current caller (servicers pass `auth.current_caller()` to the domain), or answers
+    UNAUTHENTICATED without running it."""
+
+    def __init__(self, authenticator: auth.Authenticator):
+        self.authenticator = authenticator
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(UNAUTHENTICATED_SERVICES):
+            return handler
+        metadata = {key: value for key, value in (details.invocation_metadata or ())}
+        try:
+            identity = await self.authenticator.authenticate(metadata.get("authorization"),
+                                                             metadata.get(auth.ACTING_FOR_HEADER))
+        except errors.LoraplaneError as exc:
+            denial = exc
+        else:
+            return _replace_behavior(handler, lambda inner: _as_caller(inner, identity))
+        return _replace_behavior(handler, lambda inner: _deny(denial, streaming_response=handler.response_streaming))
+
+
+def _replace_behavior(handler, wrap):
+    for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+        inner = getattr(handler, kind)
+        if inner is not None:
+            return handler._replace(**{kind: wrap(inner)})
+    return handler
+
+
+def _as_caller(inner, identity: auth.Identity):
+    if inspect.isasyncgenfunction(inner):
+        async def stream(request, context):
+            auth.set_caller(identity)
+            async for item in inner(request, context):
+                yield item
+        return stream
+
+    async def unary(request, context):
+        # Each RPC runs in its own task: the caller stays set for exactly this call (and tasks it starts).
+        auth.set_caller(identity)
+        return await inner(request, context)
+    return unary
+
+
+def _deny(exc: errors.LoraplaneError, streaming_response: bool):
+    if streaming_response:
+        async def stream(request, context):
+            await context.abort_with_status(to_rpc_status(exc))
+            yield  # pragma: no cover - unreachable; makes this an async generator
+        return stream
+
+    async def unary(request, context):
+        await context.abort_with_status(to_rpc_status(exc))
+    return unary
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every RPC (but health checks and reflection) by service, method and status code, and times it."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(UNAUTHENTICATED_SERVICES):
+            return handler
+        from loraplane.metrics import RPC_SECONDS, RPCS
+
+        _, service, method = details.method.split("/", 2)
+        service = service.rsplit(".", 1)[-1]
+        timer = RPC_SECONDS.labels(service, method)
+
+        def record(context, started: float, failed: BaseException | None) -> None:
+            timer.observe(time.perf_counter() - started)
+            code = None
+            with contextlib.suppress(Exception):
+                code = context.code()
+            if code is None or code == grpc.StatusCode.OK and failed is not None:
+                code = grpc.StatusCode.CANCELLED if isinstance(failed, asyncio.CancelledError) else (
+                    grpc.StatusCode.UNKNOWN if failed is not None else grpc.StatusCode.OK)
+            RPCS.labels(service, method, getattr(code, "name", str(code))).inc()
+
+        def wrap(inner):
+            if inspect.isasyncgenfunction(inner):
+                async def stream(request, context):
+                    started, failed = time.perf_counter(), None
+                    try:
+                        async for item in inner(request, context):
+                            yield item
+                    except BaseException as exc:
+                        failed = exc
+                        raise
+                    finally:
+                        record(context, started, failed)
+                return stream
+
+            async def unary(request, context):
+                started, failed = time.perf_counter(), None
+                try:
+                    return await inner(request, context)
+                except BaseException as exc:
+                    failed = exc
+                    raise
+                finally:
+                    record(context, started, failed)
+            return unary
+
+        return _replace_behavior(handler, wrap)

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from loraplane.client.addresses import ADMIN_KEY_FILE, TLS_DIR
 from loraplane.config import Settings
 from loraplane.local.processes import ProcessStartError
 from loraplane_cli import app
@@ -45,7 +46,7 @@ def _endpoint_table(state: ClusterState, with_health: bool) -> Table:
     for c in state.components:
         row = [c.name, c.kind, c.endpoint, str(c.pid or "-")]
         if with_health:
-            health = component_health(c)
+            health = component_health(c, state.data_dir)
             color = {"healthy": "green", "external": "cyan"}.get(health, "red")
             supervision = f" ([red]{c.supervision}[/red]: {c.last_exit})" if c.supervision else ""
             row += [f"[{color}]{health}[/{color}]{supervision}", str(c.restarts)]
@@ -61,6 +62,10 @@ def up(
     registry_port: int = typer.Option(None, help="Fixed registry port (default: a free one)."),
     trainer_port: int = typer.Option(None, help="Fixed trainer port."),
     sampler_port: int = typer.Option(None, help="Fixed sampler port."),
+    auth: bool = typer.Option(True, "--auth/--no-auth", help="Require API keys (an admin key is written to the "
+                              "data dir, mode 0600). --no-auth runs the open mode: anyone on the host can do anything."),
+    tls: bool = typer.Option(False, "--tls", help="Make a local CA and certificates (in <data dir>/tls) and run "
+                             "every service over TLS."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
     services, wait until each is healthy, and print their endpoints. On a cluster that already runs, starts only
@@ -75,11 +80,25 @@ def up(
     extra_env = {"LORAPLANE_BASE_MODEL": settings.base_model}
     try:
         with console.status("starting cluster") as status:
-            state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update)
+            state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth,
+                                           tls=tls)
     except ProcessStartError as exc:
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc
     console.print(_endpoint_table(state, with_health=False))
+    data = Path(state.data_dir)
+    # What the cluster runs with, which for a cluster that already ran is what it was created with.
+    if (data / ADMIN_KEY_FILE).exists():
+        console.print(f"auth: on; admin key in {data / ADMIN_KEY_FILE} (mode 0600; the CLI and SDK use it from this "
+                      "data dir, or set LORAPLANE_API_KEY). Tenant keys: `loraplane keys create --tenant NAME`.")
+    else:
+        console.print("[bold red]auth: OFF[/bold red] (--no-auth): anyone who can reach these ports can read and "
+                      "change every tenant's adapters.")
+    for component in state.components:
+        if component.metrics:
+            console.print(f"{component.name} metrics: {component.metrics}")
+    if (data / TLS_DIR / "ca.pem").exists():
+        console.print(f"tls: on; CA certificate {data / TLS_DIR / 'ca.pem'} (set LORAPLANE_TLS_CA to it elsewhere).")
     if started:
         console.print(f"[green]cluster is up[/green] (started: {', '.join(started)}); a supervisor restarts what "
                       "dies; `loraplane down` stops it.")
@@ -120,16 +139,18 @@ def _service_details(state: ClusterState) -> Table:
     """What the services hold now: the trainer's adapters, the sampler's loaded versions and queue depth."""
     import grpc
 
-    from loraplane.rpc import channel_options
+    from loraplane.client.addresses import client_security
+    from loraplane.rpc import sync_channel
     from loraplane.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
     table = Table(title="services")
     table.add_column("service")
     table.add_column("detail")
     addresses = state.addresses()
+    security = client_security(state.data_dir)
     if "trainer" in addresses:
         try:
-            with grpc.insecure_channel(addresses["trainer"], options=channel_options()) as channel:
+            with sync_channel(addresses["trainer"], security) as channel:
                 stub = trainer_pb2_grpc.TrainerServiceStub(channel)
                 info = stub.GetInfo(trainer_pb2.GetInfoRequest(), timeout=3)
                 listed = stub.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000), timeout=3)
@@ -139,7 +160,7 @@ def _service_details(state: ClusterState) -> Table:
             table.add_row("trainer", f"[red]{exc.code().name}[/red]: {exc.details()}")
     if "sampler" in addresses:
         try:
-            with grpc.insecure_channel(addresses["sampler"], options=channel_options()) as channel:
+            with sync_channel(addresses["sampler"], security) as channel:
                 reply = sampler_pb2_grpc.SamplerServiceStub(channel).GetStatus(sampler_pb2.GetStatusRequest(), timeout=3)
             loaded = ", ".join(f"{a.adapter}@v{a.version}" for a in reply.loaded) or "none"
             table.add_row("sampler", f"{reply.engine} engine; queue depth {reply.queue_depth}, running "

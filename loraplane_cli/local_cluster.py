@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from loraplane.client.addresses import client_security
 from loraplane.config import Settings
 from loraplane.local.processes import (
     LOOPBACK,
     ManagedProcess,
-    ProcessStartError,
     free_port,
     redis_ping,
     s3_ready,
@@ -39,6 +39,7 @@ from loraplane.local.state import (
     read_cluster_state,
 )
 from loraplane.rpc import check_health
+from loraplane_cli.keys import secure_cluster_env
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,20 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("sampler", "sampler_svc", "loraplane.v1.SamplerService",
                 "LORAPLANE_SAMPLER_PORT", "LORAPLANE_SAMPLER_ADDRESS", start_timeout=900.0),
 )
+# What a service started into an existing cluster takes over from those already there: the same keys and TLS.
+SECURITY_ENV = ("LORAPLANE_AUTH", "LORAPLANE_API_KEY", "LORAPLANE_TLS_CERT", "LORAPLANE_TLS_KEY", "LORAPLANE_TLS_CA")
 # The state file's service names and these specs must agree.
 assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
-                  extra_env: dict[str, str] | None = None, on_progress=None) -> tuple[ClusterState, list[str]]:
+                  extra_env: dict[str, str] | None = None, on_progress=None, *, auth: bool = False,
+                  tls: bool = False) -> tuple[ClusterState, list[str]]:
     """Brings the cluster of this data dir up: starts what was never started, restarts (exactly as first started,
-    same ports and data) what has died, leaves running components alone, then hands the whole cluster to a fresh
-    supervisor. Returns the state and the names started. On a failure stops what this call started and raises
-    ProcessStartError."""
+    same ports, data, keys and certificates) what has died, leaves running components alone, then hands the whole
+    cluster to a fresh supervisor. Returns the state and the names started. On a failure stops what this call
+    started and raises ProcessStartError. `auth`: keys required (an admin key written to the data dir); `tls`: a
+    local CA and TLS everywhere; both apply when the cluster is created (an existing one keeps its own)."""
     data_dir = Path(settings.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     existing = read_cluster_state(data_dir)
@@ -110,6 +115,12 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                 add(ComponentState("redis", "valkey", valkey.url), valkey.process,
                     functools.partial(redis_ping, valkey.port))
         env["LORAPLANE_REDIS_URL"] = state.component("redis").endpoint
+        services_so_far = [c for c in state.components if c.kind == "service"]
+        if services_so_far:
+            env.update({k: v for k, v in services_so_far[0].env.items() if k in SECURITY_ENV})
+        else:
+            env.update(secure_cluster_env(data_dir, env["LORAPLANE_REDIS_URL"], settings.key_prefix, auth=auth,
+                                          tls=tls))
 
         if state.component("s3") is None:
             if settings.s3_endpoint:
@@ -125,9 +136,11 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
             component = state.component(spec.name)
             if component is None and spec.name in services:
                 port = getattr(settings, f"{spec.name}_port") or free_port()
-                env[spec.port_env] = str(port)
-                env["LORAPLANE_HOST"] = LOOPBACK
-                component = ComponentState(spec.name, "service", f"{LOOPBACK}:{port}")
+                metrics_port = free_port()
+                env.update({spec.port_env: str(port), "LORAPLANE_HOST": LOOPBACK,
+                            "LORAPLANE_METRICS_PORT": str(metrics_port)})
+                component = ComponentState(spec.name, "service", f"{LOOPBACK}:{port}",
+                                           metrics=f"http://{LOOPBACK}:{metrics_port}/metrics")
                 add(component, ManagedProcess(spec.name, [sys.executable, "-m", spec.module],
                                               data_dir / "logs" / f"{spec.name}.log", env=dict(env)),
                     functools.partial(component_ready, component, settings))
@@ -155,7 +168,7 @@ def relaunchable(component: ComponentState) -> ManagedProcess:
 
 def component_ready(component: ComponentState, settings: Settings) -> bool:
     if component.kind == "service":
-        return check_health(component.endpoint, _spec(component.name).grpc_service, timeout=1.0)
+        return component_health(component, str(Path(settings.data_dir).resolve())) == "healthy"
     if component.kind == "valkey":
         return redis_ping(urlsplit(component.endpoint).port)
     if component.kind == "seaweedfs":
@@ -226,13 +239,13 @@ def _terminate_group(pid: int, timeout: float) -> None:
         pass
 
 
-def component_health(component: ComponentState) -> str:
+def component_health(component: ComponentState, data_dir: str | None = None) -> str:
     """'healthy' | 'down' | 'unhealthy' — 'unhealthy' means the process lives but does not answer."""
     if component.kind == "service":
         if not pid_alive(component.pid):
             return "down"
-        return "healthy" if check_health(component.endpoint, _spec(component.name).grpc_service,
-                                         timeout=1.0) else "unhealthy"
+        return "healthy" if check_health(component.endpoint, _spec(component.name).grpc_service, timeout=1.0,
+                                         security=client_security(data_dir)) else "unhealthy"
     if component.kind == "external":
         return "external"
     return "healthy" if pid_alive(component.pid) else "down"

@@ -10,8 +10,10 @@ import sys
 from dataclasses import dataclass
 
 from loraplane import errors
+from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
-from loraplane.rpc import GrpcServer, wait_for_shutdown_signal
+from loraplane.rpc import GrpcServer, ServerSecurity, wait_for_shutdown_signal
+from loraplane.tracing import setup_tracing
 from loraplane.v1 import registry_pb2
 from registry_svc.servicer import RegistryServicer, add_to_server
 from registry_svc.store import RegistryLimits, RegistryStore
@@ -44,10 +46,12 @@ class RunningRegistry:
 async def start_registry_server(settings: Settings, host: str = "127.0.0.1", port: int = 0,
                                 limits: RegistryLimits | None = None) -> RunningRegistry:
     """Connects to Redis and S3 (creating the bucket if absent) and serves the registry on host:port."""
+    setup_tracing(settings, "registry")
     store = RegistryStore(settings, limits)
     try:
         await store.start()
-        server = GrpcServer(host, port)
+        server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "registry"),
+                            security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
         add_to_server(RegistryServicer(store), server.server)
         server.add_service(SERVICE_NAME)
         await server.start()
@@ -60,6 +64,8 @@ async def start_registry_server(settings: Settings, host: str = "127.0.0.1", por
 async def _serve(settings: Settings, host: str, port: int) -> None:
     running = await start_registry_server(settings, host, port)
     print(f"registry listening on {running.address}", flush=True)
+    if running.server.metrics is not None:
+        print(f"registry metrics on {running.server.metrics.url}", flush=True)
     await wait_for_shutdown_signal()
     await running.stop()
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 from google.protobuf import timestamp_pb2
 
-from loraplane import errors
+from loraplane import errors, metrics
+from loraplane.auth import current_caller
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from registry_svc.store import (
@@ -66,18 +68,19 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
         lora = adapter.lora_config
         record = await self.store.create_adapter(
             adapter.name, LoraSpec(lora.rank, lora.alpha, list(lora.target_modules), lora.seed), adapter.base_model,
-            adapter.keep_last, dict(adapter.metadata))
+            adapter.keep_last, dict(adapter.metadata), caller=current_caller())
         return registry_pb2.CreateAdapterResponse(adapter=adapter_pb(record))
 
     async def GetAdapter(self, request, context):
-        return registry_pb2.GetAdapterResponse(adapter=adapter_pb(await self.store.get_adapter(request.name)))
+        return registry_pb2.GetAdapterResponse(adapter=adapter_pb(await self.store.get_adapter(request.name, caller=current_caller())))
 
     async def ListAdapters(self, request, context):
-        records, token = await self.store.list_adapters(request.prefix, request.page_size, request.page_token)
+        records, token = await self.store.list_adapters(request.prefix, request.page_size, request.page_token,
+                                                          caller=current_caller())
         return registry_pb2.ListAdaptersResponse(adapters=[adapter_pb(r) for r in records], next_page_token=token)
 
     async def DeleteAdapter(self, request, context):
-        await self.store.delete_adapter(request.name)
+        await self.store.delete_adapter(request.name, caller=current_caller())
         return registry_pb2.DeleteAdapterResponse()
 
     async def PublishVersion(self, request_iterator, context):
@@ -100,43 +103,51 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
                                                  field="header")
                 yield message.chunk
 
-        result = await self.store.publish(header, chunks())
+        with metrics.PUBLISH_SECONDS.time():
+            result = await self.store.publish(header, chunks(), caller=current_caller())
+        if not result.deduplicated:
+            metrics.PUBLISH_BYTES.labels(metrics.tenant_of(header.adapter)).inc(header.size_bytes)
         return registry_pb2.PublishVersionResponse(version=version_pb(result.version),
                                                    deduplicated=result.deduplicated)
 
     async def GetVersion(self, request, context):
         name, version, alias = _ref_fields(request.ref)
-        record = await self.store.get_version(name, version, alias)
+        record = await self.store.get_version(name, version, alias, caller=current_caller())
         return registry_pb2.GetVersionResponse(version=version_pb(record))
 
     async def ListVersions(self, request, context):
         records, token = await self.store.list_versions(request.adapter, request.kind, request.page_size,
-                                                        request.page_token)
+                                                        request.page_token, caller=current_caller())
         return registry_pb2.ListVersionsResponse(versions=[version_pb(r) for r in records], next_page_token=token)
 
     async def DeleteVersion(self, request, context):
-        await self.store.delete_version(request.adapter, request.version)
+        await self.store.delete_version(request.adapter, request.version, caller=current_caller())
         return registry_pb2.DeleteVersionResponse()
 
     async def SetAlias(self, request, context):
-        record = await self.store.set_alias(request.adapter, request.alias, request.version)
+        record = await self.store.set_alias(request.adapter, request.alias, request.version,
+                                           caller=current_caller())
         return registry_pb2.SetAliasResponse(adapter=adapter_pb(record))
 
     async def DownloadVersion(self, request, context):
         name, version, alias = _ref_fields(request.ref)
-        record, chunks = await self.store.download(name, version, alias, request.offset, request.chunk_size)
+        record, chunks = await self.store.download(name, version, alias, request.offset, request.chunk_size,
+                                                    caller=current_caller())
         yield registry_pb2.DownloadVersionResponse(
             header=registry_pb2.DownloadVersionHeader(version=version_pb(record), offset=request.offset))
+        downloaded = metrics.DOWNLOAD_BYTES.labels(metrics.tenant_of(record.adapter))
         async for data in chunks:
+            downloaded.inc(len(data))
             yield registry_pb2.DownloadVersionResponse(chunk=data)
 
     async def WatchEvents(self, request, context):
         async for record in self.store.watch(request.after_cursor, request.adapter, request.prefix,
-                                             request.start_at_end):
+                                             request.start_at_end, caller=current_caller()):
+            metrics.EVENT_LAG_SECONDS.observe(max(0.0, time.time() - record.time_ms / 1000))
             yield registry_pb2.WatchEventsResponse(event=event_pb(record))
 
     async def CollectGarbage(self, request, context):
-        report = await self.store.collect_garbage(request.dry_run)
+        report = await self.store.collect_garbage(request.dry_run, caller=current_caller())
         return registry_pb2.CollectGarbageResponse(deleted_blobs=report.deleted_blobs, freed_bytes=report.freed_bytes)
 
 

@@ -28,6 +28,7 @@ from redis.backoff import ExponentialBackoff
 
 from loraplane import errors, fields
 from loraplane.adapter_format import BlobCheck
+from loraplane.auth import OPEN, Identity, quota_exceeded
 from loraplane.config import Settings
 from loraplane.errors import shown
 from loraplane.fields import validate_alias, validate_name
@@ -351,8 +352,10 @@ class RegistryStore:
     # ------------------------------------------------------------------------------------------------ adapters
 
     async def create_adapter(self, name: str, lora: LoraSpec, base_model: str, keep_last: int,
-                             metadata: Mapping[str, str]) -> AdapterRecord:
+                             metadata: Mapping[str, str], *, caller: Identity = OPEN) -> AdapterRecord:
         validate_name(name, "adapter.name")
+        caller.authorize(name, "adapter.name")
+        await self._check_adapter_quota(name, caller)
         validate_lora(lora, self.limits)
         validate_base_model(base_model, self.limits)
         validate_metadata(metadata, self.limits, "adapter.metadata")
@@ -363,8 +366,9 @@ class RegistryStore:
             raise errors.AlreadyExists(f"adapter.name: adapter {shown(name)} already exists", field="adapter.name")
         return await self.get_adapter(name)
 
-    async def get_adapter(self, name: str, field_name: str = "name") -> AdapterRecord:
+    async def get_adapter(self, name: str, field_name: str = "name", *, caller: Identity = OPEN) -> AdapterRecord:
         validate_name(name, field_name)
+        caller.authorize(name, field_name)
         with self._redis_errors("read an adapter"):
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hgetall(self._akey(name))
@@ -374,11 +378,18 @@ class RegistryStore:
             raise errors.NotFound(f"{field_name}: adapter {shown(name)} not found", field=field_name)
         return self._adapter_record(fields, aliases)
 
-    async def list_adapters(self, prefix: str, page_size: int, page_token: str) -> tuple[list[AdapterRecord], str]:
+    async def list_adapters(self, prefix: str, page_size: int, page_token: str, *,
+                            caller: Identity = OPEN) -> tuple[list[AdapterRecord], str]:
         if len(prefix) > self.limits.max_prefix_chars:
             raise errors.InvalidArgument(f"prefix: {len(prefix)} characters, at most {self.limits.max_prefix_chars}",
                                          field="prefix")
         size = page_size_of(page_size)
+        # A scoped caller lists only its own namespace (an empty page when it asks for another one).
+        narrowed = caller.narrow_prefix(prefix)
+        if narrowed is None:
+            decode_page_token(page_token, "adapters", prefix)
+            return [], ""
+        prefix = narrowed
         after = decode_page_token(page_token, "adapters", prefix)
         low = f"({after}" if after is not None else f"[{prefix}" if prefix else "-"
         high = f"[{prefix}\xff" if prefix else "+"
@@ -394,12 +405,47 @@ class RegistryStore:
         next_token = encode_page_token(names[size - 1], "adapters", prefix) if len(names) > size else ""
         return records, next_token
 
-    async def delete_adapter(self, name: str) -> None:
+    async def delete_adapter(self, name: str, *, caller: Identity = OPEN) -> None:
         validate_name(name)
+        caller.authorize(name)
         result = await self._script("DELETE_ADAPTER", name, _now_ms())
         if result[0] == -1:
             raise errors.NotFound(f"name: adapter {shown(name)} not found", field="name")
         await self._collect_freed(result[1:])
+
+    async def _check_adapter_quota(self, name: str, caller: Identity) -> None:
+        limit, tenant = caller.quotas.max_adapters, caller.scoped_tenant
+        if not limit or not tenant:
+            return
+        with self._redis_errors("count adapters"):
+            if await self.redis.exists(self._akey(name)):
+                return  # the create answers ALREADY_EXISTS, as without a quota
+            count = await self.redis.zlexcount(self.prefix + "adapters", f"[{tenant}/", f"[{tenant}/\xff")
+        if count + 1 > limit:
+            raise quota_exceeded("max_adapters", tenant, count + 1, limit, " adapters")
+
+    async def stored_bytes(self, tenant: str) -> int:
+        """Bytes of every version (all kinds) of the adapters under `tenant/`, as the quota counts them."""
+        with self._redis_errors("count stored bytes"):
+            names = await self.redis.zrangebylex(self.prefix + "adapters", f"[{tenant}/", f"[{tenant}/\xff")
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.zrange(self._akey(name, ":versions"), 0, -1)
+                version_lists = await pipe.execute()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name, numbers in zip(names, version_lists, strict=True):
+                    for number in numbers:
+                        pipe.hget(self._akey(name, f":v:{number}"), "size")
+                sizes = await pipe.execute()
+        return sum(int(size or 0) for size in sizes)
+
+    async def _check_bytes_quota(self, size: int, caller: Identity) -> None:
+        limit, tenant = caller.quotas.max_stored_bytes, caller.scoped_tenant
+        if not limit or not tenant:
+            return
+        used = await self.stored_bytes(tenant) + size
+        if used > limit:
+            raise quota_exceeded("max_stored_bytes", tenant, used, limit, " bytes")
 
     # ------------------------------------------------------------------------------------------------ versions
 
@@ -431,15 +477,18 @@ class RegistryStore:
         header.aliases = list(dict.fromkeys(header.aliases))
         return header
 
-    async def publish(self, header: PublishHeader, chunks: AsyncIterator[bytes]) -> PublishResult:
+    async def publish(self, header: PublishHeader, chunks: AsyncIterator[bytes], *,
+                      caller: Identity = OPEN) -> PublishResult:
         """Stores the blob announced by `header` (validated by `validate_publish_header`) from `chunks`, then
         commits the version. Nothing is committed unless every byte arrived and matched the digest."""
         self.validate_publish_header(header)
+        caller.authorize(header.adapter, "header.adapter")
         adapter = await self.get_adapter(header.adapter, "header.adapter")
         if header.idempotency_key:
             prior = await self._prior_publish(adapter.name, header)
             if prior is not None:
                 return PublishResult(prior, deduplicated=True)
+        await self._check_bytes_quota(header.size_bytes, caller)
         token = uuid.uuid4().hex
         await self._register_upload(header.sha256, token, header.size_bytes)
         committed = False
@@ -551,7 +600,9 @@ class RegistryStore:
         return record.latest_version
 
     async def get_version(self, adapter: str, version: int = 0, alias: str = "",
-                          field_name: str = "ref") -> VersionRecord:
+                          field_name: str = "ref", *, caller: Identity = OPEN) -> VersionRecord:
+        validate_name(adapter, f"{field_name}.name")
+        caller.authorize(adapter, f"{field_name}.name")
         number = await self.resolve(adapter, version, alias, field_name)
         with self._redis_errors("read a version"):
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -567,8 +618,9 @@ class RegistryStore:
         return self._version_record(adapter, number, fields, aliases)
 
     async def list_versions(self, adapter: str, kind: int, page_size: int,
-                            page_token: str) -> tuple[list[VersionRecord], str]:
+                            page_token: str, *, caller: Identity = OPEN) -> tuple[list[VersionRecord], str]:
         validate_name(adapter, "adapter")
+        caller.authorize(adapter, "adapter")
         if kind and kind not in KINDS:
             raise errors.InvalidArgument(f"kind: {kind} is not a known VersionKind", field="kind")
         size = page_size_of(page_size)
@@ -592,8 +644,9 @@ class RegistryStore:
         next_token = encode_page_token(int(numbers[size - 1]), "versions", adapter, kind) if len(numbers) > size else ""
         return records, next_token
 
-    async def delete_version(self, adapter: str, version: int) -> None:
+    async def delete_version(self, adapter: str, version: int, *, caller: Identity = OPEN) -> None:
         validate_name(adapter, "adapter")
+        caller.authorize(adapter, "adapter")
         if version < 1:
             raise errors.InvalidArgument("version: must be >= 1", field="version")
         result = await self._script("DELETE_VERSION", adapter, _now_ms(), version)
@@ -607,8 +660,9 @@ class RegistryStore:
                 "the alias first", field="version", reason="VERSION_ALIASED")
         await self._collect_freed(result[1:])
 
-    async def set_alias(self, adapter: str, alias: str, version: int) -> AdapterRecord:
+    async def set_alias(self, adapter: str, alias: str, version: int, *, caller: Identity = OPEN) -> AdapterRecord:
         validate_name(adapter, "adapter")
+        caller.authorize(adapter, "adapter")
         validate_alias(alias)
         result = await self._script("SET_ALIAS", adapter, _now_ms(), alias, version)
         code = result[0]
@@ -624,7 +678,9 @@ class RegistryStore:
         return await self.get_adapter(adapter, "adapter")
 
     async def download(self, adapter: str, version: int, alias: str, offset: int,
-                       chunk_size: int) -> tuple[VersionRecord, AsyncIterator[bytes]]:
+                       chunk_size: int, *, caller: Identity = OPEN) -> tuple[VersionRecord, AsyncIterator[bytes]]:
+        validate_name(adapter, "ref.name")
+        caller.authorize(adapter, "ref.name")
         if chunk_size > self.limits.max_download_chunk_bytes:
             raise errors.InvalidArgument(f"chunk_size: {chunk_size} exceeds the limit "
                                          f"{self.limits.max_download_chunk_bytes}", field="chunk_size")
@@ -669,7 +725,8 @@ class RegistryStore:
                 await self._script("RELEASE_GARBAGE", sha)
         return True
 
-    async def collect_garbage(self, dry_run: bool) -> GarbageReport:
+    async def collect_garbage(self, dry_run: bool, *, caller: Identity = OPEN) -> GarbageReport:
+        caller.require_admin("CollectGarbage")
         if not dry_run:
             aborted = await self.blobs.abort_stale_uploads(self.limits.stale_upload_seconds)
             if aborted:
@@ -692,12 +749,13 @@ class RegistryStore:
     # ------------------------------------------------------------------------------------------------ events
 
     async def watch(self, after_cursor: str, adapter: str, prefix: str,
-                    start_at_end: bool) -> AsyncIterator[EventRecord]:
+                    start_at_end: bool, *, caller: Identity = OPEN) -> AsyncIterator[EventRecord]:
         if after_cursor and not CURSOR_RE.match(after_cursor):
             raise errors.InvalidArgument(f"after_cursor: {after_cursor[:60]!r} is not a cursor this registry issued",
                                          field="after_cursor")
         if adapter:
             validate_name(adapter, "adapter")
+            caller.authorize(adapter, "adapter")
         if len(prefix) > self.limits.max_prefix_chars:
             raise errors.InvalidArgument(f"prefix: {len(prefix)} characters, at most {self.limits.max_prefix_chars}",
                                          field="prefix")
@@ -718,6 +776,8 @@ class RegistryStore:
                         if adapter and name != adapter:
                             continue
                         if prefix and not name.startswith(prefix):
+                            continue
+                        if not caller.may_see(name):
                             continue
                         yield EventRecord(
                             cursor=entry_id, type=int(fields.get("t", 0)), adapter=name,

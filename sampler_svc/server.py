@@ -6,9 +6,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraplane import errors
+from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
+from loraplane.metrics import register_source, unregister_source
 from loraplane.registry_client import RegistryClient
-from loraplane.rpc import GrpcServer
+from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
+from loraplane.tracing import setup_tracing
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler_svc.adapter_manager import AdapterManager
 from sampler_svc.engines.base import Engine
@@ -28,12 +31,14 @@ class RunningSampler:
     registry: RegistryClient
     settings: Settings
     registry_address: str
+    metrics_source: int | None = None
 
     @property
     def address(self) -> str:
         return self.server.address
 
     async def stop(self) -> None:
+        unregister_source(self.metrics_source)
         await self.server.stop(grace=1.0)
         await self.manager.stop()
         await self.engine.stop()
@@ -77,12 +82,15 @@ async def start_sampler_server(
         engine, base_model, settings, sglang_urls=sglang_urls, sglang_launch=sglang_launch,
         max_batch_rows=max_batch_rows, sglang_options=sglang_options)
     await engine_impl.start()
-    registry = RegistryClient(registry_address)
+    setup_tracing(settings, "sampler")
+    # The sampler watches and downloads with the service key (settings.api_key).
+    registry = RegistryClient(registry_address, security=ClientSecurity.from_settings(settings))
     manager = AdapterManager(engine_impl, registry, redis_url=settings.redis_url, key_prefix=settings.key_prefix,
                              instance_id=instance_id, keep_versions=keep_versions, max_loaded=max_loaded,
                              watch_prefix=watch_prefix)
     service = SamplerService(engine_impl, manager, max_num_samples=max_batch_rows)
-    server = GrpcServer(host, port)
+    server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "sampler"),
+                        security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
     sampler_pb2_grpc.add_SamplerServiceServicer_to_server(SamplerServicer(service), server.server)
     server.add_service(SERVICE_NAME)
     try:
@@ -93,5 +101,14 @@ async def start_sampler_server(
         await engine_impl.stop()
         await registry.close()
         raise
-    return RunningSampler(server=server, engine=engine_impl, manager=manager, service=service, registry=registry,
-                          settings=settings, registry_address=registry_address)
+    running = RunningSampler(server=server, engine=engine_impl, manager=manager, service=service,
+                             registry=registry, settings=settings, registry_address=registry_address)
+    running.metrics_source = register_source("sampler", server.address, {
+        "loraplane_sampler_loaded_versions": ("Adapter versions loaded in the engine",
+                                              lambda: len(manager.list_loaded())),
+        "loraplane_sampler_loads": ("Adapter versions loaded since start (a counter)", lambda: manager.loads),
+        "loraplane_sampler_events_applied": ("Registry events applied since start", lambda: manager.events_applied),
+        "loraplane_sampler_engine_queue_depth": ("Requests waiting in the engine", lambda: engine_impl.queue_depth),
+        "loraplane_sampler_running_requests": ("Requests the engine is running", lambda: engine_impl.running_requests),
+    })
+    return running

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from loraplane import errors
+from loraplane.auth import OPEN, Identity, TenantCounter
 from loraplane.fields import validate_name
 from sampler_svc.adapter_manager import AdapterManager, LoadedVersion
 from sampler_svc.engines.base import DEFAULT_MAX_TOKENS, Engine, GenerationRequest, GenerationUpdate, SamplingOptions
@@ -91,6 +92,7 @@ class SamplerService:
         self.engine = engine
         self.manager = manager
         self.max_num_samples = max_num_samples
+        self._samples = TenantCounter("max_concurrent_samples")
 
     # ------------------------------------------------------------------ validation
 
@@ -183,8 +185,14 @@ class SamplerService:
     # ------------------------------------------------------------------ RPCs
 
     async def sample(self, selector: AdapterSelector, prompt: Sequence[int], num_samples: int,
-                     params: SamplingInput, include_prompt_logprobs: bool = False) -> SampleResult:
+                     params: SamplingInput, include_prompt_logprobs: bool = False, *,
+                     caller: Identity = OPEN) -> SampleResult:
+        _authorize(caller, selector)
         request = self._generation_request(selector, prompt, num_samples, params, include_prompt_logprobs)
+        with self._samples.hold(caller):
+            return await self._sample(selector, request)
+
+    async def _sample(self, selector: AdapterSelector, request: GenerationRequest) -> SampleResult:
         async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
             request = dataclasses.replace(request, adapter_key=lease.adapter_key)
             sequences = [SampledSequence() for _ in range(request.num_samples)]
@@ -200,8 +208,15 @@ class SamplerService:
             return SampleResult(sequences=sequences, prompt_logprobs=prompt_logprobs, served_version=lease.version)
 
     async def sample_stream(self, selector: AdapterSelector, prompt: Sequence[int], num_samples: int,
-                            params: SamplingInput) -> AsyncIterator[StreamChunk]:
+                            params: SamplingInput, *, caller: Identity = OPEN) -> AsyncIterator[StreamChunk]:
+        _authorize(caller, selector)
         request = self._generation_request(selector, prompt, num_samples, params, False)
+        with self._samples.hold(caller):
+            async for chunk in self._sample_stream(selector, request):
+                yield chunk
+
+    async def _sample_stream(self, selector: AdapterSelector, request: GenerationRequest
+                             ) -> AsyncIterator[StreamChunk]:
         async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
             stream = self.engine.generate(dataclasses.replace(request, adapter_key=lease.adapter_key, stream=True))
             try:
@@ -213,20 +228,25 @@ class SamplerService:
             finally:
                 await stream.aclose()
 
-    async def compute_logprobs(self, selector: AdapterSelector, tokens: Sequence[int]) -> tuple[list[float], int]:
+    async def compute_logprobs(self, selector: AdapterSelector, tokens: Sequence[int], *,
+                               caller: Identity = OPEN) -> tuple[list[float], int]:
         self._check_adapter(selector)
+        _authorize(caller, selector)
         self._check_tokens(tokens, "tokens")
-        async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
-            values = await self.engine.compute_logprobs([int(t) for t in tokens], lease.adapter_key)
-            return values, lease.version
+        with self._samples.hold(caller):
+            async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
+                values = await self.engine.compute_logprobs([int(t) for t in tokens], lease.adapter_key)
+                return values, lease.version
 
-    def list_loaded(self, adapter: str, page_size: int, page_token: str) -> tuple[list[LoadedVersion], str]:
+    def list_loaded(self, adapter: str, page_size: int, page_token: str, *,
+                    caller: Identity = OPEN) -> tuple[list[LoadedVersion], str]:
         if adapter:
             validate_name(adapter, "adapter")
+            caller.authorize(adapter, "adapter")
         if page_size < 0:
             raise errors.InvalidArgument(f"page_size must be >= 0, got {page_size}", field="page_size")
         page_size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        entries = self.manager.list_loaded(adapter)
+        entries = [e for e in self.manager.list_loaded(adapter) if caller.may_see(e.adapter)]
         if page_token:
             after = _decode_page_token(page_token, adapter)
             entries = [e for e in entries if (e.adapter, e.version) > after]
@@ -234,25 +254,34 @@ class SamplerService:
         next_token = _encode_page_token(page[-1], adapter) if len(entries) > page_size else ""
         return page, next_token
 
-    async def load_adapter(self, selector: AdapterSelector, pin: bool) -> LoadedVersion:
+    async def load_adapter(self, selector: AdapterSelector, pin: bool, *, caller: Identity = OPEN) -> LoadedVersion:
         self._check_adapter(selector)
+        _authorize(caller, selector)
         if not selector.name:
             raise errors.InvalidArgument("adapter.name is required (the base model is always loaded)",
                                          field="adapter.name")
         return await self.manager.pin(selector.name, selector.version, selector.alias, pin=pin)
 
-    def unload_adapter(self, adapter: str, version: int) -> None:
+    def unload_adapter(self, adapter: str, version: int, *, caller: Identity = OPEN) -> None:
         if not adapter:
             raise errors.InvalidArgument("adapter is required", field="adapter")
         validate_name(adapter, "adapter")
+        caller.authorize(adapter, "adapter")
         self.manager.unpin(adapter, version)
 
-    def status(self) -> SamplerStatus:
+    def status(self, *, caller: Identity = OPEN) -> SamplerStatus:
+        loaded = [e for e in self.manager.list_loaded() if caller.may_see(e.adapter)]
         return SamplerStatus(
-            engine=self.engine.name, base_model=self.engine.base_model_name, loaded=self.manager.list_loaded(),
+            engine=self.engine.name, base_model=self.engine.base_model_name, loaded=loaded,
             queue_depth=self.engine.queue_depth, running_requests=self.engine.running_requests,
             watch_cursor=self.manager.cursor, registry_connected=self.manager.registry_connected,
             keep_versions=self.manager.keep_versions, max_loaded=self.manager.max_loaded)
+
+
+def _authorize(caller: Identity, selector: AdapterSelector) -> None:
+    # The base model (no name) is every caller's.
+    if selector.name:
+        caller.authorize(selector.name, "adapter.name")
 
 
 def _merge(sequences: list[SampledSequence], update: GenerationUpdate) -> None:

@@ -6,7 +6,8 @@ import re
 
 from google.protobuf import timestamp_pb2
 
-from loraplane import errors
+from loraplane import errors, metrics
+from loraplane.auth import current_caller
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from sampler_svc.adapter_manager import LoadedVersion
@@ -72,7 +73,10 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
 
     async def Sample(self, request: sampler_pb2.SampleRequest, context) -> sampler_pb2.SampleResponse:
         result = await self.service.sample(_selector(request.adapter), request.prompt_tokens, request.num_samples,
-                                           _sampling(request.sampling_params), request.include_prompt_logprobs)
+                                           _sampling(request.sampling_params), request.include_prompt_logprobs,
+                                           caller=current_caller())
+        metrics.SAMPLED_TOKENS.labels(metrics.tenant_of(request.adapter.name)).inc(
+            sum(len(s.tokens) for s in result.sequences))
         return sampler_pb2.SampleResponse(
             sequences=[sampler_pb2.SampledSequence(tokens=s.tokens, logprobs=s.logprobs,
                                                    finish_reason=_FINISH[s.finish_reason])
@@ -81,14 +85,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
 
     async def SampleStream(self, request: sampler_pb2.SampleStreamRequest, context):
         async for chunk in self.service.sample_stream(_selector(request.adapter), request.prompt_tokens,
-                                                      request.num_samples, _sampling(request.sampling_params)):
+                                                      request.num_samples, _sampling(request.sampling_params),
+                                                      caller=current_caller()):
+            metrics.SAMPLED_TOKENS.labels(metrics.tenant_of(request.adapter.name)).inc(len(chunk.tokens))
             yield sampler_pb2.SampleStreamResponse(
                 sequence_index=chunk.sequence_index, tokens=chunk.tokens, logprobs=chunk.logprobs,
                 finish_reason=_FINISH[chunk.finish_reason], served_version=chunk.served_version)
 
     async def ComputeLogprobs(self, request: sampler_pb2.ComputeLogprobsRequest,
                               context) -> sampler_pb2.ComputeLogprobsResponse:
-        values, version = await self.service.compute_logprobs(_selector(request.adapter), request.tokens)
+        values, version = await self.service.compute_logprobs(_selector(request.adapter), request.tokens,
+                                                              caller=current_caller())
         return sampler_pb2.ComputeLogprobsResponse(logprobs=values, served_version=version)
 
     async def ListLoadedAdapters(self, request: sampler_pb2.ListLoadedAdaptersRequest,
@@ -96,11 +103,12 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         if request.adapter and not _NAME.match(request.adapter):
             raise errors.InvalidArgument(f"adapter {errors.shown(request.adapter)} is not a valid adapter name",
                                          field="adapter")
-        page, token = self.service.list_loaded(request.adapter, request.page_size, request.page_token)
+        page, token = self.service.list_loaded(request.adapter, request.page_size, request.page_token,
+                                                   caller=current_caller())
         return sampler_pb2.ListLoadedAdaptersResponse(adapters=[_loaded(e) for e in page], next_page_token=token)
 
     async def LoadAdapter(self, request: sampler_pb2.LoadAdapterRequest, context) -> sampler_pb2.LoadAdapterResponse:
-        entry = await self.service.load_adapter(_selector(request.adapter), request.pin)
+        entry = await self.service.load_adapter(_selector(request.adapter), request.pin, caller=current_caller())
         return sampler_pb2.LoadAdapterResponse(adapter=_loaded(entry))
 
     async def UnloadAdapter(self, request: sampler_pb2.UnloadAdapterRequest,
@@ -108,11 +116,11 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         if request.adapter and not _NAME.match(request.adapter):
             raise errors.InvalidArgument(f"adapter {errors.shown(request.adapter)} is not a valid adapter name",
                                          field="adapter")
-        self.service.unload_adapter(request.adapter, request.version)
+        self.service.unload_adapter(request.adapter, request.version, caller=current_caller())
         return sampler_pb2.UnloadAdapterResponse()
 
     async def GetStatus(self, request: sampler_pb2.GetStatusRequest, context) -> sampler_pb2.GetStatusResponse:
-        status = self.service.status()
+        status = self.service.status(caller=current_caller())
         return sampler_pb2.GetStatusResponse(
             engine=status.engine, base_model=status.base_model, loaded=[_loaded(e) for e in status.loaded],
             queue_depth=status.queue_depth, running_requests=status.running_requests,

@@ -7,9 +7,12 @@ import logging
 from dataclasses import dataclass, fields
 
 from loraplane import errors
+from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
+from loraplane.metrics import register_source, unregister_source
 from loraplane.registry_client import RegistryClient
-from loraplane.rpc import GrpcServer
+from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
+from loraplane.tracing import setup_tracing
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import TrainerBackend
 from trainer_svc.journal import TrainingJournal
@@ -27,12 +30,14 @@ class RunningTrainer:
     registry: RegistryClient
     settings: Settings
     registry_address: str
+    metrics_source: int | None = None
 
     @property
     def address(self) -> str:
         return self.server.address
 
     async def stop(self, grace: float = 1.0) -> None:
+        unregister_source(self.metrics_source)
         try:
             await self.server.stop(grace)
         finally:
@@ -76,12 +81,15 @@ async def start_trainer_server(
     had before a crash, and only then starts serving."""
     if not registry_address:
         raise errors.InvalidArgument("registry_address is required", field="registry_address")
+    setup_tracing(settings, "trainer")
     limits.setdefault("checkpoint_every_steps", settings.checkpoint_every_steps)
     limits.setdefault("checkpoint_every_s", settings.checkpoint_every_s)
     trainer_limits = limits_from(**limits)
     backend_impl = backend if isinstance(backend, TrainerBackend) else await asyncio.to_thread(
         build_backend, backend, base_model, device)
-    registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s)
+    # The trainer reaches the registry with the service key (settings.api_key), acting for the tenant it serves.
+    registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s,
+                              security=ClientSecurity.from_settings(settings))
     use_journal = settings.trainer_journal and bool(settings.redis_url) if journal is None else journal
     training_journal = None
     if use_journal:
@@ -91,7 +99,8 @@ async def start_trainer_server(
         log.warning("NO TRAINING JOURNAL: set LORAPLANE_REDIS_URL to make training durable; a crash of this trainer "
                     "loses every adapter's state since its last SaveState")
     service = service_class(backend_impl, registry, trainer_limits, journal=training_journal)
-    server = GrpcServer(host, port)
+    server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "trainer"),
+                        security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
     server.add_service(SERVICE_NAME)
     try:
@@ -103,5 +112,15 @@ async def start_trainer_server(
         await service.close()
         await registry.close()
         raise
-    return RunningTrainer(server=server, service=service, registry=registry, settings=settings,
-                          registry_address=registry_address)
+    running = RunningTrainer(server=server, service=service, registry=registry, settings=settings,
+                             registry_address=registry_address)
+    running.metrics_source = register_source("trainer", server.address, {
+        # Read from the metrics thread while the worker changes them: a failed read is skipped (metrics.py).
+        "loraplane_trainer_queue_depth": ("Sequenced requests queued or running", lambda: service.scheduler._queued),
+        "loraplane_trainer_adapters": ("Adapters on this trainer", lambda: len(service.pool)),
+        "loraplane_trainer_resident_adapters": ("Adapters resident on the device",
+                                                lambda: len(service.pool._resident)),
+        "loraplane_trainer_pool_misses": ("Activations that had to bring a spilled adapter back (a counter)",
+                                          lambda: service.pool.misses),
+    })
+    return running

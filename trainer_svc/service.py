@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplane.adapter_format import TrainingState, parse_training_state, serialize_adapter, serialize_training_state
+from loraplane.auth import OPEN, Identity, TenantCounter
 from loraplane.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -156,6 +157,7 @@ class TrainerService:
         self._uids: dict[str, str] = {}
         self._creating: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._queued = TenantCounter("max_queued_requests")
 
     @property
     def base_model(self) -> str:
@@ -171,9 +173,11 @@ class TrainerService:
 
     # ---------------------------------------------------------------- adapters
     async def create_adapter(self, name: str, lora_config: common_pb2.LoraConfig, base_model: str = "",
-                             keep_last: int = 0, metadata: Mapping[str, str] | None = None) -> AdapterInfo:
+                             keep_last: int = 0, metadata: Mapping[str, str] | None = None, *,
+                             caller: Identity = OPEN) -> AdapterInfo:
         self._loop = asyncio.get_running_loop()
         validate_adapter_name(name)
+        caller.authorize(name)
         validate_metadata(metadata or {})
         if base_model and base_model != self.base_model:
             raise InvalidArgument(f"base_model {shown(base_model)} differs from this trainer's {self.base_model!r}",
@@ -239,8 +243,10 @@ class TrainerService:
                 f"adapter {name!r} already exists in the registry with a different LoRA config or base model",
                 field="name")
 
-    async def delete_adapter(self, name: str, delete_from_registry: bool = False) -> None:
+    async def delete_adapter(self, name: str, delete_from_registry: bool = False, *,
+                             caller: Identity = OPEN) -> None:
         validate_adapter_name(name)
+        caller.authorize(name)
         local = name in self.pool
         if not local and not delete_from_registry:
             raise NotFound(f"name: adapter {shown(name)} does not exist on this trainer", field="name")
@@ -262,9 +268,10 @@ class TrainerService:
                 if not local:
                     raise
 
-    async def list_adapters(self, page_size: int = 0, page_token: str = "") -> tuple[list[AdapterInfo], str]:
+    async def list_adapters(self, page_size: int = 0, page_token: str = "", *,
+                            caller: Identity = OPEN) -> tuple[list[AdapterInfo], str]:
         size = validate_page(page_size)
-        names = [n for n in self.pool.names() if n > page_token] if page_token else self.pool.names()
+        names = [n for n in self.pool.names() if (not page_token or n > page_token) and caller.may_see(n)]
         page = names[:size]
         infos = [self._info(self.pool.get(n)) for n in page if n in self.pool]
         next_token = page[-1] if len(names) > size else ""
@@ -303,20 +310,23 @@ class TrainerService:
         return await asyncio.wrap_future(self.scheduler.submit(job))
 
     async def _sequenced(self, adapter: str, seq_id: int, kind: str, payload_hash: bytes,
-                         checked: Callable[[], tuple[object, int]]):
+                         checked: Callable[[], tuple[object, int]], caller: Identity = OPEN):
         """Validates (`checked` returns the payload and its token count, or raises InvalidArgument) and submits.
         A rejection still takes its seq_id's turn and is recorded as that seq_id's outcome (the seq_id rule in
-        trainer.proto), so client and trainer never disagree on the next seq_id; it touches no state."""
+        trainer.proto), so client and trainer never disagree on the next seq_id; it touches no state. A caller
+        outside the adapter's namespace or over its queue quota is refused before it takes a turn."""
+        caller.authorize(adapter, "adapter")
         self._require(adapter)
-        try:
-            payload, tokens = checked()
-        except InvalidArgument as exc:
-            return await self._submit(adapter, seq_id, REJECTED, exc, payload_hash)
-        return await self._submit(adapter, seq_id, kind, payload, payload_hash, tokens=tokens)
+        with self._queued.hold(caller):
+            try:
+                payload, tokens = checked()
+            except InvalidArgument as exc:
+                return await self._submit(adapter, seq_id, REJECTED, exc, payload_hash)
+            return await self._submit(adapter, seq_id, kind, payload, payload_hash, tokens=tokens)
 
     async def forward_backward(self, adapter: str, seq_id: int, data: Sequence, loss_fn: str,
-                               loss_config: Mapping[str, float], payload_hash: bytes, *, backward: bool = True
-                               ) -> ItemResult:
+                               loss_config: Mapping[str, float], payload_hash: bytes, *, backward: bool = True,
+                               caller: Identity = OPEN) -> ItemResult:
         def checked():
             datums, name, config = validate_data(
                 data, loss_fn, loss_config, vocab_size=self.backend.description.vocab_size,
@@ -325,29 +335,32 @@ class TrainerService:
             return (datums, name, config), sum(d.length for d in datums)
 
         kind = "forward_backward" if backward else "forward"
-        return await self._sequenced(adapter, seq_id, kind, payload_hash, checked)
+        return await self._sequenced(adapter, seq_id, kind, payload_hash, checked, caller)
 
-    async def optim_step(self, adapter: str, seq_id: int, hyper: AdamHyper, payload_hash: bytes) -> StepOutcome:
-        return await self._sequenced(adapter, seq_id, "optim_step", payload_hash, lambda: (hyper.validate(), 0))
+    async def optim_step(self, adapter: str, seq_id: int, hyper: AdamHyper, payload_hash: bytes, *,
+                         caller: Identity = OPEN) -> StepOutcome:
+        return await self._sequenced(adapter, seq_id, "optim_step", payload_hash, lambda: (hyper.validate(), 0),
+                                     caller)
 
     async def publish_weights(self, adapter: str, seq_id: int, aliases: Sequence[str], metadata: Mapping[str, str],
-                              payload_hash: bytes) -> common_pb2.AdapterVersion:
+                              payload_hash: bytes, *, caller: Identity = OPEN) -> common_pb2.AdapterVersion:
         def checked():
             # The registry's own rules, checked before anything is exported.
             validate_aliases(aliases)
             validate_metadata(metadata)
             return None, 0
 
-        exported: ExportedBlob = await self._sequenced(adapter, seq_id, "publish", payload_hash, checked)
+        exported: ExportedBlob = await self._sequenced(adapter, seq_id, "publish", payload_hash, checked, caller)
         return await self._finish_publish(adapter, exported, common_pb2.VERSION_KIND_WEIGHTS, aliases, metadata)
 
-    async def save_state(self, adapter: str, seq_id: int, metadata: Mapping[str, str], payload_hash: bytes
-                         ) -> common_pb2.AdapterVersion:
+    async def save_state(self, adapter: str, seq_id: int, metadata: Mapping[str, str], payload_hash: bytes, *,
+                         caller: Identity = OPEN) -> common_pb2.AdapterVersion:
         def checked():
             validate_metadata(metadata)
             return None, 0
 
-        exported: ExportedBlob = await self._sequenced(adapter, seq_id, "save_state", payload_hash, checked)
+        exported: ExportedBlob = await self._sequenced(adapter, seq_id, "save_state", payload_hash, checked,
+                                                       caller)
         return await self._finish_publish(adapter, exported, common_pb2.VERSION_KIND_TRAINING_STATE, (), metadata)
 
     async def _finish_publish(self, adapter: str, exported: ExportedBlob, kind: int, aliases: Sequence[str],
@@ -366,7 +379,7 @@ class TrainerService:
             return exported.version
 
     async def load_state(self, adapter: str, seq_id: int, source: common_pb2.AdapterRef, with_optimizer: bool,
-                         payload_hash: bytes) -> AdapterInfo:
+                         payload_hash: bytes, *, caller: Identity = OPEN) -> AdapterInfo:
         def checked():
             if not source.name:
                 raise InvalidArgument("source.name is empty", field="source.name")
@@ -377,7 +390,9 @@ class TrainerService:
                             source.alias if source.HasField("alias") else "")
             return (ref, with_optimizer), 0
 
-        return await self._sequenced(adapter, seq_id, "load_state", payload_hash, checked)
+        if source.name:
+            caller.authorize(source.name, "source.name")
+        return await self._sequenced(adapter, seq_id, "load_state", payload_hash, checked, caller)
 
     # ---------------------------------------------------------------- worker side
     def _execute(self, jobs: list[Job]) -> list:

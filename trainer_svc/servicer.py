@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+from loraplane import metrics
+from loraplane.auth import current_caller
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import ItemResult
@@ -30,6 +32,11 @@ def _outputs(result: ItemResult) -> list[trainer_pb2.DatumOutput]:
             for o in result.outputs]
 
 
+def _count_tokens(request, kind: str) -> None:
+    tokens = sum(len(d.input_tokens) for d in request.data)
+    metrics.TRAINING_TOKENS.labels(metrics.tenant_of(request.adapter), kind).inc(tokens)
+
+
 @map_servicer_errors
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(self, service: TrainerService):
@@ -37,50 +44,58 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     async def CreateAdapter(self, request, context):
         info = await self.service.create_adapter(request.name, request.lora_config, request.base_model,
-                                                 request.keep_last, dict(request.metadata))
+                                                 request.keep_last, dict(request.metadata), caller=current_caller())
         return trainer_pb2.TrainerServiceCreateAdapterResponse(adapter=adapter_message(info))
 
     async def ForwardBackward(self, request, context):
         result = await self.service.forward_backward(request.adapter, request.seq_id, request.data, request.loss_fn,
-                                                     dict(request.loss_fn_config), payload_hash(request))
+                                                     dict(request.loss_fn_config), payload_hash(request),
+                                                     caller=current_caller())
+        _count_tokens(request, "forward_backward")
         return trainer_pb2.ForwardBackwardResponse(outputs=_outputs(result), metrics=result.metrics)
 
     async def Forward(self, request, context):
         result = await self.service.forward_backward(request.adapter, request.seq_id, request.data, request.loss_fn,
                                                      dict(request.loss_fn_config), payload_hash(request),
-                                                     backward=False)
+                                                     backward=False, caller=current_caller())
+        _count_tokens(request, "forward")
         return trainer_pb2.ForwardResponse(outputs=_outputs(result), metrics=result.metrics)
 
     async def OptimStep(self, request, context):
         p = request.adam_params
         given = {name: getattr(p, name) for name in ADAM_FIELDS if p.HasField(name)}
         hyper = AdamHyper(**{"learning_rate": None, **given})
-        outcome = await self.service.optim_step(request.adapter, request.seq_id, hyper, payload_hash(request))
+        outcome = await self.service.optim_step(request.adapter, request.seq_id, hyper, payload_hash(request),
+                                                caller=current_caller())
+        if not outcome.skipped:
+            metrics.TRAINING_STEPS.labels(metrics.tenant_of(request.adapter)).inc()
         return trainer_pb2.OptimStepResponse(
             step=outcome.step, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
             metrics={"grad_norm:mean": outcome.grad_norm, "skipped:sum": float(outcome.skipped)})
 
     async def PublishWeights(self, request, context):
         version = await self.service.publish_weights(request.adapter, request.seq_id, list(request.aliases),
-                                                     dict(request.metadata), payload_hash(request))
+                                                     dict(request.metadata), payload_hash(request),
+                                                     caller=current_caller())
         return trainer_pb2.PublishWeightsResponse(version=version)
 
     async def SaveState(self, request, context):
         version = await self.service.save_state(request.adapter, request.seq_id, dict(request.metadata),
-                                                payload_hash(request))
+                                                payload_hash(request), caller=current_caller())
         return trainer_pb2.SaveStateResponse(version=version)
 
     async def LoadState(self, request, context):
         info = await self.service.load_state(request.adapter, request.seq_id, request.source,
-                                             request.with_optimizer, payload_hash(request))
+                                             request.with_optimizer, payload_hash(request), caller=current_caller())
         return trainer_pb2.LoadStateResponse(adapter=adapter_message(info))
 
     async def DeleteAdapter(self, request, context):
-        await self.service.delete_adapter(request.name, request.delete_from_registry)
+        await self.service.delete_adapter(request.name, request.delete_from_registry, caller=current_caller())
         return trainer_pb2.TrainerServiceDeleteAdapterResponse()
 
     async def ListAdapters(self, request, context):
-        infos, token = await self.service.list_adapters(request.page_size, request.page_token)
+        infos, token = await self.service.list_adapters(request.page_size, request.page_token,
+                                                        caller=current_caller())
         return trainer_pb2.TrainerServiceListAdaptersResponse(adapters=[adapter_message(i) for i in infos],
                                                               next_page_token=token)
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 
 from loraplane.client.errors import APIError, error_from_rpc
-from loraplane.rpc import BackgroundLoop, channel_options
+from loraplane.rpc import BackgroundLoop, ClientSecurity, aio_channel, channel_options
 
 T = TypeVar("T")
 
@@ -69,6 +69,17 @@ class ClientRuntime:
         self._loop = BackgroundLoop("loraplane-client")
         self.pid = os.getpid()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Per address: the API key and TLS its channel uses (set by the Session that resolved the address).
+        self._security: dict[str, ClientSecurity] = {}
+        self._default_security: ClientSecurity | None = None
+
+    def secure(self, address: str, security: ClientSecurity) -> None:
+        """Uses `security` for every later call to `address` (one identity per address per process)."""
+        if self._security.get(address) != security:
+            self._security[address] = security
+            old = self._channels.pop(address, None)
+            if old is not None and not self.loop.is_closed():
+                asyncio.run_coroutine_threadsafe(old.close(grace=5), self.loop)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -78,7 +89,14 @@ class ClientRuntime:
         """Only on the runtime's loop: a grpc.aio channel belongs to the loop that creates it."""
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_client_channel_options())
+            security = self._security.get(address)
+            if security is None:
+                if self._default_security is None:
+                    from loraplane.client.addresses import client_security
+
+                    self._default_security = client_security()
+                security = self._default_security
+            channel = aio_channel(address, security, options=_client_channel_options())
             self._channels[address] = channel
         return channel
 
@@ -110,6 +128,11 @@ _runtime_lock = threading.Lock()
 def runtime() -> ClientRuntime:
     global _runtime
     with _runtime_lock:
+        if _runtime is None:
+            from loraplane.config import Settings
+            from loraplane.tracing import setup_tracing
+
+            setup_tracing(Settings(), "client")
         # After a fork the parent's loop thread does not exist in the child: start a fresh one.
         if _runtime is None or _runtime.pid != os.getpid() or _runtime.loop.is_closed():
             _runtime = ClientRuntime()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Self
 
 from loraplane.client._runtime import RetryConfig, call_with_retry, runtime
-from loraplane.client.addresses import resolve_address
+from loraplane.client.addresses import client_security, resolve_address
 from loraplane.client.chunking import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNK_DATUMS
 from loraplane.client.errors import NotFoundError
 from loraplane.client.sampling_client import SamplingClient
@@ -21,10 +21,16 @@ from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 class Session:
     def __init__(self, trainer: str | None = None, sampler: str | None = None, registry: str | None = None, *,
                  retry: RetryConfig | None = None, data_dir: str | Path | None = None,
-                 max_chunk_datums: int = DEFAULT_MAX_CHUNK_DATUMS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
+                 max_chunk_datums: int = DEFAULT_MAX_CHUNK_DATUMS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 api_key: str | None = None):
+        """`api_key`: default LORAPLANE_API_KEY, else the admin key `loraplane up` left in the data dir."""
         self._trainer = resolve_address("trainer", trainer, data_dir)
         self._sampler = resolve_address("sampler", sampler, data_dir)
         self._registry = resolve_address("registry", registry, data_dir)
+        self.security = client_security(data_dir, api_key)
+        for address in (self._trainer, self._sampler, self._registry):
+            if address:
+                runtime().secure(address, self.security)
         self.retry = retry or RetryConfig()
         self.max_chunk_datums = max_chunk_datums
         self.max_chunk_bytes = max_chunk_bytes

@@ -34,3 +34,31 @@ def resolve_address(service: str, explicit: str | None = None, data_dir: str | P
     if from_env:
         return from_env
     return cluster_state_addresses(data_dir).get(service)
+
+
+ADMIN_KEY_FILE = "admin.key"
+TLS_DIR = "tls"
+
+
+def client_security(data_dir: str | Path | None = None, api_key: str | None = None):
+    """What a client sends and trusts: the API key (explicit, else LORAPLANE_API_KEY, else the admin key that
+    `loraplane up` wrote to the data dir) and TLS (LORAPLANE_TLS_* settings, else the CA of `loraplane up --tls`
+    in the data dir)."""
+    from loraplane.config import Settings
+    from loraplane.rpc import ClientSecurity
+
+    settings = Settings()
+    directory = Path(data_dir or os.environ.get("LORAPLANE_DATA_DIR") or ".loraplane")
+    key = api_key or settings.api_key
+    if not key:
+        try:
+            key = (directory / ADMIN_KEY_FILE).read_text().strip()
+        except OSError:
+            key = ""
+    security = ClientSecurity.from_settings(settings)
+    ca = directory / TLS_DIR / "ca.pem"
+    if not security.tls and ca.is_file():
+        security = ClientSecurity(tls=True, ca=ca.read_bytes())
+    from dataclasses import replace
+
+    return replace(security, api_key=key)

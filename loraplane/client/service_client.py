@@ -129,7 +129,7 @@ class ServiceClient(Session):
 
     def _registry_call(self, method: str, make_coro):
         if self._registry_client is None:
-            self._registry_client = RegistryClient(self.registry_address)
+            self._registry_client = RegistryClient(self.registry_address, security=self.security)
         client = self._registry_client
 
         async def run():
@@ -176,7 +176,7 @@ class ServiceClient(Session):
     async def watch_events(self, *, after_cursor: str = "", adapter: str = "", prefix: str = "",
                            start_at_end: bool = False) -> AsyncIterator[registry_pb2.Event]:
         """Registry events (on the caller's own loop, with its own channel); runs until the caller stops."""
-        async with RegistryClient(self.registry_address, timeout=None) as client:
+        async with RegistryClient(self.registry_address, timeout=None, security=self.security) as client:
             try:
                 async for event in client.watch(after_cursor=after_cursor, adapter=adapter, prefix=prefix,
                                                 start_at_end=start_at_end):

@@ -21,6 +21,8 @@ class ComponentState:
     endpoint: str
     pid: int | None = None
     log: str = ""
+    # Prometheus endpoint (services only).
+    metrics: str = ""
     # How to start it again (the supervisor and a later `up` restart a dead component exactly as it was started):
     # argv, and the environment entries that differ from the starting shell's.
     argv: list[str] = field(default_factory=list)
@@ -53,7 +55,10 @@ class ClusterState:
         path = Path(self.data_dir) / STATE_FILE
         # One temporary name per writer: `up`, `down` and the supervisor may write at nearly the same moment.
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
+        # Only the owner may read it: the services' recorded environment holds the cluster's service key.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(asdict(self), indent=2))
         tmp.replace(path)
 
 

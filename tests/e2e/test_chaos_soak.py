@@ -109,7 +109,7 @@ class Chaos(threading.Thread):
         deadline = time.monotonic() + timeout
         while not self.stop.is_set():
             components = read_cluster_state(self.data_dir).components
-            if all(component_health(c) == "healthy" for c in components):
+            if all(component_health(c, str(self.data_dir)) == "healthy" for c in components):
                 return
             assert time.monotonic() < deadline, f"the cluster did not come back whole: {components}"
             time.sleep(0.2)

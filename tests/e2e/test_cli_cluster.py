@@ -9,9 +9,9 @@ import subprocess
 import sys
 import time
 
-import grpc
-
+from loraplane.client.addresses import client_security
 from loraplane.local.state import pid_alive, read_cluster_state
+from loraplane.rpc import sync_channel
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from loraplane_cli.local_cluster import component_health
 from tests.e2e.test_trainer_durability import ADAM, create, datum
@@ -40,6 +40,8 @@ def test_up_starts_embedded_servers_and_every_service_then_down_stops_them(tmp_p
         assert "tiny on torch/cpu; adapters: none" in status.stdout
         assert "torch engine; queue depth 0" in status.stdout
         assert "supervisor: running" in status.stdout and pid_alive(state.supervisor_pid)
+        # Only its owner may read the state file: it records the services' environment, service key included.
+        assert (data_dir / "cluster.json").stat().st_mode & 0o077 == 0
         # A second `up` on the same data dir starts nothing: no second cluster over the same files.
         again = _cli("up", "--data-dir", str(data_dir))
         assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
@@ -91,8 +93,8 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _trainer_adapters(address: str) -> dict[str, trainer_pb2.AdapterInfo]:
-    with grpc.insecure_channel(address) as channel:
+def _trainer_adapters(address: str, data_dir) -> dict[str, trainer_pb2.AdapterInfo]:
+    with sync_channel(address, client_security(data_dir)) as channel:
         listed = trainer_pb2_grpc.TrainerServiceStub(channel).ListAdapters(
             trainer_pb2.TrainerServiceListAdaptersRequest(), timeout=10)
     return {a.name: a for a in listed.adapters}
@@ -105,7 +107,7 @@ def test_supervisor_restarts_what_dies_reports_a_crash_loop_and_up_starts_only_w
     try:
         first = read_cluster_state(data_dir)
         trainer = first.component("trainer")
-        with grpc.insecure_channel(trainer.endpoint) as channel:
+        with sync_channel(trainer.endpoint, client_security(data_dir)) as channel:  # with the admin key
             stub = trainer_pb2_grpc.TrainerServiceStub(channel)
             create(stub, "kept")
             Sequenced(stub, "kept", ADAM).train([datum(1)])
@@ -113,10 +115,10 @@ def test_supervisor_restarts_what_dies_reports_a_crash_loop_and_up_starts_only_w
         # A crash of the trainer: the supervisor restarts it where it was and it recovers its adapter from the journal.
         os.killpg(trainer.pid, signal.SIGKILL)
         restarted = _wait_for(lambda: (c := read_cluster_state(data_dir).component("trainer")).pid != trainer.pid
-                              and component_health(c) == "healthy" and c, 180, "the trainer's restart")
+                              and component_health(c, str(data_dir)) == "healthy" and c, 180, "the trainer's restart")
         assert restarted.restarts == 1 and restarted.endpoint == trainer.endpoint
         assert "SIGKILL" in restarted.last_exit or "unknown" in restarted.last_exit
-        kept = _trainer_adapters(restarted.endpoint)["kept"]
+        kept = _trainer_adapters(restarted.endpoint, data_dir)["kept"]
         assert (kept.step, kept.last_seq_id) == (1, 2)
 
         # A crash loop: the registry's port is taken while it is down, so every restart exits at once.
@@ -133,8 +135,8 @@ def test_supervisor_restarts_what_dies_reports_a_crash_loop_and_up_starts_only_w
             status = _cli("status", "--data-dir", str(data_dir))
             assert "crash-loop" in status.stdout, status.stdout
         # Once the cause is gone the next restart sticks.
-        _wait_for(lambda: component_health(read_cluster_state(data_dir).component("registry")) == "healthy", 90,
-                  "the registry to come back")
+        _wait_for(lambda: component_health(read_cluster_state(data_dir).component("registry"),
+                                           str(data_dir)) == "healthy", 90, "the registry to come back")
 
         # `up` on a partly dead cluster (supervisor and sampler gone) starts only those two.
         before = read_cluster_state(data_dir)
@@ -150,7 +152,7 @@ def test_supervisor_restarts_what_dies_reports_a_crash_loop_and_up_starts_only_w
         for name in ("redis", "s3", "registry", "trainer"):
             assert after.component(name).pid == before.component(name).pid, name
         assert pid_alive(after.supervisor_pid) and after.supervisor_pid != before.supervisor_pid
-        assert all(component_health(c) == "healthy" for c in after.components)
+        assert all(component_health(c, str(data_dir)) == "healthy" for c in after.components)
     finally:
         down = _cli("down", "--data-dir", str(data_dir))
     assert down.returncode == 0, down.stdout + down.stderr
