@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
@@ -104,3 +105,23 @@ def random_adapter_blob(base, seed: int, rank: int = 16) -> bytes:
         if key.endswith("lora_B.weight"):
             params[key] = torch.randn(params[key].shape, generator=generator) * 0.01
     return serialize_adapter(params, spec, base.name)
+
+
+@contextlib.contextmanager
+def embedded_storage(work: Path, bucket: str, key_prefix: str = "bench:"):
+    """Valkey and SeaweedFS S3 on loopback under `work`, and the Settings that point a registry at them."""
+    from loraplane.config import Settings
+    from loraplane.local.processes import seaweed_s3_server, valkey_server
+
+    valkey = valkey_server(work / "valkey")
+    seaweed = seaweed_s3_server(work / "seaweed")
+    valkey.start()
+    try:
+        seaweed.start()
+        try:
+            yield Settings(redis_url=valkey.url, s3_endpoint=seaweed.endpoint, s3_access_key=seaweed.access_key,
+                           s3_secret_key=seaweed.secret_key, s3_bucket=bucket, key_prefix=key_prefix)
+        finally:
+            seaweed.stop()
+    finally:
+        valkey.stop()

@@ -25,9 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc
 import torch
 
-from bench.common import environment, print_table, write_results
-from loraplane.config import Settings
-from loraplane.local.processes import seaweed_s3_server, valkey_server
+from bench.common import embedded_storage, environment, print_table, write_results
 from loraplane.rpc import BackgroundLoop, channel_options
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from registry_svc.server import start_registry_server
@@ -76,14 +74,13 @@ class Contender:
 def run_model(model: str, steps: int | None, checkpoint_every: int | None, work: Path) -> dict:
     datums, length, default_steps, default_every = SETTINGS.get(model, (8, 64, 20, 10))
     steps, every = steps or default_steps, checkpoint_every or default_every
-    valkey = valkey_server(work / "valkey")
-    seaweed = seaweed_s3_server(work / "seaweed")
-    valkey.start()
-    seaweed.start()
+    with embedded_storage(work, "bench-durable") as settings:
+        return _run_with(settings, model, datums, length, steps, every)
+
+
+def _run_with(settings, model: str, datums: int, length: int, steps: int, every: int) -> dict:
     loop = BackgroundLoop("bench-durability")
     try:
-        settings = Settings(redis_url=valkey.url, s3_endpoint=seaweed.endpoint, s3_access_key=seaweed.access_key,
-                            s3_secret_key=seaweed.secret_key, s3_bucket="bench-durable", key_prefix="bench:")
         registry = loop.run(start_registry_server(settings), timeout=60)
         # One backend each: they hold per-adapter device state and must not see each other's adapters.
         backends = [build_backend("torch", model, "cpu") for _ in range(2)]
@@ -136,8 +133,6 @@ def run_model(model: str, steps: int | None, checkpoint_every: int | None, work:
         }
     finally:
         loop.close()
-        seaweed.stop()
-        valkey.stop()
 
 
 def main(argv=None) -> None:

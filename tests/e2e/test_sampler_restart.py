@@ -41,6 +41,16 @@ def start_sampler_process(registry, port: int, log_path: Path) -> subprocess.Pop
     return proc
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def all_events(address: str) -> list:
     async def collect():
         client = RegistryClient(address)
@@ -114,13 +124,7 @@ def test_sigkill_mid_publish_stream_then_restart_loads_exactly_the_right_version
         # Resumed after the persisted cursor: the versions before it were restored, not replayed as events.
         assert "restored sampler state" in log
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process(proc)
 
 
 def test_versions_deleted_while_the_sampler_is_down_are_never_served_even_when_their_events_are_trimmed(
@@ -189,10 +193,4 @@ def test_versions_deleted_while_the_sampler_is_down_are_never_served_even_when_t
             latest = stub.Sample(sampler_pb2.SampleRequest(adapter={"name": "gone"}, prompt_tokens=[5, 6, 7]))
             assert latest.served_version == 3
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process(proc)
