@@ -133,23 +133,29 @@ class TrainingJournal:
         return sorted((AdapterRecord.from_json(v) for v in raw.values()), key=lambda r: r.name)
 
     # ---- the journal
-    def append_requests(self, requests: list[tuple[str, int, str, bytes, object]]) -> list[str]:
-        """(adapter, seq_id, kind, payload_hash, payload) each -> the entry ids, in one round trip."""
+    def append_requests(self, requests: list[tuple[str, int, str, bytes, object]],
+                        outcomes: list[tuple[str, int, bytes, object]] = ()) -> list[str]:
+        """(adapter, seq_id, kind, payload_hash, payload) each -> the entry ids, in one round trip; `outcomes`
+        (as for append_outcomes) of earlier requests ride along ahead of them, under the same fsync."""
         def write():
             pipe = self.redis.pipeline(transaction=False)
+            self._add_outcomes(pipe, outcomes)
             for adapter, seq_id, kind, payload_hash, payload in requests:
                 pipe.xadd(self._stream(adapter), {"t": REQUEST, "seq": seq_id, "kind": kind, "hash": payload_hash,
                                                   "body": encode(payload)})
-            return [entry_id.decode() for entry_id in pipe.execute()]
+            return [entry_id.decode() for entry_id in pipe.execute()[len(outcomes):]]
         return self._call("journal the request", write)
+
+    def _add_outcomes(self, pipe, outcomes) -> None:
+        for adapter, seq_id, kind, value in outcomes:
+            pipe.xadd(self._stream(adapter), {"t": kind, "seq": seq_id, "body": encode(value)})
 
     def append_outcomes(self, outcomes: list[tuple[str, int, bytes, object]]) -> None:
         """(adapter, seq_id, type, value) each. Best effort: a lost outcome only means a retry of that seq_id
         after a restart cannot be answered if a checkpoint already covers it; replay regenerates the rest."""
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for adapter, seq_id, kind, value in outcomes:
-                pipe.xadd(self._stream(adapter), {"t": kind, "seq": seq_id, "body": encode(value)})
+            self._add_outcomes(pipe, outcomes)
             pipe.execute()
         except redis.RedisError:
             log.warning("could not journal %d outcomes", len(outcomes), exc_info=True)
