@@ -148,6 +148,7 @@ class OpenAIService:
         target = await self.resolve(model)
         tokenizer = await self.tokenizer()
         tokens: dict[int, list[int]] = {}
+        pending: dict[int, tuple[list[int], list[float]]] = {}
         sent: dict[int, str] = {}
         done: set[int] = set()
         async for delta in self.upstream.sample_stream(target.adapter, target.version, prompt, n, spec,
@@ -155,6 +156,9 @@ class OpenAIService:
             if delta.index in done:
                 continue
             tokens.setdefault(delta.index, []).extend(delta.tokens)
+            new_tokens, new_lps = pending.setdefault(delta.index, ([], []))
+            new_tokens.extend(delta.tokens)
+            new_lps.extend(delta.logprobs)
             text, stopped = cut_at_stop(tokenizer.decode(tokens[delta.index], skip_special_tokens=True),
                                         spec.stop_strings)
             # Hold back a partial multi-byte character (decoded as U+FFFD) until its last byte arrives.
@@ -165,8 +169,9 @@ class OpenAIService:
             finish = "stop" if stopped else delta.finish_reason
             if finish:
                 done.add(delta.index)
-            if new or finish or delta.tokens:
-                yield delta.index, new, delta.tokens, delta.logprobs, finish
+            del pending[delta.index]
+            if new or finish or new_tokens:
+                yield delta.index, new, new_tokens, new_lps, finish
 
     @staticmethod
     def new_id(prefix: str) -> str:

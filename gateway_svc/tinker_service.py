@@ -272,7 +272,10 @@ class TinkerService:
             raise Unsupported(f"optimizer {errors.shown(kind)} is not supported: send adam_params (AdamW)")
         params = {k: float(adam[k]) for k in ADAM_FIELDS if adam.get(k) is not None}
         metrics = await self.upstream.optim_step(record["adapter"], seq, params)
-        return _json({"type": "optim_step", "metrics": {f"{k}:mean": v for k, v in metrics.items()}})
+        # Tinker metric keys are `<name>:<reduction>`.
+        return _json({"type": "optim_step",
+                      "metrics": {k if k.count(":") == 1 else f"{k.replace(':', '_')}:mean": v
+                                  for k, v in metrics.items()}})
 
     def _checkpoint_name(self, name: Any) -> str:
         if not isinstance(name, str) or not _CKPT_NAME.match(name):

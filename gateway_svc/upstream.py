@@ -140,9 +140,11 @@ class Upstream:
             trainer_pb2.OptimStepRequest(adapter=adapter, seq_id=seq_id, adam_params=trainer_pb2.AdamParams(**adam)),
             timeout=self.timeout))
         metrics = dict(reply.metrics)
-        metrics.setdefault("grad_norm", reply.grad_norm)
-        metrics.setdefault("step", float(reply.step))
-        metrics.setdefault("skipped", float(reply.skipped))
+        names = {k.split(":")[0] for k in metrics}
+        for name, value in (("grad_norm", reply.grad_norm), ("step", float(reply.step)),
+                            ("skipped", float(reply.skipped))):
+            if name not in names:
+                metrics[name] = value
         return metrics
 
     async def publish_weights(self, adapter: str, seq_id: int, metadata: dict[str, str]) -> VersionInfo:
