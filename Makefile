@@ -25,9 +25,11 @@ test-gpu:
 
 protos:
 	$(PY) scripts/gen_protos.py
+	$(PY) gateway_svc/wire/gen.py
 
 protos-check:
 	$(PY) scripts/gen_protos.py --check
+	$(PY) gateway_svc/wire/gen.py --check
 
 demo:
 	$(VENV)/bin/loraplane demo
@@ -38,7 +40,7 @@ bench:
 	$(PY) bench/sampler.py
 
 lint:
-	$(VENV)/bin/ruff check loraplane loraplane_cli registry_svc trainer_svc sampler_svc tests bench scripts
+	$(VENV)/bin/ruff check loraplane loraplane_cli registry_svc trainer_svc sampler_svc gateway_svc tests bench scripts
 
 up:
 	$(VENV)/bin/loraplane up

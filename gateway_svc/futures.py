@@ -62,7 +62,7 @@ class Futures:
                 state = "done"
             except asyncio.CancelledError:
                 raise
-            except BaseException as exc:  # every failure is the caller's answer, never a lost future
+            except BaseException as exc:  # noqa: BLE001 - every failure is the caller's answer
                 state, content_type = "failed", "application/json"
                 body = json.dumps(future_failure(exc)).encode()
             await self.store.finish_future(request_id, state, content_type, body)

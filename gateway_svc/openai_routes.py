@@ -106,7 +106,7 @@ async def completions(body: CompletionRequest, request: Request):
                                               "top_logprobs": None, "text_offset": []}
                     yield "data: " + json.dumps({"id": cid, "object": "text_completion", "created": created,
                                                  "model": body.model, "choices": [choice]}) + "\n\n"
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in-stream
                 yield "data: " + json.dumps({"error": {"message": classify(exc)[4],
                                                        "type": classify(exc)[2]}}) + "\n\n"
             yield "data: [DONE]\n\n"
@@ -151,7 +151,7 @@ async def chat_completions(body: ChatRequest, request: Request):
                 async for index, text, tokens, lps, finish in svc.stream(body.model, prompt, body.n, spec):
                     logprobs = await content_logprobs(tokens, lps) if body.logprobs else None
                     yield chunk(index, {"content": text} if text else {}, finish, logprobs)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in-stream
                 yield "data: " + json.dumps({"error": {"message": classify(exc)[4],
                                                        "type": classify(exc)[2]}}) + "\n\n"
             yield "data: [DONE]\n\n"
@@ -190,24 +190,24 @@ async def messages(body: MessagesRequest, request: Request):
                 "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": len(prompt), "output_tokens": 0}}})
             yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            count, finish, text_all = 0, "end_turn", ""
+            produced: list[int] = []
+            finish = "stop"
             try:
                 async for _i, text, tokens, _lps, fin in svc.stream(body.model, prompt, 1, spec):
-                    count += len(tokens)
-                    text_all += text
+                    produced.extend(tokens)
                     if text:
                         yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
                                                                                   "text": text}})
                     if fin:
                         finish = fin
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in-stream
                 yield event("error", {"error": {"type": classify(exc)[3], "message": classify(exc)[4]}})
                 return
             yield event("content_block_stop", {"index": 0})
-            hit = next((s for s in spec.stop_strings if finish == "stop" and s), None)
-            reason, seq = stop_of(finish, hit if hit and count and finish == "stop" and _cut(body) else None)
+            raw = (await svc.tokenizer()).decode(produced, skip_special_tokens=True)
+            reason, seq = stop_of(finish, next((s for s in spec.stop_strings if s and s in raw), None))
             yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                          "usage": {"output_tokens": count}})
+                                          "usage": {"output_tokens": len(produced)}})
             yield event("message_stop", {})
         return _sse(events())
     choice = (await svc.generate(body.model, prompt, 1, spec))[0]
@@ -217,7 +217,3 @@ async def messages(body: MessagesRequest, request: Request):
     return {"id": mid, "type": "message", "role": "assistant", "model": body.model,
             "content": [{"type": "text", "text": choice.text}], "stop_reason": reason, "stop_sequence": seq,
             "usage": {"input_tokens": len(prompt), "output_tokens": len(choice.tokens)}}
-
-
-def _cut(body: MessagesRequest) -> bool:
-    return bool(body.stop_sequences)

@@ -92,7 +92,7 @@ class OpenAIService:
             {"role": m["role"], "content": self.text_of(m.get("content"), "messages")} for m in messages]
         try:
             ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # the template's own error (a role it does not know, ...)
+        except Exception as exc:  # noqa: BLE001 - the template's own error (unknown role, ...)
             raise errors.InvalidArgument(f"messages: the base model's chat template refused them ({exc})",
                                          field="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

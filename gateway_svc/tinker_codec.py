@@ -84,7 +84,7 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
     msg = wire.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
-    except Exception:
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
         raise errors.InvalidArgument("body: not a ForwardBackwardRequest protobuf", field="body") from None
     config = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():

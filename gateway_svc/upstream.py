@@ -123,8 +123,8 @@ class Upstream:
 
     async def forward_backward(self, adapter: str, seq_id: int, data: list[DatumIn], loss_fn: str,
                                config: dict[str, float], forward_only: bool) -> FwdBwdResult:
-        kwargs = dict(adapter=adapter, seq_id=seq_id, data=[_datum(d) for d in data], loss_fn=loss_fn,
-                      loss_fn_config=config)
+        kwargs = {"adapter": adapter, "seq_id": seq_id, "data": [_datum(d) for d in data], "loss_fn": loss_fn,
+                  "loss_fn_config": config}
         if forward_only:
             reply = await self._call("trainer", f"Forward {adapter}#{seq_id}", self.trainer.Forward(
                 trainer_pb2.ForwardRequest(**kwargs), timeout=self.timeout))
