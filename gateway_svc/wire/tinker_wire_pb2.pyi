@@ -11,13 +11,12 @@ Raw arrays travel as little-endian bytes: tokens int32, floats float32, CSR indi
 
 import builtins
 import collections.abc
-import sys
-import typing
-
 import google.protobuf.descriptor
 import google.protobuf.internal.containers
 import google.protobuf.internal.enum_type_wrapper
 import google.protobuf.message
+import sys
+import typing
 
 if sys.version_info >= (3, 10):
     import typing as typing_extensions
