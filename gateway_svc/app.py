@@ -6,6 +6,7 @@ for the OpenAI / Anthropic bodies."""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -16,6 +17,7 @@ from gateway_svc.openai_service import OpenAIService
 from gateway_svc.store import Store
 from gateway_svc.tinker_service import TinkerService
 from gateway_svc.upstream import Upstream
+from loraplane.rpc import quiet_grpc_poller
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -23,6 +25,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        quiet_grpc_poller(asyncio.get_running_loop())
         store = Store(settings.redis_url, settings.key_prefix, future_ttl_s=settings.future_ttl_s)
         upstream = Upstream(settings.trainer_address, settings.registry_address, settings.sampler_address,
                             timeout=settings.upstream_timeout_s)

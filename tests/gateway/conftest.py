@@ -44,7 +44,8 @@ class LiveGateway:
 
     def start(self) -> LiveGateway:
         config = uvicorn.Config(create_app(self.settings), host="127.0.0.1", port=self.settings.port,
-                                log_level="warning", lifespan="on")
+                                log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"gateway-{self.settings.port}", daemon=True)
         self.thread.start()
