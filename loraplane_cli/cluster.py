@@ -58,11 +58,13 @@ def up(
     registry_port: int = typer.Option(None, help="Fixed registry port (default: a free one)."),
     trainer_port: int = typer.Option(None, help="Fixed trainer port."),
     sampler_port: int = typer.Option(None, help="Fixed sampler port."),
+    gateway: bool = typer.Option(True, help="Also start the HTTP gateway (Tinker SDK, OpenAI, Anthropic clients)."),
+    gateway_port: int = typer.Option(None, help="Fixed gateway port."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
     services, wait until each is healthy, and print their endpoints."""
     settings = _settings(data_dir, base_model=base_model, registry_port=registry_port,
-                         trainer_port=trainer_port, sampler_port=sampler_port)
+                         trainer_port=trainer_port, sampler_port=sampler_port, gateway_port=gateway_port)
     wanted = tuple(s.strip() for s in services.split(",") if s.strip())
     unknown = [s for s in wanted if s not in SERVICE_NAMES]
     if unknown:
@@ -71,11 +73,15 @@ def up(
     extra_env = {"LORAPLANE_BASE_MODEL": settings.base_model}
     try:
         with console.status("starting cluster") as status:
-            state = start_cluster(settings, wanted, extra_env, on_progress=status.update)
+            state = start_cluster(settings, wanted, extra_env, on_progress=status.update,
+                                  gateway=gateway and set(wanted) == set(SERVICE_NAMES))
     except ProcessStartError as exc:
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc
     console.print(_endpoint_table(state, with_health=False))
+    if (gw := state.component("gateway")) is not None:
+        console.print(f"export TINKER_BASE_URL={gw.endpoint} TINKER_API_KEY=tml-local   "
+                      f"# OpenAI / Anthropic clients: {gw.endpoint}/v1")
     console.print("[green]cluster is up[/green]; `loraplane down` stops it.")
 
 

@@ -60,8 +60,9 @@ assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
-                  extra_env: dict[str, str] | None = None, on_progress=None) -> ClusterState:
-    """Starts every component in order; on any failure stops what was started and raises ProcessStartError."""
+                  extra_env: dict[str, str] | None = None, on_progress=None, gateway: bool = False) -> ClusterState:
+    """Starts every component in order; on any failure stops what was started and raises ProcessStartError.
+    With `gateway`, the HTTP gateway (gateway_svc) comes last, in front of the three services."""
     data_dir = Path(settings.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     existing = read_cluster_state(data_dir)
@@ -111,11 +112,42 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
             wait_until(functools.partial(check_health, address, spec.grpc_service, timeout=1.0),
                        spec.start_timeout, spec.name, proc)
             env[spec.address_env] = address
+        if gateway:
+            progress("starting gateway")
+            _start_gateway(settings, state, env, data_dir)
     except BaseException:
         stop_cluster(state)
         raise
     state.save()
     return state
+
+
+def gateway_healthy(endpoint: str, timeout: float = 1.0) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{endpoint}/api/v1/healthz", timeout=timeout) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def _start_gateway(settings: Settings, state: ClusterState, env: dict[str, str], data_dir: Path) -> None:
+    port = settings.gateway_port or free_port()
+    addresses = state.addresses()
+    gateway_env = {**env, "LORAPLANE_GATEWAY_HOST": LOOPBACK, "LORAPLANE_GATEWAY_PORT": str(port),
+                   "LORAPLANE_GATEWAY_REDIS_URL": state.component("redis").endpoint,
+                   "LORAPLANE_GATEWAY_TRAINER_ADDRESS": addresses["trainer"],
+                   "LORAPLANE_GATEWAY_REGISTRY_ADDRESS": addresses["registry"],
+                   "LORAPLANE_GATEWAY_SAMPLER_ADDRESS": addresses["sampler"],
+                   "LORAPLANE_GATEWAY_TOKENIZER_DIR": str(data_dir / "gateway" / "tokenizers")}
+    proc = ManagedProcess("gateway", [sys.executable, "-m", "gateway_svc"], data_dir / "logs" / "gateway.log",
+                          env=gateway_env)
+    proc.start()
+    endpoint = f"http://{LOOPBACK}:{port}"
+    state.components.append(ComponentState("gateway", "gateway", endpoint, proc.pid, str(proc.log_path)))
+    state.save()
+    wait_until(functools.partial(gateway_healthy, endpoint), 120.0, "gateway", proc)
 
 
 def stop_cluster(state: ClusterState, timeout: float = 15.0) -> list[str]:
@@ -155,6 +187,10 @@ def component_health(component: ComponentState) -> str:
         if not pid_alive(component.pid):
             return "down"
         return "healthy" if check_health(component.endpoint, spec.grpc_service, timeout=1.0) else "unhealthy"
+    if component.kind == "gateway":
+        if not pid_alive(component.pid):
+            return "down"
+        return "healthy" if gateway_healthy(component.endpoint) else "unhealthy"
     if component.kind == "external":
         return "external"
     return "healthy" if pid_alive(component.pid) else "down"

@@ -21,13 +21,14 @@ def test_up_starts_embedded_servers_and_every_service_then_down_stops_them(tmp_p
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         state = read_cluster_state(data_dir)
-        assert [c.name for c in state.components] == ["redis", "s3", "registry", "trainer", "sampler"]
+        assert [c.name for c in state.components] == ["redis", "s3", "registry", "trainer", "sampler", "gateway"]
+        assert f"TINKER_BASE_URL={state.component('gateway').endpoint}" in up.stdout
         assert [c.kind for c in state.components[:2]] == ["valkey", "seaweedfs"]
         for component in state.components:
             assert component.endpoint in up.stdout
         status = _cli("status", "--data-dir", str(data_dir))
         assert status.returncode == 0, status.stdout + status.stderr
-        assert status.stdout.count("healthy") == 5, status.stdout
+        assert status.stdout.count("healthy") == 6, status.stdout
         assert "tiny on torch/cpu; adapters: none" in status.stdout
         assert "torch engine; queue depth 0" in status.stdout
         # A second `up` on the same data dir must refuse rather than start a second cluster over the same files.
