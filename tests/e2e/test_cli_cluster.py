@@ -37,7 +37,7 @@ def test_up_starts_embedded_servers_and_every_service_then_down_stops_them(tmp_p
     finally:
         down = _cli("down", "--data-dir", str(data_dir))
     assert down.returncode == 0, down.stdout + down.stderr
-    assert "stopped: sampler, trainer, registry, s3, redis" in down.stdout
+    assert "stopped: gateway, sampler, trainer, registry, s3, redis" in down.stdout
     assert not any(pid_alive(c.pid) for c in state.components)
     assert read_cluster_state(data_dir) is None
     gone = _cli("status", "--data-dir", str(data_dir))
