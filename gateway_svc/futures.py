@@ -41,10 +41,8 @@ class Futures:
         self._local: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    async def submit(self, request_id: str, spec: dict[str, Any], *, fresh: bool = True) -> str:
-        if fresh:
-            await self.store.create_future(request_id, spec)
-        if await self.store.take_lease(request_id, self.owner, self.lease_s):
+    async def submit(self, request_id: str, spec: dict[str, Any]) -> str:
+        if await self.store.create_future(request_id, spec, self.owner, self.lease_s):
             self._start(request_id, spec)
         return request_id
 
@@ -68,7 +66,6 @@ class Futures:
             await self.store.finish_future(request_id, state, content_type, body)
         finally:
             renew.cancel()
-            await self.store.drop_lease(request_id)
             event = self._local.pop(request_id, None)
             if event:
                 event.set()

@@ -62,11 +62,17 @@ class Store:
     async def get_model(self, model_id: str) -> dict[str, Any] | None:
         return await self.get(self.k("model", model_id))
 
-    async def touch_model(self, model_id: str) -> None:
-        record = await self.get_model(model_id)
-        if record is not None:
-            record["last_request_time"] = time.time()
-            await self.put(self.k("model", model_id), record)
+    async def get_model_touched(self, model_id: str) -> dict[str, Any] | None:
+        """The model's record, noting the time of this request (one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self.k("model", model_id))
+            pipe.set(self.k("lastreq", model_id), str(time.time()), ex=self.future_ttl_s * 30)
+            raw, _ = await pipe.execute()
+        return None if raw is None else json.loads(raw)
+
+    async def last_request_time(self, model_id: str) -> float | None:
+        raw = await self.redis.get(self.k("lastreq", model_id))
+        return None if raw is None else float(raw)
 
     async def list_models(self, offset: int, limit: int) -> tuple[list[str], int]:
         total = int(await self.redis.zcard(self.k("models")))
@@ -112,16 +118,23 @@ class Store:
         return existing.decode() if existing is not None else request_id
 
     # ---- futures ----------------------------------------------------------------------------------------------
-    async def create_future(self, request_id: str, spec: dict[str, Any]) -> None:
-        await self.redis.hset(self.k("future", request_id), mapping={"state": "pending", "spec": json.dumps(spec),
-                                                                   "created": str(time.time())})
-        await self.redis.expire(self.k("future", request_id), self.future_ttl_s)
+    async def create_future(self, request_id: str, spec: dict[str, Any], owner: str, lease_s: float) -> bool:
+        """Records a pending future and takes its lease, in one round trip. True if the lease was taken."""
+        key = self.k("future", request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping={"state": "pending", "spec": json.dumps(spec), "created": str(time.time())})
+            pipe.expire(key, self.future_ttl_s)
+            pipe.set(self.k("lease", request_id), owner, nx=True, px=int(lease_s * 1000))
+            return bool((await pipe.execute())[2])
 
     async def finish_future(self, request_id: str, state: str, content_type: str, body: bytes) -> None:
+        """Stores the outcome and releases the lease, in one round trip."""
         key = self.k("future", request_id)
-        await self.redis.hset(key, mapping={"state": state, "content_type": content_type, "body": body})
-        await self.redis.expire(key, self.future_ttl_s)
-        await self.redis.publish(self.k("done"), request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping={"state": state, "content_type": content_type, "body": body})
+            pipe.expire(key, self.future_ttl_s)
+            pipe.delete(self.k("lease", request_id))
+            await pipe.execute()
 
     async def get_future(self, request_id: str) -> dict[str, bytes] | None:
         raw = await self.redis.hgetall(self.k("future", request_id))
@@ -132,6 +145,3 @@ class Store:
 
     async def renew_lease(self, request_id: str, owner: str, ttl_s: float) -> None:
         await self.redis.set(self.k("lease", request_id), owner, px=int(ttl_s * 1000))
-
-    async def drop_lease(self, request_id: str) -> None:
-        await self.redis.delete(self.k("lease", request_id))

@@ -220,11 +220,12 @@ class TinkerService:
             raise errors.InvalidArgument(f"seq_id {errors.shown(seq_id)}: must be an integer >= 1", field="seq_id")
         spec.update(model_id=model_id, seq_id=seq_id)
         request_id = await self._submit(model_id, seq_id, spec)
-        await self.store.touch_model(model_id)
         return {"request_id": request_id, "model_id": record["model_id"]}
 
     async def _target(self, spec: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        record = await self.model(spec["model_id"])
+        record = await self.store.get_model_touched(spec["model_id"])
+        if record is None:
+            raise errors.NotFound(f"model_id {errors.shown(spec['model_id'])} not found", field="model_id")
         return record, spec["seq_id"] + int(record.get("seq_offset", 0))
 
     async def forward_backward(self, body: bytes, encoding: str) -> dict[str, Any]:
@@ -468,7 +469,8 @@ class TinkerService:
         metadata = record.get("user_metadata")
         return {"training_run_id": model_id, "base_model": record["base_model"],
                 "model_owner": self.settings.default_tenant, "is_lora": True, "lora_rank": record["rank"],
-                "corrupted": False, "last_request_time": _iso(record.get("last_request_time", record["created"])),
+                "corrupted": False,
+                "last_request_time": _iso(await self.store.last_request_time(model_id) or record["created"]),
                 "last_checkpoint": last.get("training"), "last_sampler_checkpoint": last.get("sampler"),
                 "user_metadata": {str(k): str(v) for k, v in metadata.items()} if metadata else None}
 

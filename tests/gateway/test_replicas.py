@@ -69,7 +69,8 @@ def test_a_future_whose_gateway_died_is_taken_over(valkey):
             return "application/json", json.dumps({"echo": spec["x"]}).encode()
 
         # A dead replica accepted the request (the future is pending, nobody holds its lease) ...
-        await store.create_future("r1", {"kind": "echo", "x": 7})
+        await store.create_future("r1", {"kind": "echo", "x": 7}, "dead-replica", 0.05)
+        await asyncio.sleep(0.1)
         survivor = Futures(store, runner, long_poll_s=2.0, lease_s=1.0)
         # ... the next poll, on another replica, runs it from its stored spec.
         reply = await survivor.retrieve("r1")
@@ -78,8 +79,7 @@ def test_a_future_whose_gateway_died_is_taken_over(valkey):
         # Polling again reads the stored result; it does not run twice.
         assert (await survivor.retrieve("r1")).state == "done" and len(ran) == 1
         # A future held by a live owner is left alone: the poll waits and answers try-again.
-        await store.create_future("r2", {"kind": "echo", "x": 8})
-        assert await store.take_lease("r2", "someone-alive", 30)
+        assert await store.create_future("r2", {"kind": "echo", "x": 8}, "someone-alive", 30)
         assert (await survivor.retrieve("r2", wait_s=0.2)).state == "pending" and len(ran) == 1
         assert await survivor.retrieve("missing", wait_s=0.1) is None
         await survivor.close()
