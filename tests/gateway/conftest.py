@@ -78,21 +78,33 @@ class Cluster:
         return LiveGateway(self.gateway_settings.model_copy(update={"port": free_port()})).start()
 
 
-@pytest.fixture(scope="module")
-def cluster(valkey, seaweed, background_loop, tmp_path_factory):
+def start_cluster(valkey, seaweed, background_loop, tmp_path_factory, *, base_model: str = "tiny",
+                  model_names: str = "") -> Cluster:
     suffix = uuid.uuid4().hex[:10]
     settings = Settings(redis_url=valkey.url, s3_endpoint=seaweed.endpoint, s3_access_key=seaweed.access_key,
-                        s3_secret_key=seaweed.secret_key, s3_bucket=f"lp-gw-{suffix}", key_prefix=f"lpgw{suffix}:")
+                        s3_secret_key=seaweed.secret_key, s3_bucket=f"lp-gw-{suffix}", key_prefix=f"lpgw{suffix}:",
+                        base_model=base_model)
     registry = start_live_registry(settings, background_loop)
-    trainer = start_live_trainer(registry.settings, background_loop, registry.address, gap_timeout_s=5.0)
-    sampler = start_live_sampler(registry.settings, background_loop, registry.address)
+    trainer = start_live_trainer(registry.settings, background_loop, registry.address, gap_timeout_s=5.0,
+                                 base_model=base_model)
+    sampler = start_live_sampler(registry.settings, background_loop, registry.address, base_model=base_model)
     gateway_settings = GatewaySettings(
         port=free_port(), trainer_address=trainer.address, registry_address=registry.address,
         sampler_address=sampler.address, redis_url=valkey.url, key_prefix=f"lpgw{suffix}:gw:",
-        tokenizer_dir=str(tmp_path_factory.mktemp("gateway-tokenizers")), long_poll_s=5.0, future_lease_s=3.0)
-    live = Cluster(registry, trainer, sampler, gateway_settings)
-    yield live
+        tokenizer_dir=str(tmp_path_factory.mktemp("gateway-tokenizers")), long_poll_s=5.0, future_lease_s=3.0,
+        model_names=model_names)
+    return Cluster(registry, trainer, sampler, gateway_settings)
+
+
+def stop_cluster(live: Cluster) -> None:
     live.gateway.stop()
-    sampler.close()
-    trainer.close()
-    registry.close()
+    live.sampler.close()
+    live.trainer.close()
+    live.registry.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(valkey, seaweed, background_loop, tmp_path_factory):
+    live = start_cluster(valkey, seaweed, background_loop, tmp_path_factory)
+    yield live
+    stop_cluster(live)
