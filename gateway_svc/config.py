@@ -32,6 +32,10 @@ class GatewaySettings(BaseSettings):
     # A future that no replica drives any more (its owner died) is taken over after this many seconds.
     future_lease_s: float = 15.0
     future_ttl_s: int = 24 * 3600
+    # What /client/config tells the SDK: datums per forward_backward chunk (the SDK splits bigger batches into
+    # chunks sent in parallel, each its own seq_id) and whether to zstd-compress forward_backward bodies.
+    fwdbwd_max_chunk_len: int = 1024
+    compress_fwdbwd: bool = False
     # max_tokens when a Tinker sample request omits it.
     default_max_tokens: int = 16
     # Upper bound on one gRPC call made on behalf of a caller.

@@ -37,7 +37,9 @@ router = APIRouter(prefix="/api/v1")
 @router.post("/client/config")
 async def client_config(request: Request):
     # Plain httpx keeps header names as sent; the SDK's defaults suit us otherwise.
-    return {"use_pyqwest_transport": False, "pjwt_auth_enabled": False}
+    settings = request.app.state.settings
+    return {"use_pyqwest_transport": False, "pjwt_auth_enabled": False,
+            "fwdbwd_max_chunk_len": settings.fwdbwd_max_chunk_len, "proto_compress_fwdbwd": settings.compress_fwdbwd}
 
 
 @router.post("/client/dynamic_config")

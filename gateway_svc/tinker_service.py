@@ -284,13 +284,27 @@ class TinkerService:
                 f"path {errors.shown(name)}: a checkpoint name is 1-128 of [A-Za-z0-9._-] (no '/')", field="path")
         return name
 
+    async def _checked(self, record: dict[str, Any], seq: int, check):
+        """`await check()`, or, when it refuses the request, spend `seq` on the trainer first and re-raise: a
+        sequenced request the gateway refuses must not leave a gap the model's next requests would wait on."""
+        try:
+            return await check()
+        except (errors.InvalidArgument, errors.NotFound):
+            await self._consume(record["adapter"], seq)
+            raise
+
     async def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        # Every check that needs the request's content runs in the future (see _checked), not here.
         return await self._sequenced(body.get("model_id", ""), body.get("seq_id"), {
-            "kind": "save_weights", "name": self._checkpoint_name(body.get("path")),
+            "kind": "save_weights", "name": body.get("path"),
             "metadata": body.get("user_metadata") or {}, "ttl": body.get("ttl_seconds")})
 
     async def _run_save_weights(self, spec: dict[str, Any]) -> tuple[str, bytes]:
         record, seq = await self._target(spec)
+
+        async def check():
+            self._checkpoint_name(spec["name"])
+        await self._checked(record, seq, check)
         version = await self.upstream.save_state(record["adapter"], seq, {"tinker_checkpoint": spec["name"]})
         path = await self._record_checkpoint(record, "weights", spec["name"], version, spec)
         return _json({"type": "save_weights", "path": path})
@@ -310,7 +324,7 @@ class TinkerService:
         spec: dict[str, Any] = {"kind": "save_for_sampler", "metadata": body.get("user_metadata") or {},
                                 "ttl": body.get("ttl_seconds")}
         if body.get("path") is not None:
-            spec["name"] = self._checkpoint_name(body["path"])
+            spec["name"] = body["path"]
         else:
             record = await self.model(body.get("model_id", ""))
             spec["sampler_id"] = f"{record['session_id']}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
@@ -318,6 +332,10 @@ class TinkerService:
 
     async def _run_save_for_sampler(self, spec: dict[str, Any]) -> tuple[str, bytes]:
         record, seq = await self._target(spec)
+        if "name" in spec:
+            async def check():
+                self._checkpoint_name(spec["name"])
+            await self._checked(record, seq, check)
         version = await self.upstream.publish_weights(
             record["adapter"], seq, {"tinker_checkpoint": spec.get("name") or spec["sampler_id"]})
         if "name" in spec:
@@ -335,16 +353,20 @@ class TinkerService:
             raise errors.NotFound(f"checkpoint {errors.shown(path)} not found", field="path")
         return ckpt
 
-    async def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        path = body.get("path", "")
+    async def training_checkpoint(self, path: str) -> dict[str, Any]:
         ckpt = await self.resolve_checkpoint(path)
         if ckpt["checkpoint_type"] != "training":
             raise errors.InvalidArgument(
                 f"path {errors.shown(path)}: load_weights needs a save_state checkpoint (tinker://.../weights/...), "
                 "not sampler weights", field="path")
+        return ckpt
+
+    async def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        path = body.get("path", "")
         spec = {"kind": "load_weights", "path": path, "optimizer": bool(body.get("optimizer"))}
         if body.get("model_id"):
             return await self._sequenced(body["model_id"], body.get("seq_id"), spec)
+        await self.training_checkpoint(path)
         # create_training_client_from_state: a new model, whose id the SDK computes itself.
         session_id = body.get("session_id", "")
         await self.require_session(session_id)
@@ -362,7 +384,7 @@ class TinkerService:
 
     async def _run_load_weights(self, spec: dict[str, Any]) -> tuple[str, bytes]:
         record, seq = await self._target(spec)
-        ckpt = await self.resolve_checkpoint(spec["path"])
+        ckpt = await self._checked(record, seq, lambda: self.training_checkpoint(spec["path"]))
         await self.upstream.load_state(record["adapter"], seq, ckpt["adapter"], ckpt["version"], spec["optimizer"])
         return _json({"type": "load_weights", "path": spec["path"], "model_id": record["model_id"]})
 

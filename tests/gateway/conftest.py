@@ -73,9 +73,9 @@ class Cluster:
     def base_url(self) -> str:
         return self.gateway.base_url
 
-    def another_gateway(self) -> LiveGateway:
-        """A second replica on the same Redis and services."""
-        return LiveGateway(self.gateway_settings.model_copy(update={"port": free_port()})).start()
+    def another_gateway(self, **settings) -> LiveGateway:
+        """A second replica on the same Redis and services (optionally with other settings)."""
+        return LiveGateway(self.gateway_settings.model_copy(update={"port": free_port(), **settings})).start()
 
 
 def start_cluster(valkey, seaweed, background_loop, tmp_path_factory, *, base_model: str = "tiny",

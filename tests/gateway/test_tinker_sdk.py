@@ -12,6 +12,8 @@ import pytest
 import tinker
 from tinker import types
 
+from loraplane.v1 import trainer_pb2
+
 ADAM = types.AdamParams(learning_rate=5e-2)
 
 
@@ -150,6 +152,42 @@ def test_an_unsupported_loss_fails_as_a_user_error_and_the_client_goes_on(servic
     assert time.monotonic() - started < 3.0
 
 
+def test_chunked_compressed_forward_backward_accumulates_in_seq_id_order(cluster, service):
+    """With small chunks the SDK splits one forward_backward into several requests sent in parallel, lowest seq_id
+    last, here zstd-compressed: the trainer must run them in order and accumulate every chunk's gradient, so one
+    step equals the same step on an unchunked twin."""
+    replica = cluster.another_gateway(fwdbwd_max_chunk_len=2, compress_fwdbwd=True)
+    chunked_service = tinker.ServiceClient(base_url=replica.base_url)
+    try:
+        seqs = batch(4, count=5)
+        data = [datum(s) for s in seqs]
+        twin = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+        chunked = chunked_service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+        forward = chunked.forward(data, "cross_entropy").result()
+        singles = [chunked.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+                   for d in data]
+        for out, single in zip(forward.loss_fn_outputs, singles):
+            np.testing.assert_allclose(out["logprobs"].to_numpy(), single, atol=1e-6)
+        results = []
+        for client in (twin, chunked):
+            results.append(client.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            client.optim_step(ADAM).result()
+        assert results[0] == pytest.approx(results[1], rel=1e-5)
+        after_twin, after_chunked = target_logprobs(twin, seqs), target_logprobs(chunked, seqs)
+        for a, b in zip(after_twin, after_chunked):
+            np.testing.assert_allclose(a, b, atol=1e-4)
+        assert np.abs(after_twin[0] - singles[0]).max() > 1e-3  # the step did move the weights
+        # The batches really went as 3 chunks (3 seq_ids each): forward, 5 single forwards, forward_backward,
+        # optim_step, forward.
+        adapters = {a.name: a for a in cluster.trainer.stub().ListAdapters(
+            trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000)).adapters}
+        name = cluster.gateway_settings.default_tenant + "/" + chunked.model_id.replace(":train:", "-train-")
+        assert adapters[name].last_seq_id == 3 + 5 + 3 + 1 + 3
+    finally:
+        chunked_service.close("success")
+        replica.stop()
+
+
 def test_wire_errors_and_retries(cluster, service):
     http = httpx.Client(base_url=cluster.base_url + "/api/v1", timeout=30)
     # Unsupported endpoints answer the SDK's error shape, never a 500 or an empty body.
@@ -175,3 +213,13 @@ def test_wire_errors_and_retries(cluster, service):
     assert first["request_id"] == again["request_id"]
     result = http.post("/retrieve_future", json={"request_id": first["request_id"]}).json()
     assert result["metrics"]["step:mean"] == 1.0
+    # A sequenced request the gateway refuses (a checkpoint name with '/') still spends its seq_id on the
+    # trainer, so the next seq_id runs at once instead of waiting out the trainer's gap timeout.
+    refused = http.post("/save_weights", json={"model_id": training.model_id, "seq_id": 3, "path": "a/b",
+                                               "type": "save_weights"}).json()
+    failed = http.post("/retrieve_future", json={"request_id": refused["request_id"]}).json()
+    assert failed["category"] == "user" and "a/b" in failed["error"]
+    started = time.monotonic()
+    nxt = http.post("/optim_step", json={**body, "seq_id": 4}).json()
+    assert http.post("/retrieve_future", json={"request_id": nxt["request_id"]}).json()["metrics"]
+    assert time.monotonic() - started < 3.0
