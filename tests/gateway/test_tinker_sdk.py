@@ -104,6 +104,13 @@ def test_train_sample_checkpoint_and_rest_client(cluster, service):
     assert np.abs(target_logprobs(training, seqs[:1])[0] - now).max() > 1e-4
     training.load_state(state_path).result()
     np.testing.assert_allclose(target_logprobs(training, seqs[:1])[0], now, atol=1e-5)
+    # load_state_with_optimizer also restores Adam's moments: the next step then equals the resumed client's.
+    training.load_state_with_optimizer(state_path).result()
+    for client in (training, resumed):
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(ADAM).result()
+    np.testing.assert_allclose(target_logprobs(training, seqs[:1])[0], target_logprobs(resumed, seqs[:1])[0],
+                               atol=1e-5)
 
     rest = tinker.RestClient(base_url=cluster.base_url)
     listed = {c.checkpoint_id: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
