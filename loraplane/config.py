@@ -34,7 +34,6 @@ class Settings(BaseSettings):
     registry_address: str = ""
     trainer_address: str = ""
     sampler_address: str = ""
-    gateway_address: str = ""
 
     # A real model by default (its weights ship with the install), so a newcomer's first sample is text; the
     # tests choose the random `tiny` model explicitly (tests/conftest.py).
