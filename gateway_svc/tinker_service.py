@@ -44,6 +44,14 @@ def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1e6):06d}Z"
 
 
+def num(value: Any, field: str, kind: type = int) -> Any:
+    """`kind(value)` for a number the caller sent, or InvalidArgument naming the field (never a 500)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        what = "an integer" if kind is int else "a number"
+        raise errors.InvalidArgument(f"{field} {errors.shown(value)}: must be {what}", field=field)
+    return kind(value)
+
+
 def _json(value: Any) -> tuple[str, bytes]:
     return JSON, json.dumps(value).encode()
 
@@ -59,11 +67,17 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     return parts[0], f"{parts[1]}/{parts[2]}", _SEGMENT[parts[1]]
 
 
+def _opt(params: dict[str, Any], key: str) -> float | None:
+    return None if params.get(key) is None else num(params[key], f"sampling_params.{key}", float)
+
+
 def sampling_spec(params: dict[str, Any], default_max_tokens: int) -> SamplingSpec:
     stop = params.get("stop")
-    spec = SamplingSpec(max_tokens=int(params.get("max_tokens") or default_max_tokens),
-                        temperature=params.get("temperature"), top_p=params.get("top_p"),
-                        top_k=max(int(params.get("top_k") or 0), 0), seed=params.get("seed"))
+    seed = params.get("seed")
+    spec = SamplingSpec(max_tokens=num(params.get("max_tokens") or default_max_tokens, "sampling_params.max_tokens"),
+                        temperature=_opt(params, "temperature"), top_p=_opt(params, "top_p"),
+                        top_k=max(num(params.get("top_k") or 0, "sampling_params.top_k"), 0),
+                        seed=None if seed is None else num(seed, "sampling_params.seed"))
     if isinstance(stop, str):
         spec.stop_strings = [stop]
     elif isinstance(stop, list):
@@ -137,11 +151,12 @@ class TinkerService:
                                   field="session_id")
 
     # ---- futures ---------------------------------------------------------------------------------------------
-    async def _submit(self, scope: str, seq_id: int, spec: dict[str, Any]) -> str:
+    async def _submit(self, scope: str, seq_id: int | None, spec: dict[str, Any]) -> str:
         request_id = uuid.uuid4().hex
-        owner = await self.store.claim_request(scope, seq_id, request_id)
-        if owner != request_id:
-            return owner  # a retry of an accepted request: the first request's future
+        if seq_id is not None:
+            owner = await self.store.claim_request(scope, seq_id, request_id)
+            if owner != request_id:
+                return owner  # a retry of an accepted request: the first request's future
         return await self.futures.submit(request_id, spec)
 
     async def run_spec(self, spec: dict[str, Any]) -> tuple[str, bytes]:
@@ -153,7 +168,7 @@ class TinkerService:
         await self.require_session(session_id)
         base = await self.check_base_model(body.get("base_model"))
         lora = body.get("lora_config") or {}
-        rank = int(lora.get("rank") or 32)
+        rank = num(lora.get("rank") or 32, "lora_config.rank")
         info = await self.upstream.info()
         if not 1 <= rank <= info.max_lora_rank:
             raise errors.InvalidArgument(f"lora_config.rank {rank}: must be in [1, {info.max_lora_rank}]",
@@ -166,11 +181,11 @@ class TinkerService:
         opt = (body.get("optimizer_config") or {}).get("type", "adamw")
         if opt != "adamw":
             raise Unsupported(f"optimizer_config.type {errors.shown(opt)} is not supported (adamw only)")
-        model_id = f"{session_id}:train:{int(body.get('model_seq_id', 0))}"
+        model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id')}"
         targets = (ATTN if train_attn else []) + (MLP if train_mlp else [])
         now = time.time()
         record = {"model_id": model_id, "adapter": self.adapter_of(model_id), "base_model": base, "rank": rank,
-                  "seed": int(lora.get("seed") or 0), "targets": targets, "train_mlp": train_mlp,
+                  "seed": num(lora.get("seed") or 0, "lora_config.seed"), "targets": targets, "train_mlp": train_mlp,
                   "train_attn": train_attn, "train_unembed": bool(lora.get("train_unembed", False)),
                   "seq_offset": 0, "session_id": session_id, "created": now, "last_request_time": now,
                   "user_metadata": body.get("user_metadata")}
@@ -271,7 +286,9 @@ class TinkerService:
             await self._consume(record["adapter"], seq)
             kind = (spec.get("other") or {}).get("type", "none")
             raise Unsupported(f"optimizer {errors.shown(kind)} is not supported: send adam_params (AdamW)")
-        params = {k: float(adam[k]) for k in ADAM_FIELDS if adam.get(k) is not None}
+        async def check():
+            return {k: num(adam[k], f"adam_params.{k}", float) for k in ADAM_FIELDS if adam.get(k) is not None}
+        params = await self._checked(record, seq, check)
         metrics = await self.upstream.optim_step(record["adapter"], seq, params)
         # Tinker metric keys are `<name>:<reduction>`.
         return _json({"type": "optim_step",
@@ -327,7 +344,8 @@ class TinkerService:
             spec["name"] = body["path"]
         else:
             record = await self.model(body.get("model_id", ""))
-            spec["sampler_id"] = f"{record['session_id']}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
+            n = num(body.get("sampling_session_seq_id") or 0, "sampling_session_seq_id")
+            spec["sampler_id"] = f"{record['session_id']}:sample:{n}"
         return await self._sequenced(body.get("model_id", ""), body.get("seq_id"), spec)
 
     async def _run_save_for_sampler(self, spec: dict[str, Any]) -> tuple[str, bytes]:
@@ -371,7 +389,7 @@ class TinkerService:
         session_id = body.get("session_id", "")
         await self.require_session(session_id)
         source = await self.model(parse_tinker_path(path)[0])
-        model_id = f"{session_id}:train:{int(body.get('model_seq_id', 0))}"
+        model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id')}"
         now = time.time()
         record = {**source, "model_id": model_id, "adapter": self.adapter_of(model_id), "seq_offset": 1,
                   "session_id": session_id, "created": now, "last_request_time": now,
@@ -404,7 +422,7 @@ class TinkerService:
     async def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         session_id = body.get("session_id", "")
         await self.require_session(session_id)
-        sampler_id = f"{session_id}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
+        sampler_id = f"{session_id}:sample:{num(body.get('sampling_session_seq_id') or 0, 'sampling_session_seq_id')}"
         if body.get("model_path"):
             ckpt = await self.resolve_checkpoint(body["model_path"])
             if ckpt["checkpoint_type"] != "sampler":
@@ -437,7 +455,7 @@ class TinkerService:
         if await self.store.get_sampler(sampler_id) is None:
             raise errors.NotFound(f"sampling_session_id {errors.shown(sampler_id)} not found",
                                   field="sampling_session_id")
-        num_samples = int(body.get("num_samples") or 1)
+        num_samples = num(body.get("num_samples") or 1, "num_samples")
         if not 1 <= num_samples <= 128:
             raise errors.InvalidArgument(f"num_samples {num_samples}: must be in [1, 128]", field="num_samples")
         for option in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
@@ -446,7 +464,8 @@ class TinkerService:
                 raise Unsupported(f"{option} is not supported by loraplane")
         if body.get("target_prompt_logprobs") is not None:
             raise Unsupported("target_prompt_logprobs is not supported by loraplane")
-        seq_id = int(body.get("seq_id") or 0)
+        # (sampling session, seq_id) identifies a sample; a request without a seq_id is never deduplicated.
+        seq_id = num(body["seq_id"], "seq_id") if body.get("seq_id") is not None else None
         request_id = await self._submit(f"sampler:{sampler_id}", seq_id, {
             "kind": "sample", "sampler_id": sampler_id, "num_samples": num_samples,
             "prompt": body.get("prompt") or {}, "sampling_params": body.get("sampling_params") or {},
@@ -460,7 +479,7 @@ class TinkerService:
             if chunk.get("type", "encoded_text") != "encoded_text":
                 raise errors.InvalidArgument(f"prompt.chunks[{i}]: {chunk.get('type')} chunks are not supported "
                                              "(text only)", field="prompt")
-            prompt.extend(int(t) for t in chunk.get("tokens") or [])
+            prompt.extend(num(t, f"prompt.chunks[{i}].tokens") for t in chunk.get("tokens") or [])
         params = sampling_spec(spec["sampling_params"], self.settings.default_max_tokens)
         result = await self.upstream.sample(record["adapter"], record["version"], prompt, spec["num_samples"],
                                             params, spec["prompt_logprobs"])

@@ -80,7 +80,8 @@ def test_anthropic_messages_and_streaming(claude, published):
                                      messages=[{"role": "user", "content": "hello"}], extra_body={"temperature": 0})
     assert message.role == "assistant" and message.stop_reason == "max_tokens"
     assert message.usage.output_tokens == 6 and message.content[0].type == "text"
-    with claude.messages.stream(model=f"{ADAPTER}@v{published}", max_tokens=6, system="be brief", extra_body={"temperature": 0},
+    with claude.messages.stream(model=f"{ADAPTER}@v{published}", max_tokens=6, system="be brief",
+                                extra_body={"temperature": 0},
                                 messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
                                 ) as stream:
         text = "".join(stream.text_stream)

@@ -211,6 +211,14 @@ def test_wire_errors_and_retries(cluster, service):
     reply = http.post("/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "gpt-9",
                                              "lora_config": {"rank": 4}})
     assert reply.status_code == 400 and "gpt-9" in reply.json()["error"] and reply.json()["field"] == "base_model"
+    reply = http.post("/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "tiny",
+                                             "lora_config": {"rank": "four"}})
+    assert reply.status_code == 400 and reply.json()["field"] == "lora_config.rank"
+    sampler = http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                          "base_model": "tiny"}).json()["sampling_session_id"]
+    reply = http.post("/asample", json={"sampling_session_id": sampler, "seq_id": "x", "num_samples": 1,
+                                        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}})
+    assert reply.status_code == 400 and reply.json()["field"] == "seq_id"
     # A retried optim_step (same model, same seq_id) gets the first request's future, applied once.
     training = service.create_lora_training_client(base_model="tiny", rank=4).result()
     training.forward_backward([datum(batch(3, count=1)[0])], "cross_entropy").result()
