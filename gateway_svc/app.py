@@ -28,7 +28,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         quiet_grpc_poller(asyncio.get_running_loop())
         store = Store(settings.redis_url, settings.key_prefix, future_ttl_s=settings.future_ttl_s)
         upstream = Upstream(settings.trainer_address, settings.registry_address, settings.sampler_address,
-                            timeout=settings.upstream_timeout_s)
+                            timeout=settings.upstream_timeout_s, retry_s=settings.upstream_retry_s)
         app.state.tinker = TinkerService(settings, store, upstream)
         app.state.openai = OpenAIService(settings, upstream)
         try:

@@ -40,6 +40,8 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = 16
     # Upper bound on one gRPC call made on behalf of a caller.
     upstream_timeout_s: float = 600.0
+    # How long a call keeps being retried while its service is unreachable or busy (a restart, a full queue).
+    upstream_retry_s: float = 60.0
 
     def extra_model_names(self) -> list[str]:
         return [n.strip() for n in self.model_names.split(",") if n.strip()]

@@ -5,6 +5,8 @@ gRPC error becomes a loraplane domain error (loraplane.rpc.domain_error_from_rpc
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -26,6 +28,8 @@ from loraplane.registry_client import RegistryClient, adapter_ref
 from loraplane.rpc import channel_options, domain_error_from_rpc
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
+log = logging.getLogger(__name__)
+_TRANSIENT = (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted)
 _FINISH = {sampler_pb2.FINISH_REASON_STOP: "stop", sampler_pb2.FINISH_REASON_LENGTH: "length"}
 
 
@@ -63,9 +67,10 @@ def _sampling_params(spec: SamplingSpec) -> common_pb2.SamplingParams:
 class Upstream:
     """One grpc.aio channel per service, opened lazily inside the running loop."""
 
-    def __init__(self, trainer: str, registry: str, sampler: str, *, timeout: float = 600.0):
+    def __init__(self, trainer: str, registry: str, sampler: str, *, timeout: float = 600.0, retry_s: float = 60.0):
         self.addresses = {"trainer": trainer, "registry": registry, "sampler": sampler}
         self.timeout = timeout
+        self.retry_s = retry_s
         self.registry = RegistryClient(registry, timeout=60.0)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._info: ServerInfo | None = None
@@ -91,17 +96,37 @@ class Upstream:
         self._channels.clear()
         await self.registry.close()
 
-    async def _call(self, service: str, what: str, coro):
+    async def _call(self, service: str, what: str, attempt):
+        """`await attempt()`, retried with backoff for up to `retry_s` while the service is unreachable or busy
+        (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED: the trainer consumed nothing then, and a repeated
+        seq_id is applied once anyway), so a restarting trainer or sampler delays a Tinker future instead of
+        failing it."""
+        return await self._retrying(what, lambda: self._grpc(service, what, attempt))
+
+    async def _grpc(self, service: str, what: str, attempt):
         try:
-            return await coro
+            return await attempt()
         except grpc.RpcError as exc:
             raise domain_error_from_rpc(exc, f"{service} {self.addresses[service]}: {what}") from None
+
+    async def _retrying(self, what: str, attempt):
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.1
+        while True:
+            try:
+                return await attempt()
+            except _TRANSIENT as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.info("%s: %s; retrying in %.1f s", what, type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     # ---- trainer -------------------------------------------------------------------------------------------
     async def info(self) -> ServerInfo:
         async with self._info_lock:
             if self._info is None:
-                reply = await self._call("trainer", "GetInfo", self.trainer.GetInfo(
+                reply = await self._call("trainer", "GetInfo", lambda: self.trainer.GetInfo(
                     trainer_pb2.GetInfoRequest(include_tokenizer=True), timeout=60))
                 self._tokenizer = tokenizer_from_info(reply.tokenizer)
                 self._info = ServerInfo(
@@ -117,7 +142,7 @@ class Upstream:
     async def create_adapter(self, name: str, *, rank: int, seed: int, targets: list[str],
                              metadata: dict[str, str]) -> None:
         config = common_pb2.LoraConfig(rank=rank, seed=seed, target_modules=targets)
-        await self._call("trainer", f"CreateAdapter {name}", self.trainer.CreateAdapter(
+        await self._call("trainer", f"CreateAdapter {name}", lambda: self.trainer.CreateAdapter(
             trainer_pb2.TrainerServiceCreateAdapterRequest(name=name, lora_config=config, metadata=metadata),
             timeout=self.timeout))
 
@@ -126,17 +151,19 @@ class Upstream:
         kwargs = {"adapter": adapter, "seq_id": seq_id, "data": [_datum(d) for d in data], "loss_fn": loss_fn,
                   "loss_fn_config": config}
         if forward_only:
-            reply = await self._call("trainer", f"Forward {adapter}#{seq_id}", self.trainer.Forward(
-                trainer_pb2.ForwardRequest(**kwargs), timeout=self.timeout))
+            request = trainer_pb2.ForwardRequest(**kwargs)
+            reply = await self._call("trainer", f"Forward {adapter}#{seq_id}",
+                                     lambda: self.trainer.Forward(request, timeout=self.timeout))
         else:
-            reply = await self._call("trainer", f"ForwardBackward {adapter}#{seq_id}", self.trainer.ForwardBackward(
-                trainer_pb2.ForwardBackwardRequest(**kwargs), timeout=self.timeout))
+            request = trainer_pb2.ForwardBackwardRequest(**kwargs)
+            reply = await self._call("trainer", f"ForwardBackward {adapter}#{seq_id}",
+                                     lambda: self.trainer.ForwardBackward(request, timeout=self.timeout))
         return FwdBwdResult(logprobs=[list(o.logprobs) for o in reply.outputs],
                             elementwise_loss=[list(o.elementwise_loss) for o in reply.outputs],
                             metrics=dict(reply.metrics))
 
     async def optim_step(self, adapter: str, seq_id: int, adam: dict[str, float]) -> dict[str, float]:
-        reply = await self._call("trainer", f"OptimStep {adapter}#{seq_id}", self.trainer.OptimStep(
+        reply = await self._call("trainer", f"OptimStep {adapter}#{seq_id}", lambda: self.trainer.OptimStep(
             trainer_pb2.OptimStepRequest(adapter=adapter, seq_id=seq_id, adam_params=trainer_pb2.AdamParams(**adam)),
             timeout=self.timeout))
         metrics = dict(reply.metrics)
@@ -148,25 +175,25 @@ class Upstream:
         return metrics
 
     async def publish_weights(self, adapter: str, seq_id: int, metadata: dict[str, str]) -> VersionInfo:
-        reply = await self._call("trainer", f"PublishWeights {adapter}#{seq_id}", self.trainer.PublishWeights(
+        reply = await self._call("trainer", f"PublishWeights {adapter}#{seq_id}", lambda: self.trainer.PublishWeights(
             trainer_pb2.PublishWeightsRequest(adapter=adapter, seq_id=seq_id, metadata=metadata),
             timeout=self.timeout))
         return _version(reply.version)
 
     async def save_state(self, adapter: str, seq_id: int, metadata: dict[str, str]) -> VersionInfo:
-        reply = await self._call("trainer", f"SaveState {adapter}#{seq_id}", self.trainer.SaveState(
+        reply = await self._call("trainer", f"SaveState {adapter}#{seq_id}", lambda: self.trainer.SaveState(
             trainer_pb2.SaveStateRequest(adapter=adapter, seq_id=seq_id, metadata=metadata), timeout=self.timeout))
         return _version(reply.version)
 
     async def load_state(self, adapter: str, seq_id: int, source: str, version: int, with_optimizer: bool) -> None:
-        await self._call("trainer", f"LoadState {adapter}#{seq_id}", self.trainer.LoadState(
+        await self._call("trainer", f"LoadState {adapter}#{seq_id}", lambda: self.trainer.LoadState(
             trainer_pb2.LoadStateRequest(adapter=adapter, seq_id=seq_id, with_optimizer=with_optimizer,
                                          source=common_pb2.AdapterRef(name=source, version=version)),
             timeout=self.timeout))
 
     # ---- registry ------------------------------------------------------------------------------------------
     async def get_adapter(self, name: str) -> AdapterInfo:
-        a = await self.registry.get_adapter(name)
+        a = await self._retrying(f"GetAdapter {name}", lambda: self.registry.get_adapter(name))
         return AdapterInfo(name=a.name, rank=a.lora_config.rank, alpha=a.lora_config.alpha, base_model=a.base_model,
                            latest_version=a.latest_version, aliases=dict(a.aliases),
                            create_time=a.create_time.ToNanoseconds() / 1e9)
@@ -175,13 +202,15 @@ class Upstream:
         return [AdapterInfo(name=a.name, rank=a.lora_config.rank, alpha=a.lora_config.alpha,
                             base_model=a.base_model, latest_version=a.latest_version, aliases=dict(a.aliases),
                             create_time=a.create_time.ToNanoseconds() / 1e9)
-                for a in await self.registry.list_adapters(prefix)]
+                for a in await self._retrying("ListAdapters", lambda: self.registry.list_adapters(prefix))]
 
     async def list_versions(self, adapter: str) -> list[VersionInfo]:
-        return [_version(v) for v in await self.registry.list_versions(adapter)]
+        return [_version(v) for v in await self._retrying(
+            f"ListVersions {adapter}", lambda: self.registry.list_versions(adapter))]
 
     async def delete_version(self, adapter: str, version: int) -> None:
-        await self.registry.delete_version(adapter, version)
+        await self._retrying(f"DeleteVersion {adapter}@v{version}",
+                             lambda: self.registry.delete_version(adapter, version))
 
     # ---- sampler -------------------------------------------------------------------------------------------
     @staticmethod
@@ -191,7 +220,7 @@ class Upstream:
     async def sample(self, adapter: str, version: int, prompt: list[int], num_samples: int, spec: SamplingSpec,
                      prompt_logprobs: bool, alias: str = "") -> SampleResult:
         reply = await self._call("sampler", f"Sample {adapter or '<base>'}@{version or alias or 'latest'}",
-                                 self.sampler.Sample(sampler_pb2.SampleRequest(
+                                 lambda: self.sampler.Sample(sampler_pb2.SampleRequest(
                                      adapter=self._ref(adapter, version, alias), prompt_tokens=prompt,
                                      num_samples=num_samples, sampling_params=_sampling_params(spec),
                                      include_prompt_logprobs=prompt_logprobs), timeout=self.timeout))

@@ -4,17 +4,20 @@ same SDK clients, and a future whose gateway died is finished by the replica tha
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import uuid
 
 import httpx
 import numpy as np
+import pytest
 import tinker
 from tinker import types
 
 from gateway_svc.futures import Futures
 from gateway_svc.store import Store
 from gateway_svc.wire import tinker_wire_pb2
+from tests.fixtures.sampler import start_live_sampler
 from tests.gateway.test_tinker_sdk import datum
 
 
@@ -56,6 +59,24 @@ def test_a_second_replica_and_a_restart_lose_nothing(cluster):
     training_after = training.forward_backward([datum(seq)], "cross_entropy").result()
     assert np.isfinite(training_after.metrics["loss:sum"])
     assert training.optim_step(types.AdamParams(learning_rate=5e-2)).result().metrics["step:mean"] == 2.0
+    service.close("success")
+
+
+def test_a_sample_waits_out_a_sampler_restart(cluster):
+    """The sampler is down when the sample is accepted; the gateway retries the unreachable sampler and the
+    future completes once it is back (instead of failing the caller's sample)."""
+    service = tinker.ServiceClient(base_url=cluster.base_url)
+    sampling = service.create_sampling_client(base_model="tiny").result()
+    port = int(cluster.sampler.address.rsplit(":", 1)[1])
+    cluster.sampler.close()
+    pending = sampling.sample(types.ModelInput.from_ints([10, 11, 12]), 1, types.SamplingParams(max_tokens=3))
+    # Still pending a second later (had the gateway given up, result() would raise RequestFailedError).
+    with pytest.raises(concurrent.futures.TimeoutError):
+        pending.result(timeout=1.0)
+    cluster.sampler = start_live_sampler(cluster.registry.settings, cluster.sampler.loop, cluster.registry.address,
+                                         port=port)
+    reply = pending.result(timeout=60)
+    assert len(reply.sequences) == 1 and len(reply.sequences[0].tokens) == 3
     service.close("success")
 
 
