@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import tinker
 
+from loraplane.v1 import common_pb2
 from tests.gateway.conftest import start_cluster, stop_cluster
 from tests.gateway.cookbook_env import COOKBOOK_MODEL, prepare
 
@@ -70,6 +71,9 @@ def test_sl_loop_and_rl_loop_train_side_by_side(cookbook, tmp_path):
         listed = {c.tinker_path for c in rest.list_checkpoints(run).result().checkpoints}
         assert final["state_path"] in listed and final["sampler_path"] in listed
         assert rest.get_training_run(run).result().base_model == COOKBOOK_MODEL
-    adapters = {cluster.gateway_settings.default_tenant + "/" + r.replace(":train:", "-train-")
-                for r in (sl_run, rl_run)}
-    assert len(adapters) == 2
+    # Isolation in the registry: each adapter holds exactly its own loop's weights versions (sl_loop: the final
+    # sampler save; rl_loop: one sampling snapshot per step plus the final save).
+    for run, expected in ((sl_run, 1), (rl_run, 2 + 1)):
+        adapter = cluster.gateway_settings.default_tenant + "/" + run.replace(":train:", "-train-")
+        kinds = [v.kind for v in cluster.trainer.registry_versions(adapter)]
+        assert kinds.count(common_pb2.VERSION_KIND_WEIGHTS) == expected, (run, kinds)
