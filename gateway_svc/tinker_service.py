@@ -364,9 +364,23 @@ class TinkerService:
             "adapter": version.adapter, "version": version.version})
         return _json({"type": "save_weights_for_sampler", "path": None, "sampling_session_id": spec["sampler_id"]})
 
+    async def _alive(self, model_id: str, ckpt: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The checkpoint, or None once its ttl_seconds have passed (it is then deleted, registry version too)."""
+        if ckpt is not None and ckpt.get("expires_at") and ckpt["expires_at"] <= time.time():
+            try:
+                await self.delete_checkpoint(model_id, ckpt["checkpoint_id"])
+            except errors.NotFound:
+                pass  # a concurrent request deleted it first
+            return None
+        return ckpt
+
+    async def _live_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
+        found = [await self._alive(model_id, c) for c in (await self.store.list_checkpoints(model_id)).values()]
+        return sorted((c for c in found if c is not None), key=lambda c: c["time"])
+
     async def resolve_checkpoint(self, path: str) -> dict[str, Any]:
         model_id, ckpt_id, _kind = parse_tinker_path(path)
-        ckpt = await self.store.get_checkpoint(model_id, ckpt_id)
+        ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
         if ckpt is None:
             raise errors.NotFound(f"checkpoint {errors.shown(path)} not found", field="path")
         return ckpt
@@ -505,7 +519,7 @@ class TinkerService:
 
     async def training_run(self, model_id: str) -> dict[str, Any]:
         record = await self.model(model_id)
-        ckpts = sorted((await self.store.list_checkpoints(model_id)).values(), key=lambda c: c["time"])
+        ckpts = await self._live_checkpoints(model_id)
         last = {t: self._checkpoint_json(c) for c in ckpts for t in [c["checkpoint_type"]]}
         metadata = record.get("user_metadata")
         return {"training_run_id": model_id, "base_model": record["base_model"],
@@ -522,14 +536,14 @@ class TinkerService:
 
     async def checkpoints(self, model_id: str) -> dict[str, Any]:
         await self.model(model_id)
-        ckpts = sorted((await self.store.list_checkpoints(model_id)).values(), key=lambda c: c["time"])
+        ckpts = await self._live_checkpoints(model_id)
         return {"checkpoints": [self._checkpoint_json(c) for c in ckpts]}
 
     async def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
         rows, total = await self.store.list_all_checkpoints(offset, limit)
         out = []
         for model_id, ckpt_id in rows:
-            ckpt = await self.store.get_checkpoint(model_id, ckpt_id)
+            ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
             if ckpt:
                 out.append(self._checkpoint_json(ckpt))
         return {"checkpoints": out, "cursor": {"offset": offset, "limit": limit, "total_count": total}}

@@ -131,6 +131,22 @@ def test_train_sample_checkpoint_and_rest_client(cluster, service):
         service.create_sampling_client(model_path=path_v2).result()
 
 
+def test_a_checkpoint_expires_after_its_ttl(cluster, service):
+    training = service.create_lora_training_client(base_model="tiny", rank=4).result()
+    kept = training.save_state("kept").result().path
+    brief = training.save_state("brief", ttl_seconds=1).result().path
+    rest = tinker.RestClient(base_url=cluster.base_url)
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    assert listed[brief].expires_at is not None and listed[kept].expires_at is None
+    adapter = cluster.gateway_settings.default_tenant + "/" + training.model_id.replace(":train:", "-train-")
+    assert len(cluster.trainer.registry_versions(adapter)) == 2
+    time.sleep(1.2)
+    assert {c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints} == {kept}
+    with pytest.raises(tinker.NotFoundError):
+        service.create_training_client_from_state(brief).result()
+    assert len(cluster.trainer.registry_versions(adapter)) == 1  # its registry version went with it
+
+
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro"])
 def test_rl_losses_raise_the_logprobs_of_positive_advantage_tokens(service, loss_fn):
     training = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
