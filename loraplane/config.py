@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     registry_port: int = 0
     trainer_port: int = 0
     sampler_port: int = 0
+    # The HTTP gateway (gateway_svc: Tinker wire API, OpenAI / Anthropic sampling) that `loraplane up` starts.
+    gateway_port: int = 0
     # Addresses of running services (host:port), used by clients and by services that call each other.
     registry_address: str = ""
     trainer_address: str = ""

@@ -66,12 +66,14 @@ def up(
                               "data dir, mode 0600). --no-auth runs the open mode: anyone on the host can do anything."),
     tls: bool = typer.Option(False, "--tls", help="Make a local CA and certificates (in <data dir>/tls) and run "
                              "every service over TLS."),
+    gateway: bool = typer.Option(True, help="Also start the HTTP gateway (Tinker SDK, OpenAI, Anthropic clients)."),
+    gateway_port: int = typer.Option(None, help="Fixed gateway port."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
     services, wait until each is healthy, and print their endpoints. On a cluster that already runs, starts only
     what is missing or dead. A supervisor restarts any component that dies."""
     settings = _settings(data_dir, base_model=base_model, registry_port=registry_port,
-                         trainer_port=trainer_port, sampler_port=sampler_port)
+                         trainer_port=trainer_port, sampler_port=sampler_port, gateway_port=gateway_port)
     wanted = tuple(s.strip() for s in services.split(",") if s.strip())
     unknown = [s for s in wanted if s not in SERVICE_NAMES]
     if unknown:
@@ -81,7 +83,7 @@ def up(
     try:
         with console.status("starting cluster") as status:
             state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth,
-                                           tls=tls)
+                                           tls=tls, gateway=gateway and set(wanted) == set(SERVICE_NAMES))
     except ProcessStartError as exc:
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc
@@ -99,6 +101,10 @@ def up(
             console.print(f"{component.name} metrics: {component.metrics}")
     if (data / TLS_DIR / "ca.pem").exists():
         console.print(f"tls: on; CA certificate {data / TLS_DIR / 'ca.pem'} (set LORAPLANE_TLS_CA to it elsewhere).")
+    if (gw := state.component("gateway")) is not None:
+        key = "<a tenant key from `loraplane keys create`>" if (data / ADMIN_KEY_FILE).exists() else "tml-local"
+        console.print(f"export TINKER_BASE_URL={gw.endpoint} TINKER_API_KEY={key}   "
+                      f"# OpenAI / Anthropic clients: {gw.endpoint}/v1")
     if started:
         console.print(f"[green]cluster is up[/green] (started: {', '.join(started)}); a supervisor restarts what "
                       "dies; `loraplane down` stops it.")

@@ -69,12 +69,13 @@ assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                   extra_env: dict[str, str] | None = None, on_progress=None, *, auth: bool = False,
-                  tls: bool = False) -> tuple[ClusterState, list[str]]:
+                  tls: bool = False, gateway: bool = False) -> tuple[ClusterState, list[str]]:
     """Brings the cluster of this data dir up: starts what was never started, restarts (exactly as first started,
     same ports, data, keys and certificates) what has died, leaves running components alone, then hands the whole
     cluster to a fresh supervisor. Returns the state and the names started. On a failure stops what this call
     started and raises ProcessStartError. `auth`: keys required (an admin key written to the data dir); `tls`: a
-    local CA and TLS everywhere; both apply when the cluster is created (an existing one keeps its own)."""
+    local CA and TLS everywhere; both apply when the cluster is created (an existing one keeps its own). With
+    `gateway`, the HTTP gateway (gateway_svc) comes last, in front of the three services."""
     data_dir = Path(settings.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     existing = read_cluster_state(data_dir)
@@ -146,6 +147,8 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                     functools.partial(component_ready, component, settings))
             if component is not None:
                 env[spec.address_env] = component.endpoint
+        if gateway and state.component("gateway") is None:
+            add(*_gateway_component(settings, state, env, data_dir))
         state.supervisor_pid = start_supervisor(data_dir)
         state.save()
     except BaseException:
@@ -167,7 +170,7 @@ def relaunchable(component: ComponentState) -> ManagedProcess:
 
 
 def component_ready(component: ComponentState, settings: Settings) -> bool:
-    if component.kind == "service":
+    if component.kind in ("service", "gateway"):
         return component_health(component, str(Path(settings.data_dir).resolve())) == "healthy"
     if component.kind == "valkey":
         return redis_ping(urlsplit(component.endpoint).port)
@@ -187,6 +190,32 @@ def stop_supervisor(state: ClusterState) -> None:
     if pid_alive(state.supervisor_pid):
         _terminate_group(state.supervisor_pid, 10.0)
     state.supervisor_pid = None
+
+
+def gateway_healthy(endpoint: str, timeout: float = 1.0) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{endpoint}/api/v1/healthz", timeout=timeout) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def _gateway_component(settings: Settings, state: ClusterState, env: dict[str, str], data_dir: Path):
+    """The gateway's component, process and readiness check, for `add`."""
+    port = settings.gateway_port or free_port()
+    addresses = state.addresses()
+    gateway_env = {**env, "LORAPLANE_GATEWAY_HOST": LOOPBACK, "LORAPLANE_GATEWAY_PORT": str(port),
+                   "LORAPLANE_GATEWAY_REDIS_URL": state.component("redis").endpoint,
+                   "LORAPLANE_GATEWAY_TRAINER_ADDRESS": addresses["trainer"],
+                   "LORAPLANE_GATEWAY_REGISTRY_ADDRESS": addresses["registry"],
+                   "LORAPLANE_GATEWAY_SAMPLER_ADDRESS": addresses["sampler"],
+                   "LORAPLANE_GATEWAY_TOKENIZER_DIR": str(data_dir / "gateway" / "tokenizers")}
+    process = ManagedProcess("gateway", [sys.executable, "-m", "gateway_svc"], data_dir / "logs" / "gateway.log",
+                             env=gateway_env)
+    endpoint = f"http://{LOOPBACK}:{port}"
+    return ComponentState("gateway", "gateway", endpoint), process, functools.partial(gateway_healthy, endpoint)
 
 
 def stop_cluster(state: ClusterState, timeout: float = 15.0) -> list[str]:
@@ -220,7 +249,7 @@ def _spec(name: str) -> ServiceSpec:
 
 
 def _start_timeout(component: ComponentState) -> float:
-    return _spec(component.name).start_timeout if component.kind == "service" else 60.0
+    return _spec(component.name).start_timeout if component.kind == "service" else 120.0
 
 
 def _terminate_group(pid: int, timeout: float) -> None:
@@ -246,6 +275,10 @@ def component_health(component: ComponentState, data_dir: str | None = None) -> 
             return "down"
         return "healthy" if check_health(component.endpoint, _spec(component.name).grpc_service, timeout=1.0,
                                          security=client_security(data_dir)) else "unhealthy"
+    if component.kind == "gateway":
+        if not pid_alive(component.pid):
+            return "down"
+        return "healthy" if gateway_healthy(component.endpoint) else "unhealthy"
     if component.kind == "external":
         return "external"
     return "healthy" if pid_alive(component.pid) else "down"

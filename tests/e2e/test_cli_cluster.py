@@ -30,13 +30,14 @@ def test_up_starts_embedded_servers_and_every_service_then_down_stops_them(tmp_p
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         state = read_cluster_state(data_dir)
-        assert [c.name for c in state.components] == ["redis", "s3", "registry", "trainer", "sampler"]
+        assert [c.name for c in state.components] == ["redis", "s3", "registry", "trainer", "sampler", "gateway"]
+        assert f"TINKER_BASE_URL={state.component('gateway').endpoint}" in up.stdout
         assert [c.kind for c in state.components[:2]] == ["valkey", "seaweedfs"]
         for component in state.components:
             assert component.endpoint in up.stdout
         status = _cli("status", "--data-dir", str(data_dir))
         assert status.returncode == 0, status.stdout + status.stderr
-        assert status.stdout.count("healthy") == 5, status.stdout
+        assert status.stdout.count("healthy") == 6, status.stdout
         assert "tiny on torch/cpu; adapters: none" in status.stdout
         assert "torch engine; queue depth 0" in status.stdout
         assert "supervisor: running" in status.stdout and pid_alive(state.supervisor_pid)
@@ -50,7 +51,7 @@ def test_up_starts_embedded_servers_and_every_service_then_down_stops_them(tmp_p
     finally:
         down = _cli("down", "--data-dir", str(data_dir))
     assert down.returncode == 0, down.stdout + down.stderr
-    assert "stopped: sampler, trainer, registry, s3, redis" in down.stdout
+    assert "stopped: gateway, sampler, trainer, registry, s3, redis" in down.stdout
     assert not any(pid_alive(c.pid) for c in state.components)
     assert not pid_alive(state.supervisor_pid)
     assert read_cluster_state(data_dir) is None
@@ -127,6 +128,8 @@ def test_supervisor_restarts_what_dies_reports_a_crash_loop_and_up_starts_only_w
         os.killpg(registry.pid, signal.SIGKILL)
         _wait_for(lambda: not pid_alive(registry.pid), 10, "the registry to die")
         with socket.socket() as squatter:
+            # The registry's closed connections linger in TIME_WAIT on its port; a listener may still bind it.
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             squatter.bind(("127.0.0.1", port))
             squatter.listen()
             looping = _wait_for(lambda: (c := read_cluster_state(data_dir).component("registry")).supervision

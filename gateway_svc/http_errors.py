@@ -1,0 +1,112 @@
+"""The gateway's one error-mapping place: loraplane domain errors (raised by the gateway's own checks and by
+upstream.py for every gRPC status) become the HTTP status and JSON body each API's official client expects.
+
+- Tinker: `{"error": message, "category": "user"|"server"|"unknown"}` (RequestFailedResponse); a failed future is
+  HTTP 200 with that body, a refused submission a 4xx with it (never an empty 4xx body: the SDK would take it
+  for a dropped connection and retry 16 times).
+- OpenAI: `{"error": {"message", "type", "param", "code"}}`.
+- Anthropic: `{"type": "error", "error": {"type", "message"}}`.
+Caller errors are never a 500."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplane import errors
+
+log = logging.getLogger(__name__)
+
+# (domain error, HTTP status, Tinker category, OpenAI type, Anthropic type). AlreadyExists is a 400, not a 409:
+# the Tinker SDK retries 409s, and a conflicting duplicate stays a conflict however often it is retried.
+_TABLE: list[tuple[type[errors.LoraplaneError], int, str, str, str]] = [
+    (errors.InvalidArgument, 400, "user", "invalid_request_error", "invalid_request_error"),
+    (errors.NotFound, 404, "user", "not_found_error", "not_found_error"),
+    (errors.AlreadyExists, 400, "user", "invalid_request_error", "invalid_request_error"),
+    (errors.FailedPrecondition, 400, "user", "invalid_request_error", "invalid_request_error"),
+    (errors.ResourceExhausted, 429, "server", "rate_limit_error", "rate_limit_error"),
+    (errors.Unavailable, 503, "server", "server_error", "overloaded_error"),
+    (errors.DeadlineExceeded, 504, "server", "server_error", "api_error"),
+    (errors.Aborted, 409, "server", "server_error", "api_error"),
+    (errors.Cancelled, 499, "server", "server_error", "api_error"),
+    (errors.DataLoss, 500, "server", "server_error", "api_error"),
+]
+
+
+class Unsupported(errors.InvalidArgument):
+    """A Tinker endpoint or option loraplane does not implement: a user error naming what is missing."""
+
+
+def classify(exc: BaseException) -> tuple[int, str, str, str, str]:
+    """(HTTP status, Tinker category, OpenAI type, Anthropic type, message)."""
+    for exc_type, status, category, openai_type, anthropic_type in _TABLE:
+        if isinstance(exc, exc_type):
+            return status, category, openai_type, anthropic_type, exc.message
+    if isinstance(exc, errors.LoraplaneError):
+        return 500, "server", "server_error", "api_error", exc.message
+    log.exception("unexpected gateway error", exc_info=exc)
+    return 500, "unknown", "server_error", "api_error", f"internal error: {type(exc).__name__}"
+
+
+def future_failure(exc: BaseException) -> dict:
+    """A failed future's RequestFailedResponse."""
+    _status, category, _o, _a, message = classify(exc)
+    return {"error": message, "category": category}
+
+
+def _api_of(path: str) -> str:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/v1/"):
+        return "openai"
+    return "tinker"
+
+
+def error_response(path: str, exc: BaseException) -> JSONResponse:
+    status, category, openai_type, anthropic_type, message = classify(exc)
+    api = _api_of(path)
+    field = getattr(exc, "field", None)
+    code = type(exc).__name__
+    if api == "openai":
+        body = {"error": {"message": message, "type": openai_type, "param": field, "code": code}}
+    elif api == "anthropic":
+        body = {"type": "error", "error": {"type": anthropic_type, "message": message}}
+    else:
+        body = {"error": message, "category": category, "code": code}
+        if field:
+            body["field"] = field
+    # The Tinker SDK retries 5xx/429 on its own; x-should-retry tells it not to retry a caller error.
+    headers = {"x-should-retry": "true" if status >= 500 or status == 429 else "false"}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install(app) -> None:
+    @app.exception_handler(errors.LoraplaneError)
+    async def _domain(request: Request, exc: errors.LoraplaneError):
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return error_response(request.url.path, errors.InvalidArgument(
+            f"{where}: {first.get('msg', 'invalid request')}", field=where))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return error_response(request.url.path, Unsupported(
+                f"{request.method} {request.url.path} is not supported by the loraplane gateway "
+                "(see docs/gateway.md for what is)"))
+        if exc.status_code == 405:
+            return error_response(request.url.path, errors.InvalidArgument(
+                f"{request.method} is not allowed on {request.url.path}"))
+        return error_response(request.url.path, errors.LoraplaneError(str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _other(request: Request, exc: Exception):
+        return error_response(request.url.path, exc)

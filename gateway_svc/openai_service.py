@@ -1,0 +1,178 @@
+"""OpenAI-compatible (/v1/completions, /v1/chat/completions, /v1/models) and Anthropic Messages (/v1/messages)
+sampling on the loraplane sampler. `model` names the base model (any of its served names) or an adapter version:
+`<adapter>` (latest), `<adapter>@v<N>` (that exact version) or `<adapter>@<alias>`."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from gateway_svc.config import GatewaySettings
+from gateway_svc.types import SamplingSpec
+from gateway_svc.upstream import Upstream
+from loraplane import errors
+
+_VERSION = re.compile(r"^v(\d+)$")
+
+
+@dataclass
+class Target:
+    adapter: str
+    version: int = 0
+    alias: str = ""
+
+
+@dataclass
+class Choice:
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class OpenAIService:
+    def __init__(self, settings: GatewaySettings, upstream: Upstream):
+        self.settings = settings
+        self.upstream = upstream
+
+    async def base_names(self) -> list[str]:
+        info = await self.upstream.info()
+        return [info.base_model, *self.settings.extra_model_names()]
+
+    async def resolve(self, model: str) -> Target:
+        if not model or model in await self.base_names():
+            return Target("")
+        name, _, selector = model.partition("@")
+        if not selector:
+            return Target(name)
+        if m := _VERSION.match(selector):
+            return Target(name, version=int(m.group(1)))
+        return Target(name, alias=selector)
+
+    async def models(self) -> list[dict[str, Any]]:
+        now = int(time.time())
+        out = [{"id": n, "object": "model", "created": now, "owned_by": "loraplane"} for n in await self.base_names()]
+        for adapter in await self.upstream.list_adapters():
+            created = int(adapter.create_time)
+            ids = [adapter.name] if adapter.latest_version else []
+            ids += [f"{adapter.name}@v{v.version}" for v in await self.upstream.list_versions(adapter.name)
+                    if v.kind == "weights"]
+            ids += [f"{adapter.name}@{alias}" for alias in sorted(adapter.aliases)]
+            out += [{"id": i, "object": "model", "created": created, "owned_by": adapter.name.split("/")[0],
+                     "parent": adapter.base_model} for i in ids]
+        return out
+
+    async def tokenizer(self):
+        return await self.upstream.tokenizer()
+
+    async def encode_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return (await self.tokenizer()).encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise errors.InvalidArgument("prompt: one string or one list of token ids (batched prompts are not "
+                                     "supported)", field="prompt")
+
+    async def encode_chat(self, messages: list[dict[str, Any]], system: str | None = None) -> list[int]:
+        tokenizer = await self.tokenizer()
+        if not messages:
+            raise errors.InvalidArgument("messages: at least one message is required", field="messages")
+        chat = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": m["role"], "content": self.text_of(m.get("content"), "messages")} for m in messages]
+        try:
+            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - the template's own error (unknown role, ...)
+            raise errors.InvalidArgument(f"messages: the base model's chat template refused them ({exc})",
+                                         field="messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    @staticmethod
+    def text_of(content: Any, field: str) -> str:
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            parts = []
+            for block in content:
+                if not isinstance(block, dict) or block.get("type") != "text":
+                    kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+                    raise errors.InvalidArgument(f"{field}: content blocks of type {kind!r} are not supported "
+                                                 "(text only)", field=field)
+                parts.append(block.get("text", ""))
+            return "".join(parts)
+        raise errors.InvalidArgument(f"{field}: content must be a string or text blocks", field=field)
+
+    def spec(self, *, max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+             stop: Any, seed: int | None) -> SamplingSpec:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) for s in stops):
+            raise errors.InvalidArgument("stop: a string or a list of strings", field="stop")
+        if max_tokens is not None and max_tokens < 1:
+            raise errors.InvalidArgument(f"max_tokens {max_tokens}: must be >= 1", field="max_tokens")
+        return SamplingSpec(max_tokens=max_tokens or self.settings.default_max_tokens, temperature=temperature,
+                            top_p=None if top_p is None or top_p >= 1.0 else top_p, top_k=max(top_k or 0, 0),
+                            stop_strings=stops, seed=seed)
+
+    async def generate(self, model: str, prompt: list[int], n: int, spec: SamplingSpec) -> list[Choice]:
+        if not 1 <= n <= 64:
+            raise errors.InvalidArgument(f"n {n}: must be in [1, 64]", field="n")
+        target = await self.resolve(model)
+        result = await self.upstream.sample(target.adapter, target.version, prompt, n, spec, False,
+                                            alias=target.alias)
+        tokenizer = await self.tokenizer()
+        choices = []
+        for seq in result.sequences:
+            text, stopped = cut_at_stop(tokenizer.decode(seq.tokens, skip_special_tokens=True), spec.stop_strings)
+            choices.append(Choice(text, seq.tokens, seq.logprobs, "stop" if stopped else seq.finish_reason))
+        return choices
+
+    async def stream(self, model: str, prompt: list[int], n: int, spec: SamplingSpec
+                     ) -> AsyncIterator[tuple[int, str, list[int], list[float], str | None]]:
+        """(choice index, new text, new tokens, their logprobs, finish reason or None) as tokens arrive."""
+        if not 1 <= n <= 64:
+            raise errors.InvalidArgument(f"n {n}: must be in [1, 64]", field="n")
+        target = await self.resolve(model)
+        tokenizer = await self.tokenizer()
+        tokens: dict[int, list[int]] = {}
+        pending: dict[int, tuple[list[int], list[float]]] = {}
+        sent: dict[int, str] = {}
+        done: set[int] = set()
+        async for delta in self.upstream.sample_stream(target.adapter, target.version, prompt, n, spec,
+                                                      alias=target.alias):
+            if delta.index in done:
+                continue
+            tokens.setdefault(delta.index, []).extend(delta.tokens)
+            new_tokens, new_lps = pending.setdefault(delta.index, ([], []))
+            new_tokens.extend(delta.tokens)
+            new_lps.extend(delta.logprobs)
+            text, stopped = cut_at_stop(tokenizer.decode(tokens[delta.index], skip_special_tokens=True),
+                                        spec.stop_strings)
+            # Hold back a partial multi-byte character (decoded as U+FFFD) until its last byte arrives.
+            if not stopped and delta.finish_reason is None and text.endswith("\ufffd"):
+                continue
+            new = text[len(sent.get(delta.index, "")):]
+            sent[delta.index] = text
+            finish = "stop" if stopped else delta.finish_reason
+            if finish:
+                done.add(delta.index)
+            del pending[delta.index]
+            if new or finish or new_tokens:
+                yield delta.index, new, new_tokens, new_lps, finish
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:24]}"

@@ -1,0 +1,147 @@
+"""Everything the gateway remembers, in Redis: sessions, training models (Tinker model_id -> loraplane adapter),
+sampling sessions, tinker:// checkpoints, request dedup keys and futures. No gateway replica holds state of its own,
+so replicas behind one load balancer agree and a restarted gateway carries on."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+
+class Store:
+    def __init__(self, url: str, prefix: str = "lpgw:", *, future_ttl_s: int = 24 * 3600):
+        self.redis = aioredis.Redis.from_url(url, decode_responses=False)
+        self.prefix = prefix
+        self.future_ttl_s = future_ttl_s
+
+    def k(self, *parts: object) -> str:
+        return self.prefix + ":".join(str(p) for p in parts)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    # ---- generic JSON records --------------------------------------------------------------------------------
+    async def put(self, key: str, value: dict[str, Any], *, nx: bool = False, ttl: int | None = None) -> bool:
+        return bool(await self.redis.set(key, json.dumps(value), nx=nx, ex=ttl))
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        raw = await self.redis.get(key)
+        return None if raw is None else json.loads(raw)
+
+    async def new_id(self, kind: str) -> int:
+        return int(await self.redis.incr(self.k("ids", kind)))
+
+    # ---- sessions ---------------------------------------------------------------------------------------------
+    async def create_session(self, session_id: str, record: dict[str, Any]) -> None:
+        await self.put(self.k("session", session_id), record)
+
+    async def get_session(self, session_id: str) -> dict[str, Any] | None:
+        return await self.get(self.k("session", session_id))
+
+    async def touch_session(self, session_id: str, **fields: Any) -> bool:
+        record = await self.get_session(session_id)
+        if record is None:
+            return False
+        record.update(fields, last_seen=time.time())
+        await self.create_session(session_id, record)
+        return True
+
+    # ---- training models (runs) -------------------------------------------------------------------------------
+    async def put_model(self, model_id: str, record: dict[str, Any], *, nx: bool = False) -> bool:
+        ok = await self.put(self.k("model", model_id), record, nx=nx)
+        if ok:
+            await self.redis.zadd(self.k("models"), {model_id: record.get("created", time.time())}, nx=True)
+        return ok
+
+    async def get_model(self, model_id: str) -> dict[str, Any] | None:
+        return await self.get(self.k("model", model_id))
+
+    async def get_model_touched(self, model_id: str) -> dict[str, Any] | None:
+        """The model's record, noting the time of this request (one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self.k("model", model_id))
+            pipe.set(self.k("lastreq", model_id), str(time.time()), ex=self.future_ttl_s * 30)
+            raw, _ = await pipe.execute()
+        return None if raw is None else json.loads(raw)
+
+    async def last_request_time(self, model_id: str) -> float | None:
+        raw = await self.redis.get(self.k("lastreq", model_id))
+        return None if raw is None else float(raw)
+
+    async def list_models(self, offset: int, limit: int) -> tuple[list[str], int]:
+        total = int(await self.redis.zcard(self.k("models")))
+        ids = await self.redis.zrevrange(self.k("models"), offset, offset + limit - 1) if limit > 0 else []
+        return [i.decode() for i in ids], total
+
+    # ---- checkpoints (tinker:// paths) -------------------------------------------------------------------------
+    async def put_checkpoint(self, model_id: str, ckpt_id: str, record: dict[str, Any]) -> None:
+        await self.redis.hset(self.k("ckpts", model_id), ckpt_id, json.dumps(record))
+        await self.redis.zadd(self.k("allckpts"), {f"{model_id}\n{ckpt_id}": record.get("time", time.time())})
+
+    async def get_checkpoint(self, model_id: str, ckpt_id: str) -> dict[str, Any] | None:
+        raw = await self.redis.hget(self.k("ckpts", model_id), ckpt_id)
+        return None if raw is None else json.loads(raw)
+
+    async def list_checkpoints(self, model_id: str) -> dict[str, dict[str, Any]]:
+        raw = await self.redis.hgetall(self.k("ckpts", model_id))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    async def list_all_checkpoints(self, offset: int, limit: int) -> tuple[list[tuple[str, str]], int]:
+        total = int(await self.redis.zcard(self.k("allckpts")))
+        rows = await self.redis.zrevrange(self.k("allckpts"), offset, offset + limit - 1) if limit > 0 else []
+        return [tuple(r.decode().split("\n", 1)) for r in rows], total
+
+    async def delete_checkpoint(self, model_id: str, ckpt_id: str) -> bool:
+        await self.redis.zrem(self.k("allckpts"), f"{model_id}\n{ckpt_id}")
+        return bool(await self.redis.hdel(self.k("ckpts", model_id), ckpt_id))
+
+    # ---- sampling sessions ------------------------------------------------------------------------------------
+    async def put_sampler(self, sampler_id: str, record: dict[str, Any]) -> None:
+        await self.put(self.k("sampler", sampler_id), record)
+
+    async def get_sampler(self, sampler_id: str) -> dict[str, Any] | None:
+        return await self.get(self.k("sampler", sampler_id))
+
+    # ---- request dedup ----------------------------------------------------------------------------------------
+    async def claim_request(self, scope: str, seq_id: int, request_id: str) -> str:
+        """The request id that owns (scope, seq_id): `request_id` if this call claimed it, else the first one's."""
+        key = self.k("seq", scope, seq_id)
+        if await self.redis.set(key, request_id, nx=True, ex=self.future_ttl_s):
+            return request_id
+        existing = await self.redis.get(key)
+        return existing.decode() if existing is not None else request_id
+
+    # ---- futures ----------------------------------------------------------------------------------------------
+    async def create_future(self, request_id: str, spec: dict[str, Any], owner: str, lease_s: float) -> bool:
+        """Records a pending future and takes its lease, in one round trip. True if the lease was taken."""
+        key = self.k("future", request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping={"state": "pending", "spec": json.dumps(spec), "created": str(time.time())})
+            pipe.expire(key, self.future_ttl_s)
+            pipe.set(self.k("lease", request_id), owner, nx=True, px=int(lease_s * 1000))
+            return bool((await pipe.execute())[2])
+
+    async def finish_future(self, request_id: str, state: str, content_type: str, body: bytes) -> None:
+        """Stores the outcome and releases the lease, in one round trip."""
+        key = self.k("future", request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping={"state": state, "content_type": content_type, "body": body})
+            pipe.expire(key, self.future_ttl_s)
+            pipe.delete(self.k("lease", request_id))
+            await pipe.execute()
+
+    async def get_future(self, request_id: str) -> dict[str, bytes] | None:
+        raw = await self.redis.hgetall(self.k("future", request_id))
+        return {k.decode(): v for k, v in raw.items()} if raw else None
+
+    async def take_lease(self, request_id: str, owner: str, ttl_s: float) -> bool:
+        return bool(await self.redis.set(self.k("lease", request_id), owner, nx=True, px=int(ttl_s * 1000)))
+
+    async def renew_lease(self, request_id: str, owner: str, ttl_s: float) -> None:
+        await self.redis.set(self.k("lease", request_id), owner, px=int(ttl_s * 1000))

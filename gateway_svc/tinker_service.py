@@ -1,0 +1,574 @@
+"""The Tinker API's semantics on loraplane (no HTTP here: tinker_routes converts requests and replies).
+
+Mapping:
+- a Tinker session is a Redis record; a training model `<session_id>:train:<n>` (the id the SDK itself computes for
+  create_training_client_from_state) is the loraplane adapter `<tenant>/<session_id>-train-<n>`;
+- a Tinker request's per-client seq_id (1, 2, 3 ...) is the adapter's trainer seq_id, shifted by one for models
+  created from a checkpoint (their LoadState took seq 1). The trainer runs them in seq_id order whatever order
+  they arrive in (parallel forward_backward chunks arrive lowest-last) and applies a retried seq_id once; the
+  gateway itself also deduplicates (model, seq_id) so a retry gets the first request's future;
+- every request that carries a seq_id reaches the trainer, even one the gateway refuses, so the seq_id is consumed
+  and the model's later requests never wait on a gap;
+- save_weights_for_sampler publishes a registry weights version; its tinker:// path (and the ephemeral sampling
+  session) pins that exact version on the sampler; save_weights is a SaveState training-state version.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from gateway_svc import tinker_codec
+from gateway_svc.config import GatewaySettings
+from gateway_svc.futures import Futures
+from gateway_svc.http_errors import Unsupported
+from gateway_svc.store import Store
+from gateway_svc.types import SamplingSpec
+from gateway_svc.upstream import Upstream
+from loraplane import errors
+
+PROTO = tinker_codec.PROTO
+JSON = "application/json"
+_CKPT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SEGMENT = {"weights": "training", "sampler_weights": "sampler"}
+ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+ATTN, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1e6):06d}Z"
+
+
+def num(value: Any, field: str, kind: type = int) -> Any:
+    """`kind(value)` for a number the caller sent, or InvalidArgument naming the field (never a 500)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        what = "an integer" if kind is int else "a number"
+        raise errors.InvalidArgument(f"{field} {errors.shown(value)}: must be {what}", field=field)
+    return kind(value)
+
+
+def _json(value: Any) -> tuple[str, bytes]:
+    return JSON, json.dumps(value).encode()
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """tinker://<model_id>/<weights|sampler_weights>/<name> -> (model_id, checkpoint_id, checkpoint type)."""
+    if not isinstance(path, str) or not path.startswith("tinker://"):
+        raise errors.InvalidArgument(f"path {errors.shown(path)}: must start with tinker://", field="path")
+    parts = path[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in _SEGMENT or not parts[0] or not parts[2]:
+        raise errors.InvalidArgument(
+            f"path {errors.shown(path)}: expected tinker://<model_id>/weights|sampler_weights/<name>", field="path")
+    return parts[0], f"{parts[1]}/{parts[2]}", _SEGMENT[parts[1]]
+
+
+def _opt(params: dict[str, Any], key: str) -> float | None:
+    return None if params.get(key) is None else num(params[key], f"sampling_params.{key}", float)
+
+
+def sampling_spec(params: dict[str, Any], default_max_tokens: int) -> SamplingSpec:
+    stop = params.get("stop")
+    seed = params.get("seed")
+    spec = SamplingSpec(max_tokens=num(params.get("max_tokens") or default_max_tokens, "sampling_params.max_tokens"),
+                        temperature=_opt(params, "temperature"), top_p=_opt(params, "top_p"),
+                        top_k=max(num(params.get("top_k") or 0, "sampling_params.top_k"), 0),
+                        seed=None if seed is None else num(seed, "sampling_params.seed"))
+    if isinstance(stop, str):
+        spec.stop_strings = [stop]
+    elif isinstance(stop, list):
+        if all(isinstance(s, str) for s in stop):
+            spec.stop_strings = list(stop)
+        elif all(isinstance(s, int) for s in stop):
+            spec.stop_token_ids = list(stop)
+        else:
+            raise errors.InvalidArgument("sampling_params.stop: strings or token ids, not both", field="stop")
+    if spec.top_p is not None and spec.top_p >= 1.0:
+        spec.top_p = None
+    return spec
+
+
+class TinkerService:
+    def __init__(self, settings: GatewaySettings, store: Store, upstream: Upstream):
+        self.settings = settings
+        self.store = store
+        self.upstream = upstream
+        self.futures = Futures(store, self.run_spec, long_poll_s=settings.long_poll_s,
+                               lease_s=settings.future_lease_s)
+        self._tokenizer_dirs: dict[str, str] = {}
+
+    # ---- naming ----------------------------------------------------------------------------------------------
+    def adapter_of(self, model_id: str) -> str:
+        session, _sep, n = model_id.rpartition(":train:")
+        return f"{self.settings.default_tenant}/{session}-train-{n}"
+
+    async def base_names(self) -> list[str]:
+        info = await self.upstream.info()
+        return [info.base_model, *self.settings.extra_model_names()]
+
+    async def check_base_model(self, name: str | None) -> str:
+        names = await self.base_names()
+        if not name:
+            return names[0]
+        if name not in names:
+            raise errors.InvalidArgument(
+                f"base_model {errors.shown(name)} is not served here (served: {', '.join(names)})",
+                field="base_model")
+        return name
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        record = await self.store.get_model(model_id)
+        if record is None:
+            raise errors.NotFound(f"model_id {errors.shown(model_id)} not found", field="model_id")
+        return record
+
+    # ---- sessions --------------------------------------------------------------------------------------------
+    async def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        session_id = "s" + uuid.uuid4().hex[:12]
+        now = time.time()
+        await self.store.create_session(session_id, {
+            "session_id": session_id, "tags": body.get("tags") or [], "user_metadata": body.get("user_metadata"),
+            "sdk_version": body.get("sdk_version"), "created": now, "last_seen": now})
+        return {"type": "create_session", "session_id": session_id}
+
+    async def heartbeat(self, session_id: str) -> dict[str, Any]:
+        if not await self.store.touch_session(session_id):
+            raise errors.NotFound(f"session {errors.shown(session_id)} not found", field="session_id")
+        return {"type": "session_heartbeat"}
+
+    async def finish_session(self, session_id: str, reason: Any) -> dict[str, Any]:
+        if not await self.store.touch_session(session_id, finished=reason or True):
+            raise errors.NotFound(f"session {errors.shown(session_id)} not found", field="session_id")
+        return {}
+
+    async def require_session(self, session_id: str) -> None:
+        if not session_id or await self.store.get_session(session_id) is None:
+            raise errors.NotFound(f"session_id {errors.shown(session_id)} not found (call create_session first)",
+                                  field="session_id")
+
+    # ---- futures ---------------------------------------------------------------------------------------------
+    async def _submit(self, scope: str, seq_id: int | None, spec: dict[str, Any]) -> str:
+        request_id = uuid.uuid4().hex
+        if seq_id is not None:
+            owner = await self.store.claim_request(scope, seq_id, request_id)
+            if owner != request_id:
+                return owner  # a retry of an accepted request: the first request's future
+        return await self.futures.submit(request_id, spec)
+
+    async def run_spec(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        return await getattr(self, f"_run_{spec['kind']}")(spec)
+
+    # ---- training models -------------------------------------------------------------------------------------
+    async def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        session_id = body.get("session_id", "")
+        await self.require_session(session_id)
+        base = await self.check_base_model(body.get("base_model"))
+        lora = body.get("lora_config") or {}
+        rank = num(lora.get("rank") or 32, "lora_config.rank")
+        info = await self.upstream.info()
+        if not 1 <= rank <= info.max_lora_rank:
+            raise errors.InvalidArgument(f"lora_config.rank {rank}: must be in [1, {info.max_lora_rank}]",
+                                         field="lora_config.rank")
+        train_mlp, train_attn = lora.get("train_mlp", True), lora.get("train_attn", True)
+        if not (train_mlp or train_attn):
+            raise errors.InvalidArgument("lora_config: train_mlp and train_attn cannot both be false "
+                                         "(loraplane adapts the decoder's linear projections only)",
+                                         field="lora_config")
+        opt = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if opt != "adamw":
+            raise Unsupported(f"optimizer_config.type {errors.shown(opt)} is not supported (adamw only)")
+        model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id')}"
+        targets = (ATTN if train_attn else []) + (MLP if train_mlp else [])
+        now = time.time()
+        record = {"model_id": model_id, "adapter": self.adapter_of(model_id), "base_model": base, "rank": rank,
+                  "seed": num(lora.get("seed") or 0, "lora_config.seed"), "targets": targets, "train_mlp": train_mlp,
+                  "train_attn": train_attn, "train_unembed": bool(lora.get("train_unembed", False)),
+                  "seq_offset": 0, "session_id": session_id, "created": now, "last_request_time": now,
+                  "user_metadata": body.get("user_metadata")}
+        await self.store.put_model(model_id, record, nx=True)
+        request_id = await self._submit(model_id, 0, {"kind": "create_model", "model_id": model_id})
+        return {"request_id": request_id, "model_id": model_id}
+
+    async def _run_create_model(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        record = await self.model(spec["model_id"])
+        try:
+            await self.upstream.create_adapter(record["adapter"], rank=record["rank"], seed=record["seed"],
+                                               targets=record["targets"],
+                                               metadata={"tinker_model_id": record["model_id"]})
+        except errors.AlreadyExists:
+            pass  # a re-run of this very future after a gateway restart
+        return _json({"type": "create_model", "model_id": spec["model_id"]})
+
+    async def tokenizer_dir(self) -> str:
+        info = await self.upstream.info()
+        if info.base_model not in self._tokenizer_dirs:
+            root = Path(self.settings.tokenizer_dir or Path(_tmp()) / "loraplane-gateway-tokenizers")
+            target = (root / re.sub(r"[^A-Za-z0-9._-]", "_", info.base_model)).resolve()
+            if not (target / "tokenizer.json").exists():
+                tokenizer = await self.upstream.tokenizer()
+                scratch = target.with_name(target.name + f".tmp{uuid.uuid4().hex[:6]}")
+                tokenizer.save_pretrained(str(scratch))
+                try:
+                    scratch.rename(target)
+                except OSError:  # another replica wrote it first
+                    import shutil
+
+                    shutil.rmtree(scratch, ignore_errors=True)
+            self._tokenizer_dirs[info.base_model] = str(target)
+        return self._tokenizer_dirs[info.base_model]
+
+    async def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        record = await self.model(body.get("model_id", ""))
+        return {"type": "get_info", "model_id": record["model_id"], "is_lora": True, "lora_rank": record["rank"],
+                "model_name": record["base_model"],
+                "model_data": {"arch": "llama", "model_name": record["base_model"],
+                               "tokenizer_id": await self.tokenizer_dir()}}
+
+    # ---- sequenced training requests -------------------------------------------------------------------------
+    async def _sequenced(self, model_id: str, seq_id: Any, spec: dict[str, Any]) -> dict[str, Any]:
+        record = await self.model(model_id)
+        if not isinstance(seq_id, int) or seq_id < 1:
+            raise errors.InvalidArgument(f"seq_id {errors.shown(seq_id)}: must be an integer >= 1", field="seq_id")
+        spec.update(model_id=model_id, seq_id=seq_id)
+        request_id = await self._submit(model_id, seq_id, spec)
+        return {"request_id": request_id, "model_id": record["model_id"]}
+
+    async def _target(self, spec: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        record = await self.store.get_model_touched(spec["model_id"])
+        if record is None:
+            raise errors.NotFound(f"model_id {errors.shown(spec['model_id'])} not found", field="model_id")
+        return record, spec["seq_id"] + int(record.get("seq_offset", 0))
+
+    async def forward_backward(self, body: bytes, encoding: str) -> dict[str, Any]:
+        raw = tinker_codec.decompress(body, encoding)
+        request = tinker_codec.decode_forward_backward(raw)
+        return await self._sequenced(request.model_id, request.seq_id,
+                                     {"kind": "fwdbwd", "body": base64.b64encode(raw).decode()})
+
+    async def _run_fwdbwd(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        request = tinker_codec.decode_forward_backward(base64.b64decode(spec["body"]))
+        record, seq = await self._target(spec)
+        if request.problem:
+            await self._consume(record["adapter"], seq)
+            raise errors.InvalidArgument(request.problem)
+        try:
+            result = await self.upstream.forward_backward(record["adapter"], seq, request.data, request.loss_fn,
+                                                          request.loss_fn_config, request.forward_only)
+        except errors.InvalidArgument as exc:
+            if request.loss_fn in ("gspo", "stable_reinforce", "custom"):
+                info = await self.upstream.info()
+                raise Unsupported(
+                    f"loss_fn {request.loss_fn!r} is not supported by loraplane (supported: "
+                    f"{', '.join(info.supported_losses)}); the cookbook's rl_loop takes loss_fn=importance_sampling"
+                ) from exc
+            raise
+        return PROTO, tinker_codec.encode_forward_backward(result)
+
+    async def _consume(self, adapter: str, seq: int) -> None:
+        """Spends `seq` on the trainer with a request it refuses, so the adapter's later seq_ids never wait on it."""
+        try:
+            await self.upstream.forward_backward(adapter, seq, [], "cross_entropy", {}, True)
+        except errors.InvalidArgument:
+            pass
+
+    async def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._sequenced(body.get("model_id", ""), body.get("seq_id"), {
+            "kind": "optim", "adam": body.get("adam_params"), "other": body.get("optimizer_params")})
+
+    async def _run_optim(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        record, seq = await self._target(spec)
+        adam = spec.get("adam")
+        if not isinstance(adam, dict):
+            await self._consume(record["adapter"], seq)
+            kind = (spec.get("other") or {}).get("type", "none")
+            raise Unsupported(f"optimizer {errors.shown(kind)} is not supported: send adam_params (AdamW)")
+        async def check():
+            return {k: num(adam[k], f"adam_params.{k}", float) for k in ADAM_FIELDS if adam.get(k) is not None}
+        params = await self._checked(record, seq, check)
+        metrics = await self.upstream.optim_step(record["adapter"], seq, params)
+        # Tinker metric keys are `<name>:<reduction>`.
+        return _json({"type": "optim_step",
+                      "metrics": {k if k.count(":") == 1 else f"{k.replace(':', '_')}:mean": v
+                                  for k, v in metrics.items()}})
+
+    def _checkpoint_name(self, name: Any) -> str:
+        if not isinstance(name, str) or not _CKPT_NAME.match(name):
+            raise errors.InvalidArgument(
+                f"path {errors.shown(name)}: a checkpoint name is 1-128 of [A-Za-z0-9._-] (no '/')", field="path")
+        return name
+
+    async def _checked(self, record: dict[str, Any], seq: int, check):
+        """`await check()`, or, when it refuses the request, spend `seq` on the trainer first and re-raise: a
+        sequenced request the gateway refuses must not leave a gap the model's next requests would wait on."""
+        try:
+            return await check()
+        except (errors.InvalidArgument, errors.NotFound):
+            await self._consume(record["adapter"], seq)
+            raise
+
+    async def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        # Every check that needs the request's content runs in the future (see _checked), not here.
+        return await self._sequenced(body.get("model_id", ""), body.get("seq_id"), {
+            "kind": "save_weights", "name": body.get("path"),
+            "metadata": body.get("user_metadata") or {}, "ttl": body.get("ttl_seconds")})
+
+    async def _run_save_weights(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        record, seq = await self._target(spec)
+
+        async def check():
+            self._checkpoint_name(spec["name"])
+        await self._checked(record, seq, check)
+        version = await self.upstream.save_state(record["adapter"], seq, {"tinker_checkpoint": spec["name"]})
+        path = await self._record_checkpoint(record, "weights", spec["name"], version, spec)
+        return _json({"type": "save_weights", "path": path})
+
+    async def _record_checkpoint(self, record, segment: str, name: str, version, spec) -> str:
+        path = f"tinker://{record['model_id']}/{segment}/{name}"
+        now = time.time()
+        ttl = spec.get("ttl")
+        await self.store.put_checkpoint(record["model_id"], f"{segment}/{name}", {
+            "checkpoint_id": f"{segment}/{name}", "checkpoint_type": _SEGMENT[segment], "tinker_path": path,
+            "adapter": version.adapter, "version": version.version, "size_bytes": version.size_bytes,
+            "time": now, "expires_at": now + ttl if ttl else None,
+            "user_metadata": {str(k): str(v) for k, v in (spec.get("metadata") or {}).items()} or None})
+        return path
+
+    async def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
+        spec: dict[str, Any] = {"kind": "save_for_sampler", "metadata": body.get("user_metadata") or {},
+                                "ttl": body.get("ttl_seconds")}
+        if body.get("path") is not None:
+            spec["name"] = body["path"]
+        else:
+            record = await self.model(body.get("model_id", ""))
+            n = num(body.get("sampling_session_seq_id") or 0, "sampling_session_seq_id")
+            spec["sampler_id"] = f"{record['session_id']}:sample:{n}"
+        return await self._sequenced(body.get("model_id", ""), body.get("seq_id"), spec)
+
+    async def _run_save_for_sampler(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        record, seq = await self._target(spec)
+        if "name" in spec:
+            async def check():
+                self._checkpoint_name(spec["name"])
+            await self._checked(record, seq, check)
+        version = await self.upstream.publish_weights(
+            record["adapter"], seq, {"tinker_checkpoint": spec.get("name") or spec["sampler_id"]})
+        if "name" in spec:
+            path = await self._record_checkpoint(record, "sampler_weights", spec["name"], version, spec)
+            return _json({"type": "save_weights_for_sampler", "path": path})
+        await self.store.put_sampler(spec["sampler_id"], {
+            "sampler_id": spec["sampler_id"], "base_model": record["base_model"], "model_path": None,
+            "adapter": version.adapter, "version": version.version})
+        return _json({"type": "save_weights_for_sampler", "path": None, "sampling_session_id": spec["sampler_id"]})
+
+    async def _alive(self, model_id: str, ckpt: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The checkpoint, or None once its ttl_seconds have passed (it is then deleted, registry version too)."""
+        if ckpt is not None and ckpt.get("expires_at") and ckpt["expires_at"] <= time.time():
+            try:
+                await self.delete_checkpoint(model_id, ckpt["checkpoint_id"])
+            except errors.NotFound:
+                pass  # a concurrent request deleted it first
+            return None
+        return ckpt
+
+    async def _live_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
+        found = [await self._alive(model_id, c) for c in (await self.store.list_checkpoints(model_id)).values()]
+        return sorted((c for c in found if c is not None), key=lambda c: c["time"])
+
+    async def resolve_checkpoint(self, path: str) -> dict[str, Any]:
+        model_id, ckpt_id, _kind = parse_tinker_path(path)
+        ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
+        if ckpt is None:
+            raise errors.NotFound(f"checkpoint {errors.shown(path)} not found", field="path")
+        return ckpt
+
+    async def training_checkpoint(self, path: str) -> dict[str, Any]:
+        ckpt = await self.resolve_checkpoint(path)
+        if ckpt["checkpoint_type"] != "training":
+            raise errors.InvalidArgument(
+                f"path {errors.shown(path)}: load_weights needs a save_state checkpoint (tinker://.../weights/...), "
+                "not sampler weights", field="path")
+        return ckpt
+
+    async def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        path = body.get("path", "")
+        spec = {"kind": "load_weights", "path": path, "optimizer": bool(body.get("optimizer"))}
+        if body.get("model_id"):
+            return await self._sequenced(body["model_id"], body.get("seq_id"), spec)
+        await self.training_checkpoint(path)
+        # create_training_client_from_state: a new model, whose id the SDK computes itself.
+        session_id = body.get("session_id", "")
+        await self.require_session(session_id)
+        source = await self.model(parse_tinker_path(path)[0])
+        model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id')}"
+        now = time.time()
+        record = {**source, "model_id": model_id, "adapter": self.adapter_of(model_id), "seq_offset": 1,
+                  "session_id": session_id, "created": now, "last_request_time": now,
+                  "base_model": await self.check_base_model(body.get("base_model") or source["base_model"]),
+                  "user_metadata": body.get("user_metadata") or source.get("user_metadata")}
+        await self.store.put_model(model_id, record, nx=True)
+        spec.update(kind="create_from_state", model_id=model_id)
+        request_id = await self._submit(model_id, 0, spec)
+        return {"request_id": request_id, "model_id": model_id}
+
+    async def _run_load_weights(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        record, seq = await self._target(spec)
+        ckpt = await self._checked(record, seq, lambda: self.training_checkpoint(spec["path"]))
+        await self.upstream.load_state(record["adapter"], seq, ckpt["adapter"], ckpt["version"], spec["optimizer"])
+        return _json({"type": "load_weights", "path": spec["path"], "model_id": record["model_id"]})
+
+    async def _run_create_from_state(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        record = await self.model(spec["model_id"])
+        ckpt = await self.resolve_checkpoint(spec["path"])
+        try:
+            await self.upstream.create_adapter(record["adapter"], rank=record["rank"], seed=record["seed"],
+                                               targets=record["targets"],
+                                               metadata={"tinker_model_id": record["model_id"]})
+        except errors.AlreadyExists:
+            pass  # a re-run of this future after a restart; the LoadState below is deduplicated by its seq_id
+        await self.upstream.load_state(record["adapter"], 1, ckpt["adapter"], ckpt["version"], spec["optimizer"])
+        return _json({"type": "load_weights", "path": spec["path"], "model_id": record["model_id"]})
+
+    # ---- sampling --------------------------------------------------------------------------------------------
+    async def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        session_id = body.get("session_id", "")
+        await self.require_session(session_id)
+        sampler_id = f"{session_id}:sample:{num(body.get('sampling_session_seq_id') or 0, 'sampling_session_seq_id')}"
+        if body.get("model_path"):
+            ckpt = await self.resolve_checkpoint(body["model_path"])
+            if ckpt["checkpoint_type"] != "sampler":
+                raise errors.InvalidArgument(
+                    f"model_path {errors.shown(body['model_path'])}: sampling needs save_weights_for_sampler "
+                    "weights (tinker://.../sampler_weights/...)", field="model_path")
+            source = await self.model(parse_tinker_path(body["model_path"])[0])
+            record = {"sampler_id": sampler_id, "base_model": source["base_model"],
+                      "model_path": body["model_path"], "adapter": ckpt["adapter"], "version": ckpt["version"]}
+        else:
+            base = await self.check_base_model(body.get("base_model"))
+            record = {"sampler_id": sampler_id, "base_model": base, "model_path": None, "adapter": "", "version": 0}
+        await self.store.put_sampler(sampler_id, record)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    async def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+        record = await self.store.get_sampler(sampler_id)
+        if record is None:
+            raise errors.NotFound(f"sampler {errors.shown(sampler_id)} not found", field="sampler_id")
+        out = {"sampler_id": sampler_id, "base_model": record["base_model"]}
+        if record.get("model_path"):
+            out["model_path"] = record["model_path"]
+        return out
+
+    async def asample(self, body: dict[str, Any]) -> dict[str, Any]:
+        sampler_id = body.get("sampling_session_id") or ""
+        if not sampler_id:
+            raise Unsupported("asample needs a sampling_session_id (base_model / model_path in asample are not "
+                              "supported; create a sampling client first)")
+        if await self.store.get_sampler(sampler_id) is None:
+            raise errors.NotFound(f"sampling_session_id {errors.shown(sampler_id)} not found",
+                                  field="sampling_session_id")
+        num_samples = num(body.get("num_samples") or 1, "num_samples")
+        if not 1 <= num_samples <= 128:
+            raise errors.InvalidArgument(f"num_samples {num_samples}: must be in [1, 128]", field="num_samples")
+        for option in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
+                       "prompt_logprobs_last_n"):
+            if body.get(option):
+                raise Unsupported(f"{option} is not supported by loraplane")
+        if body.get("target_prompt_logprobs") is not None:
+            raise Unsupported("target_prompt_logprobs is not supported by loraplane")
+        # (sampling session, seq_id) identifies a sample; a request without a seq_id is never deduplicated.
+        seq_id = num(body["seq_id"], "seq_id") if body.get("seq_id") is not None else None
+        request_id = await self._submit(f"sampler:{sampler_id}", seq_id, {
+            "kind": "sample", "sampler_id": sampler_id, "num_samples": num_samples,
+            "prompt": body.get("prompt") or {}, "sampling_params": body.get("sampling_params") or {},
+            "prompt_logprobs": bool(body.get("prompt_logprobs"))})
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(num_samples)]}
+
+    async def _run_sample(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        record = await self.store.get_sampler(spec["sampler_id"])
+        prompt: list[int] = []
+        for i, chunk in enumerate(spec["prompt"].get("chunks") or []):
+            if chunk.get("type", "encoded_text") != "encoded_text":
+                raise errors.InvalidArgument(f"prompt.chunks[{i}]: {chunk.get('type')} chunks are not supported "
+                                             "(text only)", field="prompt")
+            prompt.extend(num(t, f"prompt.chunks[{i}].tokens") for t in chunk.get("tokens") or [])
+        params = sampling_spec(spec["sampling_params"], self.settings.default_max_tokens)
+        result = await self.upstream.sample(record["adapter"], record["version"], prompt, spec["num_samples"],
+                                            params, spec["prompt_logprobs"])
+        if record["version"] and result.served_version != record["version"]:
+            raise errors.Unavailable(f"sampler served version {result.served_version}, "
+                                     f"pinned {record['version']}")
+        return PROTO, tinker_codec.encode_sample(result)
+
+    # ---- REST ------------------------------------------------------------------------------------------------
+    async def capabilities(self) -> dict[str, Any]:
+        info = await self.upstream.info()
+        return {"supported_models": [{"model_name": n, "max_context_length": info.max_context_length or None,
+                                      "trainable": True, "sampleable": True} for n in await self.base_names()]}
+
+    def _checkpoint_json(self, ckpt: dict[str, Any]) -> dict[str, Any]:
+        out = {k: ckpt.get(k) for k in ("checkpoint_id", "checkpoint_type", "tinker_path", "size_bytes",
+                                         "user_metadata")}
+        out["time"] = _iso(ckpt["time"])
+        out["public"] = False
+        if ckpt.get("expires_at"):
+            out["expires_at"] = _iso(ckpt["expires_at"])
+        return out
+
+    async def training_run(self, model_id: str) -> dict[str, Any]:
+        record = await self.model(model_id)
+        ckpts = await self._live_checkpoints(model_id)
+        last = {t: self._checkpoint_json(c) for c in ckpts for t in [c["checkpoint_type"]]}
+        metadata = record.get("user_metadata")
+        return {"training_run_id": model_id, "base_model": record["base_model"],
+                "model_owner": self.settings.default_tenant, "is_lora": True, "lora_rank": record["rank"],
+                "corrupted": False,
+                "last_request_time": _iso(await self.store.last_request_time(model_id) or record["created"]),
+                "last_checkpoint": last.get("training"), "last_sampler_checkpoint": last.get("sampler"),
+                "user_metadata": {str(k): str(v) for k, v in metadata.items()} if metadata else None}
+
+    async def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+        ids, total = await self.store.list_models(offset, limit)
+        return {"training_runs": [await self.training_run(i) for i in ids],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    async def checkpoints(self, model_id: str) -> dict[str, Any]:
+        await self.model(model_id)
+        ckpts = await self._live_checkpoints(model_id)
+        return {"checkpoints": [self._checkpoint_json(c) for c in ckpts]}
+
+    async def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
+        rows, total = await self.store.list_all_checkpoints(offset, limit)
+        out = []
+        for model_id, ckpt_id in rows:
+            ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
+            if ckpt:
+                out.append(self._checkpoint_json(ckpt))
+        return {"checkpoints": out, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    async def delete_checkpoint(self, model_id: str, ckpt_id: str) -> None:
+        ckpt = await self.store.get_checkpoint(model_id, ckpt_id)
+        if ckpt is None:
+            raise errors.NotFound(f"checkpoint {errors.shown(model_id)}/{errors.shown(ckpt_id)} not found",
+                                  field="checkpoint_id")
+        try:
+            await self.upstream.delete_version(ckpt["adapter"], ckpt["version"])
+        except errors.NotFound:
+            pass
+        await self.store.delete_checkpoint(model_id, ckpt_id)
+
+    async def weights_info(self, path: str) -> dict[str, Any]:
+        ckpt = await self.resolve_checkpoint(path)
+        record = await self.model(parse_tinker_path(path)[0])
+        del ckpt
+        return {"base_model": record["base_model"], "is_lora": True, "lora_rank": record["rank"],
+                "train_unembed": record.get("train_unembed", False), "train_mlp": record.get("train_mlp", True),
+                "train_attn": record.get("train_attn", True)}
+
+
+def _tmp() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()

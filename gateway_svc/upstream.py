@@ -1,0 +1,248 @@
+"""The gateway's gRPC clients of the trainer, registry and sampler: the only gateway module that touches the
+protobuf stubs. Every call converts plain domain values (gateway_svc.types) to requests and replies back, and every
+gRPC error becomes a loraplane domain error (loraplane.rpc.domain_error_from_rpc), which http_errors maps to HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway_svc.types import (
+    AdapterInfo,
+    DatumIn,
+    FwdBwdResult,
+    SampledSeq,
+    SampleResult,
+    SamplingSpec,
+    ServerInfo,
+    StreamDelta,
+    VersionInfo,
+)
+from loraplane import errors
+from loraplane.client.tokenizer import tokenizer_from_info
+from loraplane.registry_client import RegistryClient, adapter_ref
+from loraplane.rpc import channel_options, domain_error_from_rpc
+from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+log = logging.getLogger(__name__)
+_TRANSIENT = (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted)
+_FINISH = {sampler_pb2.FINISH_REASON_STOP: "stop", sampler_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def _version(v: common_pb2.AdapterVersion) -> VersionInfo:
+    return VersionInfo(
+        adapter=v.adapter, version=v.version, sha256=v.sha256, size_bytes=v.size_bytes,
+        training_step=v.training_step, create_time=v.create_time.ToNanoseconds() / 1e9,
+        kind="training_state" if v.kind == common_pb2.VERSION_KIND_TRAINING_STATE else "weights",
+        aliases=list(v.aliases))
+
+
+def _datum(d: DatumIn) -> trainer_pb2.Datum:
+    out = trainer_pb2.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens)
+    if d.weights is not None:
+        out.weights.extend(d.weights)
+    if d.logprobs is not None:
+        out.logprobs.extend(d.logprobs)
+    if d.advantages is not None:
+        out.advantages.extend(d.advantages)
+    return out
+
+
+def _sampling_params(spec: SamplingSpec) -> common_pb2.SamplingParams:
+    params = common_pb2.SamplingParams(max_tokens=spec.max_tokens, top_k=spec.top_k,
+                                       stop_token_ids=spec.stop_token_ids, stop_strings=spec.stop_strings)
+    if spec.temperature is not None:
+        params.temperature = spec.temperature
+    if spec.top_p is not None:
+        params.top_p = spec.top_p
+    if spec.seed is not None:
+        params.seed = spec.seed
+    return params
+
+
+class Upstream:
+    """One grpc.aio channel per service, opened lazily inside the running loop."""
+
+    def __init__(self, trainer: str, registry: str, sampler: str, *, timeout: float = 600.0, retry_s: float = 60.0):
+        self.addresses = {"trainer": trainer, "registry": registry, "sampler": sampler}
+        self.timeout = timeout
+        self.retry_s = retry_s
+        self.registry = RegistryClient(registry, timeout=60.0)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._info: ServerInfo | None = None
+        self._tokenizer = None
+        self._info_lock = asyncio.Lock()
+
+    def _channel(self, service: str) -> grpc.aio.Channel:
+        if service not in self._channels:
+            self._channels[service] = grpc.aio.insecure_channel(self.addresses[service], options=channel_options())
+        return self._channels[service]
+
+    @property
+    def trainer(self) -> trainer_pb2_grpc.TrainerServiceStub:
+        return trainer_pb2_grpc.TrainerServiceStub(self._channel("trainer"))
+
+    @property
+    def sampler(self) -> sampler_pb2_grpc.SamplerServiceStub:
+        return sampler_pb2_grpc.SamplerServiceStub(self._channel("sampler"))
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        await self.registry.close()
+
+    async def _call(self, service: str, what: str, attempt):
+        """`await attempt()`, retried with backoff for up to `retry_s` while the service is unreachable or busy
+        (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED: the trainer consumed nothing then, and a repeated
+        seq_id is applied once anyway), so a restarting trainer or sampler delays a Tinker future instead of
+        failing it."""
+        return await self._retrying(what, lambda: self._grpc(service, what, attempt))
+
+    async def _grpc(self, service: str, what: str, attempt):
+        try:
+            return await attempt()
+        except grpc.RpcError as exc:
+            raise domain_error_from_rpc(exc, f"{service} {self.addresses[service]}: {what}") from None
+
+    async def _retrying(self, what: str, attempt):
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.1
+        while True:
+            try:
+                return await attempt()
+            except _TRANSIENT as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.info("%s: %s; retrying in %.1f s", what, type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # ---- trainer -------------------------------------------------------------------------------------------
+    async def info(self) -> ServerInfo:
+        async with self._info_lock:
+            if self._info is None:
+                reply = await self._call("trainer", "GetInfo", lambda: self.trainer.GetInfo(
+                    trainer_pb2.GetInfoRequest(include_tokenizer=True), timeout=60))
+                self._tokenizer = tokenizer_from_info(reply.tokenizer)
+                self._info = ServerInfo(
+                    base_model=reply.base_model, max_context_length=reply.max_context_length,
+                    max_lora_rank=reply.max_lora_rank, supported_losses=list(reply.supported_losses),
+                    eos_token_ids=list(reply.tokenizer.eos_token_ids), tokenizer_name=reply.tokenizer.name)
+            return self._info
+
+    async def tokenizer(self):
+        await self.info()
+        return self._tokenizer
+
+    async def create_adapter(self, name: str, *, rank: int, seed: int, targets: list[str],
+                             metadata: dict[str, str]) -> None:
+        config = common_pb2.LoraConfig(rank=rank, seed=seed, target_modules=targets)
+        await self._call("trainer", f"CreateAdapter {name}", lambda: self.trainer.CreateAdapter(
+            trainer_pb2.TrainerServiceCreateAdapterRequest(name=name, lora_config=config, metadata=metadata),
+            timeout=self.timeout))
+
+    async def forward_backward(self, adapter: str, seq_id: int, data: list[DatumIn], loss_fn: str,
+                               config: dict[str, float], forward_only: bool) -> FwdBwdResult:
+        kwargs = {"adapter": adapter, "seq_id": seq_id, "data": [_datum(d) for d in data], "loss_fn": loss_fn,
+                  "loss_fn_config": config}
+        if forward_only:
+            request = trainer_pb2.ForwardRequest(**kwargs)
+            reply = await self._call("trainer", f"Forward {adapter}#{seq_id}",
+                                     lambda: self.trainer.Forward(request, timeout=self.timeout))
+        else:
+            request = trainer_pb2.ForwardBackwardRequest(**kwargs)
+            reply = await self._call("trainer", f"ForwardBackward {adapter}#{seq_id}",
+                                     lambda: self.trainer.ForwardBackward(request, timeout=self.timeout))
+        return FwdBwdResult(logprobs=[list(o.logprobs) for o in reply.outputs],
+                            elementwise_loss=[list(o.elementwise_loss) for o in reply.outputs],
+                            metrics=dict(reply.metrics))
+
+    async def optim_step(self, adapter: str, seq_id: int, adam: dict[str, float]) -> dict[str, float]:
+        reply = await self._call("trainer", f"OptimStep {adapter}#{seq_id}", lambda: self.trainer.OptimStep(
+            trainer_pb2.OptimStepRequest(adapter=adapter, seq_id=seq_id, adam_params=trainer_pb2.AdamParams(**adam)),
+            timeout=self.timeout))
+        metrics = dict(reply.metrics)
+        names = {k.split(":")[0] for k in metrics}
+        for name, value in (("grad_norm", reply.grad_norm), ("step", float(reply.step)),
+                            ("skipped", float(reply.skipped))):
+            if name not in names:
+                metrics[name] = value
+        return metrics
+
+    async def publish_weights(self, adapter: str, seq_id: int, metadata: dict[str, str]) -> VersionInfo:
+        reply = await self._call("trainer", f"PublishWeights {adapter}#{seq_id}", lambda: self.trainer.PublishWeights(
+            trainer_pb2.PublishWeightsRequest(adapter=adapter, seq_id=seq_id, metadata=metadata),
+            timeout=self.timeout))
+        return _version(reply.version)
+
+    async def save_state(self, adapter: str, seq_id: int, metadata: dict[str, str]) -> VersionInfo:
+        reply = await self._call("trainer", f"SaveState {adapter}#{seq_id}", lambda: self.trainer.SaveState(
+            trainer_pb2.SaveStateRequest(adapter=adapter, seq_id=seq_id, metadata=metadata), timeout=self.timeout))
+        return _version(reply.version)
+
+    async def load_state(self, adapter: str, seq_id: int, source: str, version: int, with_optimizer: bool) -> None:
+        await self._call("trainer", f"LoadState {adapter}#{seq_id}", lambda: self.trainer.LoadState(
+            trainer_pb2.LoadStateRequest(adapter=adapter, seq_id=seq_id, with_optimizer=with_optimizer,
+                                         source=common_pb2.AdapterRef(name=source, version=version)),
+            timeout=self.timeout))
+
+    # ---- registry ------------------------------------------------------------------------------------------
+    async def get_adapter(self, name: str) -> AdapterInfo:
+        a = await self._retrying(f"GetAdapter {name}", lambda: self.registry.get_adapter(name))
+        return AdapterInfo(name=a.name, rank=a.lora_config.rank, alpha=a.lora_config.alpha, base_model=a.base_model,
+                           latest_version=a.latest_version, aliases=dict(a.aliases),
+                           create_time=a.create_time.ToNanoseconds() / 1e9)
+
+    async def list_adapters(self, prefix: str = "") -> list[AdapterInfo]:
+        return [AdapterInfo(name=a.name, rank=a.lora_config.rank, alpha=a.lora_config.alpha,
+                            base_model=a.base_model, latest_version=a.latest_version, aliases=dict(a.aliases),
+                            create_time=a.create_time.ToNanoseconds() / 1e9)
+                for a in await self._retrying("ListAdapters", lambda: self.registry.list_adapters(prefix))]
+
+    async def list_versions(self, adapter: str) -> list[VersionInfo]:
+        return [_version(v) for v in await self._retrying(
+            f"ListVersions {adapter}", lambda: self.registry.list_versions(adapter))]
+
+    async def delete_version(self, adapter: str, version: int) -> None:
+        await self._retrying(f"DeleteVersion {adapter}@v{version}",
+                             lambda: self.registry.delete_version(adapter, version))
+
+    # ---- sampler -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _ref(adapter: str, version: int = 0, alias: str = "") -> common_pb2.AdapterRef:
+        return adapter_ref(adapter, version=version, alias=alias) if adapter else common_pb2.AdapterRef()
+
+    async def sample(self, adapter: str, version: int, prompt: list[int], num_samples: int, spec: SamplingSpec,
+                     prompt_logprobs: bool, alias: str = "") -> SampleResult:
+        reply = await self._call("sampler", f"Sample {adapter or '<base>'}@{version or alias or 'latest'}",
+                                 lambda: self.sampler.Sample(sampler_pb2.SampleRequest(
+                                     adapter=self._ref(adapter, version, alias), prompt_tokens=prompt,
+                                     num_samples=num_samples, sampling_params=_sampling_params(spec),
+                                     include_prompt_logprobs=prompt_logprobs), timeout=self.timeout))
+        return SampleResult(
+            sequences=[SampledSeq(list(s.tokens), list(s.logprobs), _FINISH.get(s.finish_reason, "length"))
+                       for s in reply.sequences],
+            prompt_logprobs=list(reply.prompt_logprobs) if prompt_logprobs else None,
+            served_version=reply.served_version)
+
+    async def sample_stream(self, adapter: str, version: int, prompt: list[int], num_samples: int,
+                            spec: SamplingSpec, alias: str = "") -> AsyncIterator[StreamDelta]:
+        call = self.sampler.SampleStream(sampler_pb2.SampleStreamRequest(
+            adapter=self._ref(adapter, version, alias), prompt_tokens=prompt, num_samples=num_samples,
+            sampling_params=_sampling_params(spec)), timeout=self.timeout)
+        try:
+            async for msg in call:
+                yield StreamDelta(index=msg.sequence_index, tokens=list(msg.tokens), logprobs=list(msg.logprobs),
+                                  finish_reason=_FINISH.get(msg.finish_reason))
+        except grpc.RpcError as exc:
+            raise domain_error_from_rpc(exc, f"sampler {self.addresses['sampler']}: SampleStream") from None
+        finally:
+            call.cancel()
+
+
+__all__ = ["Upstream", "errors"]

@@ -1,0 +1,130 @@
+"""An offline environment in which tinker-cookbook recipes run unmodified against the gateway (wire reference
+section 10): the recipes accept only names from the cookbook's model table (smallest: meta-llama/Llama-3.2-1B, the
+Llama-3 vocabulary) and load their tokenizer and datasets from the Hugging Face hub. So this module builds
+
+- the Llama-3 tokenizer from Meta's `llama-models` PyPI package (its tiktoken BPE file), as HF tokenizer files;
+- a small random-weight Llama model with that vocabulary (a local HF directory the trainer and sampler serve,
+  named `meta-llama/Llama-3.2-1B` by the gateway);
+- an HF_HOME with the tokenizer under the repo the cookbook asks for and the recipes' datasets (no_robots,
+  gsm8k) in the processed `datasets` cache, made from a few rows of our own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+COOKBOOK_MODEL = "meta-llama/Llama-3.2-1B"
+TOKENIZER_REPO = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"
+_REVISION = "0" * 40
+_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+            r"|\s+(?!\S)|\s+")
+
+
+def llama3_tokenizer(target: Path) -> Path:
+    """HF tokenizer files for the Llama-3 vocabulary (128,256 tokens), from llama-models' tokenizer.model."""
+    if (target / "tokenizer.json").exists():
+        return target
+    import llama_models
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    model_file = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+             "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+             "<|eot_id|>", "<|python_tag|>"]
+    specials = names + [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(names))]
+    backend = TikTokenConverter(vocab_file=str(model_file), pattern=_PATTERN,
+                                extra_special_tokens=specials).converted()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                        eos_token="<|end_of_text|>", pad_token="<|finetune_right_pad_id|>")
+    tokenizer.save_pretrained(str(target))
+    return target
+
+
+def random_llama3_model(target: Path, tokenizer_dir: Path) -> Path:
+    """A 2-layer random Llama with the Llama-3 vocabulary (hidden 64): tiny compute, real token ids."""
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(str(target), safe_serialization=True)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy2(tokenizer_dir / name, target / name)
+    return target
+
+
+def hf_home(root: Path, tokenizer_dir: Path) -> Path:
+    """An HF_HOME holding the cookbook's tokenizer repo and the recipes' datasets, for HF_HUB_OFFLINE=1."""
+    home = root / "hf_home"
+    repo = home / "hub" / ("models--" + TOKENIZER_REPO.replace("/", "--"))
+    snapshot = repo / "snapshots" / _REVISION
+    if not snapshot.exists():
+        snapshot.mkdir(parents=True)
+        for name in os.listdir(tokenizer_dir):
+            shutil.copy2(tokenizer_dir / name, snapshot / name)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(_REVISION)
+        # The hub's "this file does not exist" marker: transformers also asks for config.json.
+        (repo / ".no_exist" / _REVISION).mkdir(parents=True)
+        (repo / ".no_exist" / _REVISION / "config.json").write_text("")
+    _cached_dataset(home, "HuggingFaceH4/no_robots", "default", _no_robots_rows())
+    _cached_dataset(home, "openai/gsm8k", "main", _gsm8k_rows())
+    return home
+
+
+def _no_robots_rows() -> dict[str, list[dict]]:
+    rows = []
+    for i in range(16):
+        rows.append({"prompt": f"Say {i}", "prompt_id": str(i), "category": "Chat", "messages": [
+            {"role": "user", "content": f"Please say the number {i} in words."},
+            {"role": "assistant", "content": f"The number is {i}. Have a nice day."}]})
+    return {"train": rows, "test": rows[:4]}
+
+
+def _gsm8k_rows() -> dict[str, list[dict]]:
+    rows = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+            for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3)]]
+    return {"train": rows, "test": rows[:4]}
+
+
+def _cached_dataset(home: Path, repo: str, config: str, splits: dict[str, list[dict]]) -> None:
+    """The processed datasets cache `load_dataset(repo, config)` reads offline, written by datasets itself."""
+    import datasets
+
+    namespace, name = repo.split("/")
+    target = home / "datasets" / f"{namespace}___{name}" / config / "0.0.0" / "0123456789abcdef"
+    if target.exists():
+        return
+    scratch = home / "datasets-scratch" / name
+    scratch.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, rows in splits.items():
+        files[split] = str(scratch / f"{split}.jsonl")
+        Path(files[split]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    builder = datasets.load_dataset_builder("json", data_files=files, cache_dir=str(scratch / "cache"))
+    builder.download_and_prepare()
+    built = Path(builder.cache_dir)
+    target.mkdir(parents=True)
+    for path in built.iterdir():
+        if path.suffix == ".arrow":
+            shutil.copy2(path, target / path.name.replace("json-", f"{name}-", 1))
+    info = json.loads((built / "dataset_info.json").read_text())
+    info.update(builder_name=name, dataset_name=name, config_name=config)
+    (target / "dataset_info.json").write_text(json.dumps(info))
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def prepare(root: Path) -> dict[str, str]:
+    """Builds everything under `root`; returns the model directory and the environment for the recipes."""
+    tokenizer_dir = llama3_tokenizer(root / "llama3-tokenizer")
+    model_dir = random_llama3_model(root / "llama3-random", tokenizer_dir)
+    home = hf_home(root, tokenizer_dir)
+    return {"model_dir": str(model_dir), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1"}
