@@ -43,6 +43,9 @@ _KEY_RE = re.compile(r"^lpk_([0-9a-f]{16})_([A-Za-z0-9_-]{20,100})\Z")
 # Revocation and quota changes reach every server within this many seconds.
 CACHE_TTL_S = 0.5
 ACTING_FOR_HEADER = "x-loraplane-acting-for"
+# The audit stream (a Redis Stream under the key prefix): deletes, alias moves, key changes, denials.
+AUDIT_STREAM = "auth:audit"
+AUDIT_MAX_ENTRIES = 100_000
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,27 @@ def acting_for_value() -> str:
     return ""
 
 
+def audit_entry(identity: Identity | None, action: str, target: str = "", outcome: str = "ok",
+                detail: str = "", actor: str = "") -> dict[str, str]:
+    """One audit record: who (key id, tenant, role, acting_for), did what to which name, and how it ended."""
+    entry = {"time_ms": str(int(time.time() * 1000)), "action": action, "target": target[:256],
+             "outcome": outcome, "detail": detail[:512]}
+    if identity is not None:
+        entry.update({"key_id": identity.key_id or "open", "tenant": identity.tenant, "role": identity.role,
+                      "acting_for": identity.acting_for})
+    if actor:
+        entry["actor"] = actor
+    return entry
+
+
+async def append_audit(redis, key_prefix: str, entry: dict[str, str]) -> None:
+    """Appends to the audit stream; a failure is logged, not raised (the audited operation already happened)."""
+    try:
+        await redis.xadd(key_prefix + AUDIT_STREAM, entry, maxlen=AUDIT_MAX_ENTRIES, approximate=True)
+    except Exception as exc:  # noqa: BLE001 - any Redis failure: the record is lost, the operation stands
+        log.warning("audit record lost (%s): %s", exc, entry)
+
+
 def validate_tenant(tenant: str, field: str = "tenant") -> str:
     if not TENANT_RE.match(tenant or ""):
         raise errors.InvalidArgument(f"{field}: {errors.shown(tenant)} is not a tenant name ([a-z0-9][a-z0-9._-]"
@@ -203,6 +227,7 @@ class KeyStore:
         import redis.asyncio as aioredis
 
         self.redis_url = redis_url
+        self.key_prefix = key_prefix
         self.prefix = key_prefix + "auth:"
         self.redis = aioredis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5,
                                              socket_connect_timeout=3)
@@ -234,7 +259,18 @@ class KeyStore:
                     "created_ms": record.created_ms, "revoked_ms": 0})
                 pipe.sadd(self.prefix + "keys", key_id)
                 await pipe.execute()
+        await self.audit(audit_entry(None, "CreateKey", key_id, detail=f"tenant={tenant} role={role}",
+                                     actor=_operator()))
         return record, token
+
+    async def audit(self, entry: dict[str, str]) -> None:
+        await append_audit(self.redis, self.key_prefix, entry)
+
+    async def read_audit(self, count: int = 100) -> list[dict[str, str]]:
+        """The newest `count` audit records, oldest first."""
+        with self._redis_errors():
+            rows = await self.redis.xrevrange(self.key_prefix + AUDIT_STREAM, "+", "-", count=count)
+        return [{"id": entry_id, **fields} for entry_id, fields in reversed(rows)]
 
     async def list_keys(self, tenant: str = "", include_revoked: bool = False) -> list[KeyRecord]:
         with self._redis_errors():
@@ -259,6 +295,7 @@ class KeyStore:
             await self.redis.hset(key, "revoked_ms", int(time.time() * 1000))
             # Only the record of its existence stays: the digest goes, so the key can never be accepted again.
             await self.redis.hdel(key, "sha256")
+        await self.audit(audit_entry(None, "RevokeKey", key_id, actor=_operator()))
         return True
 
     async def lookup(self, token: str) -> KeyRecord | None:
@@ -296,6 +333,15 @@ class KeyStore:
         with self._redis_errors():
             keys = [k async for k in self.redis.scan_iter(match=self.prefix + "quota:*", count=500)]
         return {key.rsplit(":", 1)[1]: await self.get_quotas(key.rsplit(":", 1)[1]) for key in sorted(keys)}
+
+
+def _operator() -> str:
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # noqa: BLE001 - no user name in this environment
+        return "cli"
 
 
 class Authenticator:
@@ -336,6 +382,10 @@ class Authenticator:
         quotas = await self.keys.get_quotas(tenant)
         self._quotas[tenant] = (now + CACHE_TTL_S, quotas)
         return quotas
+
+    async def audit_denial(self, identity: Identity | None, method: str, code: str, detail: str) -> None:
+        if self.keys is not None:
+            await self.keys.audit(audit_entry(identity, method, outcome=code, detail=detail))
 
     async def authenticate(self, authorization: str | None, acting_for: str | None = None) -> Identity:
         if self.keys is None:

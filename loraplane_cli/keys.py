@@ -169,3 +169,18 @@ def secure_cluster_env(data_dir: Path, redis_url: str, key_prefix: str, *, auth:
     else:
         shutil.rmtree(tls_dir, ignore_errors=True)
     return env
+
+
+@keys_app.command("audit")
+def audit(limit: int = typer.Option(50, "--limit", help="How many of the newest records."),
+          data_dir: Path = DataDirOption) -> None:
+    """The audit stream: deletes, alias moves, key creation/revocation and denials, with the acting key id."""
+    rows = _run(data_dir, lambda store: store.read_audit(limit))
+    table = Table(title="audit (oldest first)")
+    for column in ("time", "action", "target", "outcome", "key id", "tenant", "role", "acting for", "detail"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(_when(int(row.get("time_ms", 0))), row.get("action", ""), row.get("target", ""),
+                      row.get("outcome", ""), row.get("key_id", row.get("actor", "")), row.get("tenant", ""),
+                      row.get("role", ""), row.get("acting_for", ""), row.get("detail", ""))
+    console.print(table)
