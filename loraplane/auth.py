@@ -15,7 +15,6 @@ tenant's request (`acting_for`). The transport (loraplane.rpc) turns the `author
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import dataclasses
@@ -352,7 +351,6 @@ class Authenticator:
         self.keys = keys
         self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
         self._quotas: dict[str, tuple[float, Quotas]] = {}
-        self._lock = asyncio.Lock()
 
     @property
     def open(self) -> bool:
