@@ -355,10 +355,10 @@ class RegistryStore:
                              metadata: Mapping[str, str], *, caller: Identity = OPEN) -> AdapterRecord:
         validate_name(name, "adapter.name")
         caller.authorize(name, "adapter.name")
-        await self._check_adapter_quota(name, caller)
         validate_lora(lora, self.limits)
         validate_base_model(base_model, self.limits)
         validate_metadata(metadata, self.limits, "adapter.metadata")
+        await self._check_adapter_quota(name, caller)
         created = await self._script(
             "CREATE_ADAPTER", name, _now_ms(), json.dumps(lora.__dict__), base_model, keep_last,
             json.dumps(dict(metadata)))
