@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
@@ -54,7 +55,7 @@ def write_results(name: str, results: dict[str, Any]) -> Path:
     return path
 
 
-def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], width: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -63,7 +64,7 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
         table.add_column(column, justify="left" if column == columns[0] else "right")
     for row in rows:
         table.add_row(*[f"{cell:.1f}" if isinstance(cell, float) else str(cell) for cell in row])
-    Console().print(table)
+    Console(width=width).print(table)
 
 
 def fresh_adapter_state(base, name: str, rank: int):
@@ -104,3 +105,23 @@ def random_adapter_blob(base, seed: int, rank: int = 16) -> bytes:
         if key.endswith("lora_B.weight"):
             params[key] = torch.randn(params[key].shape, generator=generator) * 0.01
     return serialize_adapter(params, spec, base.name)
+
+
+@contextlib.contextmanager
+def embedded_storage(work: Path, bucket: str, key_prefix: str = "bench:"):
+    """Valkey and SeaweedFS S3 on loopback under `work`, and the Settings that point a registry at them."""
+    from loraplane.config import Settings
+    from loraplane.local.processes import seaweed_s3_server, valkey_server
+
+    valkey = valkey_server(work / "valkey")
+    seaweed = seaweed_s3_server(work / "seaweed")
+    valkey.start()
+    try:
+        seaweed.start()
+        try:
+            yield Settings(redis_url=valkey.url, s3_endpoint=seaweed.endpoint, s3_access_key=seaweed.access_key,
+                           s3_secret_key=seaweed.secret_key, s3_bucket=bucket, key_prefix=key_prefix)
+        finally:
+            seaweed.stop()
+    finally:
+        valkey.stop()

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from loraplane.client.addresses import ADMIN_KEY_FILE, TLS_DIR
 from loraplane.config import Settings
 from loraplane.local.processes import ProcessStartError
 from loraplane_cli import app
@@ -15,6 +16,7 @@ from loraplane_cli.local_cluster import (
     SERVICE_NAMES,
     ClusterState,
     component_health,
+    pid_alive,
     read_cluster_state,
     start_cluster,
     stop_cluster,
@@ -40,12 +42,14 @@ def _endpoint_table(state: ClusterState, with_health: bool) -> Table:
     table.add_column("pid")
     if with_health:
         table.add_column("health")
+        table.add_column("restarts")
     for c in state.components:
         row = [c.name, c.kind, c.endpoint, str(c.pid or "-")]
         if with_health:
             health = component_health(c, state.data_dir)
             color = {"healthy": "green", "external": "cyan"}.get(health, "red")
-            row.append(f"[{color}]{health}[/{color}]")
+            supervision = f" ([red]{c.supervision}[/red]: {c.last_exit})" if c.supervision else ""
+            row += [f"[{color}]{health}[/{color}]{supervision}", str(c.restarts)]
         table.add_row(*row)
     return table
 
@@ -64,7 +68,8 @@ def up(
                              "every service over TLS."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
-    services, wait until each is healthy, and print their endpoints."""
+    services, wait until each is healthy, and print their endpoints. On a cluster that already runs, starts only
+    what is missing or dead. A supervisor restarts any component that dies."""
     settings = _settings(data_dir, base_model=base_model, registry_port=registry_port,
                          trainer_port=trainer_port, sampler_port=sampler_port)
     wanted = tuple(s.strip() for s in services.split(",") if s.strip())
@@ -75,14 +80,16 @@ def up(
     extra_env = {"LORAPLANE_BASE_MODEL": settings.base_model}
     try:
         with console.status("starting cluster") as status:
-            state = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth, tls=tls)
+            state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth,
+                                           tls=tls)
     except ProcessStartError as exc:
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc
     console.print(_endpoint_table(state, with_health=False))
     data = Path(state.data_dir)
-    if auth:
-        console.print(f"auth: on; admin key in {data / 'admin.key'} (mode 0600; the CLI and SDK use it from this "
+    # What the cluster runs with, which for a cluster that already ran is what it was created with.
+    if (data / ADMIN_KEY_FILE).exists():
+        console.print(f"auth: on; admin key in {data / ADMIN_KEY_FILE} (mode 0600; the CLI and SDK use it from this "
                       "data dir, or set LORAPLANE_API_KEY). Tenant keys: `loraplane keys create --tenant NAME`.")
     else:
         console.print("[bold red]auth: OFF[/bold red] (--no-auth): anyone who can reach these ports can read and "
@@ -90,9 +97,13 @@ def up(
     for component in state.components:
         if component.metrics:
             console.print(f"{component.name} metrics: {component.metrics}")
-    if tls:
-        console.print(f"tls: on; CA certificate {data / 'tls' / 'ca.pem'} (set LORAPLANE_TLS_CA to it elsewhere).")
-    console.print("[green]cluster is up[/green]; `loraplane down` stops it.")
+    if (data / TLS_DIR / "ca.pem").exists():
+        console.print(f"tls: on; CA certificate {data / TLS_DIR / 'ca.pem'} (set LORAPLANE_TLS_CA to it elsewhere).")
+    if started:
+        console.print(f"[green]cluster is up[/green] (started: {', '.join(started)}); a supervisor restarts what "
+                      "dies; `loraplane down` stops it.")
+    else:
+        console.print("[green]cluster is already running[/green]: nothing to start.")
 
 
 @app.command()
@@ -116,6 +127,9 @@ def status(data_dir: Path = DataDirOption) -> None:
         console.print("no cluster is running from " + str(Path(settings.data_dir).resolve()))
         raise typer.Exit(1)
     console.print(_endpoint_table(state, with_health=True))
+    supervised = "[green]running[/green]" if pid_alive(state.supervisor_pid) else \
+        "[red]down[/red] (run `loraplane up` to restart it and anything dead)"
+    console.print(f"supervisor: {supervised}")
     details = _service_details(state)
     if details.row_count:
         console.print(details)

@@ -1,8 +1,10 @@
-"""A whole loraplane cluster on loopback (the CLI layer: it starts the services as processes): Valkey + SeaweedFS S3 (unless external ones are configured), then the
-registry, trainer and sampler, each as its own process, each checked healthy before the next starts.
+"""A whole loraplane cluster on loopback (the CLI layer: it starts the services as processes): Valkey + SeaweedFS S3
+(unless external ones are configured), then the registry, trainer and sampler, each as its own process, each checked
+healthy before the next starts.
 
-`loraplane up` calls `start_cluster`; the processes outlive the command and are recorded in a state file under
-the data dir, which `loraplane down` and `loraplane status` read.
+`loraplane up` calls `start_cluster`; the processes outlive the command and are recorded, with how to start each
+again, in a state file under the data dir, which `loraplane down` and `loraplane status` read. A supervisor process
+(loraplane_cli/supervisor.py) restarts whatever dies; `up` on a partly dead cluster starts only what is missing.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from loraplane.client.addresses import client_security
 from loraplane.config import Settings
 from loraplane.local.processes import (
     LOOPBACK,
     ManagedProcess,
-    ProcessStartError,
     free_port,
+    redis_ping,
+    s3_ready,
     seaweed_s3_server,
     valkey_server,
     wait_until,
@@ -57,88 +61,166 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("sampler", "sampler_svc", "loraplane.v1.SamplerService",
                 "LORAPLANE_SAMPLER_PORT", "LORAPLANE_SAMPLER_ADDRESS", start_timeout=900.0),
 )
+# What a service started into an existing cluster takes over from those already there: the same keys and TLS.
+SECURITY_ENV = ("LORAPLANE_AUTH", "LORAPLANE_API_KEY", "LORAPLANE_TLS_CERT", "LORAPLANE_TLS_KEY", "LORAPLANE_TLS_CA")
 # The state file's service names and these specs must agree.
 assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                   extra_env: dict[str, str] | None = None, on_progress=None, *, auth: bool = False,
-                  tls: bool = False) -> ClusterState:
-    """Starts every component in order; on any failure stops what was started and raises ProcessStartError.
-    `auth`: keys required (an admin key written to the data dir); `tls`: a local CA and TLS everywhere."""
+                  tls: bool = False) -> tuple[ClusterState, list[str]]:
+    """Brings the cluster of this data dir up: starts what was never started, restarts (exactly as first started,
+    same ports, data, keys and certificates) what has died, leaves running components alone, then hands the whole
+    cluster to a fresh supervisor. Returns the state and the names started. On a failure stops what this call
+    started and raises ProcessStartError. `auth`: keys required (an admin key written to the data dir); `tls`: a
+    local CA and TLS everywhere; both apply when the cluster is created (an existing one keeps its own)."""
     data_dir = Path(settings.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     existing = read_cluster_state(data_dir)
-    if existing and any(pid_alive(c.pid) for c in existing.components):
-        raise ProcessStartError(f"a cluster is already running from {data_dir} (run `loraplane down` first)")
-    state = ClusterState(data_dir=str(data_dir))
+    state = existing or ClusterState(data_dir=str(data_dir))
+    # While this call starts things the supervisor must not restart them too.
+    stop_supervisor(state)
     progress = on_progress or (lambda _msg: None)
     env = {**os.environ, **(extra_env or {}), "LORAPLANE_DATA_DIR": str(data_dir)}
-    try:
-        if settings.redis_url:
-            state.components.append(ComponentState("redis", "external", settings.redis_url))
-        else:
-            progress("starting valkey")
-            valkey = valkey_server(data_dir / "valkey")
-            valkey.start()
-            state.components.append(ComponentState("redis", "valkey", valkey.url, valkey.process.pid,
-                                                   str(valkey.process.log_path)))
-        env["LORAPLANE_REDIS_URL"] = state.component("redis").endpoint
-        state.save()
-        env.update(secure_cluster_env(data_dir, env["LORAPLANE_REDIS_URL"], settings.key_prefix, auth=auth, tls=tls))
-        probe = client_security(data_dir)
+    started: list[str] = []
+    added: list[str] = []
 
-        if settings.s3_endpoint:
-            state.components.append(ComponentState("s3", "external", settings.s3_endpoint))
-        else:
-            progress("starting seaweedfs s3")
-            s3 = seaweed_s3_server(data_dir / "seaweedfs", access_key=settings.s3_access_key,
-                                   secret_key=settings.s3_secret_key)
-            s3.start()
-            state.components.append(ComponentState("s3", "seaweedfs", s3.endpoint, s3.process.pid,
-                                                   str(s3.process.log_path)))
-        env["LORAPLANE_S3_ENDPOINT"] = state.component("s3").endpoint
+    def launch(component: ComponentState, process: ManagedProcess, ready) -> None:
+        progress(f"starting {component.name}")
+        process.start()
+        component.pid = process.pid
+        started.append(component.name)
         state.save()
+        wait_until(ready, _start_timeout(component), component.name, process)
+
+    def add(component: ComponentState, process: ManagedProcess, ready) -> None:
+        component.argv, component.env, component.log = list(process.argv), _env_overrides(process.env), \
+            str(process.log_path)
+        state.components.append(component)
+        added.append(component.name)
+        launch(component, process, ready)
+
+    try:
+        for component in state.components:
+            if component.restartable and not pid_alive(component.pid):
+                component.supervision, component.last_exit = "", ""
+                launch(component, relaunchable(component), functools.partial(component_ready, component, settings))
+
+        if state.component("redis") is None:
+            if settings.redis_url:
+                state.components.append(ComponentState("redis", "external", settings.redis_url))
+            else:
+                valkey = valkey_server(data_dir / "valkey")
+                add(ComponentState("redis", "valkey", valkey.url), valkey.process,
+                    functools.partial(redis_ping, valkey.port))
+        env["LORAPLANE_REDIS_URL"] = state.component("redis").endpoint
+        services_so_far = [c for c in state.components if c.kind == "service"]
+        if services_so_far:
+            env.update({k: v for k, v in services_so_far[0].env.items() if k in SECURITY_ENV})
+        else:
+            env.update(secure_cluster_env(data_dir, env["LORAPLANE_REDIS_URL"], settings.key_prefix, auth=auth,
+                                          tls=tls))
+
+        if state.component("s3") is None:
+            if settings.s3_endpoint:
+                state.components.append(ComponentState("s3", "external", settings.s3_endpoint))
+            else:
+                s3 = seaweed_s3_server(data_dir / "seaweedfs", access_key=settings.s3_access_key,
+                                       secret_key=settings.s3_secret_key)
+                add(ComponentState("s3", "seaweedfs", s3.endpoint), s3.process,
+                    functools.partial(s3_ready, s3.endpoint, s3.access_key, s3.secret_key))
+        env["LORAPLANE_S3_ENDPOINT"] = state.component("s3").endpoint
 
         for spec in SERVICES:
-            if spec.name not in services:
-                continue
-            progress(f"starting {spec.name}")
-            configured = getattr(settings, f"{spec.name}_port")
-            port = configured or free_port()
-            env[spec.port_env] = str(port)
-            env["LORAPLANE_HOST"] = LOOPBACK
-            metrics_port = free_port()
-            env["LORAPLANE_METRICS_PORT"] = str(metrics_port)
-            proc = ManagedProcess(spec.name, [sys.executable, "-m", spec.module], data_dir / "logs" / f"{spec.name}.log",
-                                  env=dict(env))
-            proc.start()
-            address = f"{LOOPBACK}:{port}"
-            state.components.append(ComponentState(spec.name, "service", address, proc.pid, str(proc.log_path),
-                                                   metrics=f"http://{LOOPBACK}:{metrics_port}/metrics"))
-            state.save()
-            wait_until(functools.partial(check_health, address, spec.grpc_service, timeout=1.0, security=probe),
-                       spec.start_timeout, spec.name, proc)
-            env[spec.address_env] = address
+            component = state.component(spec.name)
+            if component is None and spec.name in services:
+                port = getattr(settings, f"{spec.name}_port") or free_port()
+                metrics_port = free_port()
+                env.update({spec.port_env: str(port), "LORAPLANE_HOST": LOOPBACK,
+                            "LORAPLANE_METRICS_PORT": str(metrics_port)})
+                component = ComponentState(spec.name, "service", f"{LOOPBACK}:{port}",
+                                           metrics=f"http://{LOOPBACK}:{metrics_port}/metrics")
+                add(component, ManagedProcess(spec.name, [sys.executable, "-m", spec.module],
+                                              data_dir / "logs" / f"{spec.name}.log", env=dict(env)),
+                    functools.partial(component_ready, component, settings))
+            if component is not None:
+                env[spec.address_env] = component.endpoint
+        state.supervisor_pid = start_supervisor(data_dir)
+        state.save()
     except BaseException:
-        stop_cluster(state)
+        for name in reversed(started):
+            _terminate_group(state.component(name).pid, 15.0)
+        state.components = [c for c in state.components if c.name not in added]
+        if any(pid_alive(c.pid) for c in state.components):
+            state.save()
+        else:
+            _remove_state_file(state)
         raise
-    state.save()
-    return state
+    return state, started
+
+
+def relaunchable(component: ComponentState) -> ManagedProcess:
+    """The process that restarts a component as it was first started (its log continues)."""
+    return ManagedProcess(component.name, list(component.argv), Path(component.log),
+                          env={**os.environ, **component.env})
+
+
+def component_ready(component: ComponentState, settings: Settings) -> bool:
+    if component.kind == "service":
+        return component_health(component, str(Path(settings.data_dir).resolve())) == "healthy"
+    if component.kind == "valkey":
+        return redis_ping(urlsplit(component.endpoint).port)
+    if component.kind == "seaweedfs":
+        return s3_ready(component.endpoint, settings.s3_access_key, settings.s3_secret_key)
+    return True
+
+
+def start_supervisor(data_dir: Path) -> int:
+    supervisor = ManagedProcess("supervisor", [sys.executable, "-m", "loraplane_cli.supervisor", str(data_dir)],
+                                data_dir / "logs" / "supervisor.log")
+    supervisor.start()
+    return supervisor.pid
+
+
+def stop_supervisor(state: ClusterState) -> None:
+    if pid_alive(state.supervisor_pid):
+        _terminate_group(state.supervisor_pid, 10.0)
+    state.supervisor_pid = None
 
 
 def stop_cluster(state: ClusterState, timeout: float = 15.0) -> list[str]:
-    """Stops components in reverse start order (services before their storage). Returns the names stopped."""
+    """Stops the supervisor, then components in reverse start order (services before their storage). Returns the
+    names stopped."""
+    stop_supervisor(state)
+    # The supervisor may have restarted components since `state` was read: their pids are in the file.
+    state = read_cluster_state(Path(state.data_dir)) or state
     stopped = []
     for component in reversed(state.components):
         if not pid_alive(component.pid):
             continue
         _terminate_group(component.pid, timeout)
         stopped.append(component.name)
+    _remove_state_file(state)
+    return stopped
+
+
+def _remove_state_file(state: ClusterState) -> None:
     state_path = Path(state.data_dir) / STATE_FILE
     if state_path.exists():
         state_path.unlink()
-    return stopped
+
+
+def _env_overrides(env: dict[str, str] | None) -> dict[str, str]:
+    return {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}
+
+
+def _spec(name: str) -> ServiceSpec:
+    return next(s for s in SERVICES if s.name == name)
+
+
+def _start_timeout(component: ComponentState) -> float:
+    return _spec(component.name).start_timeout if component.kind == "service" else 60.0
 
 
 def _terminate_group(pid: int, timeout: float) -> None:
@@ -160,10 +242,9 @@ def _terminate_group(pid: int, timeout: float) -> None:
 def component_health(component: ComponentState, data_dir: str | None = None) -> str:
     """'healthy' | 'down' | 'unhealthy' — 'unhealthy' means the process lives but does not answer."""
     if component.kind == "service":
-        spec = next(s for s in SERVICES if s.name == component.name)
         if not pid_alive(component.pid):
             return "down"
-        return "healthy" if check_health(component.endpoint, spec.grpc_service, timeout=1.0,
+        return "healthy" if check_health(component.endpoint, _spec(component.name).grpc_service, timeout=1.0,
                                          security=client_security(data_dir)) else "unhealthy"
     if component.kind == "external":
         return "external"

@@ -169,7 +169,7 @@ class ValkeyServer:
 
     def start(self, timeout: float = 20.0) -> None:
         self.process.start()
-        wait_until(lambda: _redis_ping(self.port), timeout, "valkey", self.process)
+        wait_until(lambda: redis_ping(self.port), timeout, "valkey", self.process)
 
     def stop(self) -> None:
         self.process.stop()
@@ -178,7 +178,7 @@ class ValkeyServer:
         self.process.kill()
 
 
-def _redis_ping(port: int) -> bool:
+def redis_ping(port: int) -> bool:
     try:
         with socket.create_connection((LOOPBACK, port), timeout=0.3) as sock:
             sock.sendall(b"PING\r\n")
@@ -217,22 +217,27 @@ class SeaweedS3Server:
         wait_until(self._s3_ready, timeout, "seaweedfs s3", self.process)
 
     def _s3_ready(self) -> bool:
-        if not port_open(self.s3_port):
-            return False
-        from minio import Minio
-
-        client = Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False)
-        try:
-            client.list_buckets()
-            return True
-        except Exception:  # noqa: BLE001 - any failure means "not ready yet"
-            return False
+        return s3_ready(self.endpoint, self.access_key, self.secret_key)
 
     def stop(self) -> None:
         self.process.stop()
 
     def kill(self) -> None:
         self.process.kill()
+
+
+def s3_ready(endpoint: str, access_key: str, secret_key: str) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    if not port_open(int(port), host or LOOPBACK):
+        return False
+    from minio import Minio
+
+    client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=False)
+    try:
+        client.list_buckets()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not ready yet"
+        return False
 
 
 def seaweed_s3_server(data_dir: Path, s3_port: int | None = None, access_key: str = "loraplane",

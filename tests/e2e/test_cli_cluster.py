@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
+from loraplane.client.addresses import client_security
 from loraplane.local.state import pid_alive, read_cluster_state
+from loraplane.rpc import sync_channel
+from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
+from loraplane_cli.local_cluster import component_health
+from tests.e2e.test_trainer_durability import ADAM, create, datum
+from tests.fixtures.trainer import Sequenced
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -30,14 +39,20 @@ def test_up_starts_embedded_servers_and_every_service_then_down_stops_them(tmp_p
         assert status.stdout.count("healthy") == 5, status.stdout
         assert "tiny on torch/cpu; adapters: none" in status.stdout
         assert "torch engine; queue depth 0" in status.stdout
-        # A second `up` on the same data dir must refuse rather than start a second cluster over the same files.
+        assert "supervisor: running" in status.stdout and pid_alive(state.supervisor_pid)
+        # Only its owner may read the state file: it records the services' environment, service key included.
+        assert (data_dir / "cluster.json").stat().st_mode & 0o077 == 0
+        # A second `up` on the same data dir starts nothing: no second cluster over the same files.
         again = _cli("up", "--data-dir", str(data_dir))
-        assert again.returncode == 1 and "already running" in again.stdout
+        assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
+        assert [c.pid for c in read_cluster_state(data_dir).components] == [c.pid for c in state.components]
+        state = read_cluster_state(data_dir)
     finally:
         down = _cli("down", "--data-dir", str(data_dir))
     assert down.returncode == 0, down.stdout + down.stderr
     assert "stopped: sampler, trainer, registry, s3, redis" in down.stdout
     assert not any(pid_alive(c.pid) for c in state.components)
+    assert not pid_alive(state.supervisor_pid)
     assert read_cluster_state(data_dir) is None
     gone = _cli("status", "--data-dir", str(data_dir))
     assert gone.returncode == 1 and "no cluster is running" in gone.stdout
@@ -66,3 +81,80 @@ def test_up_rejects_an_unknown_service(tmp_path):
     assert result.returncode != 0
     assert "bogus" in result.stdout + result.stderr and "--services" in result.stdout + result.stderr
     assert read_cluster_state(tmp_path / "c") is None
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _trainer_adapters(address: str, data_dir) -> dict[str, trainer_pb2.AdapterInfo]:
+    with sync_channel(address, client_security(data_dir)) as channel:
+        listed = trainer_pb2_grpc.TrainerServiceStub(channel).ListAdapters(
+            trainer_pb2.TrainerServiceListAdaptersRequest(), timeout=10)
+    return {a.name: a for a in listed.adapters}
+
+
+def test_supervisor_restarts_what_dies_reports_a_crash_loop_and_up_starts_only_what_is_missing(tmp_path):
+    data_dir = tmp_path / "cluster"
+    up = _cli("up", "--data-dir", str(data_dir))
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        first = read_cluster_state(data_dir)
+        trainer = first.component("trainer")
+        with sync_channel(trainer.endpoint, client_security(data_dir)) as channel:  # with the admin key
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+            create(stub, "kept")
+            Sequenced(stub, "kept", ADAM).train([datum(1)])
+
+        # A crash of the trainer: the supervisor restarts it where it was and it recovers its adapter from the journal.
+        os.killpg(trainer.pid, signal.SIGKILL)
+        restarted = _wait_for(lambda: (c := read_cluster_state(data_dir).component("trainer")).pid != trainer.pid
+                              and component_health(c, str(data_dir)) == "healthy" and c, 180, "the trainer's restart")
+        assert restarted.restarts == 1 and restarted.endpoint == trainer.endpoint
+        assert "SIGKILL" in restarted.last_exit or "unknown" in restarted.last_exit
+        kept = _trainer_adapters(restarted.endpoint, data_dir)["kept"]
+        assert (kept.step, kept.last_seq_id) == (1, 2)
+
+        # A crash loop: the registry's port is taken while it is down, so every restart exits at once.
+        registry = read_cluster_state(data_dir).component("registry")
+        port = int(registry.endpoint.rsplit(":", 1)[1])
+        os.killpg(registry.pid, signal.SIGKILL)
+        _wait_for(lambda: not pid_alive(registry.pid), 10, "the registry to die")
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            looping = _wait_for(lambda: (c := read_cluster_state(data_dir).component("registry")).supervision
+                                == "crash-loop" and c, 90, "the crash loop to be reported")
+            assert looping.restarts >= 2 and "exit code" in looping.last_exit
+            status = _cli("status", "--data-dir", str(data_dir))
+            assert "crash-loop" in status.stdout, status.stdout
+        # Once the cause is gone the next restart sticks.
+        _wait_for(lambda: component_health(read_cluster_state(data_dir).component("registry"),
+                                           str(data_dir)) == "healthy", 90, "the registry to come back")
+
+        # `up` on a partly dead cluster (supervisor and sampler gone) starts only those two.
+        before = read_cluster_state(data_dir)
+        os.killpg(before.supervisor_pid, signal.SIGKILL)
+        os.killpg(before.component("sampler").pid, signal.SIGKILL)
+        _wait_for(lambda: not pid_alive(before.supervisor_pid) and not pid_alive(before.component("sampler").pid),
+                  10, "the kills")
+        status = _cli("status", "--data-dir", str(data_dir))
+        assert "supervisor: down" in status.stdout and "down" in status.stdout
+        again = _cli("up", "--data-dir", str(data_dir))
+        assert again.returncode == 0 and "started: sampler)" in again.stdout, again.stdout + again.stderr
+        after = read_cluster_state(data_dir)
+        for name in ("redis", "s3", "registry", "trainer"):
+            assert after.component(name).pid == before.component(name).pid, name
+        assert pid_alive(after.supervisor_pid) and after.supervisor_pid != before.supervisor_pid
+        assert all(component_health(c, str(data_dir)) == "healthy" for c in after.components)
+    finally:
+        down = _cli("down", "--data-dir", str(data_dir))
+    assert down.returncode == 0, down.stdout + down.stderr
+    final = [c.pid for c in after.components]
+    assert not any(pid_alive(pid) for pid in final) and not pid_alive(after.supervisor_pid)

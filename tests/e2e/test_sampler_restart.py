@@ -41,6 +41,16 @@ def start_sampler_process(registry, port: int, log_path: Path) -> subprocess.Pop
     return proc
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def all_events(address: str) -> list:
     async def collect():
         client = RegistryClient(address)
@@ -114,10 +124,73 @@ def test_sigkill_mid_publish_stream_then_restart_loads_exactly_the_right_version
         # Resumed after the persisted cursor: the versions before it were restored, not replayed as events.
         assert "restored sampler state" in log
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process(proc)
+
+
+def test_versions_deleted_while_the_sampler_is_down_are_never_served_even_when_their_events_are_trimmed(
+        registry, tmp_path):
+    """The sampler persisted that it holds v1 (pinned, aliased) and v2 of an adapter; while it is down both are
+    deleted (the alias removed first), v3 is published, and the registry's event stream is trimmed (retention), so the delete events are gone
+    by the time it comes back. It must ask the registry rather than trust its persisted list."""
+    port = free_port()
+    log_path = tmp_path / "sampler.log"
+    proc = start_sampler_process(registry, port, log_path)
+    address = f"127.0.0.1:{port}"
+    grpc = __import__("grpc")
+
+    async def registry_calls(*calls):
+        client = RegistryClient(registry.address)
+        try:
+            for call in calls:
+                await call(client)
+        finally:
+            await client.close()
+
+    def loaded(stub) -> set[tuple[str, int]]:
+        return {(a.adapter, a.version) for a in stub.GetStatus(sampler_pb2.GetStatusRequest()).loaded}
+
+    def wait_loaded(stub, expected: set[tuple[str, int]]) -> None:
+        deadline = time.monotonic() + 60
+        while (got := loaded(stub)) != expected:
+            assert time.monotonic() < deadline, f"loaded {sorted(got)}, expected {sorted(expected)}"
+            time.sleep(0.1)
+
+    try:
+        asyncio.run(registry_calls(
+            lambda c: c.create_adapter("gone", base_model="tiny", lora_config=common_pb2.LoraConfig(rank=4)),
+            lambda c: c.publish("gone", adapter_blob(1)),
+            lambda c: c.publish("gone", adapter_blob(2)),
+            lambda c: c.set_alias("gone", "stable", 1)))
+        with grpc.insecure_channel(address) as channel:
+            stub = sampler_pb2_grpc.SamplerServiceStub(channel)
+            stub.LoadAdapter(sampler_pb2.LoadAdapterRequest(adapter={"name": "gone", "version": 1}))
+            wait_loaded(stub, {("gone", 1), ("gone", 2)})
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+        asyncio.run(registry_calls(
+            lambda c: c.delete_version("gone", 2),
+            lambda c: c.set_alias("gone", "stable", 0),  # the registry refuses to delete an alias's target
+            lambda c: c.delete_version("gone", 1),
+            lambda c: c.publish("gone", adapter_blob(3))))
+        events_key = f"{registry.settings.key_prefix}events"
+        redis_client = redis.Redis.from_url(registry.settings.redis_url)
+        redis_client.xtrim(events_key, maxlen=0, approximate=False)
+        assert redis_client.xlen(events_key) == 0
+
+        proc = start_sampler_process(registry, port, log_path)
+        with grpc.insecure_channel(address) as channel:
+            stub = sampler_pb2_grpc.SamplerServiceStub(channel)
+            for ref in ({"name": "gone", "version": 1}, {"name": "gone", "version": 2},
+                        {"name": "gone", "alias": "stable"}):
+                try:
+                    stub.Sample(sampler_pb2.SampleRequest(adapter=ref, prompt_tokens=[5, 6, 7]))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.NOT_FOUND, (ref, exc.details())
+                else:
+                    raise AssertionError(f"{ref} was served after its version was deleted")
+            assert not {("gone", 1), ("gone", 2)} & loaded(stub)
+            latest = stub.Sample(sampler_pb2.SampleRequest(adapter={"name": "gone"}, prompt_tokens=[5, 6, 7]))
+            assert latest.served_version == 3
+    finally:
+        stop_process(proc)
