@@ -93,6 +93,8 @@ class Identity:
         """PERMISSION_DENIED unless `name` lies in this caller's scope. Checked before any lookup, so the answer is
         the same whether or not the name exists, and the message names only the caller's own namespace."""
         if not self.may_see(name):
+            # For the audit record only (admins read it); the caller's message never names it.
+            _denied_target.set(name)
             raise errors.PermissionDenied(
                 f"{field}: this key may only reach adapters named {self.scope}*", field=field)
 
@@ -115,6 +117,12 @@ class Identity:
 OPEN = Identity(key_id="", tenant="", role=ROLE_ADMIN)
 
 _caller: contextvars.ContextVar[Identity] = contextvars.ContextVar("loraplane_caller", default=OPEN)
+_denied_target: contextvars.ContextVar[str] = contextvars.ContextVar("loraplane_denied_target", default="")
+
+
+def denied_target() -> str:
+    """The name the current RPC was last refused (PERMISSION_DENIED) for, '' if none."""
+    return _denied_target.get()
 
 
 def current_caller() -> Identity:
@@ -381,9 +389,10 @@ class Authenticator:
         self._quotas[tenant] = (now + CACHE_TTL_S, quotas)
         return quotas
 
-    async def audit_denial(self, identity: Identity | None, method: str, code: str, detail: str) -> None:
+    async def audit_denial(self, identity: Identity | None, method: str, code: str, detail: str,
+                           target: str = "") -> None:
         if self.keys is not None:
-            await self.keys.audit(audit_entry(identity, method, outcome=code, detail=detail))
+            await self.keys.audit(audit_entry(identity, method, target, outcome=code, detail=detail))
 
     async def authenticate(self, authorization: str | None, acting_for: str | None = None) -> Identity:
         if self.keys is None:

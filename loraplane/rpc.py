@@ -465,7 +465,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 with contextlib.suppress(Exception):
                     details = context.details() or ""
                 await self.authenticator.audit_denial(identity, method, code.name,
-                                                      details.decode() if isinstance(details, bytes) else details)
+                                                      details.decode() if isinstance(details, bytes) else details,
+                                                      target=auth.denied_target())
 
         if inspect.isasyncgenfunction(inner):
             async def stream(request, context):
