@@ -66,6 +66,8 @@ def up(
                               "data dir, mode 0600). --no-auth runs the open mode: anyone on the host can do anything."),
     tls: bool = typer.Option(False, "--tls", help="Make a local CA and certificates (in <data dir>/tls) and run "
                              "every service over TLS."),
+    mtls: bool = typer.Option(False, "--mtls", help="--tls, and every service demands a client certificate from that "
+                              "CA (the CLI and SDK present <data dir>/tls/client.pem)."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
     services, wait until each is healthy, and print their endpoints. On a cluster that already runs, starts only
@@ -81,7 +83,7 @@ def up(
     try:
         with console.status("starting cluster") as status:
             state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth,
-                                           tls=tls)
+                                           tls=tls or mtls, mtls=mtls)
     except ProcessStartError as exc:
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc

@@ -125,7 +125,8 @@ def quota(tenant: str = typer.Argument(None, help="Tenant to show or change; non
 ADMIN_KEY_FILE = "admin.key"
 
 
-def secure_cluster_env(data_dir: Path, redis_url: str, key_prefix: str, *, auth: bool, tls: bool) -> dict[str, str]:
+def secure_cluster_env(data_dir: Path, redis_url: str, key_prefix: str, *, auth: bool, tls: bool,
+                       mtls: bool = False) -> dict[str, str]:
     """What `loraplane up` adds to its services' environment. auth: LORAPLANE_AUTH=1, a fresh service key for
     trainer and sampler, and a fresh admin key in <data dir>/admin.key (0600; the previous one is revoked). tls: a
     local CA and certificates in <data dir>/tls. Without them, leftovers of an earlier secured run are removed so
@@ -166,6 +167,10 @@ def secure_cluster_env(data_dir: Path, redis_url: str, key_prefix: str, *, auth:
         pki = make_local_pki(tls_dir)
         env.update({"LORAPLANE_TLS_CERT": str(pki.server_cert), "LORAPLANE_TLS_KEY": str(pki.server_key),
                     "LORAPLANE_TLS_CA": str(pki.ca)})
+        if mtls:
+            # Servers demand a certificate of this CA; trainer and sampler present the client one to the registry.
+            env.update({"LORAPLANE_TLS_CLIENT_CA": str(pki.ca), "LORAPLANE_TLS_CLIENT_CERT": str(pki.client_cert),
+                        "LORAPLANE_TLS_CLIENT_KEY": str(pki.client_key)})
     else:
         shutil.rmtree(tls_dir, ignore_errors=True)
     return env
