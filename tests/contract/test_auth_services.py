@@ -287,6 +287,14 @@ def test_sampler_concurrency_quota(sampler):
     assert "max_concurrent_samples" in error.details()
     assert keys.stub(Sampler, live.address, "other").Sample(sample_request(""), timeout=30).sequences
     stream.cancel()
+    # The cancelled stream gives its slot back.
+    import time
+
+    deadline = time.monotonic() + 10
+    while live.running.service._samples._counts:
+        assert time.monotonic() < deadline, "the cancelled stream kept its sample slot"
+        time.sleep(0.05)
+    assert own.Sample(sample_request(""), timeout=30).sequences
 
 
 def test_every_rpc_of_every_service_with_auth_on(cluster, background_loop):
