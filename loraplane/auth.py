@@ -15,7 +15,6 @@ tenant's request (`acting_for`). The transport (loraplane.rpc) turns the `author
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import dataclasses
@@ -43,6 +42,9 @@ _KEY_RE = re.compile(r"^lpk_([0-9a-f]{16})_([A-Za-z0-9_-]{20,100})\Z")
 # Revocation and quota changes reach every server within this many seconds.
 CACHE_TTL_S = 0.5
 ACTING_FOR_HEADER = "x-loraplane-acting-for"
+# The audit stream (a Redis Stream under the key prefix): deletes, alias moves, key changes, denials.
+AUDIT_STREAM = "auth:audit"
+AUDIT_MAX_ENTRIES = 100_000
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class Identity:
         """PERMISSION_DENIED unless `name` lies in this caller's scope. Checked before any lookup, so the answer is
         the same whether or not the name exists, and the message names only the caller's own namespace."""
         if not self.may_see(name):
+            # For the audit record only (admins read it); the caller's message never names it.
+            _denied_target.set(name)
             raise errors.PermissionDenied(
                 f"{field}: this key may only reach adapters named {self.scope}*", field=field)
 
@@ -113,6 +117,12 @@ class Identity:
 OPEN = Identity(key_id="", tenant="", role=ROLE_ADMIN)
 
 _caller: contextvars.ContextVar[Identity] = contextvars.ContextVar("loraplane_caller", default=OPEN)
+_denied_target: contextvars.ContextVar[str] = contextvars.ContextVar("loraplane_denied_target", default="")
+
+
+def denied_target() -> str:
+    """The name the current RPC was last refused (PERMISSION_DENIED) for, '' if none."""
+    return _denied_target.get()
 
 
 def current_caller() -> Identity:
@@ -132,6 +142,27 @@ def acting_for_value() -> str:
     if caller.role == ROLE_SERVICE and caller.acting_for:
         return caller.acting_for
     return ""
+
+
+def audit_entry(identity: Identity | None, action: str, target: str = "", outcome: str = "ok",
+                detail: str = "", actor: str = "") -> dict[str, str]:
+    """One audit record: who (key id, tenant, role, acting_for), did what to which name, and how it ended."""
+    entry = {"time_ms": str(int(time.time() * 1000)), "action": action, "target": target[:256],
+             "outcome": outcome, "detail": detail[:512]}
+    if identity is not None:
+        entry.update({"key_id": identity.key_id or "open", "tenant": identity.tenant, "role": identity.role,
+                      "acting_for": identity.acting_for})
+    if actor:
+        entry["actor"] = actor
+    return entry
+
+
+async def append_audit(redis, key_prefix: str, entry: dict[str, str]) -> None:
+    """Appends to the audit stream; a failure is logged, not raised (the audited operation already happened)."""
+    try:
+        await redis.xadd(key_prefix + AUDIT_STREAM, entry, maxlen=AUDIT_MAX_ENTRIES, approximate=True)
+    except Exception as exc:  # noqa: BLE001 - any Redis failure: the record is lost, the operation stands
+        log.warning("audit record lost (%s): %s", exc, entry)
 
 
 def validate_tenant(tenant: str, field: str = "tenant") -> str:
@@ -203,6 +234,7 @@ class KeyStore:
         import redis.asyncio as aioredis
 
         self.redis_url = redis_url
+        self.key_prefix = key_prefix
         self.prefix = key_prefix + "auth:"
         self.redis = aioredis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5,
                                              socket_connect_timeout=3)
@@ -234,7 +266,18 @@ class KeyStore:
                     "created_ms": record.created_ms, "revoked_ms": 0})
                 pipe.sadd(self.prefix + "keys", key_id)
                 await pipe.execute()
+        await self.audit(audit_entry(None, "CreateKey", key_id, detail=f"tenant={tenant} role={role}",
+                                     actor=_operator()))
         return record, token
+
+    async def audit(self, entry: dict[str, str]) -> None:
+        await append_audit(self.redis, self.key_prefix, entry)
+
+    async def read_audit(self, count: int = 100) -> list[dict[str, str]]:
+        """The newest `count` audit records, oldest first."""
+        with self._redis_errors():
+            rows = await self.redis.xrevrange(self.key_prefix + AUDIT_STREAM, "+", "-", count=count)
+        return [{"id": entry_id, **fields} for entry_id, fields in reversed(rows)]
 
     async def list_keys(self, tenant: str = "", include_revoked: bool = False) -> list[KeyRecord]:
         with self._redis_errors():
@@ -259,6 +302,7 @@ class KeyStore:
             await self.redis.hset(key, "revoked_ms", int(time.time() * 1000))
             # Only the record of its existence stays: the digest goes, so the key can never be accepted again.
             await self.redis.hdel(key, "sha256")
+        await self.audit(audit_entry(None, "RevokeKey", key_id, actor=_operator()))
         return True
 
     async def lookup(self, token: str) -> KeyRecord | None:
@@ -298,6 +342,15 @@ class KeyStore:
         return {key.rsplit(":", 1)[1]: await self.get_quotas(key.rsplit(":", 1)[1]) for key in sorted(keys)}
 
 
+def _operator() -> str:
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # noqa: BLE001 - no user name in this environment
+        return "cli"
+
+
 class Authenticator:
     """Turns the `authorization` metadata of a call into an Identity. Lookups are cached for CACHE_TTL_S, so a
     revocation takes effect within a second while a busy server asks Redis about each key only twice a second."""
@@ -306,7 +359,6 @@ class Authenticator:
         self.keys = keys
         self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
         self._quotas: dict[str, tuple[float, Quotas]] = {}
-        self._lock = asyncio.Lock()
 
     @property
     def open(self) -> bool:
@@ -336,6 +388,11 @@ class Authenticator:
         quotas = await self.keys.get_quotas(tenant)
         self._quotas[tenant] = (now + CACHE_TTL_S, quotas)
         return quotas
+
+    async def audit_denial(self, identity: Identity | None, method: str, code: str, detail: str,
+                           target: str = "") -> None:
+        if self.keys is not None:
+            await self.keys.audit(audit_entry(identity, method, target, outcome=code, detail=detail))
 
     async def authenticate(self, authorization: str | None, acting_for: str | None = None) -> Identity:
         if self.keys is None:

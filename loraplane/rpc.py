@@ -449,8 +449,45 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         except errors.LoraplaneError as exc:
             denial = exc
         else:
-            return _replace_behavior(handler, lambda inner: _as_caller(inner, identity))
+            return _replace_behavior(handler, lambda inner: self._as_caller(inner, identity, details.method))
+        await self.authenticator.audit_denial(None, details.method, "UNAUTHENTICATED", denial.message)
         return _replace_behavior(handler, lambda inner: _deny(denial, streaming_response=handler.response_streaming))
+
+    def _as_caller(self, inner, identity: auth.Identity, method: str):
+        """Runs the handler as `identity`; a PERMISSION_DENIED it answers goes to the audit stream."""
+
+        async def audit_if_denied(context) -> None:
+            code = None
+            with contextlib.suppress(Exception):
+                code = context.code()
+            if code == grpc.StatusCode.PERMISSION_DENIED:
+                details = ""
+                with contextlib.suppress(Exception):
+                    details = context.details() or ""
+                await self.authenticator.audit_denial(identity, method, code.name,
+                                                      details.decode() if isinstance(details, bytes) else details,
+                                                      target=auth.denied_target())
+
+        if inspect.isasyncgenfunction(inner):
+            async def stream(request, context):
+                auth.set_caller(identity)
+                try:
+                    async for item in inner(request, context):
+                        yield item
+                except grpc.aio.AbortError:
+                    await audit_if_denied(context)
+                    raise
+            return stream
+
+        async def unary(request, context):
+            # Each RPC runs in its own task: the caller stays set for exactly this call (and tasks it starts).
+            auth.set_caller(identity)
+            try:
+                return await inner(request, context)
+            except grpc.aio.AbortError:
+                await audit_if_denied(context)
+                raise
+        return unary
 
 
 def _replace_behavior(handler, wrap):
@@ -459,21 +496,6 @@ def _replace_behavior(handler, wrap):
         if inner is not None:
             return handler._replace(**{kind: wrap(inner)})
     return handler
-
-
-def _as_caller(inner, identity: auth.Identity):
-    if inspect.isasyncgenfunction(inner):
-        async def stream(request, context):
-            auth.set_caller(identity)
-            async for item in inner(request, context):
-                yield item
-        return stream
-
-    async def unary(request, context):
-        # Each RPC runs in its own task: the caller stays set for exactly this call (and tasks it starts).
-        auth.set_caller(identity)
-        return await inner(request, context)
-    return unary
 
 
 def _deny(exc: errors.LoraplaneError, streaming_response: bool):

@@ -66,6 +66,8 @@ def up(
                               "data dir, mode 0600). --no-auth runs the open mode: anyone on the host can do anything."),
     tls: bool = typer.Option(False, "--tls", help="Make a local CA and certificates (in <data dir>/tls) and run "
                              "every service over TLS."),
+    mtls: bool = typer.Option(False, "--mtls", help="--tls, and every service demands a client certificate from that "
+                              "CA (the CLI and SDK present <data dir>/tls/client.pem)."),
     gateway: bool = typer.Option(True, help="Also start the HTTP gateway (Tinker SDK, OpenAI, Anthropic clients)."),
     gateway_port: int = typer.Option(None, help="Fixed gateway port."),
 ) -> None:
@@ -83,7 +85,8 @@ def up(
     try:
         with console.status("starting cluster") as status:
             state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth,
-                                           tls=tls, gateway=gateway and set(wanted) == set(SERVICE_NAMES))
+                                           tls=tls or mtls, mtls=mtls,
+                                           gateway=gateway and set(wanted) == set(SERVICE_NAMES))
     except ProcessStartError as exc:
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc

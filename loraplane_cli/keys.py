@@ -125,7 +125,8 @@ def quota(tenant: str = typer.Argument(None, help="Tenant to show or change; non
 ADMIN_KEY_FILE = "admin.key"
 
 
-def secure_cluster_env(data_dir: Path, redis_url: str, key_prefix: str, *, auth: bool, tls: bool) -> dict[str, str]:
+def secure_cluster_env(data_dir: Path, redis_url: str, key_prefix: str, *, auth: bool, tls: bool,
+                       mtls: bool = False) -> dict[str, str]:
     """What `loraplane up` adds to its services' environment. auth: LORAPLANE_AUTH=1, a fresh service key for
     trainer and sampler, and a fresh admin key in <data dir>/admin.key (0600; the previous one is revoked). tls: a
     local CA and certificates in <data dir>/tls. Without them, leftovers of an earlier secured run are removed so
@@ -166,6 +167,25 @@ def secure_cluster_env(data_dir: Path, redis_url: str, key_prefix: str, *, auth:
         pki = make_local_pki(tls_dir)
         env.update({"LORAPLANE_TLS_CERT": str(pki.server_cert), "LORAPLANE_TLS_KEY": str(pki.server_key),
                     "LORAPLANE_TLS_CA": str(pki.ca)})
+        if mtls:
+            # Servers demand a certificate of this CA; trainer and sampler present the client one to the registry.
+            env.update({"LORAPLANE_TLS_CLIENT_CA": str(pki.ca), "LORAPLANE_TLS_CLIENT_CERT": str(pki.client_cert),
+                        "LORAPLANE_TLS_CLIENT_KEY": str(pki.client_key)})
     else:
         shutil.rmtree(tls_dir, ignore_errors=True)
     return env
+
+
+@keys_app.command("audit")
+def audit(limit: int = typer.Option(50, "--limit", help="How many of the newest records."),
+          data_dir: Path = DataDirOption) -> None:
+    """The audit stream: deletes, alias moves, key creation/revocation and denials, with the acting key id."""
+    rows = _run(data_dir, lambda store: store.read_audit(limit))
+    table = Table(title="audit (oldest first)")
+    for column in ("time", "action", "target", "outcome", "key id", "tenant", "role", "acting for", "detail"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(_when(int(row.get("time_ms", 0))), row.get("action", ""), row.get("target", ""),
+                      row.get("outcome", ""), row.get("key_id", row.get("actor", "")), row.get("tenant", ""),
+                      row.get("role", ""), row.get("acting_for", ""), row.get("detail", ""))
+    console.print(table)

@@ -62,14 +62,15 @@ SERVICES: tuple[ServiceSpec, ...] = (
                 "LORAPLANE_SAMPLER_PORT", "LORAPLANE_SAMPLER_ADDRESS", start_timeout=900.0),
 )
 # What a service started into an existing cluster takes over from those already there: the same keys and TLS.
-SECURITY_ENV = ("LORAPLANE_AUTH", "LORAPLANE_API_KEY", "LORAPLANE_TLS_CERT", "LORAPLANE_TLS_KEY", "LORAPLANE_TLS_CA")
+SECURITY_ENV = ("LORAPLANE_AUTH", "LORAPLANE_API_KEY", "LORAPLANE_TLS_CERT", "LORAPLANE_TLS_KEY", "LORAPLANE_TLS_CA",
+                "LORAPLANE_TLS_CLIENT_CA", "LORAPLANE_TLS_CLIENT_CERT", "LORAPLANE_TLS_CLIENT_KEY")
 # The state file's service names and these specs must agree.
 assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                   extra_env: dict[str, str] | None = None, on_progress=None, *, auth: bool = False,
-                  tls: bool = False, gateway: bool = False) -> tuple[ClusterState, list[str]]:
+                  tls: bool = False, mtls: bool = False, gateway: bool = False) -> tuple[ClusterState, list[str]]:
     """Brings the cluster of this data dir up: starts what was never started, restarts (exactly as first started,
     same ports, data, keys and certificates) what has died, leaves running components alone, then hands the whole
     cluster to a fresh supervisor. Returns the state and the names started. On a failure stops what this call
@@ -121,7 +122,7 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
             env.update({k: v for k, v in services_so_far[0].env.items() if k in SECURITY_ENV})
         else:
             env.update(secure_cluster_env(data_dir, env["LORAPLANE_REDIS_URL"], settings.key_prefix, auth=auth,
-                                          tls=tls))
+                                          tls=tls, mtls=mtls))
 
         if state.component("s3") is None:
             if settings.s3_endpoint:

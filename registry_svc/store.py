@@ -28,7 +28,7 @@ from redis.backoff import ExponentialBackoff
 
 from loraplane import errors, fields
 from loraplane.adapter_format import BlobCheck
-from loraplane.auth import OPEN, Identity, quota_exceeded
+from loraplane.auth import OPEN, Identity, append_audit, audit_entry, quota_exceeded
 from loraplane.config import Settings
 from loraplane.errors import shown
 from loraplane.fields import validate_alias, validate_name
@@ -355,10 +355,10 @@ class RegistryStore:
                              metadata: Mapping[str, str], *, caller: Identity = OPEN) -> AdapterRecord:
         validate_name(name, "adapter.name")
         caller.authorize(name, "adapter.name")
-        await self._check_adapter_quota(name, caller)
         validate_lora(lora, self.limits)
         validate_base_model(base_model, self.limits)
         validate_metadata(metadata, self.limits, "adapter.metadata")
+        await self._check_adapter_quota(name, caller)
         created = await self._script(
             "CREATE_ADAPTER", name, _now_ms(), json.dumps(lora.__dict__), base_model, keep_last,
             json.dumps(dict(metadata)))
@@ -411,6 +411,7 @@ class RegistryStore:
         result = await self._script("DELETE_ADAPTER", name, _now_ms())
         if result[0] == -1:
             raise errors.NotFound(f"name: adapter {shown(name)} not found", field="name")
+        await append_audit(self.redis, self.prefix, audit_entry(caller, "DeleteAdapter", name))
         await self._collect_freed(result[1:])
 
     async def _check_adapter_quota(self, name: str, caller: Identity) -> None:
@@ -658,6 +659,7 @@ class RegistryStore:
             raise errors.FailedPrecondition(
                 f"version: version {version} of {shown(adapter)} is the target of alias {result[1]!r}; move or remove "
                 "the alias first", field="version", reason="VERSION_ALIASED")
+        await append_audit(self.redis, self.prefix, audit_entry(caller, "DeleteVersion", f"{adapter}@v{version}"))
         await self._collect_freed(result[1:])
 
     async def set_alias(self, adapter: str, alias: str, version: int, *, caller: Identity = OPEN) -> AdapterRecord:
@@ -674,6 +676,8 @@ class RegistryStore:
             raise errors.InvalidArgument(
                 f"version: version {version} of {shown(adapter)} is not a WEIGHTS version; aliases name weights only",
                 field="version")
+        await append_audit(self.redis, self.prefix,
+                           audit_entry(caller, "SetAlias", f"{adapter}:{alias}", detail=f"version={version}"))
         await self._collect_freed(result[1:])
         return await self.get_adapter(adapter, "adapter")
 

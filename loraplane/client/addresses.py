@@ -58,7 +58,11 @@ def client_security(data_dir: str | Path | None = None, api_key: str | None = No
     security = ClientSecurity.from_settings(settings)
     ca = directory / TLS_DIR / "ca.pem"
     if not security.tls and ca.is_file():
-        security = ClientSecurity(tls=True, ca=ca.read_bytes())
+        # The client certificate of `loraplane up --tls` too: an mTLS cluster demands it, a TLS one ignores it.
+        cert, cert_key = directory / TLS_DIR / "client.pem", directory / TLS_DIR / "client.key"
+        both = cert.is_file() and cert_key.is_file()
+        security = ClientSecurity(tls=True, ca=ca.read_bytes(), cert=cert.read_bytes() if both else None,
+                                  key=cert_key.read_bytes() if both else None)
     from dataclasses import replace
 
     return replace(security, api_key=key)

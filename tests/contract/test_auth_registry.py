@@ -203,3 +203,30 @@ def test_a_service_key_reaches_every_tenant_but_only_one_while_acting_for_it(sec
     own = keys.stub(Stub, live.address, "own")
     expect_code(lambda: own.GetAdapter(registry_pb2.GetAdapterRequest(name="globex/m"),
                                        metadata=[(ACTING_FOR_HEADER, "globex")]), grpc.StatusCode.PERMISSION_DENIED)
+
+
+def test_audit_stream_records_changes_key_events_and_denials(secured):
+    live, keys = secured
+    admin = keys.stub(Stub, live.address, "admin")
+    make_adapter(admin, "acme/audited", versions=2)
+    own = keys.stub(Stub, live.address, "own")
+    own.SetAlias(registry_pb2.SetAliasRequest(adapter="acme/audited", alias="prod", version=2))
+    own.DeleteVersion(registry_pb2.DeleteVersionRequest(adapter="acme/audited", version=1))
+    expect_code(lambda: keys.stub(Stub, live.address, "other").DeleteAdapter(
+        registry_pb2.DeleteAdapterRequest(name="acme/audited")), grpc.StatusCode.PERMISSION_DENIED)
+    expect_code(lambda: keys.stub(Stub, live.address, "none").ListAdapters(registry_pb2.ListAdaptersRequest()),
+                grpc.StatusCode.UNAUTHENTICATED)
+    admin.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name="acme/audited"))
+
+    records = keys.run(lambda store: store.read_audit(100))
+    seen = [(r["action"], r.get("target", ""), r.get("outcome"), r.get("key_id", r.get("actor"))) for r in records]
+    ids = keys.ids
+    assert ("CreateKey", ids["own"], "ok", records[0].get("actor")) in seen
+    assert ("RevokeKey", ids["revoked"], "ok", records[0].get("actor")) in seen
+    assert ("SetAlias", "acme/audited:prod", "ok", ids["own"]) in seen
+    assert ("DeleteVersion", "acme/audited@v1", "ok", ids["own"]) in seen
+    # The record (for admins) names what was asked for; the caller's answer did not.
+    assert ("/loraplane.v1.AdapterRegistryService/DeleteAdapter", "acme/audited", "PERMISSION_DENIED",
+            ids["other"]) in seen
+    assert ("/loraplane.v1.AdapterRegistryService/ListAdapters", "", "UNAUTHENTICATED", None) in seen
+    assert ("DeleteAdapter", "acme/audited", "ok", ids["admin"]) in seen

@@ -287,6 +287,14 @@ def test_sampler_concurrency_quota(sampler):
     assert "max_concurrent_samples" in error.details()
     assert keys.stub(Sampler, live.address, "other").Sample(sample_request(""), timeout=30).sequences
     stream.cancel()
+    # The cancelled stream gives its slot back.
+    import time
+
+    deadline = time.monotonic() + 10
+    while live.running.service._samples._counts:
+        assert time.monotonic() < deadline, "the cancelled stream kept its sample slot"
+        time.sleep(0.05)
+    assert own.Sample(sample_request(""), timeout=30).sequences
 
 
 def test_every_rpc_of_every_service_with_auth_on(cluster, background_loop):
@@ -311,3 +319,46 @@ def test_every_rpc_of_every_service_with_auth_on(cluster, background_loop):
         assert code not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), \
             f"{method.full_name} answered {code}"
+
+
+def test_a_restarted_trainer_with_auth_recovers_and_the_tenant_goes_on(cluster, background_loop):
+    """Identity is not journaled: a trainer restarted with auth on replays the tenant's journal (checkpoints via
+    its service key) and the tenant continues with its next seq_id; other tenants still see nothing of it."""
+    registry, keys, settings, started = cluster
+    limits = {"gap_timeout_s": 5.0, "checkpoint_every_steps": 2}
+    live = start_live_trainer(settings, background_loop, registry.address, **limits)
+    own = keys.stub(Trainer, live.address, "own")
+    create(own, "acme/durable")
+    seq = 0
+    for _ in range(3):
+        for request in ("fb", "step"):
+            seq += 1
+            if request == "fb":
+                own.ForwardBackward(trainer_pb2.ForwardBackwardRequest(adapter="acme/durable", seq_id=seq,
+                                                                       data=[datum()], loss_fn="cross_entropy"))
+            else:
+                own.OptimStep(trainer_pb2.OptimStepRequest(adapter="acme/durable", seq_id=seq, adam_params=ADAM))
+    # The automatic checkpoint (step 2) went to the registry with the trainer's service key.
+    registry_admin = keys.stub(Registry, registry.address, "admin")
+    import time
+
+    deadline = time.monotonic() + 20
+    while not registry_admin.ListVersions(registry_pb2.ListVersionsRequest(
+            adapter="acme/durable", kind=common_pb2.VERSION_KIND_TRAINING_STATE)).versions:
+        assert time.monotonic() < deadline, "no checkpoint reached the registry"
+        time.sleep(0.1)
+    live.close()
+
+    live = start_live_trainer(settings, background_loop, registry.address, **limits)
+    started.append(live)
+    own = keys.stub(Trainer, live.address, "own")
+    [info] = own.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest()).adapters
+    assert (info.name, info.step, info.last_seq_id) == ("acme/durable", 3, 6)
+    own.ForwardBackward(trainer_pb2.ForwardBackwardRequest(adapter="acme/durable", seq_id=7, data=[datum()],
+                                                           loss_fn="cross_entropy"))
+    assert own.OptimStep(trainer_pb2.OptimStepRequest(adapter="acme/durable", seq_id=8, adam_params=ADAM)).step == 4
+    other = keys.stub(Trainer, live.address, "other")
+    assert list(other.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest()).adapters) == []
+    expect_code(lambda: other.OptimStep(trainer_pb2.OptimStepRequest(adapter="acme/durable", seq_id=9,
+                                                                     adam_params=ADAM)),
+                grpc.StatusCode.PERMISSION_DENIED)

@@ -1,5 +1,5 @@
-"""`loraplane up --tls` as an operator runs it (real subprocesses): keys on by default, the admin key in the data dir
-with mode 0600, TLS with a local CA, `loraplane keys` issuing and revoking tenant keys that the services honour."""
+"""`loraplane up --mtls` as an operator runs it (real subprocesses): keys on by default, the admin key in the data dir
+with mode 0600, mutual TLS with a local CA, `loraplane keys` issuing and revoking tenant keys that the services honour."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) ->
 
 def test_up_tls_with_keys_end_to_end(tmp_path):
     data_dir = tmp_path / "cluster"
-    up = _cli("up", "--data-dir", str(data_dir), "--services", "registry", "--tls")
+    up = _cli("up", "--data-dir", str(data_dir), "--services", "registry", "--mtls")
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         key_file = data_dir / "admin.key"
@@ -41,9 +41,13 @@ def test_up_tls_with_keys_end_to_end(tmp_path):
         status = _cli("status", "--data-dir", str(data_dir))
         assert "healthy" in status.stdout and "unhealthy" not in status.stdout, status.stdout
 
-        # Over TLS a plaintext probe gets nothing; with the CA but no key, the registry answers UNAUTHENTICATED.
+        # Over mTLS a plaintext probe gets nothing, nor does TLS without a client certificate; with the CA and the
+        # client certificate but no key, the registry answers UNAUTHENTICATED.
         assert not check_health(address, timeout=1.0, security=ClientSecurity())
-        with sync_channel(address, ClientSecurity(tls=True, ca=ca)) as channel:
+        assert not check_health(address, timeout=1.0, security=ClientSecurity(tls=True, ca=ca))
+        client_cert = {"cert": (data_dir / "tls" / "client.pem").read_bytes(),
+                       "key": (data_dir / "tls" / "client.key").read_bytes()}
+        with sync_channel(address, ClientSecurity(tls=True, ca=ca, **client_cert)) as channel:
             try:
                 registry_pb2_grpc.AdapterRegistryServiceStub(channel).ListAdapters(registry_pb2.ListAdaptersRequest())
                 raise AssertionError("a keyless call was answered")
