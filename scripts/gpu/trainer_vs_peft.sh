@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The trainer-vs-PEFT benchmark on one GPU (bench/trainer_vs_peft.py; numbers go to docs/benchmarks.md).
+#   bash scripts/gpu/trainer_vs_peft.sh [CASE ...]     CASE: 1b (default all: 1b 8b 8b-long)
+# Needs megatron-core's wheel parts in .gpuwh/megatron/parts and the few pure-Python packages of
+# scripts/gpu/trainer_vs_peft-wheels.txt in .gpuwh/tvp_extra/parts (build both here with
+# /work/shared/gpu/build-wheelhouse.sh LIST DIR; carry them with the call). JSON + a summary log land in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTHONPATH=.:/tmp/site
+WH=${WH:-.gpuwh}
+[ -d "$WH" ] || WH=../.gpuwh   # run from a copy of the tree inside the carried checkout
+install_parts() {  # DIR with parts/p* -> /tmp/site
+  local work; work=$(mktemp -d)
+  cat "$1"/parts/p* | tar xf - -C "$work" && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site "$work"/*.whl || { echo "install of $1 failed"; exit 3; }
+}
+if [ ! -d /tmp/site/megatron ]; then
+  install_parts "$WH/megatron"
+  install_parts "$WH/tvp_extra"
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, transformers, peft; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+  git log -1 --format='%h %s' 2>/dev/null || true
+} 2>&1 | tee -a "$OUT/env.log"
+run_case() {  # label, then bench args
+  local label=$1; shift
+  echo "== $label: $*" | tee -a "$OUT/summary.log"
+  python3 bench/trainer_vs_peft.py --out "$OUT/$label.json" "$@" > "$OUT/$label.log" 2>&1
+  local rc=$?
+  grep -v -i -E "warn|^\s*$" "$OUT/$label.log" | tail -12 | tee -a "$OUT/summary.log"
+  [ $rc -eq 0 ] || echo "exit code $rc" | tee -a "$OUT/summary.log"
+}
+cases=${*:-1b 8b 8b-long}
+for c in $cases; do
+  case "$c" in
+    1b) run_case llama1b_16x512 --shape llama1b --datums 16 --seq-len 512 --tenants 1,8 --rounds ${ROUNDS:-10} ;;
+    8b) run_case llama8b_4x512 --shape llama8b --datums 4 --seq-len 512 --tenants 1,4 --rounds ${ROUNDS:-10} ;;
+    8b-long) run_case llama8b_16x2048 --shape llama8b --datums 16 --seq-len 2048 --tenants 1,8 --rounds ${ROUNDS:-5} --warmup 1 ;;
+    *) echo "unknown case $c" ;;
+  esac
+done
