@@ -157,7 +157,8 @@ class _Datum:
     advantages: list[float] = field(default_factory=list)
 
 
-def build_backend(kind: str, hf, name: str, device: torch.device, dtype: torch.dtype, lora_dtype, slots: int):
+def build_backend(kind: str, hf, name: str, device: torch.device, dtype: torch.dtype, lora_dtype, slots: int,
+                  megatron_options: dict | None = None):
     from loraplane.models.base import from_hf_model
     from loraplane.models.tiny import build_tiny_tokenizer
 
@@ -174,7 +175,8 @@ def build_backend(kind: str, hf, name: str, device: torch.device, dtype: torch.d
 
         init_parallel(1)
         base = from_hf_model(name, hf, tokenizer, device=str(device), dtype=dtype)  # same tensors, no copy
-        return MegatronBackend(engine=Engine(base, device_slots=slots, dtype=dtype, lora_compute_dtype=lora_dtype))
+        return MegatronBackend(engine=Engine(base, device_slots=slots, dtype=dtype, lora_compute_dtype=lora_dtype,
+                                             **(megatron_options or {})))
     raise SystemExit(f"unknown backend {kind!r}")
 
 
@@ -366,6 +368,23 @@ def time_rounds(contenders: list[Contender], rounds: int, warmup: int, device: t
                 c.peak_bytes = max(c.peak_bytes, torch.cuda.max_memory_allocated(device))
 
 
+def profile_steps(contenders: list[Contender], out_dir: Path, device: torch.device) -> None:
+    """One profiled step per contender: the top ops by device (or CPU) time, as text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for c in contenders:
+        with profile(activities=activities) as prof:
+            c.step()
+            sync(device)
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        events = prof.key_averages()
+        text = events.table(sort_by=key, row_limit=30) + "\n" + events.table(sort_by="self_cpu_time_total",
+                                                                             row_limit=15)
+        (out_dir / f"profile_{c.label.replace('/', '_')}.txt").write_text(text)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help=f"the CPU preset: {CPU_PRESET}")
@@ -377,6 +396,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="base weights (default bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--lora-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="megatron's LoRA matmul dtype (auto = the backend's default)")
+    ap.add_argument("--attention", default=None, choices=["sdpa", "unfused"],
+                    help="megatron's core attention (default: the backend's)")
+    ap.add_argument("--recompute", default=None, choices=["auto", "none", "full"],
+                    help="megatron's activation recomputation (default: the backend's)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--datums", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -388,6 +411,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--profile", default=None,
+                    help="after timing, profile one step of peft and of the first backend contender into DIR")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/trainer_vs_peft_<shape>.json)")
     args = ap.parse_args(argv)
     if args.cpu:
@@ -433,8 +458,9 @@ def main(argv=None) -> dict:
         if backend_kind == "megatron" and qk_norm:
             notes.append("megatron backend: Qwen3's q/k norms are not supported; its contenders were left out")
         else:
+            options = {k: v for k, v in (("attention", args.attention), ("recompute", args.recompute)) if v}
             backend = build_backend(backend_kind, hf, f"{shape_name}-random", device, dtype, lora_dtype,
-                                    slots=max(8, max(tenant_counts)))
+                                    slots=max(8, max(tenant_counts)), megatron_options=options)
     rows_data = [_Datum(ids[i].tolist(), tgt[i].tolist()) for i in range(args.datums)]
     work = Path(tempfile.mkdtemp(prefix="bench-vs-peft-"))
     if backend is not None:
@@ -462,6 +488,8 @@ def main(argv=None) -> dict:
 
     try:
         time_rounds(contenders, args.rounds, args.warmup, device)
+        if args.profile:
+            profile_steps([c for c in contenders if c.error is None][:2], Path(args.profile), device)
     finally:
         for close in closers:
             try:
@@ -477,7 +505,9 @@ def main(argv=None) -> dict:
         "rank": args.rank, "datums": args.datums, "seq_len": args.seq_len, "tokens_per_step": tokens,
         "n_params": n_params, "peft_gradient_checkpointing": checkpointing, "rounds": args.rounds,
         "warmup": args.warmup, "torch": torch.__version__, "model_build_s": round(build_s, 2),
-        "peak_flops": peak, "environment": environment(), "notes": notes, "contenders": {},
+        "peak_flops": peak, "attention": args.attention, "recompute": args.recompute,
+        "megatron_stats": dict(getattr(getattr(backend, "engine", None), "stats", {}) or {}),
+        "environment": environment(), "notes": notes, "contenders": {},
     }
     for c in contenders:
         entry: dict[str, Any] = {"error": c.error, "first_loss": c.first_loss}

@@ -5,8 +5,13 @@
 # scripts/gpu/trainer_vs_peft-wheels.txt in .gpuwh/tvp_extra/parts (build both here with
 # /work/shared/gpu/build-wheelhouse.sh LIST DIR; carry them with the call). JSON + a summary log land in $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/out}
+# Everything is written to a work folder and comes back as one tar (the device tool returns at most 8 files),
+# with the summary log beside it.
+OUT=$(mktemp -d /tmp/tvp.XXXX)
+mkdir -p "$FINAL"
+finish() { tar czf "$FINAL/trainer_vs_peft.tgz" -C "$OUT" . ; cp "$OUT/summary.log" "$FINAL/" 2>/dev/null; }
+trap finish EXIT
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -39,7 +44,12 @@ for c in $cases; do
   case "$c" in
     1b) run_case llama1b_16x512 --shape llama1b --datums 16 --seq-len 512 --tenants 1,8 --rounds ${ROUNDS:-10} ;;
     8b) run_case llama8b_4x512 --shape llama8b --datums 4 --seq-len 512 --tenants 1,4 --rounds ${ROUNDS:-10} ;;
-    8b-long) run_case llama8b_16x2048 --shape llama8b --datums 16 --seq-len 2048 --tenants 1,8 --rounds ${ROUNDS:-5} --warmup 1 ;;
+    8b-long) run_case llama8b_16x2048 --shape llama8b --datums 16 --seq-len 2048 --tenants 1,8 --rounds ${ROUNDS:-4} --warmup 1 ;;
+    # PEFT alone (no second copy of the weights in the process): does the user's loop fit by itself?
+    8b-long-peft) run_case llama8b_16x2048_peft_alone --shape llama8b --datums 16 --seq-len 2048 --tenants "" --rounds 3 --warmup 1 ;;
+    1b-profile) run_case llama1b_16x512_profile --shape llama1b --datums 16 --seq-len 512 --tenants 1 --rounds 3 --profile "$OUT" ;;
+    # Before/after in one run on the same machine: megatron's unfused attention without recomputation.
+    1b-unfused) run_case llama1b_16x512_unfused --shape llama1b --datums 16 --seq-len 512 --tenants 1,8 --rounds ${ROUNDS:-10} --attention unfused --recompute none ;;
     *) echo "unknown case $c" ;;
   esac
 done

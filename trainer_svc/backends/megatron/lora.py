@@ -140,6 +140,24 @@ class MegatronLora:
         finally:
             _local.routing = previous
 
+    @staticmethod
+    def current() -> BatchRouting | None:
+        """The routing in force on this thread (what the hooks will use)."""
+        return getattr(_local, "routing", None)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def using(routing: BatchRouting | None) -> Iterator[None]:
+        """Puts an existing routing in force on this thread: activation recomputation re-runs a layer's forward
+        inside the backward (on autograd's thread, after :meth:`route` has exited), and its hooks must add the same
+        adapters' deltas as the original forward did."""
+        previous = getattr(_local, "routing", None)
+        _local.routing = routing
+        try:
+            yield
+        finally:
+            _local.routing = previous
+
     def _hook(self, layer: int, hook: str):
         def run(_module, inputs, output):
             routing = getattr(_local, "routing", None)

@@ -1,8 +1,9 @@
 """Hugging Face Llama-family weights → megatron-core ``GPTModel`` (local, non-Transformer-Engine layer spec).
 
-The model runs in plain PyTorch: ``DotProductAttention`` (unfused softmax in fp32), ``torch.nn.RMSNorm``, the
-non-fused RoPE path (rotate-half convention, like HF Llama), ``ColumnParallelLinear`` / ``RowParallelLinear``.
-The base weights are frozen; only the LoRA tensors of :mod:`.lora` receive gradients.
+The model runs in plain PyTorch: causal attention through torch SDPA (:mod:`.attention`; ``attention="unfused"``
+keeps megatron's ``DotProductAttention``), ``torch.nn.RMSNorm``, the non-fused RoPE path (rotate-half convention,
+like HF Llama), ``ColumnParallelLinear`` / ``RowParallelLinear``. The base weights are frozen; only the LoRA tensors
+of :mod:`.lora` receive gradients.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def init_parallel(tensor_parallel_size: int = 1, seed: int = 1234) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.device):
+ATTENTION_KINDS = ("sdpa", "unfused")
+
+
+def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.device, attention: str = "sdpa"):
     """An empty megatron GPTModel of this shape (weights come from :func:`load_hf_weights`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -105,9 +109,16 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         gradient_accumulation_fusion=False,
         sequence_parallel=False,
     )
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention {attention!r}: one of {ATTENTION_KINDS}")
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        from .attention import SDPACoreAttention
+
+        layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec,
         vocab_size=s.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=True,
@@ -150,11 +161,11 @@ def load_hf_weights(model, hf_state_dict: dict[str, torch.Tensor], spec: Megatro
         p.requires_grad_(False)
 
 
-def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device):
+def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device, attention: str = "sdpa"):
     """(GPTModel with the HF model's weights, spec)."""
     spec = spec_from_hf_config(hf_model.config)
     spec.shape.check_tensor_parallel(_tp_size())
-    model = build_gpt_model(spec, dtype, device)
+    model = build_gpt_model(spec, dtype, device, attention)
     load_hf_weights(model, {k: v.detach() for k, v in hf_model.state_dict().items()}, spec)
     model.eval()  # dropout is 0 anyway; eval keeps any train-only paths off
     return model, spec
@@ -173,8 +184,7 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token log p(target) in fp32 from vocab-sharded logits; the full vocabulary is never gathered."""
     if _tp_size() == 1:
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return _TargetLogprob.apply(logits, targets)
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     # [b, s, V/TP] → [s, b, V/TP] as the function expects; a fresh fp32 copy because it works in place.
@@ -183,3 +193,49 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
         targets.transpose(0, 1).contiguous(),
     )
     return -ce.transpose(0, 1)
+
+
+LOGPROB_CHUNK_ELEMENTS = 1 << 28  # fp32 working set per chunk: 1 GiB
+
+
+class _TargetLogprob(torch.autograd.Function):
+    """``log_softmax(logits.float()).gather(targets)`` without a full-size fp32 copy of the logits.
+
+    ``log_softmax(x.float())`` keeps an fp32 ``[tokens, V]`` output for its backward (16.8 GB for 32k tokens of a
+    128k vocabulary) on top of the fp32 input copy. Here the forward keeps only the logits it was given and the fp32
+    log-sum-exp per token, and both directions work in row chunks of at most ``LOGPROB_CHUNK_ELEMENTS`` fp32
+    values; the math per element is the same fp32 math (``x - lse``; gradient ``g * (onehot - exp(x - lse))``, cast
+    to the logits' dtype as autograd casts the gradient of ``.float()``)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        tgt = targets.reshape(-1, 1)
+        rows = max(1, LOGPROB_CHUNK_ELEMENTS // vocab)
+        lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        for i in range(0, flat.shape[0], rows):
+            x = flat[i : i + rows].float()
+            lse[i : i + rows] = torch.logsumexp(x, dim=-1)
+            out[i : i + rows] = x.gather(1, tgt[i : i + rows]).squeeze(1) - lse[i : i + rows]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.mark_non_differentiable(targets)
+        return out.view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, targets, lse = ctx.saved_tensors
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        tgt = targets.reshape(-1, 1)
+        g = grad_out.reshape(-1, 1).float()
+        grad = torch.empty_like(flat)
+        rows = max(1, LOGPROB_CHUNK_ELEMENTS // vocab)
+        for i in range(0, flat.shape[0], rows):
+            p = torch.exp(flat[i : i + rows].float() - lse[i : i + rows, None])
+            gi = g[i : i + rows]
+            part = p.mul_(-gi)
+            part.scatter_add_(1, tgt[i : i + rows], gi)
+            grad[i : i + rows] = part
+        return grad.view(logits.shape), None
