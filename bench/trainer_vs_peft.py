@@ -119,7 +119,8 @@ class Contender:
 # -- the plain HF + PEFT loop ----------------------------------------------------------------------------------------
 
 
-def peft_contender(hf, ids: torch.Tensor, targets: torch.Tensor, rank: int, checkpointing: bool, lr: float):
+def peft_contender(hf, ids: torch.Tensor, targets: torch.Tensor, rank: int, checkpointing: bool, lr: float,
+                   loss_dtype: str = "fp32"):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
@@ -133,7 +134,9 @@ def peft_contender(hf, ids: torch.Tensor, targets: torch.Tensor, rank: int, chec
 
     def step() -> float:
         logits = model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
+        if loss_dtype == "fp32":  # what HF's own loss does (labels=...): upcast the logits
+            logits = logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1),
                                                  reduction="sum")
         loss.backward()
         opt.step()
@@ -408,6 +411,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-peft", action="store_true", help="leave the PEFT loop out")
     ap.add_argument("--peft-checkpointing", default="auto", choices=["auto", "on", "off"],
                     help="gradient checkpointing in the PEFT loop (auto: on from 6B parameters)")
+    ap.add_argument("--peft-loss", default="fp32", choices=["fp32", "bf16"],
+                    help="the PEFT loop's cross-entropy on fp32-upcast logits (HF's own loss does this) or on the "
+                         "model-dtype logits (what a user does when the upcast runs out of memory)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-5)
@@ -416,7 +422,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/trainer_vs_peft_<shape>.json)")
     args = ap.parse_args(argv)
     if args.cpu:
-        given = set(a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv[1:]))
+        given = {a.split("=")[0].lstrip("-").replace("-", "_")
+                 for a in (argv if argv is not None else sys.argv[1:])}
         for key, value in CPU_PRESET.items():
             if key not in given:
                 setattr(args, key, value)
@@ -483,7 +490,7 @@ def main(argv=None) -> dict:
                 contenders.append(Contender(f"{backend_kind}/{mode}/{n}t", driver.step_fn(shares, args.lr)))
     if not args.no_peft:
         ids_d, tgt_d = ids.to(device), tgt.to(device)
-        step, _peft_model = peft_contender(hf, ids_d, tgt_d, args.rank, checkpointing, args.lr)
+        step, _peft_model = peft_contender(hf, ids_d, tgt_d, args.rank, checkpointing, args.lr, args.peft_loss)
         contenders.insert(0, Contender("peft", step))
 
     try:
@@ -503,7 +510,8 @@ def main(argv=None) -> dict:
         "shape": shape_name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "backend": backend_kind, "dtype": str(dtype).removeprefix("torch."), "lora_dtype": args.lora_dtype,
         "rank": args.rank, "datums": args.datums, "seq_len": args.seq_len, "tokens_per_step": tokens,
-        "n_params": n_params, "peft_gradient_checkpointing": checkpointing, "rounds": args.rounds,
+        "n_params": n_params, "peft_gradient_checkpointing": checkpointing, "peft_loss": args.peft_loss,
+        "rounds": args.rounds,
         "warmup": args.warmup, "torch": torch.__version__, "model_build_s": round(build_s, 2),
         "peak_flops": peak, "attention": args.attention, "recompute": args.recompute,
         "megatron_stats": dict(getattr(getattr(backend, "engine", None), "stats", {}) or {}),
@@ -550,7 +558,8 @@ def main(argv=None) -> dict:
                      f"{e['vs_peft']:.2f}x" if e.get("vs_peft") else "-",
                      f"{e['vs_1t']:.2f}x" if e.get("vs_1t") else "-"))
     title = (f"{shape_name} ({n_params / 1e9:.2f}B params), {args.datums} x {args.seq_len} tokens, rank {args.rank}, "
-             f"{results['device']}, {results['dtype']}")
+             f"{results['device']}, {results['dtype']}; peft: {args.peft_loss} loss, "
+             f"gradient checkpointing {'on' if checkpointing else 'off'}")
     columns = ["contender", "tok/s median", "tok/s fastest", "MFU", "peak GiB", "vs peft", "vs 1t"]
     print(title)
     print(f"{columns[0]:<24}" + "".join(f"{c:>14}" for c in columns[1:]))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
