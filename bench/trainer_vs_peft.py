@@ -466,12 +466,16 @@ def main(argv=None) -> dict:
             notes.append("megatron backend: Qwen3's q/k norms are not supported; its contenders were left out")
         else:
             options = {k: v for k, v in (("attention", args.attention), ("recompute", args.recompute)) if v}
+            # A device slot for every adapter of every contender: they alternate, and a deployment with n tenants
+            # on n slots never spills (spills are bench/trainer_megatron.py's subject).
+            slots = max(8, sum(tenant_counts) * len(modes))
             backend = build_backend(backend_kind, hf, f"{shape_name}-random", device, dtype, lora_dtype,
-                                    slots=max(8, max(tenant_counts)), megatron_options=options)
+                                    slots=slots, megatron_options=options)
     rows_data = [_Datum(ids[i].tolist(), tgt[i].tolist()) for i in range(args.datums)]
     work = Path(tempfile.mkdtemp(prefix="bench-vs-peft-"))
     if backend is not None:
         limits = bench_limits(tokens, max(tenant_counts), args.rank)
+        limits["device_slots"] = max(limits["device_slots"], sum(tenant_counts) * len(modes))
         for mode in modes:
             try:
                 driver = DirectDriver(backend, backend_kind, limits) if mode == "direct" else (
