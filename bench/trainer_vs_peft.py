@@ -471,6 +471,11 @@ def main(argv=None) -> dict:
             slots = max(8, sum(tenant_counts) * len(modes))
             backend = build_backend(backend_kind, hf, f"{shape_name}-random", device, dtype, lora_dtype,
                                     slots=slots, megatron_options=options)
+    if args.no_peft and backend_kind == "megatron" and device.type == "cuda" and backend is not None:
+        # The engine holds its own converted copy; without PEFT the HF weights need not stay on the device (the
+        # launcher loads them on the host), so the memory picture is the deployment's.
+        hf.to("cpu")
+        torch.cuda.empty_cache()
     rows_data = [_Datum(ids[i].tolist(), tgt[i].tolist()) for i in range(args.datums)]
     work = Path(tempfile.mkdtemp(prefix="bench-vs-peft-"))
     if backend is not None:

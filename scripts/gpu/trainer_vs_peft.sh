@@ -49,6 +49,8 @@ for c in $cases; do
     8b-long-bf16) run_case llama8b_16x2048_peftbf16 --shape llama8b --datums 16 --seq-len 2048 --tenants 1,8 --rounds ${ROUNDS:-4} --warmup 1 --peft-loss bf16 ;;
     # PEFT alone (no second copy of the weights in the process): does the user's loop fit by itself?
     8b-long-peft) run_case llama8b_16x2048_peft_alone --shape llama8b --datums 16 --seq-len 2048 --tenants "" --rounds 3 --warmup 1 --peft-loss ${PEFT_LOSS:-bf16} ;;
+    # The backend alone (its HF source moved off the device, as in a deployment): how many layers recompute=auto picks.
+    8b-long-alone) run_case llama8b_16x2048_megatron_alone --shape llama8b --datums 16 --seq-len 2048 --tenants 1,8 --rounds 3 --warmup 1 --no-peft ;;
     1b-profile) run_case llama1b_16x512_profile --shape llama1b --datums 16 --seq-len 512 --tenants 1 --rounds 3 --profile "$OUT" ;;
     # Before/after in one run on the same machine: megatron's unfused attention without recomputation.
     1b-unfused) run_case llama1b_16x512_unfused --shape llama1b --datums 16 --seq-len 512 --tenants 1,8 --rounds ${ROUNDS:-10} --attention unfused --recompute none ;;
