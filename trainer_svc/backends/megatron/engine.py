@@ -33,6 +33,7 @@ from trainer_svc.optimizer import AdamHyper, StepOutcome
 from .layout import LlamaShape, chunk_for_rank
 from .lora import AdapterTensors, LoraClass, MegatronLora, RowSegment, lora_classes
 from .model import build_from_hf, forward_logits, target_logprobs
+from .recompute import LayerRecompute
 
 ROWS = 4  # params, grads, exp_avg, exp_avg_sq
 
@@ -113,9 +114,12 @@ class BatchResult:
 
 class Engine:
     def __init__(self, base, *, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
-                 lora_compute_dtype: torch.dtype | None = None, data_parallel_size: int | None = None):
+                 lora_compute_dtype: torch.dtype | None = None, data_parallel_size: int | None = None,
+                 attention: str = "sdpa", recompute: str = "auto"):
         """``lora_compute_dtype``: dtype of the LoRA matmuls (None = the model's dtype, as megatron's own adapters
-        do; the fp32 masters and their gradients stay fp32 either way)."""
+        do; the fp32 masters and their gradients stay fp32 either way). ``attention``: ``sdpa`` (fused, no s^2
+        scores; :mod:`.attention`) or ``unfused`` (megatron's DotProductAttention). ``recompute``: ``auto`` (as
+        many layers as the batch needs to fit; :mod:`.recompute`), ``none`` or ``full``."""
         from megatron.core import parallel_state as ps
 
         self.base = base
@@ -129,9 +133,10 @@ class Engine:
         self.dp_group = ps.get_data_parallel_group()
         if data_parallel_size is not None and data_parallel_size != self.dp:
             raise ValueError(f"data_parallel_size={data_parallel_size} but the job has {self.dp} data-parallel ranks")
-        self.model, self.spec = build_from_hf(base.model, dtype, self.device)
+        self.model, self.spec = build_from_hf(base.model, dtype, self.device, attention)
         self.shape = self.spec.shape
         self.lora = MegatronLora(self.model, self.shape, compute_dtype=lora_compute_dtype or dtype)
+        self.recompute = LayerRecompute(self.model, self.lora, self.shape, self.tp, dtype, recompute)
         self.device_slots = int(device_slots)
         self.slots: dict[str, Slot] = {}
         self.resident: OrderedDict[str, None] = OrderedDict()  # LRU first
@@ -329,6 +334,7 @@ class Engine:
                 if count:
                     segments.append(RowSegment(start, start + count, self.tensors(s)))
                     start += count
+            self.stats["recomputed_layers"] = self.recompute.plan(b * max_len, backward, self.device)
             with torch.set_grad_enabled(backward), self.lora.route(segments, b) as routing:
                 lp_all = target_logprobs(forward_logits(self.model, ids), tgt)  # [b, max_len] fp32
                 total = lp_all.new_zeros(())

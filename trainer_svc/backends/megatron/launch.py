@@ -37,12 +37,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--lora-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="dtype of the LoRA matmuls; auto = --dtype (masters and grads are fp32 regardless)")
+    p.add_argument("--attention", choices=["sdpa", "unfused"], default="sdpa",
+                   help="core attention: torch SDPA (fused kernels, no s^2 scores) or megatron's unfused one")
+    p.add_argument("--recompute", choices=["auto", "none", "full"], default="auto",
+                   help="activation recomputation of decoder layers; auto = as many as a batch needs to fit")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 
 def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size: int, device_slots: int,
-                 dtype: torch.dtype, lora_dtype: torch.dtype | None):
+                 dtype: torch.dtype, lora_dtype: torch.dtype | None, attention: str = "sdpa",
+                 recompute: str = "auto"):
     from loraplane.models import load_base_model
 
     from .engine import Engine
@@ -56,7 +61,7 @@ def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size:
     init_parallel(tensor_parallel_size)
     base = load_base_model(base_model, device="cpu", dtype=torch.float32)
     return Engine(base, device_slots=device_slots, dtype=dtype, lora_compute_dtype=lora_dtype,
-                  data_parallel_size=data_parallel_size or None)
+                  data_parallel_size=data_parallel_size or None, attention=attention, recompute=recompute)
 
 
 async def start_megatron_trainer_server(settings, *, backend, registry_address: str, host: str = "127.0.0.1",
@@ -92,7 +97,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(args.base_model, args.tensor_parallel_size, args.data_parallel_size, args.device_slots,
-                          DTYPES[args.dtype], DTYPES.get(args.lora_dtype))
+                          DTYPES[args.dtype], DTYPES.get(args.lora_dtype), args.attention, args.recompute)
     import torch.distributed as dist
 
     from .backend import Driver

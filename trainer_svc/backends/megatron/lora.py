@@ -140,14 +140,34 @@ class MegatronLora:
         finally:
             _local.routing = previous
 
+    @staticmethod
+    def current() -> BatchRouting | None:
+        """The routing in force on this thread (what the hooks will use)."""
+        return getattr(_local, "routing", None)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def using(routing: BatchRouting | None) -> Iterator[None]:
+        """Puts an existing routing in force on this thread: activation recomputation re-runs a layer's forward
+        inside the backward (on autograd's thread, after :meth:`route` has exited), and its hooks must add the same
+        adapters' deltas as the original forward did."""
+        previous = getattr(_local, "routing", None)
+        _local.routing = routing
+        try:
+            yield
+        finally:
+            _local.routing = previous
+
     def _hook(self, layer: int, hook: str):
         def run(_module, inputs, output):
             routing = getattr(_local, "routing", None)
             if routing is None or not routing.active:
                 return None
             out, bias = output
-            delta = _HookDelta.apply(inputs[0], routing.anchor, (routing, layer, hook))
-            return out + delta.to(out.dtype), bias
+            if out._is_view():  # never the case for megatron's linears; in-place on a view would be rebased
+                delta = _HookDelta.apply(inputs[0], routing.anchor, (routing, layer, hook))
+                return out + delta.to(out.dtype), bias
+            return _HookAddInPlace.apply(inputs[0], out, routing.anchor, (routing, layer, hook)), bias
 
         return run
 
@@ -159,6 +179,19 @@ class MegatronLora:
         if hook == "fc1":
             return fuse_gate_up(*deltas, dim=-1)
         return deltas[0]
+
+    def out_views(self, hook: str, out2: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a fused output ``[T, out]`` at each projection's columns, shaped so that the projection's delta
+        ``[T, out_p]`` adds into them with ``view(view.shape)``: 2-D (strided rows, so ``addmm_`` writes in place)
+        for gate|up halves and unfused outputs, ``[T, G, cols]`` for the GQA-interleaved q, k, v."""
+        if hook == "qkv":
+            hd, hpg = self.shape.head_dim, self.shape.heads_per_group
+            g = out2.view(out2.shape[0], self.groups_local, (hpg + 2) * hd)
+            return [g[:, :, : hpg * hd], g[:, :, hpg * hd : (hpg + 1) * hd], g[:, :, (hpg + 1) * hd :]]
+        if hook == "fc1":
+            half = out2.shape[1] // 2
+            return [out2[:, :half], out2[:, half:]]
+        return [out2]
 
     def unplace(self, hook: str, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if hook == "qkv":
@@ -251,18 +284,11 @@ class _HookDelta(torch.autograd.Function):
     def forward(ctx, x, anchor, plan):
         routing, layer, hook = plan
         lora = routing.lora
-        cd = lora.compute_dtype
-        seq, batch, width = x.shape
-        x2 = (x if x.dtype == cd else x.to(cd)).reshape(-1, width)
-        targets = HOOK_TARGETS[hook]
-        a = routing.weights[a_class_name(hook)][layer].reshape(-1, width)  # [G * Σr, in]
-        mid = x2 @ a.t()
-        if hook in ROW_PARALLEL_HOOKS and lora.tp > 1:
-            dist.all_reduce(mid, group=lora.tp_group)
-        mid = routing.scaled(mid, len(targets), batch)
+        seq, batch, _ = x.shape
+        x2, mid = _lora_forward_mid(x, plan)
         r = routing.total_rank
         deltas = [mid[:, i * r : (i + 1) * r] @ routing.weights[b_class_name(t)][layer, 0]
-                  for i, t in enumerate(targets)]
+                  for i, t in enumerate(HOOK_TARGETS[hook])]
         ctx.save_for_backward(x2, mid)
         ctx.plan = plan
         ctx.x_dtype = x.dtype
@@ -270,27 +296,73 @@ class _HookDelta(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        routing, layer, hook = ctx.plan
+        return _lora_backward(ctx, g), None, None
+
+
+def _lora_forward_mid(x, plan):
+    """``mid = scale-or-mask(x A_cat^T)`` ([T, G * Σr], all-reduced for row-parallel hooks) and ``x`` as rows."""
+    routing, layer, hook = plan
+    lora = routing.lora
+    cd = lora.compute_dtype
+    seq, batch, width = x.shape
+    x2 = (x if x.dtype == cd else x.to(cd)).reshape(-1, width)
+    a = routing.weights[a_class_name(hook)][layer].reshape(-1, width)  # [G * Σr, in]
+    mid = x2 @ a.t()
+    if hook in ROW_PARALLEL_HOOKS and lora.tp > 1:
+        dist.all_reduce(mid, group=lora.tp_group)
+    return x2, routing.scaled(mid, len(HOOK_TARGETS[hook]), batch)
+
+
+def _lora_backward(ctx, g):
+    """The input gradient (returned) and the A and B gradients (added into the routing's sinks) of one hook."""
+    routing, layer, hook = ctx.plan
+    lora = routing.lora
+    x2, mid = ctx.saved_tensors
+    cd = lora.compute_dtype
+    seq, batch = g.shape[0], g.shape[1]
+    r = routing.total_rank
+    targets = HOOK_TARGETS[hook]
+    parts = lora.unplace(hook, (g if g.dtype == cd else g.to(cd)).reshape(seq * batch, -1))
+    g_mids = []
+    for i, (t, g_t) in enumerate(zip(targets, parts)):
+        bt = routing.weights[b_class_name(t)][layer, 0]  # [Σr, out]
+        routing.add_b_grad(routing.grads[b_class_name(t)][layer, 0], mid[:, i * r : (i + 1) * r].t() @ g_t)
+        g_mids.append(g_t @ bt.t())
+    g_mid = routing.scaled(g_mids[0] if len(g_mids) == 1 else torch.cat(g_mids, 1), len(targets), batch)
+    if hook not in ROW_PARALLEL_HOOKS and lora.tp > 1:
+        dist.all_reduce(g_mid, group=lora.tp_group)
+    a_name = a_class_name(hook)
+    width = x2.shape[1]
+    routing.grads[a_name][layer].add_((g_mid.t() @ x2).view(len(targets), r, width))
+    if not ctx.needs_input_grad[0]:
+        return None
+    a = routing.weights[a_name][layer].reshape(-1, width)
+    return (g_mid @ a).view(seq, batch, width).to(ctx.x_dtype)
+
+
+class _HookAddInPlace(torch.autograd.Function):
+    """What the hooks run: adds the LoRA delta of one hook into the base layer's output in place (``addmm_``
+    straight into each projection's columns where they are 2-D: no delta tensor, no placement copy, no separate
+    add). The base output's gradient passes through unchanged; the LoRA gradients are :class:`_HookDelta`'s."""
+
+    @staticmethod
+    def forward(ctx, x, out, anchor, plan):
+        routing, layer, hook = plan
         lora = routing.lora
-        x2, mid = ctx.saved_tensors
-        cd = lora.compute_dtype
-        seq, batch = g.shape[0], g.shape[1]
+        x2, mid = _lora_forward_mid(x, plan)
         r = routing.total_rank
-        targets = HOOK_TARGETS[hook]
-        parts = lora.unplace(hook, (g if g.dtype == cd else g.to(cd)).reshape(seq * batch, -1))
-        g_mids = []
-        for i, (t, g_t) in enumerate(zip(targets, parts)):
-            bt = routing.weights[b_class_name(t)][layer, 0]  # [Σr, out]
-            routing.add_b_grad(routing.grads[b_class_name(t)][layer, 0], mid[:, i * r : (i + 1) * r].t() @ g_t)
-            g_mids.append(g_t @ bt.t())
-        g_mid = routing.scaled(g_mids[0] if len(g_mids) == 1 else torch.cat(g_mids, 1), len(targets), batch)
-        if hook not in ROW_PARALLEL_HOOKS and lora.tp > 1:
-            dist.all_reduce(g_mid, group=lora.tp_group)
-        a_name = a_class_name(hook)
-        width = x2.shape[1]
-        routing.grads[a_name][layer].add_((g_mid.t() @ x2).view(len(targets), r, width))
-        g_x = None
-        if ctx.needs_input_grad[0]:
-            a = routing.weights[a_name][layer].reshape(-1, width)
-            g_x = (g_mid @ a).view(seq, batch, width).to(ctx.x_dtype)
-        return g_x, None, None
+        for i, (t, view) in enumerate(zip(HOOK_TARGETS[hook], lora.out_views(hook, out.view(-1, out.shape[-1])))):
+            m, bt = mid[:, i * r : (i + 1) * r], routing.weights[b_class_name(t)][layer, 0]
+            if view.dim() == 2 and bt.dtype == view.dtype:
+                view.addmm_(m, bt)
+            else:
+                view.add_((m @ bt).to(view.dtype).view(view.shape))
+        ctx.save_for_backward(x2, mid)
+        ctx.plan = plan
+        ctx.x_dtype = x.dtype
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _lora_backward(ctx, g), g, None, None

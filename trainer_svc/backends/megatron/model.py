@@ -1,8 +1,9 @@
 """Hugging Face Llama-family weights → megatron-core ``GPTModel`` (local, non-Transformer-Engine layer spec).
 
-The model runs in plain PyTorch: ``DotProductAttention`` (unfused softmax in fp32), ``torch.nn.RMSNorm``, the
-non-fused RoPE path (rotate-half convention, like HF Llama), ``ColumnParallelLinear`` / ``RowParallelLinear``.
-The base weights are frozen; only the LoRA tensors of :mod:`.lora` receive gradients.
+The model runs in plain PyTorch: causal attention through torch SDPA (:mod:`.attention`; ``attention="unfused"``
+keeps megatron's ``DotProductAttention``), ``torch.nn.RMSNorm``, the non-fused RoPE path (rotate-half convention,
+like HF Llama), ``ColumnParallelLinear`` / ``RowParallelLinear``. The base weights are frozen; only the LoRA tensors
+of :mod:`.lora` receive gradients.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def init_parallel(tensor_parallel_size: int = 1, seed: int = 1234) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.device):
+ATTENTION_KINDS = ("sdpa", "unfused")
+
+
+def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.device, attention: str = "sdpa"):
     """An empty megatron GPTModel of this shape (weights come from :func:`load_hf_weights`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -105,9 +109,16 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         gradient_accumulation_fusion=False,
         sequence_parallel=False,
     )
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention {attention!r}: one of {ATTENTION_KINDS}")
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        from .attention import SDPACoreAttention
+
+        layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec,
         vocab_size=s.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=True,
@@ -150,11 +161,11 @@ def load_hf_weights(model, hf_state_dict: dict[str, torch.Tensor], spec: Megatro
         p.requires_grad_(False)
 
 
-def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device):
+def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device, attention: str = "sdpa"):
     """(GPTModel with the HF model's weights, spec)."""
     spec = spec_from_hf_config(hf_model.config)
     spec.shape.check_tensor_parallel(_tp_size())
-    model = build_gpt_model(spec, dtype, device)
+    model = build_gpt_model(spec, dtype, device, attention)
     load_hf_weights(model, {k: v.detach() for k, v in hf_model.state_dict().items()}, spec)
     model.eval()  # dropout is 0 anyway; eval keeps any train-only paths off
     return model, spec
@@ -173,8 +184,7 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token log p(target) in fp32 from vocab-sharded logits; the full vocabulary is never gathered."""
     if _tp_size() == 1:
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return _TargetLogprob.apply(logits, targets)
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     # [b, s, V/TP] → [s, b, V/TP] as the function expects; a fresh fp32 copy because it works in place.
@@ -183,3 +193,118 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
         targets.transpose(0, 1).contiguous(),
     )
     return -ce.transpose(0, 1)
+
+
+LOGPROB_CHUNK_ELEMENTS = 1 << 28  # fp32 working set per chunk: 1 GiB
+
+
+class _TargetLogprob(torch.autograd.Function):
+    """``log_softmax(logits.float()).gather(targets)`` without a full-size fp32 copy of the logits.
+
+    ``log_softmax(x.float())`` keeps an fp32 ``[tokens, V]`` output for its backward (16.8 GB for 32k tokens of a
+    128k vocabulary) on top of the fp32 input copy. Here the forward keeps only the logits it was given and the fp32
+    log-sum-exp per token, and both directions work in row chunks of at most ``LOGPROB_CHUNK_ELEMENTS`` fp32
+    values; the math per element is the same fp32 math (``x - lse``; gradient ``g * (onehot - exp(x - lse))``, cast
+    to the logits' dtype as autograd casts the gradient of ``.float()``)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        tgt = targets.reshape(-1)
+        rows = max(1, LOGPROB_CHUNK_ELEMENTS // vocab)
+        lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        fn = _kernels(logits.device)[0]
+        for i in range(0, flat.shape[0], rows):
+            lse[i : i + rows], out[i : i + rows] = fn(flat[i : i + rows], tgt[i : i + rows])
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.mark_non_differentiable(targets)
+        return out.view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, targets, lse = ctx.saved_tensors
+        if logits.dim() != 3:
+            return _TargetLogprob._backward_rows(logits, targets, lse, grad_out), None
+        # The gradient is built in [s, b, V] order and handed back as its [b, s, V] transpose: megatron's logits
+        # are the [b, s, V] copy of an [s, b, V] output, so the output layer's backward then gets a contiguous
+        # gradient (with a [b, s, V]-contiguous one it ran a batched GEMM of N = b, 7x slower on an H100).
+        b, s, vocab = logits.shape
+        lt, tt = logits.transpose(0, 1), targets.t()
+        lse_t = lse.view(b, s).t()
+        g_t = grad_out.float().t()
+        grad = torch.empty((s, b, vocab), dtype=logits.dtype, device=logits.device)
+        step = max(1, LOGPROB_CHUNK_ELEMENTS // (b * vocab))
+        fn = _kernels(logits.device)[1]
+        for i in range(0, s, step):
+            grad[i : i + step] = fn(lt[i : i + step], lse_t[i : i + step], g_t[i : i + step], tt[i : i + step])
+        return grad.transpose(0, 1), None
+
+    @staticmethod
+    def _backward_rows(logits, targets, lse, grad_out):
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        tgt = targets.reshape(-1, 1)
+        g = grad_out.reshape(-1, 1).float()
+        grad = torch.empty_like(flat)
+        rows = max(1, LOGPROB_CHUNK_ELEMENTS // vocab)
+        fn = _kernels(logits.device)[1]
+        for i in range(0, flat.shape[0], rows):
+            grad[i : i + rows] = fn(flat[i : i + rows], lse[i : i + rows], g[i : i + rows, 0], tgt[i : i + rows, 0])
+        return grad.view(logits.shape)
+
+
+def _lse_and_target(x: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp, x[target] - logsumexp) in fp32 over the last dim of a chunk of logits."""
+    xf = x.float()
+    lse = torch.logsumexp(xf, dim=-1)
+    return lse, xf.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
+
+
+def _logprob_grad_eager(x, lse, g, tgt):
+    p = torch.exp(x.float() - lse.unsqueeze(-1))
+    gi = g.unsqueeze(-1)
+    p.mul_(-gi)
+    p.scatter_add_(-1, tgt.unsqueeze(-1), gi)
+    return p.to(x.dtype)
+
+
+def _logprob_grad_fused(x, lse, g, tgt):
+    # The one-hot as a comparison, so the compiler emits one pointwise kernel (read x once, write the gradient).
+    hot = torch.arange(x.shape[-1], device=x.device) == tgt.unsqueeze(-1)
+    gi = g.unsqueeze(-1)
+    return (torch.where(hot, gi, 0.0) - gi * torch.exp(x.float() - lse.unsqueeze(-1))).to(x.dtype)
+
+
+class _CompiledOrEager:
+    """``torch.compile(fn)``, falling back to ``eager`` for good if compiling fails (no compiler toolchain)."""
+
+    def __init__(self, fn, eager):
+        self.eager = eager
+        self.compiled = torch.compile(fn)
+        self.failed = False
+
+    def __call__(self, *args):
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception:  # noqa: BLE001 - the eager math is the same
+                self.failed = True
+        return self.eager(*args)
+
+
+_KERNELS: dict[str, tuple] = {}
+
+
+def _kernels(device: torch.device) -> tuple:
+    """(forward chunk fn, backward chunk fn): compiled (fused: one pass over the logits) on CUDA unless
+    LORAPLANE_MEGATRON_COMPILE=0, else eager."""
+    key = device.type
+    if key not in _KERNELS:
+        fns = (_lse_and_target, _logprob_grad_eager)
+        if key == "cuda" and os.environ.get("LORAPLANE_MEGATRON_COMPILE", "1") != "0":
+            fns = (_CompiledOrEager(_lse_and_target, _lse_and_target),
+                   _CompiledOrEager(_logprob_grad_fused, _logprob_grad_eager))
+        _KERNELS[key] = fns
+    return _KERNELS[key]

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The trainer-vs-PEFT benchmark on one GPU (bench/trainer_vs_peft.py; numbers go to docs/benchmarks.md).
+#   bash scripts/gpu/trainer_vs_peft.sh [CASE ...]     default: 1b 8b 8b-long-bf16 8b-long-peft; the others: 1b-unfused (before/after),
+#     8b-long-bf16 / 8b-long-peft / 8b-long-alone (16 x 2048 variants), 1b-profile, tests (tests/gpu/test_megatron_fast_paths.py)
+# Needs megatron-core's wheel parts in .gpuwh/megatron/parts and the few pure-Python packages of
+# scripts/gpu/trainer_vs_peft-wheels.txt in .gpuwh/tvp_extra/parts (build both here with
+# /work/shared/gpu/build-wheelhouse.sh LIST DIR; carry them with the call). JSON + a summary log land in $OUT.
+set -uo pipefail
+FINAL=${OUT:-/tmp/out}
+# Everything is written to a work folder and comes back as one tar (the device tool returns at most 8 files),
+# with the summary log beside it.
+OUT=$(mktemp -d /tmp/tvp.XXXX)
+mkdir -p "$FINAL"
+finish() { tar czf "$FINAL/trainer_vs_peft.tgz" -C "$OUT" . ; cp "$OUT/summary.log" "$FINAL/" 2>/dev/null; }
+trap finish EXIT
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTHONPATH=.:/tmp/site
+WH=${WH:-.gpuwh}
+[ -d "$WH" ] || WH=../.gpuwh   # run from a copy of the tree inside the carried checkout
+install_parts() {  # DIR with parts/p* -> /tmp/site
+  local work; work=$(mktemp -d)
+  cat "$1"/parts/p* | tar xf - -C "$work" && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site "$work"/*.whl || { echo "install of $1 failed"; exit 3; }
+}
+if [ ! -d /tmp/site/megatron ]; then
+  install_parts "$WH/megatron"
+  install_parts "$WH/tvp_extra"
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, transformers, peft; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+  git log -1 --format='%h %s' 2>/dev/null || true
+} 2>&1 | tee -a "$OUT/env.log"
+run_case() {  # label, then bench args
+  local label=$1; shift
+  echo "== $label: $*" | tee -a "$OUT/summary.log"
+  python3 bench/trainer_vs_peft.py --out "$OUT/$label.json" "$@" > "$OUT/$label.log" 2>&1
+  local rc=$?
+  grep -v -i -E "warn|^\s*$" "$OUT/$label.log" | tail -12 | tee -a "$OUT/summary.log"
+  [ $rc -eq 0 ] || echo "exit code $rc" | tee -a "$OUT/summary.log"
+}
+cases=${*:-1b 8b 8b-long-bf16 8b-long-peft}
+for c in $cases; do
+  case "$c" in
+    1b) run_case llama1b_16x512 --shape llama1b --datums 16 --seq-len 512 --tenants 1,8 --rounds ${ROUNDS:-10} ;;
+    8b) run_case llama8b_4x512 --shape llama8b --datums 4 --seq-len 512 --tenants 1,4 --rounds ${ROUNDS:-10} ;;
+    8b-long) run_case llama8b_16x2048 --shape llama8b --datums 16 --seq-len 2048 --tenants 1,8 --rounds ${ROUNDS:-4} --warmup 1 ;;
+    # The PEFT loop's fp32 logits (32k x 128k) do not fit: a user drops the upcast.
+    8b-long-bf16) run_case llama8b_16x2048_peftbf16 --shape llama8b --datums 16 --seq-len 2048 --tenants 1,8 --rounds ${ROUNDS:-4} --warmup 1 --peft-loss bf16 ;;
+    # PEFT alone (no second copy of the weights in the process): does the user's loop fit by itself?
+    8b-long-peft) run_case llama8b_16x2048_peft_alone --shape llama8b --datums 16 --seq-len 2048 --tenants "" --rounds 3 --warmup 1 --peft-loss ${PEFT_LOSS:-bf16} ;;
+    # The backend alone (its HF source moved off the device, as in a deployment): how many layers recompute=auto picks.
+    8b-long-alone) run_case llama8b_16x2048_megatron_alone --shape llama8b --datums 16 --seq-len 2048 --tenants 1,8 --rounds 3 --warmup 1 --no-peft ;;
+    1b-profile) run_case llama1b_16x512_profile --shape llama1b --datums 16 --seq-len 512 --tenants 1 --rounds 3 --profile "$OUT" ;;
+    # Before/after in one run on the same machine: megatron's unfused attention without recomputation.
+    1b-unfused) run_case llama1b_16x512_unfused --shape llama1b --datums 16 --seq-len 512 --tenants 1,8 --rounds ${ROUNDS:-10} --attention unfused --recompute none ;;
+    tests) python3 -m pytest tests/gpu/test_megatron_fast_paths.py -m gpu -o addopts="" --noconftest -p no:cacheprovider \
+             -q -rA 2>&1 | tee -a "$OUT/gpu_tests_fast_paths.log" | tail -4 | tee -a "$OUT/summary.log" ;;
+    *) echo "unknown case $c" ;;
+  esac
+done

@@ -1,0 +1,92 @@
+"""Activation recomputation for the megatron backend: as many decoder layers as the batch needs, chosen by memory.
+
+A recomputed layer keeps only its input for the backward (``torch.utils.checkpoint``, non-reentrant) and runs its
+forward again when the backward reaches it. The LoRA hooks add deltas from the routing that is in force on the
+running thread; the recomputation runs inside the backward (on autograd's thread, after the batch's routing
+context has exited), so the routing of the original forward is captured and put back in force around it
+(``context_fn``). Each adapter therefore gets exactly the gradient it gets without recomputation.
+
+Why whole layers and not megatron's "selective" (core-attention) recomputation: with the fused attention of
+:mod:`.attention` nothing of size s^2 is stored any more (the kernel already recomputes the scores in its backward),
+so what remains per token and layer is the projections' and the MLP's activations (about ``6h + 2kv + 4ffn``
+values); only whole-layer recomputation removes those. ``plan()`` picks the smallest number of layers to recompute
+(the first ``k``, like megatron's ``block`` method) so that the estimate fits the free device memory, so a batch
+that fits runs without any recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .layout import LlamaShape
+
+MODES = ("auto", "none", "full")
+
+
+class LayerRecompute:
+    def __init__(self, model, lora, shape: LlamaShape, tp: int, dtype: torch.dtype, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"recompute {mode!r}: one of {MODES}")
+        self.mode = mode
+        self.lora = lora
+        self.shape = shape
+        self.tp = tp
+        self.bytes = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+        self.layers = list(model.decoder.layers)
+        self.count = 0  # layers [0, count) are recomputed in the next forward
+        for i, layer in enumerate(self.layers):
+            layer.forward = self._wrap(i, layer.forward)
+
+    def _wrap(self, index: int, forward):
+        def run(*args, **kwargs):
+            if index >= self.count or not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            routing = self.lora.current()
+
+            def contexts():
+                return contextlib.nullcontext(), self.lora.using(routing)
+
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=False,
+                              **kwargs)
+
+        return run
+
+    # -- the plan ---------------------------------------------------------------------------------------------------
+
+    def layer_bytes(self, tokens: int) -> tuple[int, int]:
+        """(kept for the backward by one layer without recomputation, by one recomputed layer) for ``tokens``."""
+        s, tp = self.shape, self.tp
+        kv = s.num_kv_heads * s.head_dim // tp
+        q = s.num_heads * s.head_dim // tp
+        per_token = 4 * s.hidden_size + 2 * q + 2 * kv + 4 * s.ffn_hidden_size // tp
+        return tokens * per_token * self.bytes, tokens * s.hidden_size * self.bytes
+
+    def plan(self, tokens: int, backward: bool, device: torch.device) -> int:
+        """Sets (and returns) how many layers the next forward recomputes."""
+        n = len(self.layers)
+        if not backward or self.mode == "none":
+            self.count = 0
+        elif self.mode == "full":
+            self.count = n
+        elif device.type != "cuda":
+            self.count = 0
+        else:
+            free, total = torch.cuda.mem_get_info(device)
+            # What the allocator holds but does not use is free to this batch too.
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            vocab = self.shape.vocab_size // self.tp
+            # Logits, their transposed copy and their gradient; a safety share of the device for the rest
+            # (the fp32 LoRA sinks, allocator fragmentation, kernel workspaces).
+            budget = free - 3 * tokens * vocab * self.bytes - 0.06 * total
+            full, kept = self.layer_bytes(tokens)
+            full = int(full * 1.25)
+            need = n * full + full  # every layer's activations + one layer's working set
+            if need <= budget:
+                self.count = 0
+            else:
+                self.count = min(n, math.ceil((need - budget) / max(1, full - kept)))
+        return self.count
