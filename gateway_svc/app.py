@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, Request
 
 from gateway_svc import http_errors, openai_routes, tinker_routes
 from gateway_svc.config import GatewaySettings
@@ -17,18 +17,48 @@ from gateway_svc.openai_service import OpenAIService
 from gateway_svc.store import Store
 from gateway_svc.tinker_service import TinkerService
 from gateway_svc.upstream import Upstream
-from loraplane.rpc import quiet_grpc_poller
+from loraplane import auth
+from loraplane.config import Settings
+from loraplane.rpc import ClientSecurity, quiet_grpc_poller
+
+# Answered without a key: load balancers and `loraplane status` probe it.
+OPEN_PATHS = frozenset({"/api/v1/healthz"})
 
 
-def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+def caller_key(request: Request) -> str:
+    """The caller's loraplane API key: `X-API-Key` (the Tinker SDK; Anthropic clients) or `Authorization: Bearer`
+    (OpenAI clients). The Tinker SDK insists on a `tml-` prefix, so `tml-lpk_...` is read as `lpk_...`."""
+    key = request.headers.get("x-api-key") or ""
+    if not key:
+        bearer = request.headers.get("authorization") or ""
+        key = bearer[7:].strip() if bearer.lower().startswith("bearer ") else ""
+    if key.startswith("tml-") and key[4:].startswith(auth.KEY_PREFIX):
+        key = key[4:]
+    return key
+
+
+async def authenticate(request: Request) -> None:
+    """Every request acts as its caller: the identity is set for the request's task, so every gRPC call made for
+    it carries the gateway's service key acting for the caller's tenant, and the services hold it to that
+    tenant's namespace and quotas (the one place they are enforced)."""
+    if request.url.path in OPEN_PATHS:
+        return
+    auth.set_caller(await request.app.state.authenticator.authenticate(caller_key(request) or None))
+
+
+def create_app(settings: GatewaySettings | None = None, cluster: Settings | None = None) -> FastAPI:
+    """`cluster`: the loraplane settings the gateway shares with the services (LORAPLANE_AUTH, the service key in
+    LORAPLANE_API_KEY, TLS, the Redis holding the keys); by default read from the environment."""
     settings = settings or GatewaySettings()
+    cluster = cluster or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         quiet_grpc_poller(asyncio.get_running_loop())
         store = Store(settings.redis_url, settings.key_prefix, future_ttl_s=settings.future_ttl_s)
         upstream = Upstream(settings.trainer_address, settings.registry_address, settings.sampler_address,
-                            timeout=settings.upstream_timeout_s, retry_s=settings.upstream_retry_s)
+                            timeout=settings.upstream_timeout_s, retry_s=settings.upstream_retry_s,
+                            security=ClientSecurity.from_settings(cluster))
         app.state.tinker = TinkerService(settings, store, upstream)
         app.state.openai = OpenAIService(settings, upstream)
         try:
@@ -38,8 +68,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await upstream.close()
             await store.close()
 
-    app = FastAPI(title="loraplane gateway", lifespan=lifespan)
+    app = FastAPI(title="loraplane gateway", lifespan=lifespan, dependencies=[Depends(authenticate)])
     app.state.settings = settings
+    app.state.authenticator = auth.authenticator_from_settings(cluster, "gateway")
     http_errors.install(app)
     app.include_router(tinker_routes.router)
     app.include_router(openai_routes.router)

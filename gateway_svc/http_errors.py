@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 _TABLE: list[tuple[type[errors.LoraplaneError], int, str, str, str]] = [
     (errors.InvalidArgument, 400, "user", "invalid_request_error", "invalid_request_error"),
     (errors.NotFound, 404, "user", "not_found_error", "not_found_error"),
+    (errors.Unauthenticated, 401, "user", "authentication_error", "authentication_error"),
+    (errors.PermissionDenied, 403, "user", "permission_error", "permission_error"),
     (errors.AlreadyExists, 400, "user", "invalid_request_error", "invalid_request_error"),
     (errors.FailedPrecondition, 400, "user", "invalid_request_error", "invalid_request_error"),
     (errors.ResourceExhausted, 429, "server", "rate_limit_error", "rate_limit_error"),

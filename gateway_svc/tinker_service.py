@@ -30,7 +30,7 @@ from gateway_svc.http_errors import Unsupported
 from gateway_svc.store import Store
 from gateway_svc.types import SamplingSpec
 from gateway_svc.upstream import Upstream
-from loraplane import errors
+from loraplane import auth, errors
 
 PROTO = tinker_codec.PROTO
 JSON = "application/json"
@@ -104,7 +104,19 @@ class TinkerService:
     # ---- naming ----------------------------------------------------------------------------------------------
     def adapter_of(self, model_id: str) -> str:
         session, _sep, n = model_id.rpartition(":train:")
-        return f"{self.settings.default_tenant}/{session}-train-{n}"
+        return f"{self.tenant()}/{session}-train-{n}"
+
+    def tenant(self) -> str:
+        """Whose namespace the caller's models live in: a tenant key's tenant, else (open mode, admin keys) the
+        configured default tenant."""
+        caller = auth.current_caller()
+        return caller.tenant if caller.role == auth.ROLE_TENANT else self.settings.default_tenant
+
+    @staticmethod
+    def _visible(record: dict[str, Any] | None) -> bool:
+        """Whether the caller may know of a model, checkpoint or sampling session (by the adapter it names): the
+        gateway's records answer NOT_FOUND outside the caller's namespace, as the services do PERMISSION_DENIED."""
+        return record is not None and (not record.get("adapter") or auth.current_caller().may_see(record["adapter"]))
 
     async def base_names(self) -> list[str]:
         info = await self.upstream.info()
@@ -122,7 +134,7 @@ class TinkerService:
 
     async def model(self, model_id: str) -> dict[str, Any]:
         record = await self.store.get_model(model_id)
-        if record is None:
+        if not self._visible(record):
             raise errors.NotFound(f"model_id {errors.shown(model_id)} not found", field="model_id")
         return record
 
@@ -152,6 +164,8 @@ class TinkerService:
 
     # ---- futures ---------------------------------------------------------------------------------------------
     async def _submit(self, scope: str, seq_id: int | None, spec: dict[str, Any]) -> str:
+        # Whichever replica runs the future acts for the same tenant (the key itself is never stored).
+        spec = {**spec, "acting_for": auth.acting_for_value()}
         request_id = uuid.uuid4().hex
         if seq_id is not None:
             owner = await self.store.claim_request(scope, seq_id, request_id)
@@ -160,6 +174,9 @@ class TinkerService:
         return await self.futures.submit(request_id, spec)
 
     async def run_spec(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        """Runs in the future's own task: it acts for the tenant recorded at submission."""
+        if spec.get("acting_for"):
+            auth.set_caller(auth.Identity(key_id="", tenant=spec["acting_for"], role=auth.ROLE_TENANT))
         return await getattr(self, f"_run_{spec['kind']}")(spec)
 
     # ---- training models -------------------------------------------------------------------------------------
@@ -381,7 +398,7 @@ class TinkerService:
     async def resolve_checkpoint(self, path: str) -> dict[str, Any]:
         model_id, ckpt_id, _kind = parse_tinker_path(path)
         ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
-        if ckpt is None:
+        if not self._visible(ckpt):
             raise errors.NotFound(f"checkpoint {errors.shown(path)} not found", field="path")
         return ckpt
 
@@ -454,7 +471,7 @@ class TinkerService:
 
     async def get_sampler(self, sampler_id: str) -> dict[str, Any]:
         record = await self.store.get_sampler(sampler_id)
-        if record is None:
+        if not self._visible(record):
             raise errors.NotFound(f"sampler {errors.shown(sampler_id)} not found", field="sampler_id")
         out = {"sampler_id": sampler_id, "base_model": record["base_model"]}
         if record.get("model_path"):
@@ -466,7 +483,7 @@ class TinkerService:
         if not sampler_id:
             raise Unsupported("asample needs a sampling_session_id (base_model / model_path in asample are not "
                               "supported; create a sampling client first)")
-        if await self.store.get_sampler(sampler_id) is None:
+        if not self._visible(await self.store.get_sampler(sampler_id)):
             raise errors.NotFound(f"sampling_session_id {errors.shown(sampler_id)} not found",
                                   field="sampling_session_id")
         num_samples = num(body.get("num_samples") or 1, "num_samples")
@@ -523,7 +540,7 @@ class TinkerService:
         last = {t: self._checkpoint_json(c) for c in ckpts for t in [c["checkpoint_type"]]}
         metadata = record.get("user_metadata")
         return {"training_run_id": model_id, "base_model": record["base_model"],
-                "model_owner": self.settings.default_tenant, "is_lora": True, "lora_rank": record["rank"],
+                "model_owner": record["adapter"].split("/", 1)[0], "is_lora": True, "lora_rank": record["rank"],
                 "corrupted": False,
                 "last_request_time": _iso(await self.store.last_request_time(model_id) or record["created"]),
                 "last_checkpoint": last.get("training"), "last_sampler_checkpoint": last.get("sampler"),
@@ -531,6 +548,8 @@ class TinkerService:
 
     async def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
         ids, total = await self.store.list_models(offset, limit)
+        # Paging counts every tenant's runs; a page shows only the caller's.
+        ids = [i for i in ids if self._visible(await self.store.get_model(i))]
         return {"training_runs": [await self.training_run(i) for i in ids],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
@@ -544,13 +563,13 @@ class TinkerService:
         out = []
         for model_id, ckpt_id in rows:
             ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
-            if ckpt:
+            if ckpt and self._visible(ckpt):
                 out.append(self._checkpoint_json(ckpt))
         return {"checkpoints": out, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
     async def delete_checkpoint(self, model_id: str, ckpt_id: str) -> None:
         ckpt = await self.store.get_checkpoint(model_id, ckpt_id)
-        if ckpt is None:
+        if not self._visible(ckpt):
             raise errors.NotFound(f"checkpoint {errors.shown(model_id)}/{errors.shown(ckpt_id)} not found",
                                   field="checkpoint_id")
         try:

@@ -25,7 +25,7 @@ from gateway_svc.types import (
 from loraplane import errors
 from loraplane.client.tokenizer import tokenizer_from_info
 from loraplane.registry_client import RegistryClient, adapter_ref
-from loraplane.rpc import channel_options, domain_error_from_rpc
+from loraplane.rpc import ClientSecurity, aio_channel, domain_error_from_rpc
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,14 @@ def _sampling_params(spec: SamplingSpec) -> common_pb2.SamplingParams:
 class Upstream:
     """One grpc.aio channel per service, opened lazily inside the running loop."""
 
-    def __init__(self, trainer: str, registry: str, sampler: str, *, timeout: float = 600.0, retry_s: float = 60.0):
+    def __init__(self, trainer: str, registry: str, sampler: str, *, timeout: float = 600.0, retry_s: float = 60.0,
+                 security: ClientSecurity | None = None):
+        """`security`: the gateway's own API key (a service key) and TLS; each call adds the caller's tenant."""
         self.addresses = {"trainer": trainer, "registry": registry, "sampler": sampler}
         self.timeout = timeout
         self.retry_s = retry_s
-        self.registry = RegistryClient(registry, timeout=60.0)
+        self.security = security or ClientSecurity()
+        self.registry = RegistryClient(registry, timeout=60.0, security=self.security)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._info: ServerInfo | None = None
         self._tokenizer = None
@@ -79,7 +82,7 @@ class Upstream:
 
     def _channel(self, service: str) -> grpc.aio.Channel:
         if service not in self._channels:
-            self._channels[service] = grpc.aio.insecure_channel(self.addresses[service], options=channel_options())
+            self._channels[service] = aio_channel(self.addresses[service], self.security)
         return self._channels[service]
 
     @property

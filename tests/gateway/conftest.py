@@ -33,8 +33,8 @@ def free_port() -> int:
 class LiveGateway:
     """The gateway app served by uvicorn on a thread of its own (its own event loop, as in production)."""
 
-    def __init__(self, settings: GatewaySettings):
-        self.settings = settings
+    def __init__(self, settings: GatewaySettings, cluster: Settings | None = None):
+        self.settings, self.cluster = settings, cluster
         self.server: uvicorn.Server | None = None
         self.thread: threading.Thread | None = None
 
@@ -43,7 +43,7 @@ class LiveGateway:
         return f"http://127.0.0.1:{self.settings.port}"
 
     def start(self) -> LiveGateway:
-        config = uvicorn.Config(create_app(self.settings), host="127.0.0.1", port=self.settings.port,
+        config = uvicorn.Config(create_app(self.settings, self.cluster), host="127.0.0.1", port=self.settings.port,
                                 log_level="warning", lifespan="on",
                                 timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
