@@ -46,8 +46,9 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port():
     port = compose["x-loraplane-env"]["LORAPLANE_METRICS_PORT"]
     config = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
     targets = {t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    # The gRPC services (the HTTP gateway shares their environment but serves no Prometheus endpoint).
     grpc_services = {name for name, s in compose["services"].items() if "LORAPLANE_REDIS_URL" in (
-        s.get("environment") or {})}
+        s.get("environment") or {}) and "gateway_svc" not in s.get("command", [])}
     assert targets == {f"{name}:{port}" for name in grpc_services}
     grafana = compose["services"]["grafana"]
     assert any(v.startswith("./deploy/grafana/dashboards:") for v in grafana["volumes"])
