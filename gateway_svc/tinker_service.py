@@ -174,9 +174,11 @@ class TinkerService:
         return await self.futures.submit(request_id, spec)
 
     async def run_spec(self, spec: dict[str, Any]) -> tuple[str, bytes]:
-        """Runs in the future's own task: it acts for the tenant recorded at submission."""
-        if spec.get("acting_for"):
-            auth.set_caller(auth.Identity(key_id="", tenant=spec["acting_for"], role=auth.ROLE_TENANT))
+        """Runs in the future's own task: it acts for the tenant recorded at submission (nobody's in particular for an
+        admin's or the open mode's), whoever's request happens to start it on this replica."""
+        acting_for = spec.get("acting_for")
+        auth.set_caller(auth.Identity(key_id="", tenant=acting_for, role=auth.ROLE_TENANT) if acting_for
+                        else auth.OPEN)
         return await getattr(self, f"_run_{spec['kind']}")(spec)
 
     # ---- training models -------------------------------------------------------------------------------------
