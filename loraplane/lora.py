@@ -152,6 +152,14 @@ class _Routing:
     rows: list[AdapterTensors | None] | None = None
     segments: list[tuple[int, int, AdapterTensors | None]] | None = None
     _row_groups: list[tuple[AdapterTensors, torch.Tensor]] | None = field(default=None, repr=False)
+    _pieces: tuple[int, list[tuple[int, AdapterTensors | None]]] | None = field(default=None, repr=False)
+
+    def pieces(self, total: int) -> list[tuple[int, AdapterTensors | None]]:
+        """(length, adapter) pieces covering [0, total): the segments plus adapter-less gaps (computed once per
+        forward, not once per projection)."""
+        if self._pieces is None or self._pieces[0] != total:
+            self._pieces = (total, _cover(self.segments or [], total))
+        return self._pieces[1]
 
 
 _HOOKS_ATTR = "_loraplane_lora_hooks"
@@ -210,6 +218,64 @@ def _delta(x: torch.Tensor, pair, scale: float, out_dtype: torch.dtype) -> torch
     return lora_delta(x.to(a.dtype), a, b, scale).to(out_dtype)
 
 
+# A LoRA product at most this large (rows x (in + out) x rank multiply-adds: 64 tokens of a SmolLM2 projection at
+# rank 16 is ~2M) runs on the calling thread alone, forward and backward. Such matmuls take tens of microseconds;
+# splitting them over the intra-op threads costs a fork/join per op that is slower even on an idle CPU (~50 vs
+# ~32 us for the forward pair on 2 cores) and, when other processes hold a core, waits for the descheduled
+# thread (milliseconds per op). A fused batch of 8 tenants issues ~10,000 of them per step. The choice depends on
+# the adapter's own rows and shapes only, so a tenant's numbers are the same fused or alone.
+SINGLE_THREAD_MACS = 1 << 23
+
+
+class _SegmentDelta(torch.autograd.Function):
+    """scale * (x A^T) B^T for one adapter's token range, with the backward autograd would run for
+    `lora_delta` (same products, same order), both directions on one thread when the product is small."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, scale):
+        with _threads_for(x, a, b):
+            h = torch.nn.functional.linear(x, a)
+            y = torch.nn.functional.linear(h, b) * scale
+        ctx.save_for_backward(x, a, b, h)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, b, h = ctx.saved_tensors
+        grad_x = grad_a = grad_b = None
+        with _threads_for(x, a, b):
+            g = grad * ctx.scale
+            if ctx.needs_input_grad[2]:
+                grad_b = g.t().mm(h)
+            gh = g.mm(b)
+            if ctx.needs_input_grad[1]:
+                grad_a = gh.t().mm(x)
+            if ctx.needs_input_grad[0]:
+                grad_x = gh.mm(a)
+        return grad_x, grad_a, grad_b, None
+
+
+@contextlib.contextmanager
+def _threads_for(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if (x.device.type != "cpu" or threads == 1
+            or x.shape[0] * (a.shape[1] + b.shape[0]) * a.shape[0] > SINGLE_THREAD_MACS):
+        yield
+        return
+    # Per calling thread: OpenMP's thread count and MKL's local one are thread-local settings.
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _segment_delta(x: torch.Tensor, pair, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    a, b = pair
+    return _SegmentDelta.apply(x.to(a.dtype), a, b, scale).to(out_dtype)
+
+
 def _cover(segments, total: int) -> list[tuple[int, AdapterTensors | None]]:
     """(length, adapter) pieces covering [0, total): the segments plus adapter-less gaps."""
     pieces: list[tuple[int, AdapterTensors | None]] = []
@@ -226,35 +292,32 @@ def _cover(segments, total: int) -> list[tuple[int, AdapterTensors | None]]:
 
 def _apply_routing(routing: _Routing, key, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     in_features = x.shape[-1]
-    out_features = output.shape[-1]
     if routing.segments is not None:
         flat_x = x.reshape(-1, in_features)
-        flat_out = output.reshape(-1, out_features)
-        pieces = _cover(routing.segments, flat_x.shape[0])
+        pieces = routing.pieces(flat_x.shape[0])
         pairs = [None if adapter is None else _module_tensors(adapter, key) for _, adapter in pieces]
         if all(pair is None for pair in pairs):
             return output
-        # One split instead of a slice per segment: autograd then builds the input gradient with one concat
-        # rather than a full-size zero tensor per segment (which dominated the backward of fused batches).
-        x_chunks = flat_x.split([length for length, _ in pieces])
-        if torch.is_grad_enabled() and not output.requires_grad:
-            # The first LoRA'd projections (input needs no grad) return a leaf, which autograd will not update
-            # in place once a delta makes it require grad: build base + delta out of place instead.
-            out_chunks = flat_out.split([length for length, _ in pieces])
-            combined = [
-                out_chunk if pair is None else out_chunk + _delta(x_chunk, pair, adapter.scale, flat_out.dtype)
-                for out_chunk, x_chunk, pair, (_, adapter) in zip(out_chunks, x_chunks, pairs, pieces)
+        if len(pieces) == 1:
+            delta = _segment_delta(flat_x, pairs[0], pieces[0][1].scale, output.dtype)
+        else:
+            # One split of the input and one concatenation of the per-range deltas (exact zeros where no adapter
+            # applies): autograd then hands each range its gradient as a view and builds the input gradient with
+            # one concatenation. Adding into slices of the output instead makes autograd clone the full output
+            # gradient once per range (CopySlices), which dominated fused backward passes.
+            x_chunks = flat_x.split([length for length, _ in pieces])
+            parts = [
+                output.new_zeros((length, output.shape[-1])) if pair is None
+                else _segment_delta(x_chunk, pair, adapter.scale, output.dtype)
+                for x_chunk, pair, (length, adapter) in zip(x_chunks, pairs, pieces)
             ]
-            return torch.cat(combined, dim=0).reshape(output.shape)
-        cursor = 0
-        for x_chunk, pair, (length, adapter) in zip(x_chunks, pairs, pieces):
-            if pair is not None:
-                # In place on the projection's output: nn.Linear's backward does not need its output, and this
-                # saves a full-size copy per projection. Each token gets exactly base + its own adapter's delta,
-                # whatever else shares the batch.
-                flat_out[cursor:cursor + length] += _delta(x_chunk, pair, adapter.scale, flat_out.dtype)
-            cursor += length
-        return output
+            delta = torch.cat(parts, dim=0)
+        delta = delta.view(output.shape)
+        if torch.is_grad_enabled() and output.requires_grad:
+            # In place: nn.Linear's backward does not need its output, so this saves a full-size allocation per
+            # projection. Each token gets exactly base + its own adapter's delta, whatever shares the batch.
+            return output.add_(delta)
+        return output + delta
 
     rows = routing.rows or []
     batch = x.shape[0]
