@@ -152,14 +152,6 @@ class _Routing:
     rows: list[AdapterTensors | None] | None = None
     segments: list[tuple[int, int, AdapterTensors | None]] | None = None
     _row_groups: list[tuple[AdapterTensors, torch.Tensor]] | None = field(default=None, repr=False)
-    _pieces: tuple[int, list[tuple[int, AdapterTensors | None]]] | None = field(default=None, repr=False)
-
-    def pieces(self, total: int) -> list[tuple[int, AdapterTensors | None]]:
-        """(length, adapter) pieces covering [0, total): the segments plus adapter-less gaps (computed once per
-        forward, not once per projection)."""
-        if self._pieces is None or self._pieces[0] != total:
-            self._pieces = (total, _cover(self.segments or [], total))
-        return self._pieces[1]
 
 
 _HOOKS_ATTR = "_loraplane_lora_hooks"
@@ -218,49 +210,71 @@ def _delta(x: torch.Tensor, pair, scale: float, out_dtype: torch.dtype) -> torch
     return lora_delta(x.to(a.dtype), a, b, scale).to(out_dtype)
 
 
-# A LoRA product at most this large (rows x (in + out) x rank multiply-adds: 64 tokens of a SmolLM2 projection at
-# rank 16 is ~2M) runs on the calling thread alone, forward and backward. Such matmuls take tens of microseconds;
-# splitting them over the intra-op threads costs a fork/join per op that is slower even on an idle CPU (~50 vs
-# ~32 us for the forward pair on 2 cores) and, when other processes hold a core, waits for the descheduled
-# thread (milliseconds per op). A fused batch of 8 tenants issues ~10,000 of them per step. The choice depends on
-# the adapter's own rows and shapes only, so a tenant's numbers are the same fused or alone.
+# Per adapter range, a LoRA product at most this large (rows x (in + out) x rank multiply-adds: 64 tokens of a
+# SmolLM2 projection at rank 16 is ~2M) runs on the calling thread alone, forward and backward. Such matmuls take
+# tens of microseconds; splitting them over the intra-op threads costs a fork/join per op that is slower even on an
+# idle CPU (~50 vs ~32 us for the forward pair on 2 cores) and, when other processes hold a core, waits for the
+# descheduled thread (milliseconds per op). A fused batch of 8 tenants issues thousands of them per step. The
+# choice depends on the adapter's own rows and shapes only, so a tenant's numbers are the same fused or alone.
 SINGLE_THREAD_MACS = 1 << 23
 
 
-class _SegmentDelta(torch.autograd.Function):
-    """scale * (x A^T) B^T for one adapter's token range, with the backward autograd would run for
-    `lora_delta` (same products, same order), both directions on one thread when the product is small."""
+class _RangeDeltas(torch.autograd.Function):
+    """Adds every routed adapter's delta to its own token range of one projection's output, in place:
+    out[s:e] += scale * (x[s:e] A^T) B^T (PEFT's order of operations), with the backward autograd would run for
+    that expression (same products, same order), for all ranges in one node. Each range's products see exactly its
+    own rows, so a range's results do not depend on what else shares the batch."""
 
     @staticmethod
-    def forward(ctx, x, a, b, scale):
-        with _threads_for(x, a, b):
-            h = torch.nn.functional.linear(x, a)
-            y = torch.nn.functional.linear(h, b) * scale
-        ctx.save_for_backward(x, a, b, h)
-        ctx.scale = scale
-        return y
+    def forward(ctx, output, x, ranges, *weights):
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_out = output.view(-1, output.shape[-1])
+        hidden = []
+        with _threads_for(ranges, weights):
+            for index, (start, end, scale) in enumerate(ranges):
+                a, b = weights[2 * index], weights[2 * index + 1]
+                h = flat_x[start:end].to(a.dtype).mm(a.t())
+                delta = h.mm(b.t())
+                delta.mul_(scale)
+                flat_out[start:end].add_(delta)
+                hidden.append(h)
+        ctx.mark_dirty(output)
+        ctx.save_for_backward(x, *weights)
+        ctx.ranges = ranges
+        ctx.hidden = hidden
+        return output
 
     @staticmethod
     def backward(ctx, grad):
-        x, a, b, h = ctx.saved_tensors
-        grad_x = grad_a = grad_b = None
-        with _threads_for(x, a, b):
-            g = grad * ctx.scale
-            if ctx.needs_input_grad[2]:
-                grad_b = g.t().mm(h)
-            gh = g.mm(b)
-            if ctx.needs_input_grad[1]:
-                grad_a = gh.t().mm(x)
-            if ctx.needs_input_grad[0]:
-                grad_x = gh.mm(a)
-        return grad_x, grad_a, grad_b, None
+        x, *weights = ctx.saved_tensors
+        ranges, hidden = ctx.ranges, ctx.hidden
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_weights: list[torch.Tensor | None] = [None] * len(weights)
+        grad_x = None
+        if ctx.needs_input_grad[1]:
+            grad_x = torch.zeros_like(flat_x)
+        with _threads_for(ranges, weights):
+            for index, (start, end, scale) in enumerate(ranges):
+                a, b = weights[2 * index], weights[2 * index + 1]
+                g = flat_grad[start:end].to(b.dtype) * scale
+                if ctx.needs_input_grad[4 + 2 * index]:
+                    grad_weights[2 * index + 1] = g.t().mm(hidden[index])
+                gh = g.mm(b)
+                if ctx.needs_input_grad[3 + 2 * index]:
+                    grad_weights[2 * index] = gh.t().mm(flat_x[start:end].to(a.dtype))
+                if grad_x is not None:
+                    grad_x[start:end] = gh.mm(a)
+        ctx.hidden = None
+        return (grad, None if grad_x is None else grad_x.view(x.shape), None, *grad_weights)
 
 
 @contextlib.contextmanager
-def _threads_for(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Iterator[None]:
+def _threads_for(ranges, weights) -> Iterator[None]:
     threads = torch.get_num_threads()
-    if (x.device.type != "cpu" or threads == 1
-            or x.shape[0] * (a.shape[1] + b.shape[0]) * a.shape[0] > SINGLE_THREAD_MACS):
+    a, b = weights[0], weights[1]
+    largest = max(end - start for start, end, _ in ranges)
+    if a.device.type != "cpu" or threads == 1 or largest * (a.shape[1] + b.shape[0]) * a.shape[0] > SINGLE_THREAD_MACS:
         yield
         return
     # Per calling thread: OpenMP's thread count and MKL's local one are thread-local settings.
@@ -271,53 +285,18 @@ def _threads_for(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Iterator[
         torch.set_num_threads(threads)
 
 
-def _segment_delta(x: torch.Tensor, pair, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
-    a, b = pair
-    return _SegmentDelta.apply(x.to(a.dtype), a, b, scale).to(out_dtype)
-
-
-def _cover(segments, total: int) -> list[tuple[int, AdapterTensors | None]]:
-    """(length, adapter) pieces covering [0, total): the segments plus adapter-less gaps."""
-    pieces: list[tuple[int, AdapterTensors | None]] = []
-    cursor = 0
-    for start, end, adapter in segments:
-        if start > cursor:
-            pieces.append((start - cursor, None))
-        pieces.append((end - start, adapter))
-        cursor = end
-    if cursor < total:
-        pieces.append((total - cursor, None))
-    return pieces
-
-
 def _apply_routing(routing: _Routing, key, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    in_features = x.shape[-1]
     if routing.segments is not None:
-        flat_x = x.reshape(-1, in_features)
-        pieces = routing.pieces(flat_x.shape[0])
-        pairs = [None if adapter is None else _module_tensors(adapter, key) for _, adapter in pieces]
-        if all(pair is None for pair in pairs):
+        ranges = []
+        weights = []
+        for start, end, adapter in routing.segments:
+            pair = None if adapter is None else _module_tensors(adapter, key)
+            if pair is not None and end > start:
+                ranges.append((start, end, adapter.scale))
+                weights.extend(pair)
+        if not ranges:
             return output
-        if len(pieces) == 1:
-            delta = _segment_delta(flat_x, pairs[0], pieces[0][1].scale, output.dtype)
-        else:
-            # One split of the input and one concatenation of the per-range deltas (exact zeros where no adapter
-            # applies): autograd then hands each range its gradient as a view and builds the input gradient with
-            # one concatenation. Adding into slices of the output instead makes autograd clone the full output
-            # gradient once per range (CopySlices), which dominated fused backward passes.
-            x_chunks = flat_x.split([length for length, _ in pieces])
-            parts = [
-                output.new_zeros((length, output.shape[-1])) if pair is None
-                else _segment_delta(x_chunk, pair, adapter.scale, output.dtype)
-                for x_chunk, pair, (length, adapter) in zip(x_chunks, pairs, pieces)
-            ]
-            delta = torch.cat(parts, dim=0)
-        delta = delta.view(output.shape)
-        if torch.is_grad_enabled() and output.requires_grad:
-            # In place: nn.Linear's backward does not need its output, so this saves a full-size allocation per
-            # projection. Each token gets exactly base + its own adapter's delta, whatever shares the batch.
-            return output.add_(delta)
-        return output + delta
+        return _RangeDeltas.apply(output, x, ranges, *weights)
 
     rows = routing.rows or []
     batch = x.shape[0]
