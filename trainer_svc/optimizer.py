@@ -87,9 +87,30 @@ def adamw_step(params: list[torch.Tensor], exp_avg: list[torch.Tensor], exp_avg_
             if hyper.grad_clip_norm > 0:
                 # torch.nn.utils.clip_grads_with_norm_'s arithmetic, on the grads themselves.
                 torch._foreach_mul_(grads, torch.clamp(hyper.grad_clip_norm / (norm + 1e-6), max=1.0))
-            _foreach_adamw(params, grads, exp_avg, exp_avg_sq, step + 1, hyper)
+            for group in _cache_groups(params):
+                _foreach_adamw([params[i] for i in group], [grads[i] for i in group], [exp_avg[i] for i in group],
+                               [exp_avg_sq[i] for i in group], step + 1, hyper)
     _zero_grads(params)
     return StepOutcome(step=step + 1, grad_norm=grad_norm, skipped=False)
+
+
+# AdamW makes ~8 elementwise passes over params, grads and moments. Run on all of an adapter's tensors at once
+# (rank 16 on SmolLM2: 4.9M parameters, 78 MB of state), every pass streams them from DRAM; run group by group,
+# each group's ~2 MB stays in cache across its passes. Elementwise ops per tensor give the same bits either way.
+CACHE_GROUP_BYTES = 2 << 20
+
+
+def _cache_groups(params: list[torch.Tensor]) -> list[list[int]]:
+    groups: list[list[int]] = [[]]
+    size = 0
+    for index, p in enumerate(params):
+        nbytes = 4 * p.numel() * p.element_size()  # param, grad, exp_avg, exp_avg_sq
+        if groups[-1] and size + nbytes > CACHE_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(index)
+        size += nbytes
+    return groups
 
 
 def _foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, step: int, hyper: AdamHyper) -> None:
