@@ -236,7 +236,7 @@ class _RangeDeltas(torch.autograd.Function):
                 h = flat_x[start:end].to(a.dtype).mm(a.t())
                 delta = h.mm(b.t())
                 delta.mul_(scale)
-                flat_out[start:end].add_(delta)
+                flat_out[start:end] += delta
                 hidden.append(h)
         ctx.mark_dirty(output)
         ctx.save_for_backward(x, *weights)
@@ -253,7 +253,13 @@ class _RangeDeltas(torch.autograd.Function):
         grad_weights: list[torch.Tensor | None] = [None] * len(weights)
         grad_x = None
         if ctx.needs_input_grad[1]:
-            grad_x = torch.zeros_like(flat_x)
+            grad_x = torch.empty_like(flat_x)
+            cursor = 0
+            for start, end, _ in ranges:  # rows no adapter touches get exact zeros
+                if start > cursor:
+                    grad_x[cursor:start].zero_()
+                cursor = end
+            grad_x[cursor:].zero_()
         with _threads_for(ranges, weights):
             for index, (start, end, scale) in enumerate(ranges):
                 a, b = weights[2 * index], weights[2 * index + 1]
@@ -264,7 +270,7 @@ class _RangeDeltas(torch.autograd.Function):
                 if ctx.needs_input_grad[3 + 2 * index]:
                     grad_weights[2 * index] = gh.t().mm(flat_x[start:end].to(a.dtype))
                 if grad_x is not None:
-                    grad_x[start:end] = gh.mm(a)
+                    torch.mm(gh, a, out=grad_x[start:end])
         ctx.hidden = None
         return (grad, None if grad_x is None else grad_x.view(x.shape), None, *grad_weights)
 

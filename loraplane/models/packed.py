@@ -28,9 +28,20 @@ def _packed_attention(module, query, key, value, attention_mask, dropout: float 
     if lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    runs = _runs(lengths)
+    if len(runs) == 1 and runs[0][0] * runs[0][1] == query.shape[2]:
+        # One run covers the whole pack: no slices (a full-range slice still costs a zero-filled gradient).
+        length, count = runs[0]
+        if count == 1:
+            return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                          is_causal=True)
+        out, _ = sdpa_attention_forward(module, _as_batch(query, count), _as_batch(key, count),
+                                        _as_batch(value, count), None, dropout=dropout, scaling=scaling,
+                                        is_causal=True)
+        return out.reshape(1, length * count, *out.shape[2:]), None
     outputs = []
     start = 0
-    for length, count in _runs(lengths):
+    for length, count in runs:
         end = start + length * count
         if count == 1:
             out, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],

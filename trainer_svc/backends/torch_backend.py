@@ -80,7 +80,8 @@ class TorchBackend(TrainerBackend):
             # and one log-softmax over the real tokens: a projection per datum streams the whole lm_head weight
             # from memory once per datum. Both are row-wise, so each token's logprob is the same whatever else is
             # in the batch, as for every other linear layer here.
-            logits = self.base.model.get_output_embeddings()(hidden)[:cursor].float()
+            logits = self.base.model.get_output_embeddings()(hidden)
+            logits = (logits if cursor == logits.shape[0] else logits[:cursor]).float()
             token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
             del logits
             item_losses = []
