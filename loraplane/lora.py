@@ -313,7 +313,9 @@ def _apply_routing(routing: _Routing, key, x: torch.Tensor, output: torch.Tensor
         pair = None if first is None else _module_tensors(first, key)
         if pair is None:
             return output
-        return output + _delta(x, pair, first.scale, output.dtype)
+        rows_total = x.numel() // x.shape[-1]
+        with _threads_for([(0, rows_total, first.scale)], pair):
+            return output + _delta(x, pair, first.scale, output.dtype)
     if routing._row_groups is None:
         groups: dict[int, tuple[AdapterTensors, list[int]]] = {}
         for index, adapter in enumerate(rows):
