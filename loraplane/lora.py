@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplane.errors import InvalidArgument
+from loraplane.threads import one_thread, share_work
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -223,21 +224,25 @@ class _RangeDeltas(torch.autograd.Function):
     """Adds every routed adapter's delta to its own token range of one projection's output, in place:
     out[s:e] += scale * (x[s:e] A^T) B^T (PEFT's order of operations), with the backward autograd would run for
     that expression (same products, same order), for all ranges in one node. Each range's products see exactly its
-    own rows, so a range's results do not depend on what else shares the batch."""
+    own rows, so a range's results do not depend on what else shares the batch; small ranges run on one thread
+    each (see SINGLE_THREAD_MACS), shared between the calling thread and a helper thread."""
 
     @staticmethod
     def forward(ctx, output, x, ranges, *weights):
         flat_x = x.reshape(-1, x.shape[-1])
         flat_out = output.view(-1, output.shape[-1])
-        hidden = []
-        with _threads_for(ranges, weights):
-            for index, (start, end, scale) in enumerate(ranges):
-                a, b = weights[2 * index], weights[2 * index + 1]
-                h = flat_x[start:end].to(a.dtype).mm(a.t())
-                delta = h.mm(b.t())
-                delta.mul_(scale)
-                flat_out[start:end] += delta
-                hidden.append(h)
+        hidden: list[torch.Tensor | None] = [None] * len(ranges)
+
+        def one(index: int) -> None:
+            start, end, scale = ranges[index]
+            a, b = weights[2 * index], weights[2 * index + 1]
+            h = flat_x[start:end].to(a.dtype).mm(a.t())
+            delta = h.mm(b.t())
+            delta.mul_(scale)
+            flat_out[start:end] += delta
+            hidden[index] = h
+
+        _run_ranges(ranges, weights, one)
         ctx.mark_dirty(output)
         ctx.save_for_backward(x, *weights)
         ctx.ranges = ranges
@@ -260,35 +265,50 @@ class _RangeDeltas(torch.autograd.Function):
                     grad_x[cursor:start].zero_()
                 cursor = end
             grad_x[cursor:].zero_()
-        with _threads_for(ranges, weights):
-            for index, (start, end, scale) in enumerate(ranges):
-                a, b = weights[2 * index], weights[2 * index + 1]
-                g = flat_grad[start:end].to(b.dtype) * scale
-                if ctx.needs_input_grad[4 + 2 * index]:
-                    grad_weights[2 * index + 1] = g.t().mm(hidden[index])
-                gh = g.mm(b)
-                if ctx.needs_input_grad[3 + 2 * index]:
-                    grad_weights[2 * index] = gh.t().mm(flat_x[start:end].to(a.dtype))
-                if grad_x is not None:
-                    torch.mm(gh, a, out=grad_x[start:end])
+        needs = ctx.needs_input_grad
+
+        def one(index: int) -> None:
+            start, end, scale = ranges[index]
+            a, b = weights[2 * index], weights[2 * index + 1]
+            g = flat_grad[start:end].to(b.dtype) * scale
+            if needs[4 + 2 * index]:
+                grad_weights[2 * index + 1] = g.t().mm(hidden[index])
+            gh = g.mm(b)
+            if needs[3 + 2 * index]:
+                grad_weights[2 * index] = gh.t().mm(flat_x[start:end].to(a.dtype))
+            if grad_x is not None:
+                torch.mm(gh, a, out=grad_x[start:end])
+
+        _run_ranges(ranges, weights, one)
         ctx.hidden = None
         return (grad, None if grad_x is None else grad_x.view(x.shape), None, *grad_weights)
 
 
+def _is_small(start: int, end: int, a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device.type == "cpu" and (end - start) * (a.shape[1] + b.shape[0]) * a.shape[0] <= SINGLE_THREAD_MACS
+
+
+def _run_ranges(ranges, weights, one) -> None:
+    """Runs one(i) for every range: large ranges with the intra-op threads, small ones one thread each. The
+    decision is per range (its own rows and shapes), so it is the same whatever else shares the batch."""
+    small = []
+    for index, (start, end, _) in enumerate(ranges):
+        if _is_small(start, end, weights[2 * index], weights[2 * index + 1]):
+            small.append(index)
+        else:
+            one(index)
+    if small:
+        share_work(small, one)
+
+
 @contextlib.contextmanager
 def _threads_for(ranges, weights) -> Iterator[None]:
-    threads = torch.get_num_threads()
     a, b = weights[0], weights[1]
-    largest = max(end - start for start, end, _ in ranges)
-    if a.device.type != "cpu" or threads == 1 or largest * (a.shape[1] + b.shape[0]) * a.shape[0] > SINGLE_THREAD_MACS:
+    if all(_is_small(start, end, a, b) for start, end, _ in ranges):
+        with one_thread(torch.get_num_threads()):
+            yield
+    else:
         yield
-        return
-    # Per calling thread: OpenMP's thread count and MKL's local one are thread-local settings.
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _apply_routing(routing: _Routing, key, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplane.errors import InvalidArgument
+from loraplane.threads import share_work
 
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
@@ -87,9 +88,17 @@ def adamw_step(params: list[torch.Tensor], exp_avg: list[torch.Tensor], exp_avg_
             if hyper.grad_clip_norm > 0:
                 # torch.nn.utils.clip_grads_with_norm_'s arithmetic, on the grads themselves.
                 torch._foreach_mul_(grads, torch.clamp(hyper.grad_clip_norm / (norm + 1e-6), max=1.0))
-            for group in _cache_groups(params):
+            def one(group: list[int]) -> None:
                 _foreach_adamw([params[i] for i in group], [grads[i] for i in group], [exp_avg[i] for i in group],
                                [exp_avg_sq[i] for i in group], step + 1, hyper)
+
+            groups = _cache_groups(params)
+            if params[0].device.type == "cpu":
+                # Per-tensor kernels this small run single-threaded anyway: two threads take groups in turn.
+                share_work(groups, one)
+            else:
+                for group in groups:
+                    one(group)
     _zero_grads(params)
     return StepOutcome(step=step + 1, grad_norm=grad_norm, skipped=False)
 
