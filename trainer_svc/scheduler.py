@@ -37,6 +37,8 @@ FUSABLE = frozenset({"forward_backward", "forward"})
 REJECTED = "rejected"
 # A lane that submitted a fusable job this recently is expected to send another: the batch window waits for it.
 ACTIVE_LANE_S = 30.0
+# The longest a batch keeps gathering, in batch windows from its leader's arrival.
+GATHER_LIMIT = 20
 # Failures that say nothing about the request itself: the seq_id is not consumed and a retry runs it again.
 TRANSIENT = (Unavailable, DeadlineExceeded, ResourceExhausted)
 
@@ -283,12 +285,12 @@ class Scheduler:
     def _gather_wait(self) -> float:
         """Seconds the next fusable batch should still wait for more adapters to join (0 = form it now).
 
-        The window runs from the arrival of the job that would lead the batch, so a worker that was busy while
-        requests queued never waits again: it takes everything queued at once. Only lanes that submitted a
-        fusable job within ACTIVE_LANE_S count as possible joiners; once all of them (or max_fused_adapters)
-        have a head of the leader's kind queued, nothing is gained by waiting. Forming the batch only after the
-        window matters: concurrent clients' requests arrive a few hundred microseconds apart, and a batch formed at
-        the first arrival would run that one alone and the rest as a second batch."""
+        Forming the batch only after the window matters: a client's tenants' requests arrive a millisecond or so
+        apart, and a batch formed at the first arrival runs that one alone and the rest as a second batch. The
+        window restarts with every joiner (up to GATHER_LIMIT windows after the leader arrived), so requests that
+        queued while the worker was busy run at once. Only lanes that submitted a fusable job within
+        ACTIVE_LANE_S count as possible joiners; once all of them (or max_fused_adapters) have a head of the
+        leader's kind queued, nothing is gained by waiting."""
         if not self.batch_window_s:
             return 0.0
         leader = None
@@ -299,22 +301,24 @@ class Scheduler:
                 break
         if leader is None or leader.kind not in FUSABLE:
             return 0.0
-        remaining = leader.arrived + self.batch_window_s - time.monotonic()
-        if remaining <= 0:
-            return 0.0
         now = time.monotonic()
         ready = 0
         active = 0
+        latest = leader.arrived
         for adapter, lane in self._lanes.items():
             head = lane.pending.get(lane.next_seq)
             if head is not None and head.kind == leader.kind:
                 ready += 1
                 active += 1
+                latest = max(latest, head.arrived)
             elif lane.last_fusable is not None and now - lane.last_fusable < ACTIVE_LANE_S:
                 active += 1
         if ready >= min(self.max_fused_adapters, active):
             return 0.0
-        return remaining
+        # The window restarts with every joiner (a client sends its tenants' requests one after another, each a
+        # millisecond or so apart), up to GATHER_LIMIT windows after the leader arrived.
+        deadline = min(latest + self.batch_window_s, leader.arrived + GATHER_LIMIT * self.batch_window_s)
+        return max(0.0, deadline - now)
 
     def _head(self, adapter: str) -> Job | None:
         lane = self._lanes[adapter]
