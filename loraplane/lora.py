@@ -277,7 +277,10 @@ class _RangeDeltas(torch.autograd.Function):
             if needs[3 + 2 * index]:
                 grad_weights[2 * index] = gh.t().mm(flat_x[start:end].to(a.dtype))
             if grad_x is not None:
-                torch.mm(gh, a, out=grad_x[start:end])
+                if grad_x.dtype == a.dtype:
+                    torch.mm(gh, a, out=grad_x[start:end])
+                else:  # fp32 adapters on a bf16/fp16 base model
+                    grad_x[start:end] = gh.mm(a)
 
         _run_ranges(ranges, weights, one)
         ctx.hidden = None

@@ -9,6 +9,7 @@ more pieces itself.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
@@ -63,10 +64,21 @@ class _Shared:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="loraplane-helper", daemon=True)
                     self._thread.start()
+                    # Ended before the interpreter finalizes: a thread still parked in torch/OpenMP state while
+                    # the C++ runtime tears down can abort the process at exit.
+                    atexit.register(self._stop)
+
+    def _stop(self) -> None:
+        thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout=5)
 
     def _loop(self) -> None:
         while True:
             job = self._queue.get()
+            if job is None:
+                return
             with one_thread(torch.get_num_threads()), torch.inference_mode(job.inference), \
                     torch.set_grad_enabled(job.grad):
                 job.work()
