@@ -485,7 +485,7 @@ def main(argv=None) -> dict:
             try:
                 driver = DirectDriver(backend, backend_kind, limits) if mode == "direct" else (
                     GrpcDriver(backend, backend_kind, limits, work / "grpc"))
-            except Exception as exc:  # e.g. no Valkey/SeaweedFS binaries on the GPU machine
+            except Exception as exc:  # noqa: BLE001 - e.g. no Valkey/SeaweedFS binaries on the GPU machine
                 notes.append(f"{mode}: not run ({type(exc).__name__}: {exc})")
                 continue
             closers.append(driver.close)

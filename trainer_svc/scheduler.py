@@ -35,6 +35,10 @@ FUSABLE = frozenset({"forward_backward", "forward"})
 # The kind of a request that failed validation: it runs in its seq_id's turn, changes nothing, and its error is
 # that seq_id's recorded outcome (the payload is the error).
 REJECTED = "rejected"
+# A lane that submitted a fusable job this recently is expected to send another: the batch window waits for it.
+ACTIVE_LANE_S = 30.0
+# The longest a batch keeps gathering, in batch windows from its leader's arrival.
+GATHER_LIMIT = 20
 # Failures that say nothing about the request itself: the seq_id is not consumed and a retry runs it again.
 TRANSIENT = (Unavailable, DeadlineExceeded, ResourceExhausted)
 
@@ -61,6 +65,8 @@ class _Lane:
     pending: dict[int, Job] = field(default_factory=dict)
     done: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # seq -> (hash, future)
     waiting_since: float | None = None
+    # When this adapter last submitted a fusable job (the batch window waits only for lanes in use).
+    last_fusable: float | None = None
 
 
 @dataclass
@@ -176,6 +182,8 @@ class Scheduler:
                     f"{self.max_queue_per_adapter}); retry later", field="seq_id")
             lane.pending[job.seq_id] = job
             self._queued += 1
+            if job.kind in FUSABLE:
+                lane.last_fusable = job.arrived
             if job.seq_id != lane.next_seq and lane.waiting_since is None:
                 lane.waiting_since = time.monotonic()
             self._cond.notify_all()
@@ -229,12 +237,19 @@ class Scheduler:
                         control = self._control.popleft()
                         batch = None
                         break
+                    timeout = self._wait_timeout()
                     if not self._held:
+                        gather = self._gather_wait()
+                        if gather > 0:
+                            # A fusable batch forms now but others are likely to join within the window: wait
+                            # for them (woken early by each arrival) and form the batch afterwards.
+                            self._cond.wait(timeout=min(gather, timeout))
+                            continue
                         batch = self._next_batch()
                         if batch:
                             control = None
                             break
-                    self._cond.wait(timeout=self._wait_timeout())
+                    self._cond.wait(timeout=timeout)
             if control is not None:
                 fn, future = control
                 try:
@@ -242,8 +257,6 @@ class Scheduler:
                 except BaseException as exc:  # noqa: BLE001 - delivered to the caller
                     future.set_exception(exc)
                 continue
-            if self.batch_window_s and batch[0].kind in FUSABLE and len(batch) < self.max_fused_adapters:
-                time.sleep(self.batch_window_s)
             self._run_batch(batch)
 
     def _wait_timeout(self) -> float:
@@ -268,6 +281,44 @@ class Scheduler:
                         f"{lane.next_seq}, which never arrived; resend from seq_id {lane.next_seq}",
                         field="seq_id"))
             lane.waiting_since = None
+
+    def _gather_wait(self) -> float:
+        """Seconds the next fusable batch should still wait for more adapters to join (0 = form it now).
+
+        Forming the batch only after the window matters: a client's tenants' requests arrive a millisecond or so
+        apart, and a batch formed at the first arrival runs that one alone and the rest as a second batch. The
+        window restarts with every joiner (up to GATHER_LIMIT windows after the leader arrived), so requests that
+        queued while the worker was busy run at once. Only lanes that submitted a fusable job within
+        ACTIVE_LANE_S count as possible joiners; once all of them (or max_fused_adapters) have a head of the
+        leader's kind queued, nothing is gained by waiting."""
+        if not self.batch_window_s:
+            return 0.0
+        leader = None
+        for adapter in self._rotation:
+            head = self._head(adapter)
+            if head is not None:
+                leader = head
+                break
+        if leader is None or leader.kind not in FUSABLE:
+            return 0.0
+        now = time.monotonic()
+        ready = 0
+        active = 0
+        latest = leader.arrived
+        for adapter, lane in self._lanes.items():
+            head = lane.pending.get(lane.next_seq)
+            if head is not None and head.kind == leader.kind:
+                ready += 1
+                active += 1
+                latest = max(latest, head.arrived)
+            elif lane.last_fusable is not None and now - lane.last_fusable < ACTIVE_LANE_S:
+                active += 1
+        if ready >= min(self.max_fused_adapters, active):
+            return 0.0
+        # The window restarts with every joiner (a client sends its tenants' requests one after another, each a
+        # millisecond or so apart), up to GATHER_LIMIT windows after the leader arrived.
+        deadline = min(latest + self.batch_window_s, leader.arrived + GATHER_LIMIT * self.batch_window_s)
+        return max(0.0, deadline - now)
 
     def _head(self, adapter: str) -> Job | None:
         lane = self._lanes[adapter]

@@ -28,15 +28,54 @@ def _packed_attention(module, query, key, value, attention_mask, dropout: float 
     if lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    runs = _runs(lengths)
+    if len(runs) == 1 and runs[0][0] * runs[0][1] == query.shape[2]:
+        # One run covers the whole pack: no slices (a full-range slice still costs a zero-filled gradient).
+        length, count = runs[0]
+        if count == 1:
+            return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                          is_causal=True)
+        out, _ = sdpa_attention_forward(module, _as_batch(query, count), _as_batch(key, count),
+                                        _as_batch(value, count), None, dropout=dropout, scaling=scaling,
+                                        is_causal=True)
+        return out.reshape(1, length * count, *out.shape[2:]), None
     outputs = []
     start = 0
-    for length in lengths:
-        end = start + length
-        out, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                        None, dropout=dropout, scaling=scaling, is_causal=True)
+    for length, count in runs:
+        end = start + length * count
+        if count == 1:
+            out, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
+                                            value[:, :, start:end], None, dropout=dropout, scaling=scaling,
+                                            is_causal=True)
+        else:
+            # A run of equal-length datums attends as one (count, H, T, D) batch: each batch entry is computed
+            # exactly as that datum alone (SDPA's CPU kernel works per (batch, head, query block); checked bit for
+            # bit in tests/unit/test_lora.py), in one call instead of `count`.
+            out, _ = sdpa_attention_forward(module, _as_batch(query[:, :, start:end], count),
+                                            _as_batch(key[:, :, start:end], count),
+                                            _as_batch(value[:, :, start:end], count), None, dropout=dropout,
+                                            scaling=scaling, is_causal=True)
+            out = out.reshape(1, end - start, *out.shape[2:])  # (count, T, H, D) -> (1, count*T, H, D)
         outputs.append(out)
         start = end
-    return torch.cat(outputs, dim=1), None
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(length, count) for each run of consecutive equal lengths."""
+    runs: list[tuple[int, int]] = []
+    for length in lengths:
+        if runs and runs[-1][0] == length:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    return runs
+
+
+def _as_batch(tensor: torch.Tensor, count: int) -> torch.Tensor:
+    """(1, H, count*T, D) -> (count, H, T, D), each datum its own batch entry."""
+    _, heads, total, dim = tensor.shape
+    return tensor.reshape(heads, count, total // count, dim).transpose(0, 1)
 
 
 def _packed_mask(*args, **kwargs):

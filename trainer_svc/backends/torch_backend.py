@@ -9,9 +9,10 @@ adapter's request alone (fp32, CPU), which we verified empirically for this CPU'
   tiny: M < 12 takes other kernels whose rounding differs. We therefore pad every packed batch to at least
   MIN_PACKED_TOKENS tokens with a dummy segment (no adapter, attention to itself only).
 * Attention is computed per datum on that datum's own (1, H, T, D) tensors, so padding never changes the key length
-  (a padded SDPA call rounds differently from an unpadded one).
+  (a padded SDPA call rounds differently from an unpadded one); a run of equal-length datums goes through SDPA as
+  one (count, H, T, D) batch, which computes each entry exactly as alone.
 * Each adapter's LoRA matmuls (forward and weight gradients) see exactly its own tokens in the same order, fused or
-  not. The lm_head + log-softmax run per datum, so their shapes are also independent of the batch.
+  not. The lm_head and log-softmax are row-wise like every other linear layer: one projection for all tokens.
 * One backward over the sum of the items' losses: d(sum)/d(loss_i) = 1, and every per-token quantity is reached
   only through its own datum, so each adapter gets the gradient it would get alone (sums with exact zeros from
   other adapters' ranges leave values unchanged).
@@ -70,40 +71,57 @@ class TorchBackend(TrainerBackend):
             lengths.append(filler)
         input_ids = torch.cat(inputs).to(device).unsqueeze(0)
         position_ids = packed_position_ids(lengths, device=device)
+        targets = torch.cat([datum.target_tokens for item in items for datum in item.data]).to(device)
         grad_mode = torch.enable_grad() if backward else torch.no_grad()
         with grad_mode, packed_sequences(lengths), lora_segments(self.base.model, segments):
             hidden = self.base.model.model(input_ids=input_ids, position_ids=position_ids,
                                            use_cache=False).last_hidden_state[0]
-            lm_head = self.base.model.get_output_embeddings()
-            results: list[ItemResult] = []
-            total = None
-            cursor = 0
+            # One vocabulary projection over the whole packed batch (filler included, so it too sees >= 16 rows)
+            # and one log-softmax over the real tokens: a projection per datum streams the whole lm_head weight
+            # from memory once per datum. Both are row-wise, so each token's logprob is the same whatever else is
+            # in the batch, as for every other linear layer here.
+            logits = self.base.model.get_output_embeddings()(hidden)
+            logits = (logits if cursor == logits.shape[0] else logits[:cursor]).float()
+            token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+            del logits
+            item_losses = []
+            datum_losses_detached = []
+            start = 0
             for item in items:
-                outputs: list[DatumResult] = []
                 datum_losses = []
-                token_count = 0
                 for datum in item.data:
-                    end = cursor + datum.length
-                    logits = lm_head(hidden[cursor:end]).float()
-                    cursor = end
-                    targets = datum.target_tokens.to(device)
-                    lp = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+                    end = start + datum.length
                     loss = elementwise_loss(
-                        item.loss_fn, item.loss_config, lp,
+                        item.loss_fn, item.loss_config, token_logprobs[start:end],
                         weights=_on(datum.weights, device), q=_on(datum.logprobs, device),
                         advantages=_on(datum.advantages, device))
                     datum_losses.append(loss.sum())
-                    token_count += datum.length
-                    outputs.append(DatumResult(lp.detach().cpu().tolist(), loss.detach().cpu().tolist()))
-                item_loss = torch.stack(datum_losses).sum()
-                total = item_loss if total is None else total + item_loss
-                results.append(ItemResult(outputs, {
-                    "loss:sum": float(item_loss.detach()),
-                    "num_tokens:sum": float(token_count),
-                    "num_datums:sum": float(len(item.data)),
-                }))
-            if backward and total is not None and total.requires_grad:
-                total.backward()
+                    datum_losses_detached.append(loss.detach())
+                    start = end
+                item_losses.append(torch.stack(datum_losses).sum())
+            if backward:
+                total = None
+                for item_loss in item_losses:
+                    total = item_loss if total is None else total + item_loss
+                if total is not None and total.requires_grad:
+                    total.backward()
+        # Host values in one transfer each; the per-datum lists are slices of them.
+        logprob_values = token_logprobs.detach().cpu().tolist()
+        loss_values = torch.cat(datum_losses_detached).cpu().tolist()
+        item_sums = torch.stack([loss.detach() for loss in item_losses]).cpu().tolist()
+        results: list[ItemResult] = []
+        start = 0
+        for item, item_sum in zip(items, item_sums):
+            outputs = []
+            for datum in item.data:
+                end = start + datum.length
+                outputs.append(DatumResult(logprob_values[start:end], loss_values[start:end]))
+                start = end
+            results.append(ItemResult(outputs, {
+                "loss:sum": float(item_sum),
+                "num_tokens:sum": float(sum(datum.length for datum in item.data)),
+                "num_datums:sum": float(len(item.data)),
+            }))
         return results
 
 

@@ -304,7 +304,7 @@ def _lora_forward_mid(x, plan):
     routing, layer, hook = plan
     lora = routing.lora
     cd = lora.compute_dtype
-    seq, batch, width = x.shape
+    _seq, batch, width = x.shape
     x2 = (x if x.dtype == cd else x.to(cd)).reshape(-1, width)
     a = routing.weights[a_class_name(hook)][layer].reshape(-1, width)  # [G * Σr, in]
     mid = x2 @ a.t()
