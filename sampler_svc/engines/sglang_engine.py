@@ -210,7 +210,7 @@ class SGLangEngine(Engine):
         # serves come from its checkpoint directory, so none are loaded here (an 8B model would cost 32 GB of host
         # memory and a minute for three numbers).
         base = await asyncio.to_thread(_base_model_facts, self._base_model_name)
-        self._checkpoint_dtype = str(getattr(base.config, "torch_dtype", None) or getattr(base.config, "dtype", "")
+        self._checkpoint_dtype = str(getattr(base.config, "dtype", None) or getattr(base.config, "torch_dtype", "")
                                      ).removeprefix("torch.")
         self._vocab_size = base.vocab_size
         self._max_context = base.max_context_length

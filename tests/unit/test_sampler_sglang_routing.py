@@ -15,7 +15,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 import torch
 
 from loraplane import errors
