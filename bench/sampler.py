@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -303,6 +304,10 @@ async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
         await registry.stop()
         seaweed.stop()
         valkey.stop()
+        server_log = workdir / "sglang" / "server-0.log"
+        if server_log.exists():
+            (REPO / "bench" / "results").mkdir(parents=True, exist_ok=True)
+            shutil.copy(server_log, REPO / "bench" / "results" / f"sglang_server_{shape}.log")
 
     def summary(values: list[float]) -> dict:
         return {"p50": round(percentile(values, 50) * 1e3, 1), "min": round(min(values) * 1e3, 1),

@@ -63,6 +63,8 @@ class SGLangServer:
     tensor_loads: bool | None = None
     tp_size: int = 1
     dtype: str = "auto"
+    # SGLang's --max-loaded-loras: past it SGLang itself would evict its least recently used name (0: unknown).
+    max_loaded: int = 0
 
 
 TRANSPORTS = ("tensors", "file")
@@ -237,6 +239,7 @@ class SGLangEngine(Engine):
         if status == 200 and isinstance(body, dict):
             server.tp_size = max(1, int(body.get("tp_size") or 1))
             server.dtype = str(body.get("dtype") or "auto")
+            server.max_loaded = int(body.get("max_loaded_loras") or 0)
 
     async def _drop_leftovers(self, server: SGLangServer) -> None:
         """A server given by URL may still hold names a previous sampler loaded (it crashed, or restarted). Only
@@ -328,6 +331,12 @@ class SGLangEngine(Engine):
             raise errors.FailedPrecondition(
                 f"{key} has rank {spec.rank}; the SGLang servers allow at most {self.max_lora_rank}", field="adapter")
         server = min(self.servers, key=lambda s: len(s.adapters))
+        if server.max_loaded and len(server.adapters) >= server.max_loaded:
+            # SGLang would make room by evicting a name on its own, behind the manager's back (and a version that
+            # came as tensors cannot be reloaded from anywhere): the manager's max_loaded must stay within this.
+            raise errors.ResourceExhausted(
+                f"every SGLang server holds its --max-loaded-loras ({server.max_loaded}) adapter versions; "
+                f"unload some or raise the limit", field="adapter")
         status, body = None, None
         if self.adapter_transport == "tensors" and server.tensor_loads is not False:
             request = await asyncio.to_thread(self._tensor_request, key, params, spec, base_name, server)

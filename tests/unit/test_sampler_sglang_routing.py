@@ -38,7 +38,8 @@ class FakeSGLang:
     """Records every call; /generate answers one fixed token per sample with logprob -1. `tensor_endpoint=False`
     plays a server older than /load_lora_adapter_from_tensors (FastAPI's 404)."""
 
-    def __init__(self, *, tensor_endpoint: bool = True, tp_size: int = 1, dtype: str = "auto"):
+    def __init__(self, *, tensor_endpoint: bool = True, tp_size: int = 1, dtype: str = "auto",
+                 max_loaded_loras: int = 8):
         self.calls: list[tuple[str, dict]] = []
         self.loaded: set[str] = set()
         # name -> one dict of tensors per TP rank copy, as the server would deserialize them
@@ -60,7 +61,8 @@ class FakeSGLang:
 
             def do_GET(self):
                 if self.path == "/server_info":
-                    return self._reply(200, {"tp_size": tp_size, "dtype": dtype})
+                    return self._reply(200, {"tp_size": tp_size, "dtype": dtype,
+                                             "max_loaded_loras": max_loaded_loras})
                 self._reply(200, {})
 
             def do_POST(self):
@@ -257,3 +259,22 @@ def test_base_model_facts_without_weights_match_the_loaded_model(tmp_path):
     assert facts.model.device.type == "meta"  # no weights read
     for name in ("vocab_size", "max_context_length", "eos_token_ids", "num_layers", "hidden_size", "module_dims"):
         assert getattr(facts, name) == getattr(loaded, name), name
+
+
+async def test_never_loads_past_sglangs_own_limit_so_sglang_never_evicts_behind_the_manager(tmp_path):
+    fake = FakeSGLang(max_loaded_loras=2)
+    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path)
+    await engine.start()
+    try:
+        await engine.load_adapter("a@v1", adapter_blob(1))
+        await engine.load_adapter("b@v1", adapter_blob(2))
+        sent = len(fake.calls)
+        with pytest.raises(errors.ResourceExhausted):
+            await engine.load_adapter("c@v1", adapter_blob(3))
+        assert len(fake.calls) == sent and "c@v1" not in engine.loaded_names
+        await engine.unload_adapter("a@v1")
+        await engine.load_adapter("c@v1", adapter_blob(3))
+        assert fake.loaded == {"b@v1", "c@v1"}
+    finally:
+        await engine.stop()
+        fake.http.shutdown()
