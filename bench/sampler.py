@@ -15,9 +15,8 @@ decode-only counters.
 
 `--engine sglang --shape smollm2|llama8b` instead measures publish -> first sample for both ways a version reaches
 SGLang, alternately on one server: in the request body (`/load_lora_adapter_from_tensors`) and as a PEFT directory
-(`/load_lora_adapter`). The model is a config-only directory in that shape served with `--load-format dummy`
-(random weights: load speed does not depend on their values); it first checks that one blob loaded both ways gives
-identical greedy tokens and logprobs.
+(`/load_lora_adapter`). The model has random bf16 weights in that shape (load speed does not depend on their values);
+it first checks that one blob loaded both ways gives identical greedy tokens and logprobs.
     python bench/sampler.py --engine sglang --shape llama8b --iterations 6
 """
 
@@ -200,14 +199,24 @@ async def decode_throughput(model: str, tokens: int, repeats: int, engine_name: 
 
 
 def write_shape_dir(shape: str, directory: Path) -> None:
-    """config.json (bf16) + a small byte-level tokenizer: requests carry token ids, SGLang makes dummy weights."""
-    from transformers import LlamaConfig
+    """A random-weight bf16 Llama of the shape (built on the GPU) + a small byte-level tokenizer (requests carry token
+    ids). Real files, not `--load-format dummy`: SGLang loads LoRA directories with the server's load format."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from loraplane.models.tiny import build_tiny_tokenizer
 
-    directory.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(**SHAPES[shape][0], torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2).save_pretrained(directory)
+    if (directory / "config.json").is_file():
+        return
+    config = LlamaConfig(**SHAPES[shape][0], torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+                         architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
     build_tiny_tokenizer().save_pretrained(directory)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the memory goes to the SGLang server started next
 
 
 async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
@@ -215,8 +224,10 @@ async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
     from sampler_svc.engines.base import GenerationRequest, SamplingOptions
     from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
 
-    model_dir = workdir / f"model-{shape}"
+    model_dir = workdir.parent / f"lp-model-{shape}"  # kept across runs on one machine
+    started = time.perf_counter()
     write_shape_dir(shape, model_dir)
+    model_write_s = time.perf_counter() - started
     rank = SHAPES[shape][1]
     valkey = valkey_server(workdir / "valkey")
     seaweed = seaweed_s3_server(workdir / "seaweed")
@@ -228,8 +239,8 @@ async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
     registry = await start_registry_server(settings)
     engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=workdir / "sglang", max_lora_rank=rank,
                           max_loras_per_batch=4, max_loaded_loras=8,
-                          extra_server_args=["--load-format", "dummy", "--mem-fraction-static", "0.5",
-                                             "--disable-cuda-graph", "--skip-tokenizer-init"])
+                          extra_server_args=["--mem-fraction-static", "0.5", "--disable-cuda-graph",
+                                             "--skip-tokenizer-init"])
     started = time.perf_counter()
     sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=str(model_dir),
                                          instance_id="bench", engine=engine, keep_versions=2, max_loaded=6)
@@ -304,10 +315,6 @@ async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
         await registry.stop()
         seaweed.stop()
         valkey.stop()
-        server_log = workdir / "sglang" / "server-0.log"
-        if server_log.exists():
-            (REPO / "bench" / "results").mkdir(parents=True, exist_ok=True)
-            shutil.copy(server_log, REPO / "bench" / "results" / f"sglang_server_{shape}.log")
 
     def summary(values: list[float]) -> dict:
         return {"p50": round(percentile(values, 50) * 1e3, 1), "min": round(min(values) * 1e3, 1),
@@ -316,7 +323,7 @@ async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
     return {
         "shape": shape, "rank": rank, "adapter_mb": round(len(blob) / 1e6, 1), "iterations": iterations,
         "server": {"tp_size": server.tp_size, "dtype": server.dtype, "tensor_loads": server.tensor_loads},
-        "sampler_startup_s": round(startup_s, 1),
+        "sampler_startup_s": round(startup_s, 1), "model_write_s": round(model_write_s, 1),
         "same_greedy_tokens_both_ways": same_tokens, "max_logprob_diff_both_ways": max_logprob_diff,
         **{transport: {name: summary(values) for name, values in parts.items()} for transport, parts in
            results.items()},
@@ -338,8 +345,10 @@ def main() -> None:
                         help="sglang only: tensors vs files publish -> first sample on a dummy-weight model this shape")
     args = parser.parse_args()
     if args.shape:
-        with tempfile.TemporaryDirectory(prefix="bench-sampler-load-") as workdir:
-            result = asyncio.run(sglang_load_paths(args.shape, args.iterations, Path(workdir)))
+        # A fixed folder, kept: the SGLang server's log is there when something fails.
+        workdir = Path(tempfile.gettempdir()) / f"lp-bench-load-{args.shape}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir))
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         print(json.dumps(result, indent=2))
         for transport in ("tensors", "file"):

@@ -31,16 +31,20 @@ case "$mode" in
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgsite "$work"/*.whl || exit 3
       rm -rf "$work"
     fi
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sgsite \
-      "$WH"/lpx/wheels/*.whl || exit 3
-    mkdir -p /tmp/sgsite/bin && xz -dc "$WH"/lpx/weed.xz > /tmp/sgsite/bin/weed && chmod +x /tmp/sgsite/bin/weed || exit 3
+    if [ ! -x /tmp/sgsite/bin/weed ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sgsite \
+        "$WH"/lpx/wheels/*.whl || exit 3
+      mkdir -p /tmp/sgsite/bin && xz -dc "$WH"/lpx/weed.xz > /tmp/sgsite/bin/.weed && chmod +x /tmp/sgsite/bin/.weed \
+        && mv /tmp/sgsite/bin/.weed /tmp/sgsite/bin/weed || exit 3
+    fi
     python3 -c "import sglang, aiohttp, redis, minio, torch; from loraplane.local.processes import valkey_binary, weed_binary; print(sglang.__version__, aiohttp.__version__, torch.__version__, valkey_binary(), weed_binary())" ;;
   load)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 bench/sampler.py --engine sglang --shape "$1" --iterations "${2:-6}" 2>&1 \
       | grep -v -i -E "warn|Loading weights" | tee "$OUT/load_$1.log"
     cp bench/results/sampler_sglang_load_$1.json "$OUT/" 2>/dev/null
-    tail -80 bench/results/sglang_server_$1.log > "$OUT/sglang_server_$1.log" 2>/dev/null ;;
+    grep -v -E "^\s*$" /tmp/lp-bench-load-$1/sglang/server-0.log | tail -150 > "$OUT/sglang_server_$1.log" 2>/dev/null
+    tail -25 "$OUT/sglang_server_$1.log" ;;
   install)
     work=$(mktemp -d)
     cat /tmp/sgparts/p* | tar xf - -C "$work" || exit 3
