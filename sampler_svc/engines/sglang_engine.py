@@ -1,9 +1,14 @@
 """Drives one or more SGLang servers (0.5.x) over their HTTP API.
 
-Each adapter version is loaded under its own name (`<adapter>@v<N>`: SGLang cannot replace a loaded name). It goes
-to SGLang in the request body (`/load_lora_adapter_from_tensors`, SGLang >= 0.5.8): no file is written or read. A
-server without that endpoint (HTTP 404/405, or 422 from the older request shape) gets the version as a PEFT
-directory through `/load_lora_adapter` instead, from then on; `adapter_transport="file"` always does that. Requests go to `/generate` with `input_ids`, `lora_path`
+Each adapter version is loaded under its own name (`<adapter>@v<N>`: SGLang cannot replace a loaded name), one of
+two ways (`adapter_transport`):
+- "file": written as a PEFT directory and loaded with `/load_lora_adapter` (the server must see this filesystem);
+- "tensors": sent in the request body to `/load_lora_adapter_from_tensors` (SGLang >= 0.5.8; nothing is written or
+  read, so it works for a server on another host). A server without that endpoint (HTTP 404/405, or 422 from the
+  older request shape) gets files from then on.
+- "auto" (default): files for servers on this host, tensors for the others. On SGLang 0.5.17 over HTTP the tensor
+  path is the slower one on one host (H100, 8B-shape rank-32 adapter: 4.0 s vs 1.2 s; docs/benchmarks.md): the
+  tensors travel base64 in JSON and are pickled twice on the way, while the file path reads the page cache. Requests go to `/generate` with `input_ids`, `lora_path`
 and `return_logprob`. With several servers, a version lives on one server (the one with the fewest loaded adapters
 when it was loaded) and its requests are routed there; base-model requests go round-robin.
 
@@ -67,7 +72,8 @@ class SGLangServer:
     max_loaded: int = 0
 
 
-TRANSPORTS = ("tensors", "file")
+TRANSPORTS = ("auto", "tensors", "file")
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def _no_tensor_endpoint(status: int, body: object) -> bool:
@@ -94,7 +100,7 @@ class SGLangEngine(Engine):
         request_timeout_s: float = 600.0,
         startup_timeout_s: float = 900.0,
         send_seed: bool = True,
-        adapter_transport: str = "tensors",
+        adapter_transport: str = "auto",
     ):
         if not urls and launch_servers < 1:
             raise errors.InvalidArgument("the sglang engine needs server URLs or launch_servers >= 1",
@@ -338,7 +344,7 @@ class SGLangEngine(Engine):
                 f"every SGLang server holds its --max-loaded-loras ({server.max_loaded}) adapter versions; "
                 f"unload some or raise the limit", field="adapter")
         status, body = None, None
-        if self.adapter_transport == "tensors" and server.tensor_loads is not False:
+        if self._sends_tensors(server):
             request = await asyncio.to_thread(self._tensor_request, key, params, spec, base_name, server)
             del params
             status, body = await self._load_call(server, key, "/load_lora_adapter_from_tensors", request)
@@ -351,7 +357,7 @@ class SGLangEngine(Engine):
                 server.tensor_loads = server.tensor_loads or status == 200
         if status is None:
             directory = self._adapter_dir(key)
-            await asyncio.to_thread(materialize_peft_dir, blob, directory)
+            await asyncio.to_thread(_write_peft_dir, blob, spec, base_name, directory)
             status, body = await self._load_call(server, key, "/load_lora_adapter",
                                                  {"lora_name": key, "lora_path": str(directory)})
             if status != 200 or (isinstance(body, dict) and body.get("success") is False):
@@ -362,6 +368,15 @@ class SGLangEngine(Engine):
         server.adapters.add(key)
         self._route[key] = server
         return LoadedAdapterInfo(key=key, rank=spec.rank)
+
+    def _sends_tensors(self, server: SGLangServer) -> bool:
+        if server.tensor_loads is False or self.adapter_transport == "file":
+            return False
+        if self.adapter_transport == "tensors":
+            return True
+        from urllib.parse import urlsplit
+
+        return server.process is None and urlsplit(server.url).hostname not in _LOOPBACK_HOSTS
 
     async def _load_call(self, server: SGLangServer, key: str, path: str, request: dict | bytes
                          ) -> tuple[int, object]:
@@ -531,6 +546,27 @@ class SGLangEngine(Engine):
         outputs = await self._generate_call(server, payload)
         values = _input_logprobs(outputs[0].get("meta_info", {}))
         return values[: len(tokens)]
+
+
+def _write_peft_dir(blob: bytes, spec, base_name: str, directory: Path) -> Path:
+    """The PEFT directory SGLang loads. A float32 blob already is the adapter_model.safetensors SGLang reads (PEFT
+    tensor names; its extra metadata is ignored), so its bytes are written as they are, without parsing and
+    re-serializing them (for an 8B-shape rank-32 adapter, 335 MB, that pair cost as much as SGLang's load).
+    Other dtypes go through materialize_peft_dir, which writes float32 as the tensor path's exactness argument
+    assumes."""
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(bytes(blob[8:8 + header_len]))
+    if any(entry.get("dtype") != "F32" for name, entry in header.items() if name != "__metadata__"):
+        return materialize_peft_dir(blob, directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = peft_adapter_config(spec, base_name)
+    config.pop("loraplane_seed", None)
+    for name, data in (("adapter_model.safetensors", blob),
+                       ("adapter_config.json", json.dumps(config, indent=2, sort_keys=True).encode())):
+        temporary = directory / f".{name}.tmp"
+        temporary.write_bytes(data)
+        temporary.replace(directory / name)
+    return directory
 
 
 def _base_model_facts(name: str):

@@ -143,7 +143,7 @@ def adapter_dirs(tmp_path) -> list:
 
 async def test_versions_travel_as_tensors_exactly_and_no_file_is_written(tmp_path):
     fake = FakeSGLang()
-    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path)
+    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path, adapter_transport="tensors")
     await engine.start()
     try:
         blob = adapter_blob(1)
@@ -174,7 +174,7 @@ async def test_versions_travel_as_tensors_exactly_and_no_file_is_written(tmp_pat
 
 async def test_bf16_server_gets_bf16_only_when_the_scale_is_a_power_of_two_and_one_copy_per_tp_rank(tmp_path):
     fake = FakeSGLang(dtype="bfloat16", tp_size=2)
-    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path)
+    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path, adapter_transport="tensors")
     await engine.start()
     try:
         exact = adapter_blob(1, rank=4, alpha=8.0)  # scale 2: rounding to bf16 commutes with it
@@ -195,7 +195,7 @@ async def test_bf16_server_gets_bf16_only_when_the_scale_is_a_power_of_two_and_o
 
 async def test_server_without_the_tensor_endpoint_gets_files_from_then_on(tmp_path):
     old, new = FakeSGLang(tensor_endpoint=False), FakeSGLang()
-    engine = SGLangEngine("tiny", urls=[old.url, new.url], work_dir=tmp_path)
+    engine = SGLangEngine("tiny", urls=[old.url, new.url], work_dir=tmp_path, adapter_transport="tensors")
     await engine.start()
     try:
         for index, key in enumerate(("a@v1", "b@v1", "c@v1", "d@v1")):
@@ -220,7 +220,7 @@ async def test_server_without_the_tensor_endpoint_gets_files_from_then_on(tmp_pa
 
 async def test_a_name_left_by_an_earlier_sampler_is_replaced_on_the_tensor_path(tmp_path):
     fake = FakeSGLang()
-    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path)
+    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path, adapter_transport="tensors")
     await engine.start()
     try:
         fake.loaded.add("a@v1")  # loaded behind the engine's back (an earlier process)
@@ -278,3 +278,44 @@ async def test_never_loads_past_sglangs_own_limit_so_sglang_never_evicts_behind_
     finally:
         await engine.stop()
         fake.http.shutdown()
+
+
+async def test_auto_sends_files_to_servers_on_this_host_and_tensors_to_the_others(tmp_path):
+    fake = FakeSGLang()
+    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path)  # default "auto", loopback URL
+    await engine.start()
+    try:
+        blob = adapter_blob(1)
+        await engine.load_adapter("a@v1", blob)
+        assert fake.paths() == ["/load_lora_adapter"]
+        [directory] = adapter_dirs(tmp_path)
+        # A float32 blob is written as it is: SGLang reads the same tensors the blob holds.
+        assert (directory / "adapter_model.safetensors").read_bytes() == blob
+        config = json.loads((directory / "adapter_config.json").read_text())
+        spec = parse_adapter(blob)[1]
+        assert config["r"] == spec.rank and config["lora_alpha"] == spec.effective_alpha
+        assert "loraplane_seed" not in config
+        # The same server seen under a name that is not loopback (the engine cannot tell it is local): tensors.
+        engine.servers[0].url = fake.url.replace("127.0.0.1", "127.0.0.1.nip.invalid")
+        assert engine._sends_tensors(engine.servers[0])
+        engine.servers[0].url = fake.url
+        assert not engine._sends_tensors(engine.servers[0])
+    finally:
+        await engine.stop()
+        fake.http.shutdown()
+
+
+def test_non_float32_blobs_are_written_as_float32(tmp_path):
+    from safetensors.torch import load_file, save
+
+    from sampler_svc.engines.sglang_engine import _write_peft_dir
+
+    params, spec, base_name = parse_adapter(adapter_blob(1))
+    # The same adapter stored in bf16, as a producer other than this project's might.
+    half = save({k: v.to(torch.bfloat16) for k, v in params.items()},
+                metadata={"format": "pt", "adapter_config": json.dumps(peft_adapter_config(spec, base_name))})
+    directory = _write_peft_dir(half, spec, base_name, tmp_path / "d")
+    on_disk = load_file(directory / "adapter_model.safetensors")
+    assert sorted(on_disk) == sorted(params)
+    assert all(on_disk[k].dtype == torch.float32 and torch.equal(on_disk[k], params[k].to(torch.bfloat16).float())
+               for k in params)
