@@ -41,7 +41,7 @@ case "$mode" in
   load)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 bench/sampler.py --engine sglang --shape "$1" --iterations "${2:-6}" 2>&1 \
-      | grep -v -i -E "warn|Loading weights" | tee "$OUT/load_$1.log"
+      | grep --line-buffered -v -i -E "warn|Loading weights" | tee "$OUT/load_$1.log"
     cp bench/results/sampler_sglang_load_$1.json "$OUT/" 2>/dev/null
     grep -v -E "^\s*$" /tmp/lp-bench-load-$1/sglang/server-0.log | tail -150 > "$OUT/sglang_server_$1.log" 2>/dev/null
     tail -25 "$OUT/sglang_server_$1.log" ;;
