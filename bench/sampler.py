@@ -12,6 +12,12 @@ Prints a table and JSON, writes bench/results/sampler.json.
 With the SGLang engine, one SGLang server is launched by the sampler (see SGLANG_OPTIONS) and decode throughput
 is measured end to end (16 concurrent requests, wall clock, prefill of 32 tokens included) since SGLang has no
 decode-only counters.
+
+`--engine sglang --shape smollm2|llama8b` instead measures publish -> first sample for both ways a version reaches
+SGLang, alternately on one server: in the request body (`/load_lora_adapter_from_tensors`) and as a PEFT directory
+(`/load_lora_adapter`). The model has random bf16 weights in that shape (load speed does not depend on their values);
+it first checks that one blob loaded both ways gives identical greedy tokens and logprobs.
+    python bench/sampler.py --engine sglang --shape llama8b --iterations 6
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,6 +54,19 @@ from sampler_svc.server import start_sampler_server
 # and the numbers compared here are ratios between adapter mixes on the same server.
 SGLANG_OPTIONS = {"max_lora_rank": 16, "max_loras_per_batch": 9, "max_loaded_loras": 24,
                   "extra_server_args": ["--mem-fraction-static", "0.3", "--disable-cuda-graph"]}
+
+
+# Real shapes for the SGLang load benchmark: (model config, adapter rank).
+SHAPES = {
+    # SmolLM2-135M: 30 layers, d 576, GQA 9/3, MLP 1536, vocab 49152, tied embeddings.
+    "smollm2": ({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
+                 "max_position_embeddings": 8192, "rope_theta": 100000.0}, 16),
+    # Llama-3.1-8B: 32 layers, d 4096, GQA 32/8, MLP 14336, vocab 128256.
+    "llama8b": ({"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False,
+                 "max_position_embeddings": 8192, "rope_theta": 500000.0}, 32),
+}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -178,6 +198,140 @@ async def decode_throughput(model: str, tokens: int, repeats: int, engine_name: 
     }
 
 
+def write_shape_dir(shape: str, directory: Path) -> None:
+    """A random-weight bf16 Llama of the shape (built on the GPU) + a small byte-level tokenizer (requests carry token
+    ids). Real files, not `--load-format dummy`: SGLang loads LoRA directories with the server's load format."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loraplane.models.tiny import build_tiny_tokenizer
+
+    if (directory / "config.json").is_file():
+        return
+    config = LlamaConfig(**SHAPES[shape][0], torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+                         architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(directory)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the memory goes to the SGLang server started next
+
+
+async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
+    """publish -> first sample, tensors vs files, alternately (the order flips every iteration), on one server."""
+    from sampler_svc.engines.base import GenerationRequest, SamplingOptions
+    from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
+
+    model_dir = workdir.parent / f"lp-model-{shape}"  # kept across runs on one machine
+    started = time.perf_counter()
+    write_shape_dir(shape, model_dir)
+    model_write_s = time.perf_counter() - started
+    rank = SHAPES[shape][1]
+    valkey = valkey_server(workdir / "valkey")
+    seaweed = seaweed_s3_server(workdir / "seaweed")
+    valkey.start()
+    seaweed.start()
+    settings = Settings(redis_url=valkey.url, s3_endpoint=seaweed.endpoint, s3_access_key=seaweed.access_key,
+                        s3_secret_key=seaweed.secret_key, s3_bucket="bench-sampler", key_prefix="bench:",
+                        data_dir=workdir)
+    registry = await start_registry_server(settings)
+    engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=workdir / "sglang", max_lora_rank=rank,
+                          max_loras_per_batch=4, max_loaded_loras=8,
+                          extra_server_args=["--mem-fraction-static", "0.5", "--disable-cuda-graph",
+                                             "--skip-tokenizer-init"])
+    started = time.perf_counter()
+    sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=str(model_dir),
+                                         instance_id="bench", engine=engine, keep_versions=2, max_loaded=6)
+    startup_s = time.perf_counter() - started
+    client = RegistryClient(registry.address)
+    facts = _base_model_facts(str(model_dir))
+    load_s: dict[str, float] = {}
+    real_load = engine.load_adapter
+
+    async def timed_load(key, blob):
+        began = time.perf_counter()
+        try:
+            return await real_load(key, blob)
+        finally:
+            load_s[key] = time.perf_counter() - began
+
+    engine.load_adapter = timed_load
+    prompt = list(range(100, 132))
+    results: dict = {"tensors": {"total": [], "committed": [], "engine_load": []},
+                     "file": {"total": [], "committed": [], "engine_load": []}}
+    try:
+        channel = grpc.aio.insecure_channel(sampler.address, options=channel_options())
+        stub = sampler_pb2_grpc.SamplerServiceStub(channel)
+
+        async def publish_and_sample(name: str, blob: bytes) -> tuple[float, float, int]:
+            began = time.perf_counter()
+            version = await client.publish(name, blob)
+            committed = time.perf_counter()
+            reply = await stub.Sample(sampler_pb2.SampleRequest(
+                adapter=common_pb2.AdapterRef(name=name, version=version.version), prompt_tokens=prompt,
+                sampling_params=common_pb2.SamplingParams(max_tokens=1)))
+            assert reply.served_version == version.version
+            end = time.perf_counter()
+            return end - began, end - committed, version.version
+
+        for transport in ("tensors", "file"):
+            await client.create_adapter(transport, base_model=str(model_dir),
+                                        lora_config=common_pb2.LoraConfig(rank=rank, alpha=2 * rank))
+        # Warm-up both ways: the first load of a shape configures SGLang's LoRA kernels (~20 s).
+        for transport in ("tensors", "file"):
+            engine.adapter_transport = transport
+            await publish_and_sample(transport, random_adapter_blob(facts, 10_000 + len(transport), rank))
+
+        # Same bytes both ways -> the same greedy tokens and logprobs (bf16 transfer is exact, see the engine).
+        blob = random_adapter_blob(facts, 77, rank)
+        outputs = {}
+        for transport in ("tensors", "file"):
+            engine.adapter_transport = transport
+            await real_load(f"same@{transport}", blob)
+            request = GenerationRequest(prompt_tokens=tuple(prompt), options=SamplingOptions(max_tokens=16,
+                                        temperature=0.0), adapter_key=f"same@{transport}")
+            updates = [u async for u in engine.generate(request)]
+            outputs[transport] = ([t for u in updates for t in u.tokens], [x for u in updates for x in u.logprobs])
+            await engine.unload_adapter(f"same@{transport}")
+        same_tokens = outputs["tensors"][0] == outputs["file"][0]
+        max_logprob_diff = max(abs(a - b) for a, b in zip(outputs["tensors"][1], outputs["file"][1]))
+
+        for index in range(iterations):
+            order = ("tensors", "file") if index % 2 == 0 else ("file", "tensors")
+            for transport in order:
+                engine.adapter_transport = transport
+                blob = random_adapter_blob(facts, 1000 * (1 + len(transport)) + index, rank)  # not timed
+                total, committed, version = await publish_and_sample(transport, blob)
+                results[transport]["total"].append(total)
+                results[transport]["committed"].append(committed)
+                results[transport]["engine_load"].append(load_s.get(f"{transport}@v{version}", float("nan")))
+        await channel.close()
+        server = engine.servers[0]
+    finally:
+        await client.close()
+        await sampler.stop()
+        await registry.stop()
+        seaweed.stop()
+        valkey.stop()
+
+    def summary(values: list[float]) -> dict:
+        return {"p50": round(percentile(values, 50) * 1e3, 1), "min": round(min(values) * 1e3, 1),
+                "max": round(max(values) * 1e3, 1)}
+
+    return {
+        "shape": shape, "rank": rank, "adapter_mb": round(len(blob) / 1e6, 1), "iterations": iterations,
+        "server": {"tp_size": server.tp_size, "dtype": server.dtype, "tensor_loads": server.tensor_loads},
+        "sampler_startup_s": round(startup_s, 1), "model_write_s": round(model_write_s, 1),
+        "same_greedy_tokens_both_ways": same_tokens, "max_logprob_diff_both_ways": max_logprob_diff,
+        **{transport: {name: summary(values) for name, values in parts.items()} for transport, parts in
+           results.items()},
+        "raw_ms": {transport: {name: [round(v * 1e3, 1) for v in values] for name, values in parts.items()}
+                   for transport, parts in results.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -187,7 +341,25 @@ def main() -> None:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="sglang only: tensors vs files publish -> first sample on a dummy-weight model this shape")
     args = parser.parse_args()
+    if args.shape:
+        # A fixed folder, kept: the SGLang server's log is there when something fails.
+        workdir = Path(tempfile.gettempdir()) / f"lp-bench-load-{args.shape}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir))
+        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        print(json.dumps(result, indent=2))
+        for transport in ("tensors", "file"):
+            parts = result[transport]
+            print(f"{args.shape} rank {result['rank']} ({result['adapter_mb']} MB) {transport:<8} publish->sample p50 "
+                  f"{parts['total']['p50']:>8.1f} ms  committed->sample {parts['committed']['p50']:>8.1f} ms  "
+                  f"engine load {parts['engine_load']['p50']:>8.1f} ms")
+        out = REPO / "bench" / "results" / f"sampler_sglang_load_{args.shape}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        return
     device = torch.cuda.get_device_name() if args.engine == "sglang" else "cpu"
     results: dict = {"model": args.model, "engine": args.engine, "device": device,
                      "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}

@@ -33,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sglang-max-lora-rank", type=int, default=64)
     parser.add_argument("--sglang-max-loras-per-batch", type=int, default=8)
     parser.add_argument("--sglang-max-loaded-loras", type=int, default=64)
+    parser.add_argument("--sglang-adapter-transport", choices=["auto", "file", "tensors"], default="auto",
+                        help="how adapter versions reach SGLang: a PEFT directory on a shared disk (file), the "
+                             "request body (tensors), or files for servers on this host and tensors otherwise (auto)")
     parser.add_argument("--sglang-arg", action="append", default=[],
                         help="extra argument for launched SGLang servers (repeatable), e.g. --sglang-arg=--dtype=bfloat16")
     parser.add_argument("--log-level", default="INFO")
@@ -51,6 +54,7 @@ async def serve(args: argparse.Namespace) -> None:
         sglang_options={"max_lora_rank": args.sglang_max_lora_rank,
                         "max_loras_per_batch": args.sglang_max_loras_per_batch,
                         "max_loaded_loras": args.sglang_max_loaded_loras,
+                        "adapter_transport": args.sglang_adapter_transport,
                         "extra_server_args": args.sglang_arg})
     print(f"SAMPLER_READY {sampler.address}", flush=True)
     await wait_for_shutdown_signal()

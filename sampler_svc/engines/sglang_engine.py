@@ -1,7 +1,14 @@
 """Drives one or more SGLang servers (0.5.x) over their HTTP API.
 
-Each adapter version is materialized as a PEFT directory and loaded with `/load_lora_adapter` under its own name
-(`<adapter>@v<N>`: SGLang cannot replace a loaded name). Requests go to `/generate` with `input_ids`, `lora_path`
+Each adapter version is loaded under its own name (`<adapter>@v<N>`: SGLang cannot replace a loaded name), one of
+two ways (`adapter_transport`):
+- "file": written as a PEFT directory and loaded with `/load_lora_adapter` (the server must see this filesystem);
+- "tensors": sent in the request body to `/load_lora_adapter_from_tensors` (SGLang >= 0.5.8; nothing is written or
+  read, so it works for a server on another host). A server without that endpoint (HTTP 404/405, or 422 from the
+  older request shape) gets files from then on.
+- "auto" (default): files for servers on this host, tensors for the others. On SGLang 0.5.17 over HTTP the tensor
+  path is the slower one on one host (H100, 8B-shape rank-32 adapter: 4.0 s vs 1.2 s; docs/benchmarks.md): the
+  tensors travel base64 in JSON and are pickled twice on the way, while the file path reads the page cache. Requests go to `/generate` with `input_ids`, `lora_path`
 and `return_logprob`. With several servers, a version lives on one server (the one with the fewest loaded adapters
 when it was loaded) and its requests are routed there; base-model requests go round-robin.
 
@@ -22,11 +29,13 @@ sample, forwarding each token as SGLang produces it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 import logging
 import math
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -36,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplane import errors
-from loraplane.adapter_format import materialize_peft_dir, parse_adapter
+from loraplane.adapter_format import materialize_peft_dir, parse_adapter, peft_adapter_config
 from sampler_svc.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -55,6 +64,22 @@ class SGLangServer:
     process: subprocess.Popen | None = None
     adapters: set[str] = field(default_factory=set)
     in_flight: int = 0
+    # Whether /load_lora_adapter_from_tensors works there: None until first tried, False once it was missing.
+    tensor_loads: bool | None = None
+    tp_size: int = 1
+    dtype: str = "auto"
+    # SGLang's --max-loaded-loras: past it SGLang itself would evict its least recently used name (0: unknown).
+    max_loaded: int = 0
+
+
+TRANSPORTS = ("auto", "tensors", "file")
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _no_tensor_endpoint(status: int, body: object) -> bool:
+    """A server that lacks /load_lora_adapter_from_tensors (404/405), knows only its pre-0.5.17 request shape
+    (422), or whose unpickler refuses a class the tensors need: it gets files instead."""
+    return status in (404, 405, 422) or (status != 200 and "Blocked unsafe class" in str(body))
 
 
 class SGLangEngine(Engine):
@@ -75,10 +100,14 @@ class SGLangEngine(Engine):
         request_timeout_s: float = 600.0,
         startup_timeout_s: float = 900.0,
         send_seed: bool = True,
+        adapter_transport: str = "auto",
     ):
         if not urls and launch_servers < 1:
             raise errors.InvalidArgument("the sglang engine needs server URLs or launch_servers >= 1",
                                          field="sglang_urls")
+        if adapter_transport not in TRANSPORTS:
+            raise errors.InvalidArgument(f"adapter_transport must be one of {TRANSPORTS}, not {adapter_transport!r}",
+                                         field="adapter_transport")
         self._base_model_name = base_model
         self._urls = list(urls)
         self._launch = launch_servers
@@ -91,6 +120,8 @@ class SGLangEngine(Engine):
         self.request_timeout_s = request_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.send_seed = send_seed
+        self.adapter_transport = adapter_transport
+        self._checkpoint_dtype = ""
         self.servers: list[SGLangServer] = []
         # The authority: version name -> the server that has it loaded.
         self._route: dict[str, SGLangServer] = {}
@@ -130,14 +161,17 @@ class SGLangEngine(Engine):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def _request(self, server: SGLangServer, path: str, payload: dict | None = None, *,
+    async def _request(self, server: SGLangServer, path: str, payload: dict | bytes | None = None, *,
                        timeout: float | None = None) -> tuple[int, object]:
-        """One HTTP call on the pooled session: (status, parsed JSON body or text)."""
+        """One HTTP call on the pooled session: (status, parsed JSON body or text). `payload` as bytes is an
+        already encoded JSON body (the adapter tensors: hundreds of MB that json.dumps would scan again)."""
         import aiohttp
 
         method = "GET" if payload is None else "POST"
+        body_args = ({"data": payload, "headers": {"Content-Type": "application/json"}}
+                     if isinstance(payload, bytes) else {"json": payload})
         try:
-            async with self._session.request(method, server.url + path, json=payload,
+            async with self._session.request(method, server.url + path, **body_args,
                                              timeout=aiohttp.ClientTimeout(total=timeout or self.request_timeout_s)
                                              ) as reply:
                 body = await reply.read()
@@ -173,8 +207,6 @@ class SGLangEngine(Engine):
     async def start(self) -> None:
         import aiohttp
 
-        from loraplane.models import load_base_model
-
         # No per-host connection cap: every request the sampler accepts goes to SGLang at once and SGLang's own
         # scheduler decides the batch. Idle connections are dropped before uvicorn's 5 s keep-alive closes them on
         # its side: reusing one it closed fails the request with ServerDisconnectedError.
@@ -182,9 +214,12 @@ class SGLangEngine(Engine):
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4),
             json_serialize=json.dumps)
 
-        # Vocabulary, context length and EOS come from the same base model the trainer uses (CPU copy, small for
-        # the models this project serves); the weights SGLang serves come from the directory written below.
-        base = await asyncio.to_thread(load_base_model, self._base_model_name, "cpu")
+        # Vocabulary, context length and EOS come from the same base model the trainer uses; the weights SGLang
+        # serves come from its checkpoint directory, so none are loaded here (an 8B model would cost 32 GB of host
+        # memory and a minute for three numbers).
+        base = await asyncio.to_thread(_base_model_facts, self._base_model_name)
+        self._checkpoint_dtype = str(getattr(base.config, "dtype", None) or getattr(base.config, "torch_dtype", "")
+                                     ).removeprefix("torch.")
         self._vocab_size = base.vocab_size
         self._max_context = base.max_context_length
         self._eos = list(base.eos_token_ids)
@@ -197,8 +232,20 @@ class SGLangEngine(Engine):
                 self.servers.append(await asyncio.to_thread(self._launch_server, model_dir, index))
         for server in self.servers:
             await self._wait_healthy(server)
+            await self._read_server_info(server)
             if server.process is None:
                 await self._drop_leftovers(server)
+
+    async def _read_server_info(self, server: SGLangServer) -> None:
+        """Tensor parallel size (a tensor load carries one copy per rank) and the serving dtype."""
+        try:
+            status, body = await self._request(server, "/server_info", timeout=30)
+        except errors.Unavailable:
+            return
+        if status == 200 and isinstance(body, dict):
+            server.tp_size = max(1, int(body.get("tp_size") or 1))
+            server.dtype = str(body.get("dtype") or "auto")
+            server.max_loaded = int(body.get("max_loaded_loras") or 0)
 
     async def _drop_leftovers(self, server: SGLangServer) -> None:
         """A server given by URL may still hold names a previous sampler loaded (it crashed, or restarted). Only
@@ -282,28 +329,89 @@ class SGLangEngine(Engine):
     async def load_adapter(self, key: str, blob: bytes) -> LoadedAdapterInfo:
         if key in self._route:
             raise errors.AlreadyExists(f"{key} is already loaded", field="adapter")
-        _, spec, base_name = parse_adapter(blob)
+        params, spec, base_name = await asyncio.to_thread(parse_adapter, blob)
         if base_name and base_name != self._base_model_name:
             raise errors.FailedPrecondition(
                 f"{key} was trained on {base_name!r}; this sampler serves {self._base_model_name!r}", field="adapter")
         if spec.rank > self.max_lora_rank:
             raise errors.FailedPrecondition(
                 f"{key} has rank {spec.rank}; the SGLang servers allow at most {self.max_lora_rank}", field="adapter")
-        directory = self._adapter_dir(key)
-        await asyncio.to_thread(materialize_peft_dir, blob, directory)
         server = min(self.servers, key=lambda s: len(s.adapters))
-        request = {"lora_name": key, "lora_path": str(directory)}
-        status, body = await self._request(server, "/load_lora_adapter", request)
-        if status == 400 and "already loaded" in str(body):
-            # Left there by an earlier sampler process: the bytes may differ, so replace it.
-            await self._request(server, "/unload_lora_adapter", {"lora_name": key})
-            status, body = await self._request(server, "/load_lora_adapter", request)
+        if server.max_loaded and len(server.adapters) >= server.max_loaded:
+            # SGLang would make room by evicting a name on its own, behind the manager's back (and a version that
+            # came as tensors cannot be reloaded from anywhere): the manager's max_loaded must stay within this.
+            raise errors.ResourceExhausted(
+                f"every SGLang server holds its --max-loaded-loras ({server.max_loaded}) adapter versions; "
+                f"unload some or raise the limit", field="adapter")
+        status, body = None, None
+        if self._sends_tensors(server):
+            request = await asyncio.to_thread(self._tensor_request, key, params, spec, base_name, server)
+            del params
+            status, body = await self._load_call(server, key, "/load_lora_adapter_from_tensors", request)
+            if _no_tensor_endpoint(status, body):
+                log.warning("SGLang %s has no usable /load_lora_adapter_from_tensors (HTTP %s: %s); adapter versions "
+                            "go to it as files from now on", server.url, status, str(body)[:200])
+                server.tensor_loads = False
+                status = None
+            else:
+                server.tensor_loads = server.tensor_loads or status == 200
+        if status is None:
+            directory = self._adapter_dir(key)
+            await asyncio.to_thread(_write_peft_dir, blob, spec, base_name, directory)
+            status, body = await self._load_call(server, key, "/load_lora_adapter",
+                                                 {"lora_name": key, "lora_path": str(directory)})
+            if status != 200 or (isinstance(body, dict) and body.get("success") is False):
+                await asyncio.to_thread(shutil.rmtree, directory, True)
         if status != 200 or (isinstance(body, dict) and body.get("success") is False):
-            await asyncio.to_thread(shutil.rmtree, directory, True)
-            raise errors.FailedPrecondition(f"SGLang {server.url} refused to load {key}: {body}", field="adapter")
+            raise errors.FailedPrecondition(f"SGLang {server.url} refused to load {key}: {str(body)[:500]}",
+                                            field="adapter")
         server.adapters.add(key)
         self._route[key] = server
         return LoadedAdapterInfo(key=key, rank=spec.rank)
+
+    def _sends_tensors(self, server: SGLangServer) -> bool:
+        if server.tensor_loads is False or self.adapter_transport == "file":
+            return False
+        if self.adapter_transport == "tensors":
+            return True
+        from urllib.parse import urlsplit
+
+        return server.process is None and urlsplit(server.url).hostname not in _LOOPBACK_HOSTS
+
+    async def _load_call(self, server: SGLangServer, key: str, path: str, request: dict | bytes
+                         ) -> tuple[int, object]:
+        status, body = await self._request(server, path, request)
+        if status == 400 and "already loaded" in str(body):
+            # Left there by an earlier sampler process: the bytes may differ, so replace it.
+            await self._request(server, "/unload_lora_adapter", {"lora_name": key})
+            status, body = await self._request(server, path, request)
+        return status, body
+
+    def _transfer_dtype(self, spec, server: SGLangServer):
+        """The dtype the tensors travel in. SGLang copies each weight into its LoRA buffers in the serving dtype
+        (MoE layers first multiply B by alpha/rank in the dtype it arrives in). Sent in fp32, the result is exactly
+        the file path's; sent in bf16 it is the same bits when SGLang serves bf16 and alpha/rank is a power of two
+        (rounding then commutes with the scaling), at half the bytes. Otherwise fp32."""
+        import torch
+
+        serving = server.dtype if server.dtype not in ("auto", "") else self._checkpoint_dtype
+        scale = spec.scale
+        power_of_two = scale > 0 and math.frexp(scale)[0] == 0.5
+        return torch.bfloat16 if serving == "bfloat16" and power_of_two else torch.float32
+
+    def _tensor_request(self, key: str, params: dict, spec, base_name: str, server: SGLangServer) -> bytes:
+        """The JSON body of /load_lora_adapter_from_tensors: the PEFT config, and the PEFT-named tensors pickled
+        with their bytes inline (plain pickle: the server may be on another host, so no shared-memory handles;
+        every class it names is torch's, which SGLang's restricted unpickler admits), once per TP rank."""
+        dtype = self._transfer_dtype(spec, server)
+        tensors = {name: tensor.to(dtype).contiguous() for name, tensor in params.items()}
+        encoded = base64.b64encode(pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL))
+        del tensors
+        config = peft_adapter_config(spec, base_name)
+        config.pop("loraplane_seed", None)
+        head = json.dumps({"lora_name": key, "config_dict": config}).encode()[:-1]
+        copies = b",".join([b'"' + encoded + b'"'] * server.tp_size)
+        return head + b', "serialized_named_tensors": [' + copies + b"]}"
 
     async def unload_adapter(self, key: str) -> None:
         server = self._route.pop(key, None)  # first: from now on no request can name it
@@ -438,6 +546,50 @@ class SGLangEngine(Engine):
         outputs = await self._generate_call(server, payload)
         values = _input_logprobs(outputs[0].get("meta_info", {}))
         return values[: len(tokens)]
+
+
+def _write_peft_dir(blob: bytes, spec, base_name: str, directory: Path) -> Path:
+    """The PEFT directory SGLang loads. A float32 blob already is the adapter_model.safetensors SGLang reads (PEFT
+    tensor names; its extra metadata is ignored), so its bytes are written as they are, without parsing and
+    re-serializing them (for an 8B-shape rank-32 adapter, 335 MB, that pair cost as much as SGLang's load).
+    Other dtypes go through materialize_peft_dir, which writes float32 as the tensor path's exactness argument
+    assumes."""
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(bytes(blob[8:8 + header_len]))
+    if any(entry.get("dtype") != "F32" for name, entry in header.items() if name != "__metadata__"):
+        return materialize_peft_dir(blob, directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = peft_adapter_config(spec, base_name)
+    config.pop("loraplane_seed", None)
+    for name, data in (("adapter_model.safetensors", blob),
+                       ("adapter_config.json", json.dumps(config, indent=2, sort_keys=True).encode())):
+        temporary = directory / f".{name}.tmp"
+        temporary.write_bytes(data)
+        temporary.replace(directory / name)
+    return directory
+
+
+def _base_model_facts(name: str):
+    """The base model's config, tokenizer, vocabulary, context length and EOS ids, without its weights when it has
+    a checkpoint directory (the module tree is built on the meta device; the tokenizer and generation config are
+    read as `load_base_model` reads them). A model built in memory (`tiny`) is loaded whole: it is small and its
+    weights are what SGLang is given."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from loraplane.models import load_base_model
+    from loraplane.models.base import checkpoint_directory, from_hf_model
+
+    directory = checkpoint_directory(name)
+    if directory is None:
+        return load_base_model(name, "cpu")
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if (directory / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    return from_hf_model(name, model, tokenizer, device="meta")
 
 
 def _logprob_values(pairs: list) -> list[float]:

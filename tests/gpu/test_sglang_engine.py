@@ -126,3 +126,34 @@ def test_restart_reloads_the_same_versions(registry, background_loop, sglang_url
         assert {(a.adapter, a.version) for a in status.loaded} == {("gs", 2), ("gs", 3)}
     finally:
         live.close()
+
+
+def test_a_version_sent_as_tensors_serves_exactly_what_its_file_serves(background_loop, sglang_url, tmp_path):
+    """The same blob loaded through /load_lora_adapter_from_tensors and through a PEFT directory gives identical
+    greedy tokens and logprobs (the tensors travel in the dtype that makes SGLang's buffers bit-identical), and
+    unloading a tensor-loaded name keeps it from ever being served again."""
+    from sampler_svc.engines.base import GenerationRequest, SamplingOptions
+    from sampler_svc.engines.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine("tiny", urls=[sglang_url], work_dir=tmp_path, max_lora_rank=16)
+    background_loop.run(engine.start(), timeout=300)
+    try:
+        blob = adapter_blob(900)
+        outputs = {}
+        for transport in ("tensors", "file"):
+            engine.adapter_transport = transport
+            background_loop.run(engine.load_adapter(f"same@{transport}", blob), timeout=300)
+
+            async def greedy(key):
+                request = GenerationRequest(prompt_tokens=tuple(PROMPT), adapter_key=key,
+                                            options=SamplingOptions(max_tokens=16, temperature=0.0))
+                updates = [u async for u in engine.generate(request)]
+                return [t for u in updates for t in u.tokens], [x for u in updates for x in u.logprobs]
+
+            outputs[transport] = background_loop.run(greedy(f"same@{transport}"), timeout=120)
+        assert engine.servers[0].tensor_loads is True
+        assert outputs["tensors"] == outputs["file"]
+        background_loop.run(engine.unload_adapter("same@tensors"), timeout=120)
+        assert "same@tensors" not in served_names(sglang_url)
+    finally:
+        background_loop.run(engine.stop(), timeout=120)
