@@ -123,15 +123,22 @@ def test_supervisor_restarts_what_dies_reports_a_crash_loop_and_up_starts_only_w
         assert (kept.step, kept.last_seq_id) == (1, 2)
 
         # A crash loop: the registry's port is taken while it is down, so every restart exits at once.
-        registry = read_cluster_state(data_dir).component("registry")
+        state = read_cluster_state(data_dir)
+        registry = state.component("registry")
         port = int(registry.endpoint.rsplit(":", 1)[1])
-        os.killpg(registry.pid, signal.SIGKILL)
-        _wait_for(lambda: not pid_alive(registry.pid), 10, "the registry to die")
-        with socket.socket() as squatter:
+        # The supervisor is paused while the port changes hands, or its first restart could win the port back.
+        os.kill(state.supervisor_pid, signal.SIGSTOP)
+        try:
+            os.killpg(registry.pid, signal.SIGKILL)
+            _wait_for(lambda: not pid_alive(registry.pid), 10, "the registry to die")
+            squatter = socket.socket()
             # The registry's closed connections linger in TIME_WAIT on its port; a listener may still bind it.
             squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             squatter.bind(("127.0.0.1", port))
             squatter.listen()
+        finally:
+            os.kill(state.supervisor_pid, signal.SIGCONT)
+        with squatter:
             looping = _wait_for(lambda: (c := read_cluster_state(data_dir).component("registry")).supervision
                                 == "crash-loop" and c, 90, "the crash loop to be reported")
             assert looping.restarts >= 2 and "exit code" in looping.last_exit
