@@ -319,6 +319,8 @@ def _threads_for(ranges, weights) -> Iterator[None]:
 
 
 def _apply_windows(windows, key, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    if not windows:  # a decode step of base-model rows only
+        return output
     flat_x = x.reshape(-1, x.shape[-1])
     flat_out = output.view(-1, output.shape[-1])
     for adapter, window, window_end, first, last, chunk, stop in windows:
