@@ -11,6 +11,8 @@ routed adapter's delta to the rows/tokens routed to it; outside it the model is 
   any sequence length per call (prefill or one-token decode).
 * token segments (`lora_segments(model, [(start, end, adapter_or_None), ...])`): for a packed (1, N) batch in
   which datums are laid end to end; the trainer uses this.
+* row windows (`lora_row_windows(model, [(adapter, first_row, end_row), ...], rows, bucket)`): batch-invariant
+  rows for the sampler's decode steps; every LoRA matmul has a fixed shape whatever else shares the batch.
 
 Each adapter's delta is computed only from its own rows (gather, two small matmuls, scatter), so autograd sends
 gradient only into that adapter's A and B, and an adapter's weight-gradient matmuls see exactly the same operands
@@ -149,9 +151,11 @@ def parse_peft_key(key: str) -> tuple[int, str, str]:
 
 @dataclass
 class _Routing:
-    # Exactly one of the two is set.
+    # Exactly one of the three is set.
     rows: list[AdapterTensors | None] | None = None
     segments: list[tuple[int, int, AdapterTensors | None]] | None = None
+    # (adapter, window start, window end, first, last, chunk start, chunk end): see lora_row_windows.
+    windows: list[tuple[AdapterTensors, int, int, int, int, int, int]] | None = None
     _row_groups: list[tuple[AdapterTensors, torch.Tensor]] | None = field(default=None, repr=False)
 
 
@@ -314,7 +318,27 @@ def _threads_for(ranges, weights) -> Iterator[None]:
         yield
 
 
+def _apply_windows(windows, key, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    if not windows:  # a decode step of base-model rows only
+        return output
+    flat_x = x.reshape(-1, x.shape[-1])
+    flat_out = output.view(-1, output.shape[-1])
+    for adapter, window, window_end, first, last, chunk, stop in windows:
+        pair = _module_tensors(adapter, key)
+        if pair is None:
+            continue
+        a, b = pair
+        window_x = flat_x[window:window_end]
+        if window_x.dtype != a.dtype:  # fp32 adapters on a bf16/fp16 base model
+            window_x = window_x.to(a.dtype)
+        delta = lora_delta(window_x, a, b, adapter.scale)
+        flat_out[chunk:stop] += delta[first:last].to(flat_out.dtype)
+    return output
+
+
 def _apply_routing(routing: _Routing, key, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    if routing.windows is not None:
+        return _apply_windows(routing.windows, key, x, output)
     if routing.segments is not None:
         ranges = []
         weights = []
@@ -397,3 +421,33 @@ def lora_segments(model, segments: Sequence[tuple[int, int, AdapterTensors | Non
         else:
             merged.append((start, end, adapter))
     return _routing_scope(model, _Routing(segments=merged))
+
+
+def lora_row_windows(model, slices: Sequence[tuple[AdapterTensors, int, int]], rows: int, bucket: int):
+    """Context manager for batch-invariant row routing (no gradients; the sampler's decode steps): a row's output
+    does not depend, bit for bit, on which other rows share the batch.
+
+    `lora_routing` gathers each adapter's rows and multiplies them as one group, so the matmul shape (and with it
+    the BLAS reduction order) changes with how many rows share the adapter. Here the caller orders the batch so
+    that each adapter's rows are one contiguous slice `(adapter, first_row, end_row)` of a batch of `rows` rows
+    (padded to a fixed row count; rows outside every slice use the base model). Each slice is cut into chunks of
+    `bucket` rows; a chunk's delta is computed with `lora_delta` on a window of exactly `bucket` rows of the batch
+    that covers the chunk, and added in place to the chunk's rows only. Every LoRA matmul therefore has the same
+    shape whatever the batch holds, and there is no gather/scatter: a few kernels per chunk, and little wasted
+    work for small groups. The windows are worked out once here, not once per projection in the hooks."""
+    if rows < 1 or bucket < 1:
+        raise InvalidArgument(f"lora row windows need rows >= 1 and bucket >= 1, got {rows}, {bucket}",
+                              field="bucket")
+    bucket = min(bucket, rows)
+    windows: list[tuple[AdapterTensors, int, int, int, int, int, int]] = []
+    cursor = 0
+    for adapter, start, end in slices:
+        if start < cursor or end < start or end > rows:
+            raise InvalidArgument(f"lora row slices must be sorted, non-overlapping and within {rows} rows",
+                                  field="slices")
+        cursor = end
+        for chunk in range(start, end, bucket):
+            window = min(chunk, rows - bucket)
+            stop = min(chunk + bucket, end)
+            windows.append((adapter, window, window + bucket, chunk - window, stop - window, chunk, stop))
+    return _routing_scope(model, _Routing(windows=windows))

@@ -19,6 +19,19 @@ from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 CHUNK_BYTES = 1024 * 1024
 
+# Plain values and the result type of this client, for domain code that keeps the protobuf stubs out of its own
+# imports (the trainer's service: it passes this client's results through, it never builds wire messages).
+VERSION_KIND_UNSPECIFIED: int = common_pb2.VERSION_KIND_UNSPECIFIED
+VERSION_KIND_WEIGHTS: int = common_pb2.VERSION_KIND_WEIGHTS
+VERSION_KIND_TRAINING_STATE: int = common_pb2.VERSION_KIND_TRAINING_STATE
+AdapterVersion = common_pb2.AdapterVersion
+
+
+def lora_config(rank: int, alpha: float = 0.0, target_modules: Iterable[str] = (), seed: int = 0
+                ) -> common_pb2.LoraConfig:
+    """The `lora_config` argument of `RegistryClient.create_adapter`, from plain values."""
+    return common_pb2.LoraConfig(rank=rank, alpha=alpha, target_modules=list(target_modules), seed=seed)
+
 
 def adapter_ref(name: str, version: int = 0, alias: str = "") -> common_pb2.AdapterRef:
     if version and alias:

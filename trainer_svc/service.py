@@ -29,8 +29,13 @@ from loraplane.errors import (
     shown,
 )
 from loraplane.lora import LoraSpec
-from loraplane.registry_client import RegistryClient
-from loraplane.v1 import common_pb2
+from loraplane.registry_client import (
+    VERSION_KIND_TRAINING_STATE,
+    VERSION_KIND_WEIGHTS,
+    AdapterVersion,
+    RegistryClient,
+    lora_config,
+)
 from trainer_svc.backends.base import BatchItem, ItemResult, TrainerBackend
 from trainer_svc.journal import (
     OUTCOME,
@@ -108,12 +113,24 @@ class AdapterInfo:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """CreateAdapter's LoRA settings as the caller gave them (0 / empty = the defaults); `LoraSpec.create`
+    validates and canonicalizes them against this trainer's limits."""
+
+    rank: int
+    alpha: float = 0.0
+    target_modules: tuple[str, ...] = ()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class SourceRef:
-    """A LoadState source as the caller named it: a version number, an alias, or neither (the newest state)."""
+    """A LoadState source as the caller named it: a version number, an alias, or neither (the newest state).
+    alias None = not given; an empty alias that was given is invalid, not "the newest"."""
 
     name: str
     version: int = 0
-    alias: str = ""
+    alias: str | None = None
 
 
 @dataclass
@@ -124,7 +141,7 @@ class ExportedBlob:
     blob: bytes | None
     step: int
     idempotency_key: str
-    version: common_pb2.AdapterVersion | None = None
+    version: AdapterVersion | None = None
     seq_id: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -177,7 +194,7 @@ class TrainerService:
         return await asyncio.wrap_future(self.scheduler.control(fn))
 
     # ---------------------------------------------------------------- adapters
-    async def create_adapter(self, name: str, lora_config: common_pb2.LoraConfig, base_model: str = "",
+    async def create_adapter(self, name: str, config: LoraConfig, base_model: str = "",
                              keep_last: int = 0, metadata: Mapping[str, str] | None = None, *,
                              caller: Identity = OPEN) -> AdapterInfo:
         self._loop = asyncio.get_running_loop()
@@ -187,18 +204,16 @@ class TrainerService:
         if base_model and base_model != self.base_model:
             raise InvalidArgument(f"base_model {shown(base_model)} differs from this trainer's {self.base_model!r}",
                                   field="base_model")
-        spec = LoraSpec.create(int(lora_config.rank), float(lora_config.alpha), list(lora_config.target_modules),
-                               int(lora_config.seed), max_rank=self.limits.max_lora_rank)
+        spec = LoraSpec.create(int(config.rank), float(config.alpha), list(config.target_modules),
+                               int(config.seed), max_rank=self.limits.max_lora_rank)
         if name in self.pool or name in self._creating:
             raise AlreadyExists(f"adapter {name!r} already exists on this trainer", field="name")
         self._creating.add(name)
         try:
-            canonical = common_pb2.LoraConfig(rank=spec.rank, alpha=spec.effective_alpha,
-                                              target_modules=list(spec.target_modules), seed=spec.seed)
             registered = await self.registry.create_adapter(
-                name, lora_config=canonical, base_model=self.base_model, keep_last=keep_last,
-                metadata=dict(metadata or {}), exist_ok=True)
-            self._check_registry_match(name, registered, canonical)
+                name, lora_config=lora_config(spec.rank, spec.effective_alpha, spec.target_modules, spec.seed),
+                base_model=self.base_model, keep_last=keep_last, metadata=dict(metadata or {}), exist_ok=True)
+            self._check_registry_match(name, registered, spec)
 
             uid = uuid.uuid4().hex
             record = AdapterRecord(name=name, rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules),
@@ -237,11 +252,11 @@ class TrainerService:
         checkpoint = record.checkpoint
         self._checkpoint_marks[record.name] = (checkpoint.step if checkpoint else 0, time.monotonic())
 
-    def _check_registry_match(self, name, registered, canonical: common_pb2.LoraConfig) -> None:
+    def _check_registry_match(self, name, registered, spec: LoraSpec) -> None:
         # exist_ok lets a restarted trainer train an adapter the registry already knows, but only the same shape.
         got = registered.lora_config
-        same = (got.rank == canonical.rank and abs(got.alpha - canonical.alpha) < 1e-6
-                and (list(got.target_modules) or list(canonical.target_modules)) == list(canonical.target_modules)
+        same = (got.rank == spec.rank and abs(got.alpha - spec.effective_alpha) < 1e-6
+                and (list(got.target_modules) or list(spec.target_modules)) == list(spec.target_modules)
                 and (not registered.base_model or registered.base_model == self.base_model))
         if not same:
             raise AlreadyExists(
@@ -348,7 +363,7 @@ class TrainerService:
                                      caller)
 
     async def publish_weights(self, adapter: str, seq_id: int, aliases: Sequence[str], metadata: Mapping[str, str],
-                              payload_hash: bytes, *, caller: Identity = OPEN) -> common_pb2.AdapterVersion:
+                              payload_hash: bytes, *, caller: Identity = OPEN) -> AdapterVersion:
         def checked():
             # The registry's own rules, checked before anything is exported.
             validate_aliases(aliases)
@@ -356,20 +371,20 @@ class TrainerService:
             return None, 0
 
         exported: ExportedBlob = await self._sequenced(adapter, seq_id, "publish", payload_hash, checked, caller)
-        return await self._finish_publish(adapter, exported, common_pb2.VERSION_KIND_WEIGHTS, aliases, metadata)
+        return await self._finish_publish(adapter, exported, VERSION_KIND_WEIGHTS, aliases, metadata)
 
     async def save_state(self, adapter: str, seq_id: int, metadata: Mapping[str, str], payload_hash: bytes, *,
-                         caller: Identity = OPEN) -> common_pb2.AdapterVersion:
+                         caller: Identity = OPEN) -> AdapterVersion:
         def checked():
             validate_metadata(metadata)
             return None, 0
 
         exported: ExportedBlob = await self._sequenced(adapter, seq_id, "save_state", payload_hash, checked,
                                                        caller)
-        return await self._finish_publish(adapter, exported, common_pb2.VERSION_KIND_TRAINING_STATE, (), metadata)
+        return await self._finish_publish(adapter, exported, VERSION_KIND_TRAINING_STATE, (), metadata)
 
     async def _finish_publish(self, adapter: str, exported: ExportedBlob, kind: int, aliases: Sequence[str],
-                              metadata: Mapping[str, str]) -> common_pb2.AdapterVersion:
+                              metadata: Mapping[str, str]) -> AdapterVersion:
         async with exported.lock:
             if exported.version is None:
                 version = await self.registry.publish(
@@ -383,17 +398,17 @@ class TrainerService:
                         "idempotency_key": exported.idempotency_key})])
             return exported.version
 
-    async def load_state(self, adapter: str, seq_id: int, source: common_pb2.AdapterRef, with_optimizer: bool,
+    async def load_state(self, adapter: str, seq_id: int, source: SourceRef, with_optimizer: bool,
                          payload_hash: bytes, *, caller: Identity = OPEN) -> AdapterInfo:
         def checked():
             if not source.name:
                 raise InvalidArgument("source.name is empty", field="source.name")
             validate_adapter_name(source.name, "source.name")
-            if source.HasField("alias"):
+            if source.alias is not None:
                 validate_alias(source.alias, "source.alias")
-            ref = SourceRef(source.name, source.version if source.HasField("version") else 0,
-                            source.alias if source.HasField("alias") else "")
-            return (ref, with_optimizer), 0
+            if source.version and source.alias is not None:
+                raise InvalidArgument("source: give either a version or an alias, not both", field="source")
+            return (source, with_optimizer), 0
 
         if source.name:
             caller.authorize(source.name, "source.name")
@@ -569,13 +584,13 @@ class TrainerService:
             # "latest" in the registry means weights; for LoadState it means the newest training state the user
             # saved (the trainer's own recovery checkpoints do not count).
             versions = [v for v in await self.registry.list_versions(
-                source.name, kind=common_pb2.VERSION_KIND_TRAINING_STATE) if v.metadata.get(CHECKPOINT_KEY) != "auto"]
+                source.name, kind=VERSION_KIND_TRAINING_STATE) if v.metadata.get(CHECKPOINT_KEY) != "auto"]
             if not versions:
                 raise NotFound(f"adapter {source.name!r} has no training-state version (SaveState first)",
                                field="source")
             version = max(v.version for v in versions)
-        meta, blob = await self.registry.download(source.name, version=version, alias=source.alias)
-        if meta.kind != common_pb2.VERSION_KIND_TRAINING_STATE:
+        meta, blob = await self.registry.download(source.name, version=version, alias=source.alias or "")
+        if meta.kind != VERSION_KIND_TRAINING_STATE:
             raise InvalidArgument(
                 f"source {source.name} v{meta.version} is a weights version; LoadState needs a SaveState version",
                 field="source")
@@ -614,7 +629,7 @@ class TrainerService:
             try:
                 blob = await asyncio.to_thread(serialize_training_state, training)
                 version = await self.registry.publish(
-                    adapter, blob, kind=common_pb2.VERSION_KIND_TRAINING_STATE, training_step=training.step,
+                    adapter, blob, kind=VERSION_KIND_TRAINING_STATE, training_step=training.step,
                     metadata={CHECKPOINT_KEY: "auto", "loraplane.seq_id": str(seq_id)},
                     idempotency_key=f"trainer:{uid}:checkpoint:{seq_id}")
                 record = self._records.get(adapter)
@@ -714,7 +729,7 @@ class TrainerService:
         data = entry.outcome
         if entry.kind in ("publish", "save_state") and "version" in data:
             return ExportedBlob(blob=None, step=data["step"], idempotency_key=data["idempotency_key"],
-                                version=common_pb2.AdapterVersion.FromString(data["version"]), seq_id=entry.seq_id)
+                                version=AdapterVersion.FromString(data["version"]), seq_id=entry.seq_id)
         if "load_state_step" in data:
             info = self._info(state)
             info.step, info.last_seq_id = data["load_state_step"], entry.seq_id

@@ -10,12 +10,24 @@ from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import ItemResult
 from trainer_svc.optimizer import ADAM_FIELDS, AdamHyper
-from trainer_svc.service import AdapterInfo, TrainerService
+from trainer_svc.service import AdapterInfo, LoraConfig, SourceRef, TrainerService
 
 
 def payload_hash(request) -> bytes:
     """Identity of a sequenced request for retry dedup: the deterministic serialization of the whole request."""
     return hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
+
+
+def lora_config(message: common_pb2.LoraConfig) -> LoraConfig:
+    return LoraConfig(rank=message.rank, alpha=message.alpha, target_modules=tuple(message.target_modules),
+                      seed=message.seed)
+
+
+def source_ref(message: common_pb2.AdapterRef) -> SourceRef:
+    # The oneof's presence carries meaning: an alias that was set (even to "") is validated, not ignored.
+    which = message.WhichOneof("selector")
+    return SourceRef(name=message.name, version=message.version if which == "version" else 0,
+                     alias=message.alias if which == "alias" else None)
 
 
 def adapter_message(info: AdapterInfo) -> trainer_pb2.TrainerAdapter:
@@ -43,7 +55,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.service = service
 
     async def CreateAdapter(self, request, context):
-        info = await self.service.create_adapter(request.name, request.lora_config, request.base_model,
+        info = await self.service.create_adapter(request.name, lora_config(request.lora_config), request.base_model,
                                                  request.keep_last, dict(request.metadata), caller=current_caller())
         return trainer_pb2.TrainerServiceCreateAdapterResponse(adapter=adapter_message(info))
 
@@ -85,7 +97,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.SaveStateResponse(version=version)
 
     async def LoadState(self, request, context):
-        info = await self.service.load_state(request.adapter, request.seq_id, request.source,
+        info = await self.service.load_state(request.adapter, request.seq_id, source_ref(request.source),
                                              request.with_optimizer, payload_hash(request), caller=current_caller())
         return trainer_pb2.LoadStateResponse(adapter=adapter_message(info))
 

@@ -7,7 +7,8 @@ Batch invariance (a row's tokens and logprobs do not depend on which other rows 
 * each row has its own KV cache and its own attention call, so no padding ever enters a row's softmax;
 * every matmul of a decode step runs on a row count padded to a fixed bucket (`decode_row_pad`, 16): BLAS picks
   kernels and blocking by shape, so the same shape gives each row the same reduction order whatever its neighbours;
-  the LoRA delta of each adapter's rows is likewise computed on a padded group (see `_DecodeLora`);
+  the LoRA delta of each adapter's rows is likewise computed on fixed-size row windows
+  (`loraplane.lora.lora_row_windows`, the same hooks the trainer and the prefill route through);
 * sampling uses one torch.Generator per row, seeded from (seed, sample index), so the same seed gives the same
   tokens in any batch.
 Prefill runs alone (one request, its true length), so prompt logprobs are batch-independent too.
@@ -16,7 +17,6 @@ Prefill runs alone (one request, its true length), so prompt logprobs are batch-
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import math
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from loraplane import errors
 from loraplane.adapter_format import parse_adapter
-from loraplane.lora import AdapterTensors, expected_shapes, lora_delta, lora_routing
+from loraplane.lora import AdapterTensors, attach_multi_lora, expected_shapes, lora_routing, lora_row_windows
 from loraplane.models import BaseModel, load_base_model
 from sampler_svc.engines.base import (
     FINISH_LENGTH,
@@ -45,78 +45,9 @@ from sampler_svc.engines.base import (
 
 log = logging.getLogger(__name__)
 
-_ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
-
 
 def _pad_rows(count: int, bucket: int) -> int:
     return max(bucket, -(-count // bucket) * bucket)
-
-
-class _DecodeLora:
-    """Per-row LoRA routing for decode steps whose per-row results are independent of the batch composition.
-
-    `loraplane.lora.lora_routing` gathers each adapter's rows and multiplies them as one group, so the matmul shape
-    (and with it the BLAS reduction order) changes with how many rows share the adapter. Here the decode batch is
-    ordered so that each adapter's rows are one contiguous slice, cut into chunks of `bucket` rows; each chunk's
-    delta is computed with `lora_delta` on a fixed-size window of `bucket` rows of the (padded) batch that covers
-    the chunk, and added to the chunk's rows only. Every LoRA matmul therefore has the same shape whatever the batch
-    holds, and there is no gather/scatter: a few kernels per chunk, and little wasted work for small groups.
-    TODO(loraplane.lora): offer this batch-invariant mode in lora_routing and drop this class.
-    """
-
-    def __init__(self, model, target_modules: Sequence[str], bucket: int):
-        self.bucket = bucket
-        self._local = threading.local()
-        self._handles = []
-        for layer_index, block in enumerate(model.model.layers):
-            for module_name in target_modules:
-                owner = block.self_attn if module_name in _ATTENTION else block.mlp
-                linear = getattr(owner, module_name, None)
-                if linear is not None:
-                    self._handles.append(linear.register_forward_hook(self._hook((layer_index, module_name))))
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    @contextlib.contextmanager
-    def route(self, slices: list[tuple[AdapterTensors, int, int]], rows: int):
-        """slices: (adapter, first row, end row) for each adapter present in a batch of `rows` (padded) rows.
-        The chunk windows are worked out once per step here, not once per projection in the hook."""
-        bucket = min(self.bucket, rows)
-        chunks = []
-        for adapter, start, end in slices:
-            for chunk in range(start, end, bucket):
-                window = min(chunk, rows - bucket)
-                stop = min(chunk + bucket, end)
-                chunks.append((adapter, window, window + bucket, chunk - window, stop - window, chunk, stop))
-        self._local.chunks = chunks
-        try:
-            yield
-        finally:
-            self._local.chunks = None
-
-    def _hook(self, key):
-        def hook(_module, inputs, output):
-            chunks = getattr(self._local, "chunks", None)
-            if not chunks:
-                return None
-            x = inputs[0]
-            flat_x = x.reshape(-1, x.shape[-1])
-            flat_out = output.reshape(-1, output.shape[-1])
-            for adapter, window, window_end, first, last, chunk, stop in chunks:
-                pair = adapter.modules.get(key)
-                if pair is None or pair[0] is None or pair[1] is None:
-                    continue
-                a, b = pair
-                window_x = flat_x[window:window_end]
-                if window_x.dtype != a.dtype:  # fp32 adapters on a bf16/fp16 base model
-                    window_x = window_x.to(a.dtype)
-                delta = lora_delta(window_x, a, b, adapter.scale)
-                flat_out[chunk:stop] += delta[first:last].to(flat_out.dtype)
-            return output
-
-        return hook
 
 
 @dataclass
@@ -179,7 +110,6 @@ class TorchEngine(Engine):
         self._wakeup = threading.Condition()
         self._worker: threading.Thread | None = None
         self._stopping = False
-        self._decode_lora: _DecodeLora | None = None
         self.decode_steps = 0
         # Time inside decode steps and the tokens they produced (benchmarks read decode throughput from these).
         self.decode_seconds = 0.0
@@ -220,7 +150,7 @@ class TorchEngine(Engine):
 
     async def start(self) -> None:
         self.base = await asyncio.to_thread(load_base_model, self._base_model_name, str(self._device), self._dtype)
-        self._decode_lora = _DecodeLora(self.base.model, tuple(self.base.module_dims), self.lora_row_bucket)
+        attach_multi_lora(self.base.model, tuple(self.base.module_dims))
         self._worker = threading.Thread(target=self._run_worker, name="torch-engine", daemon=True)
         self._worker.start()
 
@@ -230,8 +160,6 @@ class TorchEngine(Engine):
             self._wakeup.notify_all()
         if self._worker is not None:
             await asyncio.to_thread(self._worker.join, 30)
-        if self._decode_lora is not None:
-            self._decode_lora.close()
 
     # ------------------------------------------------------------------ adapters
 
@@ -417,10 +345,9 @@ class TorchEngine(Engine):
                 routed[-1] = (adapter, routed[-1][1], index + 1)
             else:
                 routed.append((adapter, index, index + 1))
-        assert self._decode_lora is not None
         hidden = model.model.embed_tokens(ids)
         cos, sin = model.model.rotary_emb(hidden, positions)
-        with self._decode_lora.route(routed, padded):
+        with lora_row_windows(model, routed, padded, self.lora_row_bucket):
             for layer_index, layer in enumerate(model.model.layers):
                 attn = layer.self_attn
                 residual = hidden

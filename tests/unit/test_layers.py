@@ -2,7 +2,8 @@
 services (registry_svc, trainer_svc, sampler_svc, gateway_svc) -> shared library (loraplane). This test reads every
 import statement of the repository's packages (module level, inside functions and under TYPE_CHECKING alike) and
 fails when a lower layer imports a higher one, when one service imports another (they talk over gRPC), or when the
-client modules import each other in a circle."""
+client modules import each other in a circle, or when the trainer's domain code (service, scheduler) imports the
+protobuf stubs (its servicer converts the wire to domain dataclasses and back)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,21 @@ def test_the_client_modules_import_each_other_without_a_circle():
         visit(module, ())
 
 
+WIRE = "loraplane.v1"
+# Domain modules that see no wire types: the servicer beside them converts. (The registry client's results, which
+# are protobuf messages, may pass through them; they are named via loraplane.registry_client, never imported.)
+WIRE_FREE = ("trainer_svc/service.py", "trainer_svc/scheduler.py")
+
+
+def test_the_trainer_domain_imports_no_protobuf_stubs():
+    offenders = {path: sorted(i for i in imports_of(ROOT / path) if i == WIRE or i.startswith(WIRE + "."))
+                 for path in WIRE_FREE}
+    assert {p: i for p, i in offenders.items() if i} == {}
+
+
 def test_this_test_sees_the_arrows_it_guards():
     # The checks above would pass vacuously if the import reader found nothing.
     assert "loraplane.client._session" in imports_of(ROOT / "loraplane/client/service_client.py")
     assert any(package_of(i) == "trainer_svc" for path in modules(TOP).values() for i in imports_of(path))
+    assert "loraplane.v1.common_pb2" in imports_of(ROOT / "trainer_svc/servicer.py")
+    assert all((ROOT / path).is_file() for path in WIRE_FREE)

@@ -1,4 +1,5 @@
-"""LoRA math: deterministic PEFT-standard init, per-row multi-adapter routing, gradient isolation."""
+"""LoRA math: deterministic PEFT-standard init, per-row multi-adapter routing (plain and batch-invariant row
+windows), gradient isolation."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from loraplane.lora import (
     init_lora_params,
     lora_delta,
     lora_routing,
+    lora_row_windows,
     lora_segments,
     peft_key,
 )
@@ -131,6 +133,39 @@ def test_routing_equals_per_row_reference(tiny):
     # Outside any routing the hooks are inert.
     with torch.no_grad():
         assert torch.equal(tiny.model(tokens).logits, base)
+
+
+def test_row_windows_give_a_row_the_same_bits_in_any_batch(tiny):
+    # The sampler's decode routing: an adapter's rows are one contiguous slice of a padded batch.
+    spec_a = LoraSpec.create(4, 8, seed=1)
+    spec_b = LoraSpec.create(2, 0, ["q_proj", "down_proj"], seed=2)
+    a = AdapterTensors.from_params(random_adapter(tiny, spec_a, 11), spec_a)
+    b = AdapterTensors.from_params(random_adapter(tiny, spec_b, 12), spec_b)
+    pool = torch.randint(0, tiny.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def run(tokens, slices):
+        ids = torch.zeros((8, 1), dtype=torch.long)
+        ids[: len(tokens), 0] = torch.tensor(tokens)
+        with torch.no_grad(), lora_row_windows(tiny.model, slices, 8, 2):
+            return tiny.model(ids).logits[:, 0]
+
+    # Row "a on pool[1]" sits at row 1 among five routed rows, then at row 0 of a two-row batch.
+    crowded = run([pool[0], pool[1], pool[2], pool[3], pool[4]], [(a, 1, 4), (b, 4, 5)])
+    sparse = run([pool[1], pool[4]], [(a, 0, 1), (b, 1, 2)])
+    assert torch.equal(crowded[1], sparse[0])
+    assert torch.equal(crowded[4], sparse[1])
+    for row, (token, adapter) in enumerate([(pool[0], None), (pool[1], a), (pool[2], a), (pool[4], b)]):
+        index = row if row < 3 else 4
+        with torch.no_grad(), lora_routing(tiny.model, [adapter]):
+            alone = tiny.model(torch.tensor([[token]])).logits[0, 0]
+        assert torch.allclose(crowded[index], alone, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        base = tiny.model(torch.tensor([[pool[1]]])).logits[0, 0]
+    assert not torch.allclose(crowded[1], base, atol=1e-3)
+    with pytest.raises(InvalidArgument):
+        lora_row_windows(tiny.model, [(a, 2, 4), (b, 1, 2)], 8, 2)
+    with pytest.raises(InvalidArgument):
+        lora_row_windows(tiny.model, [(a, 0, 9)], 8, 2)
 
 
 def test_routing_matches_manual_lora_math(tiny):
