@@ -39,9 +39,7 @@ sys.path.insert(0, str(REPO))
 import grpc
 import torch
 
-from bench.common import random_adapter_blob
-from loraplane.config import Settings
-from loraplane.local.processes import seaweed_s3_server, valkey_server
+from bench.common import embedded_storage, random_adapter_blob
 from loraplane.models import load_base_model
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import channel_options
@@ -76,13 +74,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def publish_to_first_sample(model: str, iterations: int, workdir: Path, engine: str = "torch") -> dict:
-    valkey = valkey_server(workdir / "valkey")
-    seaweed = seaweed_s3_server(workdir / "seaweed")
-    valkey.start()
-    seaweed.start()
-    settings = Settings(redis_url=valkey.url, s3_endpoint=seaweed.endpoint, s3_access_key=seaweed.access_key,
-                        s3_secret_key=seaweed.secret_key, s3_bucket="bench-sampler", key_prefix="bench:",
-                        data_dir=workdir)
+    with embedded_storage(workdir, "bench-sampler") as storage:
+        return await _publish_to_first_sample(storage.model_copy(update={"data_dir": workdir}), model, iterations,
+                                              workdir, engine)
+
+
+async def _publish_to_first_sample(settings, model: str, iterations: int, workdir: Path, engine: str) -> dict:
     registry = await start_registry_server(settings)
     sglang = {"sglang_launch": 1, "sglang_options": SGLANG_OPTIONS} if engine == "sglang" else {}
     sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=model,
@@ -124,8 +121,6 @@ async def publish_to_first_sample(model: str, iterations: int, workdir: Path, en
         await client.close()
         await sampler.stop()
         await registry.stop()
-        seaweed.stop()
-        valkey.stop()
     blob_mb = len(blobs[0]) / 1e6
     return {
         "adapter_mb": round(blob_mb, 2),
@@ -221,21 +216,21 @@ def write_shape_dir(shape: str, directory: Path) -> None:
 
 async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
     """publish -> first sample, tensors vs files, alternately (the order flips every iteration), on one server."""
-    from sampler_svc.engines.base import GenerationRequest, SamplingOptions
-    from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
-
     model_dir = workdir.parent / f"lp-model-{shape}"  # kept across runs on one machine
     started = time.perf_counter()
     write_shape_dir(shape, model_dir)
     model_write_s = time.perf_counter() - started
+    with embedded_storage(workdir, "bench-sampler") as storage:
+        return await _sglang_load_paths(storage.model_copy(update={"data_dir": workdir}), shape, iterations,
+                                        workdir, model_dir, model_write_s)
+
+
+async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Path, model_dir: Path,
+                             model_write_s: float) -> dict:
+    from sampler_svc.engines.base import GenerationRequest, SamplingOptions
+    from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
+
     rank = SHAPES[shape][1]
-    valkey = valkey_server(workdir / "valkey")
-    seaweed = seaweed_s3_server(workdir / "seaweed")
-    valkey.start()
-    seaweed.start()
-    settings = Settings(redis_url=valkey.url, s3_endpoint=seaweed.endpoint, s3_access_key=seaweed.access_key,
-                        s3_secret_key=seaweed.secret_key, s3_bucket="bench-sampler", key_prefix="bench:",
-                        data_dir=workdir)
     registry = await start_registry_server(settings)
     engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=workdir / "sglang", max_lora_rank=rank,
                           max_loras_per_batch=4, max_loaded_loras=8,
@@ -313,8 +308,6 @@ async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
         await client.close()
         await sampler.stop()
         await registry.stop()
-        seaweed.stop()
-        valkey.stop()
 
     def summary(values: list[float]) -> dict:
         return {"p50": round(percentile(values, 50) * 1e3, 1), "min": round(min(values) * 1e3, 1),

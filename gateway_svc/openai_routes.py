@@ -69,6 +69,12 @@ def _svc(request: Request) -> OpenAIService:
     return request.app.state.openai
 
 
+def _stream_error(exc: BaseException) -> str:
+    """An error after a stream's headers went out: one server-sent event in OpenAI's error shape."""
+    _status, _category, openai_type, _anthropic_type, message = classify(exc)
+    return "data: " + json.dumps({"error": {"message": message, "type": openai_type}}) + "\n\n"
+
+
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
@@ -107,8 +113,7 @@ async def completions(body: CompletionRequest, request: Request):
                     yield "data: " + json.dumps({"id": cid, "object": "text_completion", "created": created,
                                                  "model": body.model, "choices": [choice]}) + "\n\n"
             except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in-stream
-                yield "data: " + json.dumps({"error": {"message": classify(exc)[4],
-                                                       "type": classify(exc)[2]}}) + "\n\n"
+                yield _stream_error(exc)
             yield "data: [DONE]\n\n"
         return _sse(events())
     choices = await svc.generate(body.model, prompt, body.n, spec)
@@ -152,8 +157,7 @@ async def chat_completions(body: ChatRequest, request: Request):
                     logprobs = await content_logprobs(tokens, lps) if body.logprobs else None
                     yield chunk(index, {"content": text} if text else {}, finish, logprobs)
             except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in-stream
-                yield "data: " + json.dumps({"error": {"message": classify(exc)[4],
-                                                       "type": classify(exc)[2]}}) + "\n\n"
+                yield _stream_error(exc)
             yield "data: [DONE]\n\n"
         return _sse(events())
     choices = await svc.generate(body.model, prompt, body.n, spec)
