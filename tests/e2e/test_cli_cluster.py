@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from loraplane.local.state import pid_alive, read_cluster_state
 from loraplane.rpc import sync_channel
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from loraplane_cli.local_cluster import component_health
+from loraplane_cli.supervisor import CRASH_LOOP_AFTER
 from tests.e2e.test_trainer_durability import ADAM, create, datum
 from tests.fixtures.trainer import Sequenced
 
@@ -122,29 +122,19 @@ def test_supervisor_restarts_what_dies_reports_a_crash_loop_and_up_starts_only_w
         kept = _trainer_adapters(restarted.endpoint, data_dir)["kept"]
         assert (kept.step, kept.last_seq_id) == (1, 2)
 
-        # A crash loop: the registry's port is taken while it is down, so every restart exits at once.
-        state = read_cluster_state(data_dir)
-        registry = state.component("registry")
-        port = int(registry.endpoint.rsplit(":", 1)[1])
-        # The supervisor is paused while the port changes hands, or its first restart could win the port back.
-        os.kill(state.supervisor_pid, signal.SIGSTOP)
-        try:
-            os.killpg(registry.pid, signal.SIGKILL)
-            _wait_for(lambda: not pid_alive(registry.pid), 10, "the registry to die")
-            squatter = socket.socket()
-            # The registry's closed connections linger in TIME_WAIT on its port; a listener may still bind it.
-            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            squatter.bind(("127.0.0.1", port))
-            squatter.listen()
-        finally:
-            os.kill(state.supervisor_pid, signal.SIGCONT)
-        with squatter:
-            looping = _wait_for(lambda: (c := read_cluster_state(data_dir).component("registry")).supervision
-                                == "crash-loop" and c, 90, "the crash loop to be reported")
-            assert looping.restarts >= 2 and "exit code" in looping.last_exit
-            status = _cli("status", "--data-dir", str(data_dir))
-            assert "crash-loop" in status.stdout, status.stdout
-        # Once the cause is gone the next restart sticks.
+        # A crash loop: the registry dies again each time soon after it is restarted.
+        for death in range(CRASH_LOOP_AFTER):
+            current = read_cluster_state(data_dir).component("registry")
+            os.killpg(current.pid, signal.SIGKILL)
+            if death < CRASH_LOOP_AFTER - 1:
+                _wait_for(lambda dead=current.pid: (c := read_cluster_state(data_dir).component("registry")).pid != dead
+                          and pid_alive(c.pid), 60, "the registry's restart")
+        looping = _wait_for(lambda: (c := read_cluster_state(data_dir).component("registry")).supervision
+                            == "crash-loop" and c, 60, "the crash loop to be reported")
+        assert looping.restarts >= CRASH_LOOP_AFTER - 1 and "SIGKILL" in looping.last_exit
+        status = _cli("status", "--data-dir", str(data_dir))
+        assert "crash-loop" in status.stdout, status.stdout
+        # Left alone, the next restart sticks.
         _wait_for(lambda: component_health(read_cluster_state(data_dir).component("registry"),
                                            str(data_dir)) == "healthy", 90, "the registry to come back")
 
