@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplane.local.state import ClusterState, ComponentState, pid_alive, read_cluster_state
+from loraplane.local.state import STATE_FILE, ClusterState, ComponentState, pid_alive, read_cluster_state
 from loraplane_cli.local_cluster import relaunchable
 
 BACKOFF_FIRST_S = 1.0
@@ -106,7 +106,7 @@ class Supervisor:
             if self.tick(state):
                 state.save()
             stop.wait(TICK_S)
-            if not (self.data_dir / "cluster.json").exists():
+            if not (self.data_dir / STATE_FILE).exists():
                 self.log("the cluster's state file is gone (`loraplane down`): exiting")
                 return
 

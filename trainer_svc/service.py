@@ -459,9 +459,10 @@ class TrainerService:
         # runs the request again and recomputes it (deterministically), so it may wait for the next request's
         # append. Not so a void (replay would apply what the client was told did not happen) nor an outcome a
         # checkpoint is about to cover (that request is not replayed): those are written now.
+        voids = [r for r in records if r[2] == VOID]
         self._deferred_outcomes.extend(r for r in records if r[2] != VOID)
-        if any(r[2] == VOID for r in records):
-            self._flush_outcomes(voids=[r for r in records if r[2] == VOID])
+        if voids:
+            self._flush_outcomes(voids)
         for job, outcome in zip(jobs, outcomes):
             if not job.replayed and job.kind in ("optim_step", "load_state") and not isinstance(outcome,
                                                                                                BaseException):
