@@ -45,8 +45,10 @@ def test_bad_sample_requests_get_clear_statuses(sampler, bad, code, field):
         stub.Sample(bad, timeout=30)
     assert info.value.code() == code
     assert field in info.value.details()
-    # Bad input leaves the server healthy and serving.
-    assert len(stub.Sample(request(max_tokens=2), timeout=30).sequences[0].tokens) == 2
+    # Bad input leaves the server healthy and serving. Seeded: an unseeded draw from the random `tiny` model ends at
+    # its EOS token now and then (one chance in ~260 per token), which is a correct answer of 1 token.
+    served = stub.Sample(request(max_tokens=2, seed=7), timeout=30).sequences[0]
+    assert len(served.tokens) == 2 or (served.finish_reason == sampler_pb2.FINISH_REASON_STOP and served.tokens)
 
 
 def test_sample_defaults_stream_and_compute_logprobs_agree(sampler):

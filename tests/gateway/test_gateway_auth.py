@@ -86,8 +86,8 @@ def test_each_tenant_trains_in_its_own_namespace_and_cannot_reach_the_others(sec
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         saved = training.save_weights_for_sampler("first").result()
         reply = acme.create_sampling_client(model_path=saved.path).sample(
-            types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=3)).result()
-        assert len(reply.sequences[0].tokens) == 3
+            types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=3, seed=5)).result()
+        assert len(reply.sequences[0].tokens) == 3 or reply.sequences[0].stop_reason == "stop"
         # The trainer holds the model as an adapter of acme's namespace, trained on acme's behalf.
         adapters = list(trainer.service.pool.names())
         assert [a for a in adapters if a.startswith("acme/")], adapters

@@ -69,14 +69,15 @@ def test_a_sample_waits_out_a_sampler_restart(cluster):
     sampling = service.create_sampling_client(base_model="tiny").result()
     port = int(cluster.sampler.address.rsplit(":", 1)[1])
     cluster.sampler.close()
-    pending = sampling.sample(types.ModelInput.from_ints([10, 11, 12]), 1, types.SamplingParams(max_tokens=3))
+    pending = sampling.sample(types.ModelInput.from_ints([10, 11, 12]), 1, types.SamplingParams(max_tokens=3, seed=5))
     # Still pending a second later (had the gateway given up, result() would raise RequestFailedError).
     with pytest.raises(concurrent.futures.TimeoutError):
         pending.result(timeout=1.0)
     cluster.sampler = start_live_sampler(cluster.registry.settings, cluster.sampler.loop, cluster.registry.address,
                                          port=port)
     reply = pending.result(timeout=60)
-    assert len(reply.sequences) == 1 and len(reply.sequences[0].tokens) == 3
+    assert len(reply.sequences) == 1
+    assert len(reply.sequences[0].tokens) == 3 or reply.sequences[0].stop_reason == "stop"
     service.close("success")
 
 
