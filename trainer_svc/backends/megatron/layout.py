@@ -1,11 +1,14 @@
-"""Pure-tensor layout rules between Hugging Face Llama weights / PEFT LoRA and megatron-core's fused layers.
+"""Pure-tensor layout rules between Hugging Face Llama-family weights / PEFT LoRA and megatron-core's fused layers.
 
 This module imports only torch, so CPU-only CI can check the layout without megatron-core installed.
 
 megatron-core (local layer spec) fuses
   * q, k, v into ``linear_qkv`` with the GQA interleave: for each query group g the rows are
     ``[q heads g*hpg .. (g+1)*hpg-1, k head g, v head g]`` (hpg = query heads per group);
-  * gate, up into ``linear_fc1`` as ``[gate; up]`` (``MLP.glu`` applies the activation to the first half).
+  * gate, up into ``linear_fc1`` as ``[gate; up]`` (``MLP.glu`` applies the activation to the first half);
+  * Qwen2's q, k, v biases into ``linear_qkv.bias`` with the same interleave as the weight rows (a bias is one more
+    value per output row); Qwen3's per-head ``q_norm`` / ``k_norm`` weights are megatron's ``q_layernorm`` /
+    ``k_layernorm`` (``[head_dim]``, identical on every rank).
 Under tensor parallelism a column-parallel layer keeps a contiguous chunk of its output rows. Query groups are
 contiguous in the interleave, so rank r holds groups ``[r*G/TP, (r+1)*G/TP)``; fc1 is stored per rank as
 ``[gate_r; up_r]`` (so the global fc1 is ``[gate_0; up_0; gate_1; up_1; ...]``). A row-parallel layer keeps a
@@ -176,33 +179,56 @@ def chunk_for_rank(t: torch.Tensor, tp: int, rank: int, dim: int) -> torch.Tenso
 def hf_layer_to_mcore_shards(
     hf_layer: dict[str, torch.Tensor], shape: LlamaShape, tp: int, rank: int
 ) -> dict[str, torch.Tensor]:
-    """One decoder layer: HF weights (keys relative to ``model.layers.N.``) → this rank's mcore weights."""
+    """One decoder layer: HF weights (keys relative to ``model.layers.N.``) → this rank's mcore weights.
+
+    Raises ValueError if the layer has a weight this mapping does not place (say an o_proj bias): a weight left
+    behind would make the megatron model compute something else than the checkpoint."""
     groups_local = shape.num_kv_heads // tp
-    q = chunk_for_rank(hf_layer["self_attn.q_proj.weight"], tp, rank, 0)
-    k = chunk_for_rank(hf_layer["self_attn.k_proj.weight"], tp, rank, 0)
-    v = chunk_for_rank(hf_layer["self_attn.v_proj.weight"], tp, rank, 0)
-    gate = chunk_for_rank(hf_layer["mlp.gate_proj.weight"], tp, rank, 0)
-    up = chunk_for_rank(hf_layer["mlp.up_proj.weight"], tp, rank, 0)
-    return {
-        "input_layernorm.weight": hf_layer["input_layernorm.weight"],
-        "self_attention.linear_qkv.weight": interleave_qkv(q, k, v, groups_local, shape.head_dim, dim=0),
-        "self_attention.linear_proj.weight": chunk_for_rank(hf_layer["self_attn.o_proj.weight"], tp, rank, 1),
-        "pre_mlp_layernorm.weight": hf_layer["post_attention_layernorm.weight"],
+    used: set[str] = set()
+
+    def take(key: str) -> torch.Tensor:
+        used.add(key)
+        return hf_layer[key]
+
+    def fused_qkv(kind: str) -> torch.Tensor:
+        q, k, v = (chunk_for_rank(take(f"self_attn.{p}_proj.{kind}"), tp, rank, 0) for p in "qkv")
+        return interleave_qkv(q, k, v, groups_local, shape.head_dim, dim=0)
+
+    gate = chunk_for_rank(take("mlp.gate_proj.weight"), tp, rank, 0)
+    up = chunk_for_rank(take("mlp.up_proj.weight"), tp, rank, 0)
+    out = {
+        "input_layernorm.weight": take("input_layernorm.weight"),
+        "self_attention.linear_qkv.weight": fused_qkv("weight"),
+        "self_attention.linear_proj.weight": chunk_for_rank(take("self_attn.o_proj.weight"), tp, rank, 1),
+        "pre_mlp_layernorm.weight": take("post_attention_layernorm.weight"),
         "mlp.linear_fc1.weight": fuse_gate_up(gate, up, dim=0),
-        "mlp.linear_fc2.weight": chunk_for_rank(hf_layer["mlp.down_proj.weight"], tp, rank, 1),
+        "mlp.linear_fc2.weight": chunk_for_rank(take("mlp.down_proj.weight"), tp, rank, 1),
     }
+    if "self_attn.q_proj.bias" in hf_layer:
+        out["self_attention.linear_qkv.bias"] = fused_qkv("bias")
+    if "self_attn.q_norm.weight" in hf_layer:
+        out["self_attention.q_layernorm.weight"] = take("self_attn.q_norm.weight")
+        out["self_attention.k_layernorm.weight"] = take("self_attn.k_norm.weight")
+    left = sorted(set(hf_layer) - used)
+    if left:
+        raise ValueError(f"HF layer weights with no megatron counterpart: {left}")
+    return out
 
 
 def hf_to_mcore_state_dict(
     hf_sd: dict[str, torch.Tensor], shape: LlamaShape, tp: int = 1, rank: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Full HF Llama state dict (``model.…`` keys, tied or untied head) → this rank's GPTModel state dict."""
+    """Full HF state dict (``model.…`` keys, tied or untied head) → this rank's GPTModel state dict."""
     out: dict[str, torch.Tensor] = {
         "embedding.word_embeddings.weight": chunk_for_rank(hf_sd["model.embed_tokens.weight"], tp, rank, 0),
         "decoder.final_layernorm.weight": hf_sd["model.norm.weight"],
     }
     if "lm_head.weight" in hf_sd and not _same_storage(hf_sd["lm_head.weight"], hf_sd["model.embed_tokens.weight"]):
         out["output_layer.weight"] = chunk_for_rank(hf_sd["lm_head.weight"], tp, rank, 0)
+    outside = sorted(k for k in hf_sd if not k.startswith("model.layers.")
+                     and k not in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"))
+    if outside:
+        raise ValueError(f"HF weights with no megatron counterpart: {outside}")
     for i in range(shape.num_layers):
         prefix = f"model.layers.{i}."
         layer = {k[len(prefix) :]: v for k, v in hf_sd.items() if k.startswith(prefix)}
@@ -227,20 +253,24 @@ def mcore_to_hf_state_dict(
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
     else:
         hf["lm_head.weight"] = torch.cat([sd["output_layer.weight"] for sd in rank_sds], 0)
+
+    def unfused_qkv(key: str) -> tuple[torch.Tensor, ...]:
+        per_rank = [split_qkv(sd[key], groups_local, hpg, shape.head_dim, 0) for sd in rank_sds]
+        return tuple(torch.cat(parts, 0) for parts in zip(*per_rank))
+
     for i in range(shape.num_layers):
         p = f"decoder.layers.{i}."
-        qs, ks, vs, gates, ups = [], [], [], [], []
-        for sd in rank_sds:
-            q, k, v = split_qkv(sd[p + "self_attention.linear_qkv.weight"], groups_local, hpg, shape.head_dim, 0)
-            qs.append(q), ks.append(k), vs.append(v)
-            g, u = split_gate_up(sd[p + "mlp.linear_fc1.weight"], 0)
-            gates.append(g), ups.append(u)
         h = f"model.layers.{i}."
+        gates, ups = zip(*(split_gate_up(sd[p + "mlp.linear_fc1.weight"], 0) for sd in rank_sds))
         hf[h + "input_layernorm.weight"] = first[p + "input_layernorm.weight"]
         hf[h + "post_attention_layernorm.weight"] = first[p + "pre_mlp_layernorm.weight"]
-        hf[h + "self_attn.q_proj.weight"] = torch.cat(qs, 0)
-        hf[h + "self_attn.k_proj.weight"] = torch.cat(ks, 0)
-        hf[h + "self_attn.v_proj.weight"] = torch.cat(vs, 0)
+        for kind in ("weight", "bias"):
+            if p + f"self_attention.linear_qkv.{kind}" in first:
+                for proj, t in zip("qkv", unfused_qkv(p + f"self_attention.linear_qkv.{kind}")):
+                    hf[h + f"self_attn.{proj}_proj.{kind}"] = t
+        if p + "self_attention.q_layernorm.weight" in first:
+            hf[h + "self_attn.q_norm.weight"] = first[p + "self_attention.q_layernorm.weight"]
+            hf[h + "self_attn.k_norm.weight"] = first[p + "self_attention.k_layernorm.weight"]
         hf[h + "self_attn.o_proj.weight"] = torch.cat(
             [sd[p + "self_attention.linear_proj.weight"] for sd in rank_sds], 1
         )

@@ -1,20 +1,46 @@
-"""Hugging Face Llama-family weights → megatron-core ``GPTModel`` (local, non-Transformer-Engine layer spec).
+"""Hugging Face Llama-3.x / Qwen2.5 / Qwen3 weights → megatron-core ``GPTModel`` (local, non-Transformer-Engine layer
+spec).
 
 The model runs in plain PyTorch: causal attention through torch SDPA (:mod:`.attention`; ``attention="unfused"``
 keeps megatron's ``DotProductAttention``), ``torch.nn.RMSNorm``, the non-fused RoPE path (rotate-half convention,
 like HF Llama), ``ColumnParallelLinear`` / ``RowParallelLinear``. The base weights are frozen; only the LoRA tensors
 of :mod:`.lora` receive gradients.
+
+What a family adds to the Llama layout (docs/megatron.md, "Model families"): Qwen2 biases q, k and v (megatron's
+``add_qkv_bias``: one bias on the fused ``linear_qkv``); Qwen3 RMS-normalizes every q and k head before RoPE
+(``qk_layernorm``: megatron's ``q_layernorm``/``k_layernorm`` on ``[s, b, heads, head_dim]``) and may have a
+``head_dim`` other than hidden/heads (``kv_channels``); Llama-3.1/3.2 rescale the RoPE frequencies (``llama3``).
+Anything else a config asks for is refused by :func:`spec_from_hf_config` rather than silently computed wrong.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from loraplane.errors import FailedPrecondition
+
 from .layout import LlamaShape, hf_to_mcore_state_dict, shape_from_hf_config
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# Config fields that, set to a positive count, mean mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, DeepSeek).
+_EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """transformers' ``rope_type: llama3`` (Llama-3.1/3.2/3.3): long wavelengths divided by ``factor``, short ones
+    kept, the band between smoothly interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -24,25 +50,116 @@ class MegatronModelSpec:
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
 
 
 def spec_from_hf_config(config) -> MegatronModelSpec:
-    if getattr(config, "rope_scaling", None) not in (None, {}) and (config.rope_scaling or {}).get(
-        "rope_type", (config.rope_scaling or {}).get("type", "default")
-    ) not in ("default", None):
-        raise ValueError(f"rope_scaling {config.rope_scaling!r} is not supported by the megatron backend")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise ValueError("biased attention/MLP projections are not supported by the megatron backend")
-    rope_theta = getattr(config, "rope_theta", None)
-    if rope_theta is None:  # transformers 5 keeps it in rope_parameters
-        rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    """The megatron model of a transformers config; :class:`FailedPrecondition` naming every feature of the config
+    that the megatron backend does not implement (so a checkpoint never loads into a model that computes something
+    else)."""
+    rope = _rope_parameters(config)
+    problems = unsupported_features(config, rope)
+    if problems:
+        name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "?")
+        raise FailedPrecondition(
+            f"base model {name!r} cannot run on the megatron backend: {'; '.join(problems)} "
+            f"(supported: model_type {', '.join(SUPPORTED_MODEL_TYPES)}; dense SwiGLU MLP without biases; full "
+            f"causal attention; rope_scaling {' or '.join(SUPPORTED_ROPE_TYPES)})",
+            reason="UNSUPPORTED_MODEL", field="base_model")
+    model_type = config.model_type
+    scaling = None
+    if rope.get("rope_type", rope.get("type", "default")) == "llama3":
+        scaling = Llama3RopeScaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
     return MegatronModelSpec(
         shape=shape_from_hf_config(config),
-        rope_theta=float(rope_theta),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
+        # Qwen2's attention biases q, k and v unconditionally (its config has no switch); o never.
+        qkv_bias=model_type == "qwen2",
+        qk_layernorm=model_type == "qwen3",
+        rope_scaling=scaling,
     )
+
+
+def unsupported_features(config, rope: dict | None = None) -> list[str]:
+    """What of this config the megatron backend cannot compute, one phrase per feature (empty = supported)."""
+    rope = _rope_parameters(config) if rope is None else rope
+    problems = []
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(f"model_type {model_type!r}")
+    for field in _EXPERT_COUNT_FIELDS:
+        experts = getattr(config, field, None)
+        if isinstance(experts, int) and experts > 0:
+            problems.append(f"mixture-of-experts MLP ({field}={experts})")
+            break
+    sliding = _sliding_window_in_use(config)
+    if sliding:
+        problems.append(f"sliding-window attention ({sliding})")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config.hidden_act!r} (only SiLU-gated MLPs)")
+    if getattr(config, "mlp_bias", False):
+        problems.append("MLP biases (mlp_bias=True)")
+    if getattr(config, "attention_bias", False):
+        # Llama/Qwen3 attention_bias biases o_proj too; megatron's local spec has no o-only bias.
+        problems.append("an o_proj bias (attention_bias=True)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        problems.append(f"rope_scaling type {rope_type!r}")
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        problems.append(f"partial rotary embeddings (partial_rotary_factor={partial})")
+    return problems
+
+
+def _rope_parameters(config) -> dict:
+    """One dict of the RoPE settings: transformers 5 keeps them (theta included) in ``rope_parameters``,
+    transformers 4 in ``rope_theta`` plus an optional ``rope_scaling`` dict."""
+    merged = dict(getattr(config, "rope_scaling", None) or {})
+    merged.update(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in merged and getattr(config, "rope_theta", None) is not None:
+        merged["rope_theta"] = config.rope_theta
+    return merged
+
+
+def _sliding_window_in_use(config) -> str:
+    """A description of the sliding-window attention this config runs, or "" when every layer attends fully."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        # What transformers itself consults per layer (Qwen2/3 only slide from max_window_layers on).
+        other = sorted(set(layer_types) - {"full_attention"})
+        return f"layer_types {other}" if other else ""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return f"sliding_window={window}"
+    return ""
+
+
+def rope_inv_freq(spec: MegatronModelSpec) -> torch.Tensor:
+    """fp32 RoPE inverse frequencies ``[head_dim / 2]``, computed as transformers computes them
+    (``_compute_default_rope_parameters`` / ``_compute_llama3_parameters``), so both models rotate by the same
+    angles. megatron's own llama3 rescaling fixes low/high_freq_factor and the original context (1, 4, 8192)."""
+    dim = spec.shape.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = spec.rope_scaling
+    if s is None:
+        return inv_freq
+    context = s.original_max_position_embeddings
+    low_freq_wavelen = context / s.low_freq_factor
+    high_freq_wavelen = context / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def init_parallel(tensor_parallel_size: int = 1, seed: int = 1234) -> None:
@@ -91,7 +208,8 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -111,7 +229,7 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
     )
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: one of {ATTENTION_KINDS}")
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
     if attention == "sdpa":
         from .attention import SDPACoreAttention
 
@@ -129,6 +247,9 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
+    # Always ours, not megatron's: one code path for default and llama3 RoPE, equal to transformers' by
+    # construction. A plain attribute (not a buffer), so it stays fp32 whatever dtype the model is cast to.
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(spec).to(device)
     return model.to(device=device, dtype=dtype)
 
 
