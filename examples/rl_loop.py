@@ -25,6 +25,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,47 +102,109 @@ class TenantRun:
     error: str = ""
 
 
-def run_tenant(service: ServiceClient, tokenizer, run: TenantRun, args, print_lock: threading.Lock) -> None:
-    rng = random.Random(run.seed)
-    training: TrainingClient = service.create_lora_training_client(
+@dataclass
+class Rollout:
+    """One iteration's samples of one tenant: the replies, their rewards and the datums that carry a signal."""
+
+    prompts: list[list[int]]
+    replies: list
+    rewards: list[float]
+    correct: list[bool]
+    data: list[Datum]
+
+    @property
+    def mean_reward(self) -> float:
+        return statistics.fmean(self.rewards)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / len(self.correct)
+
+
+def tenant_clients(service: ServiceClient, tokenizer, run: TenantRun, args
+                   ) -> tuple[TrainingClient, SamplingParams, AdamParams]:
+    training = service.create_lora_training_client(
         args.model, rank=args.rank, alpha=args.rank, seed=run.seed, name=run.name, exist_ok=True,
         keep_last=4)  # one version per iteration: let the registry drop the old ones
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=stop_ids(tokenizer))
     adam = AdamParams(learning_rate=args.learning_rate, beta1=0.9, beta2=0.999, eps=1e-8)
+    return training, params, adam
+
+
+def rollout(sampler, tokenizer, rng: random.Random, op: str, params: SamplingParams, args) -> Rollout:
+    """Steps 2-4: B fresh problems, G samples each from the sampler's version, rewards and GRPO advantages."""
+    problems = [Problem(rng.randint(0, 9), rng.randint(0, 9), op) for _ in range(args.problems)]
+    prompts = [encode_prompt(tokenizer, p.question) for p in problems]
+    futures = [sampler.sample(prompt, args.group_size, dataclasses.replace(params, seed=rng.getrandbits(31)))
+               for prompt in prompts]
+    batch = Rollout(prompts, [], [], [], [])
+    for problem, prompt, future in zip(problems, prompts, futures):
+        reply = future.result()
+        batch.replies.append(reply)
+        scored = [reward(problem, tokenizer.decode(s.tokens, skip_special_tokens=True)) for s in reply.sequences]
+        group = [r for r, _ in scored]
+        batch.rewards.extend(group)
+        batch.correct.extend(c for _, c in scored)
+        advantages = group_advantages(group)
+        if advantages is None:
+            continue
+        for sequence, advantage in zip(reply.sequences, advantages):
+            if sequence.tokens:
+                batch.data.append(rl_datum(prompt, sequence.tokens, sequence.logprobs or [], advantage))
+    return batch
+
+
+def train_on(training: TrainingClient, data: list[Datum], adam: AdamParams) -> float:
+    """Step 5; the loss, or NaN when no group carried a signal."""
+    if not data:
+        return float("nan")
+    backward = training.forward_backward(data, "importance_sampling")
+    step = training.optim_step(adam)  # pipelined: no wait for the backward's reply
+    loss = backward.result().metrics.get("loss:sum", float("nan"))
+    step.result()
+    return loss
+
+
+def run_tenant(service: ServiceClient, tokenizer, run: TenantRun, args, print_lock: threading.Lock) -> None:
+    rng = random.Random(run.seed)
+    training, params, adam = tenant_clients(service, tokenizer, run, args)
     for iteration in range(1, args.iterations + 1):
         started = time.monotonic()
         sampler = training.save_weights_for_sampler(f"iter-{iteration}").result()
-        problems = [Problem(rng.randint(0, 9), rng.randint(0, 9), run.op) for _ in range(args.problems)]
-        prompts = [encode_prompt(tokenizer, p.question) for p in problems]
-        futures = [sampler.sample(prompt, args.group_size, dataclasses.replace(params, seed=rng.getrandbits(31)))
-                   for prompt in prompts]
-        data, rewards, correct = [], [], []
-        for problem, prompt, future in zip(problems, prompts, futures):
-            reply = future.result()
-            scored = [reward(problem, tokenizer.decode(s.tokens, skip_special_tokens=True)) for s in reply.sequences]
-            group = [r for r, _ in scored]
-            rewards.extend(group)
-            correct.extend(c for _, c in scored)
-            advantages = group_advantages(group)
-            if advantages is None:
-                continue
-            for sequence, advantage in zip(reply.sequences, advantages):
-                if sequence.tokens:
-                    data.append(rl_datum(prompt, sequence.tokens, sequence.logprobs or [], advantage))
-        loss = float("nan")
-        if data:
-            backward = training.forward_backward(data, "importance_sampling")
-            step = training.optim_step(adam)  # pipelined: no wait for the backward's reply
-            loss = backward.result().metrics.get("loss:sum", float("nan"))
-            step.result()
-        row = {"iteration": iteration, "version": sampler.version, "mean_reward": statistics.fmean(rewards),
-               "accuracy": sum(correct) / len(correct), "datums": len(data), "loss": loss,
+        batch = rollout(sampler, tokenizer, rng, run.op, params, args)
+        loss = train_on(training, batch.data, adam)
+        row = {"iteration": iteration, "version": sampler.version, "mean_reward": batch.mean_reward,
+               "accuracy": batch.accuracy, "datums": len(batch.data), "loss": loss,
                "seconds": time.monotonic() - started}
         run.history.append(row)
         with print_lock:
             print(f"{run.name:<18} iter {iteration:>3}  v{sampler.version:<3} reward {row['mean_reward']:.3f}  "
-                  f"accuracy {row['accuracy']:.3f}  datums {len(data):>3}  loss {loss:9.3f}  "
+                  f"accuracy {row['accuracy']:.3f}  datums {len(batch.data):>3}  loss {loss:9.3f}  "
                   f"{row['seconds']:.1f}s", flush=True)
+
+
+def tenant_runs(ops: str) -> list[TenantRun]:
+    """One tenant per comma-separated operation."""
+    return [TenantRun(f"tenant-{chr(ord('a') + i)}/rl-arith", op, seed=1000 + i)
+            for i, op in enumerate(ops.split(","))]
+
+
+def run_tenants(runs: list[TenantRun], loop: Callable[[TenantRun], None]) -> float:
+    """Runs every tenant's loop in its own thread at once; a loop's exception becomes its run's error. Returns the
+    wall time."""
+    def guarded(run: TenantRun) -> None:
+        try:
+            loop(run)
+        except Exception as exc:  # noqa: BLE001 - reported in the summary and the exit code
+            run.error = f"{type(exc).__name__}: {exc}"
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=guarded, args=(run,), name=run.name) for run in runs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - started
 
 
 def summarize(runs: list[TenantRun], window: int) -> dict:
@@ -188,23 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             service = ServiceClient()
         tokenizer = service.get_tokenizer()
-        ops = args.ops.split(",")
-        runs = [TenantRun(f"tenant-{chr(ord('a') + i)}/rl-arith", op, seed=1000 + i) for i, op in enumerate(ops)]
+        runs = tenant_runs(args.ops)
         lock = threading.Lock()
-
-        def guarded(run: TenantRun) -> None:
-            try:
-                run_tenant(service, tokenizer, run, args, lock)
-            except Exception as exc:  # noqa: BLE001 - reported in the summary and the exit code
-                run.error = f"{type(exc).__name__}: {exc}"
-
-        started = time.monotonic()
-        threads = [threading.Thread(target=guarded, args=(run,), name=run.name) for run in runs]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        elapsed = time.monotonic() - started
+        elapsed = run_tenants(runs, lambda run: run_tenant(service, tokenizer, run, args, lock))
 
     summary = summarize(runs, args.window)
     result = {"model": args.model, "iterations": args.iterations, "problems": args.problems,

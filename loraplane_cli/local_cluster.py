@@ -70,13 +70,16 @@ assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                   extra_env: dict[str, str] | None = None, on_progress=None, *, auth: bool = False,
-                  tls: bool = False, mtls: bool = False, gateway: bool = False) -> tuple[ClusterState, list[str]]:
+                  tls: bool = False, mtls: bool = False, gateway: bool = False,
+                  commands: dict[str, list[str]] | None = None) -> tuple[ClusterState, list[str]]:
     """Brings the cluster of this data dir up: starts what was never started, restarts (exactly as first started,
     same ports, data, keys and certificates) what has died, leaves running components alone, then hands the whole
     cluster to a fresh supervisor. Returns the state and the names started. On a failure stops what this call
     started and raises ProcessStartError. `auth`: keys required (an admin key written to the data dir); `tls`: a
     local CA and TLS everywhere; both apply when the cluster is created (an existing one keeps its own). With
-    `gateway`, the HTTP gateway (gateway_svc) comes last, in front of the three services."""
+    `gateway`, the HTTP gateway (gateway_svc) comes last, in front of the three services. `commands` gives a
+    service another argv than `python -m <module>` (the megatron trainer under torchrun, a sampler on SGLang); it
+    gets the same environment, health check and supervision."""
     data_dir = Path(settings.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     existing = read_cluster_state(data_dir)
@@ -143,7 +146,8 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                             "LORAPLANE_METRICS_PORT": str(metrics_port)})
                 component = ComponentState(spec.name, "service", f"{LOOPBACK}:{port}",
                                            metrics=f"http://{LOOPBACK}:{metrics_port}/metrics")
-                add(component, ManagedProcess(spec.name, [sys.executable, "-m", spec.module],
+                argv = (commands or {}).get(spec.name) or [sys.executable, "-m", spec.module]
+                add(component, ManagedProcess(spec.name, list(argv),
                                               data_dir / "logs" / f"{spec.name}.log", env=dict(env)),
                     functools.partial(component_ready, component, settings))
             if component is not None:

