@@ -139,6 +139,12 @@ def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dt
     if layers is None:
         raise InvalidArgument(f"base model {name!r} is not a decoder with model.layers (Llama/Qwen family)",
                               field="base_model")
+    sliding = sliding_window_in_use(model.config)
+    if sliding:
+        # The trainer's packed attention and the sampler's KV-cache decode attend to the whole causal prefix; a
+        # windowed model would train and sample on different logits than transformers computes.
+        raise FailedPrecondition(f"base model {name!r} uses sliding-window attention ({sliding}), which loraplane's "
+                                 "torch backend and engine do not compute", field="base_model")
     model = model.to(device=device, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
@@ -171,6 +177,19 @@ def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dt
         hidden_size=int(config.hidden_size),
         module_dims=dims,
     )
+
+
+def sliding_window_in_use(config) -> str:
+    """A description of the sliding-window attention this config runs, or "" when every layer attends fully."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        # What transformers itself consults per layer (Qwen2/3 only slide from max_window_layers on).
+        other = sorted(set(layer_types) - {"full_attention"})
+        return f"layer_types {other}" if other else ""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return f"sliding_window={window}"
+    return ""
 
 
 def smollm2_gguf_path() -> Path:

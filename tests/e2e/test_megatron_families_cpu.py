@@ -402,3 +402,16 @@ def test_a_weight_without_a_megatron_counterpart_is_refused():
 
 if __name__ == "__main__":
     main()
+
+
+def test_torch_backend_refuses_sliding_window_checkpoints(tmp_path):
+    """The torch backend's packed attention and the torch engine's KV-cache decode attend to the whole causal
+    prefix, so a checkpoint that slides its window is refused at load (not trained on logits transformers would
+    not compute); Qwen2.5's switched-off window loads."""
+    from loraplane.errors import FailedPrecondition
+    from loraplane.models.base import load_base_model
+
+    with pytest.raises(FailedPrecondition) as refused:
+        load_base_model(str(write_checkpoint("refuse:sliding_window", tmp_path / "sliding")))
+    assert "sliding-window attention" in str(refused.value) and refused.value.field == "base_model"
+    assert load_base_model(str(write_checkpoint("qwen2", tmp_path / "qwen"))).num_layers == 2

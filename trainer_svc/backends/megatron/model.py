@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplane.errors import FailedPrecondition
+from loraplane.models.base import sliding_window_in_use
 
 from .layout import LlamaShape, hf_to_mcore_state_dict, shape_from_hf_config
 
@@ -100,7 +101,7 @@ def unsupported_features(config, rope: dict | None = None) -> list[str]:
         if isinstance(experts, int) and experts > 0:
             problems.append(f"mixture-of-experts MLP ({field}={experts})")
             break
-    sliding = _sliding_window_in_use(config)
+    sliding = sliding_window_in_use(config)
     if sliding:
         problems.append(f"sliding-window attention ({sliding})")
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -127,19 +128,6 @@ def _rope_parameters(config) -> dict:
     if "rope_theta" not in merged and getattr(config, "rope_theta", None) is not None:
         merged["rope_theta"] = config.rope_theta
     return merged
-
-
-def _sliding_window_in_use(config) -> str:
-    """A description of the sliding-window attention this config runs, or "" when every layer attends fully."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        # What transformers itself consults per layer (Qwen2/3 only slide from max_window_layers on).
-        other = sorted(set(layer_types) - {"full_attention"})
-        return f"layer_types {other}" if other else ""
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True):
-        return f"sliding_window={window}"
-    return ""
 
 
 def rope_inv_freq(spec: MegatronModelSpec) -> torch.Tensor:
