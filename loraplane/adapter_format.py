@@ -2,7 +2,8 @@
 
 Weights blob: one safetensors file holding the PEFT LoRA tensors under PEFT key names, with the PEFT
 `adapter_config.json` content in its header metadata (key "adapter_config"), so HF PEFT / vLLM / SGLang can load an
-exported version after `materialize_peft_dir` splits it into adapter_model.safetensors + adapter_config.json.
+exported version after `materialize_peft_dir` splits it into adapter_model.safetensors + adapter_config.json. Its
+tensors are float32, or bfloat16 for an adapter whose LoraConfig.weights_dtype asks for it (readers upcast).
 
 Training-state blob: also safetensors (never pickle): params under their PEFT keys, AdamW moments under
 `optimizer.exp_avg.<key>` / `optimizer.exp_avg_sq.<key>`, metadata "loraplane_training_state" = JSON with the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,39 +57,99 @@ def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
     }
 
 
-def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """A safetensors file of float32 tensors, written directly: tensors in sorted name order, metadata sorted, so
-    the same tensors always give the same bytes (the registry is content-addressed). Each tensor is copied once,
-    from any device, dtype or stride, into the output buffer; safetensors' own writer makes three more copies of
-    the data, which for a 39 MB adapter cost about 150 ms of a publish."""
-    names = sorted(tensors)
-    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
-    offset = 0
-    for name in names:
-        nbytes = tensors[name].numel() * 4
-        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    out = bytearray(8 + len(text) + offset)
-    out[:8] = len(text).to_bytes(8, "little")
-    out[8 : 8 + len(text)] = text
-    if offset:
-        data = torch.frombuffer(out, dtype=torch.uint8, offset=8 + len(text), count=offset)
-        for name in names:
-            begin, end = header[name]["data_offsets"]
-            tensor = tensors[name].detach()
-            data[begin:end].view(torch.float32).view(tensor.shape).copy_(tensor)
-    return bytes(out)
+# The dtypes an adapter's weights blob may be written in, under the names LoraConfig.weights_dtype uses, with the
+# safetensors dtype code of each.
+WEIGHTS_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
 
 
-def serialize_adapter(params: dict[str, torch.Tensor], spec: LoraSpec, base_model_name: str) -> bytes:
+class SafetensorsWriter:
+    """A safetensors file of float tensors in one dtype: tensors in sorted name order, metadata sorted, so the same
+    tensors always give the same bytes (the registry is content-addressed).
+
+    The header depends only on names, shapes and the dtype, so `size` is known before any tensor byte exists and
+    `chunks` can produce the file piece by piece (a publish sends each piece while the next is made). Each tensor
+    is read once, from any device, dtype or stride: cast to the file's dtype where it lives (on a GPU, half the
+    bytes of a bf16 file cross to the host), and a host tensor already in the file's dtype is not copied until its
+    bytes go into an output chunk. safetensors' own writer copies the data three times, and filling one
+    preallocated buffer first touches (and zeroes) every page of it: for a 336 MB adapter either costs more than
+    producing the chunks."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
+                 dtype: torch.dtype = torch.float32):
+        self._tensors = tensors
+        self._names = sorted(tensors)
+        self._dtype = dtype
+        code, itemsize = _SAFETENSORS_DTYPES[dtype], torch.empty((), dtype=dtype).element_size()
+        header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+        offset = 0
+        for name in self._names:
+            nbytes = tensors[name].numel() * itemsize
+            header[name] = {"dtype": code, "shape": list(tensors[name].shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        self._header = len(text).to_bytes(8, "little") + text
+        self.size = len(self._header) + offset
+
+    def _pieces(self) -> Iterator[memoryview]:
+        yield memoryview(self._header)
+        for name in self._names:
+            tensor = self._tensors[name].detach()
+            if tensor.dtype != self._dtype:
+                tensor = tensor.to(self._dtype)
+            tensor = tensor.to("cpu").contiguous()
+            if tensor.numel():
+                yield memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self._pieces())
+
+    def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
+        """The file as consecutive pieces of exactly `chunk_bytes` (the last one shorter), made as they are taken."""
+        pending: list[memoryview] = []
+        filled = 0
+        for piece in self._pieces():
+            while piece:
+                take = min(len(piece), chunk_bytes - filled)
+                pending.append(piece[:take])
+                filled += take
+                piece = piece[take:]
+                if filled == chunk_bytes:
+                    yield b"".join(pending)
+                    pending, filled = [], 0
+        if pending:
+            yield b"".join(pending)
+
+
+def _save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
+    """A float32 safetensors file of `tensors` (see SafetensorsWriter)."""
+    return SafetensorsWriter(tensors, metadata).to_bytes()
+
+
+def weights_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a LoraConfig.weights_dtype name ("" = float32)."""
+    dtype = WEIGHTS_DTYPES.get(name or "float32")
+    if dtype is None:
+        raise InvalidArgument(f"weights_dtype: {clip(name)!r} is not one of {', '.join(WEIGHTS_DTYPES)}",
+                              field="weights_dtype")
+    return dtype
+
+
+def adapter_writer(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_model_name: str,
+                   dtype: str = "float32") -> SafetensorsWriter:
+    """The PEFT weights file of `params` in `dtype` (a WEIGHTS_DTYPES name), after checking the params."""
     _check_params(params, spec, field="params")
     metadata = {
         FORMAT_KEY: "pt",
         ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name), sort_keys=True),
     }
-    return _save(params, metadata)
+    return SafetensorsWriter(params, metadata, weights_dtype(dtype))
+
+
+def serialize_adapter(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_model_name: str,
+                      dtype: str = "float32") -> bytes:
+    return adapter_writer(params, spec, base_model_name, dtype).to_bytes()
 
 
 def _read(blob: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -143,7 +205,7 @@ def parse_adapter(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
     return params, spec, str(config.get("base_model_name_or_path") or "")
 
 
-def _non_finite_key(params: dict[str, torch.Tensor]) -> str | None:
+def _non_finite_key(params: Mapping[str, torch.Tensor]) -> str | None:
     """The first tensor holding a NaN or an infinity, or None. A finite norm proves a tensor finite; the norms of
     all tensors come from one foreach call (an isfinite pass per tensor took ~28 ms of a 39 MB publish). Only when a
     norm is not finite (a bad value, or a norm that overflows) is each tensor scanned."""
@@ -153,7 +215,7 @@ def _non_finite_key(params: dict[str, torch.Tensor]) -> str | None:
     return next((k for k, t in zip(params, tensors) if not bool(torch.isfinite(t).all())), None)
 
 
-def _check_params(params: dict[str, torch.Tensor], spec: LoraSpec, *, field: str) -> None:
+def _check_params(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, field: str) -> None:
     """Keys must form complete A/B pairs of the spec's target modules over layers 0..L-1 with rank-consistent
     shapes and finite values."""
     _check_shapes({key: tuple(tensor.shape) for key, tensor in params.items()}, spec, field=field)

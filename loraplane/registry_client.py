@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Iterable, Mapping
+import threading
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Self
 
 import grpc
@@ -27,10 +28,35 @@ VERSION_KIND_TRAINING_STATE: int = common_pb2.VERSION_KIND_TRAINING_STATE
 AdapterVersion = common_pb2.AdapterVersion
 
 
-def lora_config(rank: int, alpha: float = 0.0, target_modules: Iterable[str] = (), seed: int = 0
-                ) -> common_pb2.LoraConfig:
+# LoraConfig.weights_dtype by the names domain code uses (loraplane.adapter_format.WEIGHTS_DTYPES); unspecified
+# means float32.
+_WEIGHTS_DTYPE_NAMES = {common_pb2.WEIGHTS_DTYPE_UNSPECIFIED: "float32", common_pb2.WEIGHTS_DTYPE_FLOAT32: "float32",
+                        common_pb2.WEIGHTS_DTYPE_BFLOAT16: "bfloat16"}
+_WEIGHTS_DTYPE_VALUES = {"": common_pb2.WEIGHTS_DTYPE_FLOAT32, "float32": common_pb2.WEIGHTS_DTYPE_FLOAT32,
+                         "bfloat16": common_pb2.WEIGHTS_DTYPE_BFLOAT16}
+
+
+def weights_dtype_name(value: int) -> str:
+    """The name of a LoraConfig.weights_dtype value; an unknown value comes back as its number, for the domain's
+    validation to reject by name."""
+    return _WEIGHTS_DTYPE_NAMES.get(value, str(value))
+
+
+def weights_dtype_value(name: str) -> int:
+    """The LoraConfig.weights_dtype value of a name ("" = float32)."""
+    try:
+        return _WEIGHTS_DTYPE_VALUES[name]
+    except KeyError:
+        raise errors.InvalidArgument(
+            f"lora_config.weights_dtype: {name[:40]!r} is not one of float32, bfloat16",
+            field="lora_config.weights_dtype") from None
+
+
+def lora_config(rank: int, alpha: float = 0.0, target_modules: Iterable[str] = (), seed: int = 0,
+                weights_dtype: str = "float32") -> common_pb2.LoraConfig:
     """The `lora_config` argument of `RegistryClient.create_adapter`, from plain values."""
-    return common_pb2.LoraConfig(rank=rank, alpha=alpha, target_modules=list(target_modules), seed=seed)
+    return common_pb2.LoraConfig(rank=rank, alpha=alpha, target_modules=list(target_modules), seed=seed,
+                                 weights_dtype=weights_dtype_value(weights_dtype))
 
 
 def adapter_ref(name: str, version: int = 0, alias: str = "") -> common_pb2.AdapterRef:
@@ -42,6 +68,112 @@ def adapter_ref(name: str, version: int = 0, alias: str = "") -> common_pb2.Adap
     elif alias:
         ref.alias = alias
     return ref
+
+
+class StreamedBlob:
+    """A blob made piece by piece, each piece hashed as it is made: no whole copy of it and no pass over it for the
+    digest alone.
+
+    `pieces` yields the blob's `size` bytes in pieces of at most CHUNK_BYTES (one upload chunk each). Either `make()`
+    it first (off the event loop) and `publish` sends it with the digest in the header, or `publish` it as it is:
+    a thread of its own makes the pieces a few ahead of the upload and the digest goes in the stream's trailer (the
+    registry then holds the whole blob until the trailer: see registry.proto). The pieces are kept, so a retry (a
+    lost reply, a registry restart) sends the same bytes again without making them twice, the digest in the header
+    since it is known by then."""
+
+    def __init__(self, size: int, pieces: Iterator[bytes]):
+        self.size = size
+        # An abandoned upload may leave a piece being made on its worker thread while a retry reads the blob.
+        self._lock = threading.Lock()
+        self._pieces: Iterator[bytes] | None = pieces
+        self._made: list[bytes] = []
+        self._made_bytes = 0
+        self._hasher = hashlib.sha256()
+        # Lower-case hex; empty until every piece has been made.
+        self.sha256 = ""
+
+    def piece(self, index: int) -> bytes | None:
+        """The index-th piece (made now if it was not yet: call off the event loop), None past the end."""
+        with self._lock:
+            while index >= len(self._made) and self._pieces is not None:
+                piece = next(self._pieces, None)
+                if piece is None:
+                    self._pieces = None
+                    if self._made_bytes != self.size:
+                        raise ValueError(f"the blob's pieces hold {self._made_bytes} bytes, not the announced "
+                                         f"{self.size}")
+                    self.sha256 = self._hasher.hexdigest()
+                else:
+                    self._hasher.update(piece)
+                    self._made.append(piece)
+                    self._made_bytes += len(piece)
+            return self._made[index] if index < len(self._made) else None
+
+    def made(self, index: int) -> bytes | None:
+        """The index-th piece if it has been made, else None (makes nothing)."""
+        made = self._made
+        return made[index] if index < len(made) else None
+
+    def make(self) -> str:
+        """Makes every piece not made yet (call off the event loop); returns the sha256."""
+        self.piece(1 << 62)
+        return self.sha256
+
+    def getvalue(self) -> bytes:
+        """The whole blob (made now if it was not yet)."""
+        self.make()
+        return b"".join(self._made)
+
+
+async def _made_ahead(blob: StreamedBlob, lookahead: int = 8) -> AsyncIterator[bytes]:
+    """The blob's pieces: those made already at once, the rest made by a thread of their own that runs up to
+    `lookahead` pieces ahead of the upload. (A thread hop per piece, or a thread of the loop's shared pool, costs more
+    than the making under load: the loop wakes only to take what is ready.)"""
+    index = 0
+    finished = bool(blob.sha256)  # read first: once it is set, every piece is there
+    while (piece := blob.made(index)) is not None:
+        yield piece
+        index += 1
+    if finished:
+        return
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Queue = asyncio.Queue()
+    room = threading.Semaphore(lookahead)
+    stopped = threading.Event()
+
+    def hand_over(item: object) -> bool:
+        try:
+            loop.call_soon_threadsafe(ready.put_nowait, item)
+            return True
+        except RuntimeError:  # the loop is gone
+            return False
+
+    def produce(index: int) -> None:
+        try:
+            while room.acquire() and not stopped.is_set():
+                piece = blob.piece(index)
+                if not hand_over(piece) or piece is None:
+                    return
+                index += 1
+        except Exception as exc:  # noqa: BLE001 - raised by the reader
+            hand_over(exc)
+
+    threading.Thread(target=produce, args=(index,), name="publish-maker", daemon=True).start()
+    try:
+        while (item := await ready.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            room.release()
+            yield item
+    finally:
+        # An upload that stops early leaves the maker to finish its piece and end.
+        stopped.set()
+        room.release()
+
+
+async def _sliced(view: memoryview) -> AsyncIterator[bytes]:
+    for start in range(0, len(view), CHUNK_BYTES):
+        yield bytes(view[start:start + CHUNK_BYTES])
 
 
 class RegistryClient:
@@ -120,7 +252,7 @@ class RegistryClient:
     async def publish(
         self,
         adapter: str,
-        blob: bytes,
+        blob: bytes | StreamedBlob,
         *,
         kind: int = common_pb2.VERSION_KIND_WEIGHTS,
         training_step: int = 0,
@@ -128,24 +260,45 @@ class RegistryClient:
         aliases: Iterable[str] = (),
         idempotency_key: str = "",
     ) -> common_pb2.AdapterVersion:
-        view = memoryview(blob)
-        # Hashing 100 MB takes a while; keep the event loop free for other RPCs.
-        digest = (await asyncio.to_thread(hashlib.sha256, view) if len(view) > 4 * CHUNK_BYTES
-                  else hashlib.sha256(view)).hexdigest()
+        """Publishes `blob` as a new version. Bytes are hashed first and the digest sent in the header; so is a
+        StreamedBlob already made; one not made yet is sent while it is made, its digest in the trailer."""
+        if isinstance(blob, StreamedBlob):
+            size, digest = blob.size, blob.sha256
+            chunks = _made_ahead(blob)
+        else:
+            view = memoryview(blob)
+            size = len(view)
+            # Hashing 100 MB takes a while; keep the event loop free for other RPCs.
+            digest = (await asyncio.to_thread(hashlib.sha256, view) if size > 4 * CHUNK_BYTES
+                      else hashlib.sha256(view)).hexdigest()
+            chunks = _sliced(view)
         header = registry_pb2.PublishVersionHeader(
-            adapter=adapter, sha256=digest, size_bytes=len(view), idempotency_key=idempotency_key,
+            adapter=adapter, sha256=digest, size_bytes=size, idempotency_key=idempotency_key,
             training_step=training_step, metadata=dict(metadata or {}), aliases=list(aliases), kind=kind)
 
-        def requests():
+        failed: list[Exception] = []
+
+        async def requests():
             yield registry_pb2.PublishVersionRequest(header=header)
-            for start in range(0, len(view), CHUNK_BYTES):
-                yield registry_pb2.PublishVersionRequest(chunk=bytes(view[start:start + CHUNK_BYTES]))
+            try:
+                async for chunk in chunks:
+                    yield registry_pb2.PublishVersionRequest(chunk=chunk)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the call has ended
+                # Raised inside the request stream, grpc would turn it into a CancelledError. Ending the stream
+                # short instead is safe: the registry commits nothing without all the bytes and the trailer.
+                failed.append(exc)
+                return
+            if not digest:
+                yield registry_pb2.PublishVersionRequest(
+                    trailer=registry_pb2.PublishVersionTrailer(sha256=blob.sha256))
 
         try:
-            reply = await self.stub.PublishVersion(requests(), timeout=self.timeout + len(view) / 20e6)
-            return reply.version
+            reply = await self.stub.PublishVersion(requests(), timeout=self.timeout + size / 20e6)
         except grpc.RpcError as exc:
+            if failed:
+                raise failed[0]
             raise self._error(exc, f"publish to {adapter!r}") from None
+        return reply.version
 
     async def get_version(self, name: str, version: int = 0, alias: str = "") -> common_pb2.AdapterVersion:
         try:

@@ -3,7 +3,9 @@
 Blobs live at `blobs/sha256/<hex>`. An upload streams into an S3 multipart upload while it hashes; the multipart
 upload is completed (made visible) only after the received bytes match the announced size and sha256, and is
 aborted otherwise, so a failed or cancelled upload leaves nothing visible. Blobs smaller than one part are buffered
-and written with a single PUT after the same check.
+and written with a single PUT after the same check. So are blobs whose sha256 comes after their bytes (a publish
+trailer): their key is not known until the last byte, and S3 cannot rename an object, so the bytes are held until
+they are checked and then written (parts in parallel).
 
 The minio SDK is synchronous: every call runs in a thread pool so the event loop keeps serving other RPCs.
 """
@@ -15,7 +17,7 @@ import hashlib
 import logging
 import os
 import queue
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -40,6 +42,8 @@ MIN_PART_BYTES = 5 * 1024 * 1024
 PART_BYTES = max(MIN_PART_BYTES, int(os.environ.get("LORAPLANE_REGISTRY_PART_BYTES") or 16 * 1024 * 1024))
 # A publisher that stalls this long mid-part loses its upload (and frees the sending thread).
 PART_STALL_SECONDS = 120
+# Parts of a buffered blob sent at once.
+PARALLEL_PARTS = 4
 
 T = TypeVar("T")
 _NOT_FOUND_CODES = ("NoSuchKey", "NoSuchObject", "NotFound")
@@ -114,11 +118,39 @@ class BlobStore:
         failure or cancellation the multipart upload is aborted: nothing becomes visible.
         """
         if size < MIN_PART_BYTES:
-            return await self._upload_single(chunks, size, sha256, verify)
+            parts, actual = await self._receive(chunks, size, keep=True)
+            _check_digest(actual, sha256, "header.sha256", "header")
+            if verify is not None:
+                verify()
+            await self._write(sha256, parts, size)
+            return StoredBlob(sha256, size)
         return await self._upload_multipart(chunks, size, sha256, verify)
 
-    async def _upload_single(self, chunks: AsyncIterator[bytes], size: int, sha256: str,
-                             verify: Callable[[], None] | None) -> StoredBlob:
+    async def upload_trailed(self, chunks: AsyncIterator[bytes], size: int, trailer: Callable[[], str],
+                             verify: Callable[[], None] | None, claim: Callable[[str], Awaitable[None]]
+                             ) -> StoredBlob:
+        """Like `upload`, for a blob whose sha256 `trailer` returns once the stream has ended (raising if the
+        stream brought none). The bytes are held until they are checked; then `claim(sha256)` runs (it must
+        protect that blob from garbage collection until the caller commits or releases it) and the blob is written,
+        unless a blob of that digest is stored already. Raises as `upload` does, DataLoss naming trailer.sha256."""
+        parts, actual = await self._receive(chunks, size, keep=True)
+        _check_digest(actual, trailer(), "trailer.sha256", "trailer")
+        if verify is not None:
+            verify()
+        await claim(actual)
+        if not await self.exists(actual):
+            await self._write(actual, parts, size)
+        return StoredBlob(actual, size)
+
+    async def digest(self, chunks: AsyncIterator[bytes], size: int, trailer: Callable[[], str]) -> str:
+        """Reads a stream of `size` bytes without storing it; returns its sha256 once checked against `trailer`'s."""
+        _, actual = await self._receive(chunks, size, keep=False)
+        _check_digest(actual, trailer(), "trailer.sha256", "trailer")
+        return actual
+
+    @staticmethod
+    async def _receive(chunks: AsyncIterator[bytes], size: int, *, keep: bool) -> tuple[list[bytes], str]:
+        """The stream's chunks (when `keep`) and sha256, once it has brought exactly `size` bytes."""
         hasher = hashlib.sha256()
         parts: list[bytes] = []
         received = 0
@@ -126,13 +158,53 @@ class BlobStore:
             received += len(chunk)
             _check_not_too_long(received, size)
             hasher.update(chunk)
-            parts.append(chunk)
-        _check_complete(received, size, hasher.hexdigest(), sha256)
-        if verify is not None:
-            verify()
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        await self._call("write a blob", self._put, blob_key(sha256), data)
-        return StoredBlob(sha256, size)
+            if keep:
+                parts.append(chunk)
+        _check_length(received, size)
+        return parts, hasher.hexdigest()
+
+    async def _write(self, sha256: str, parts: list[bytes], size: int) -> None:
+        """Writes checked bytes at the blob's key: one PUT below the multipart minimum, else parts in parallel."""
+        if size < MIN_PART_BYTES:
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            await self._call("write a blob", self._put, blob_key(sha256), data)
+            return
+        key = blob_key(sha256)
+        creating = asyncio.ensure_future(self._call("start a multipart upload", self.client._create_multipart_upload,
+                                                    self.bucket, key, {}))
+        streams: list[_PartStream] = []
+        for chunk in parts:
+            view = memoryview(chunk)
+            while view:
+                if not streams or streams[-1].remaining == 0:
+                    number = len(streams) + 1
+                    streams.append(_PartStream(number, min(PART_BYTES, size - (number - 1) * PART_BYTES)))
+                take = min(len(view), streams[-1].remaining)
+                streams[-1].feed(view[:take])
+                view = view[take:]
+        completed = stopping = False
+        try:
+            upload_id = await creating
+            loop = asyncio.get_running_loop()
+            sending = asyncio.Semaphore(PARALLEL_PARTS)
+
+            async def send(part: _PartStream) -> str:
+                async with sending:
+                    if stopping:
+                        raise _UploadStopped(f"part {part.number} not sent: the upload failed")
+                    return await loop.run_in_executor(self._part_pool, self._send_part, key, upload_id, part)
+
+            for part in streams:
+                part.future = asyncio.ensure_future(send(part))
+            etags = [await self._settle_part(part) for part in streams]
+            await self._call("complete a multipart upload", self.client._complete_multipart_upload,
+                             self.bucket, key, upload_id, [Part(p.number, etag) for p, etag in zip(streams, etags)])
+            completed = True
+        finally:
+            if not completed:
+                # Parts being sent finish (their bytes are all there); those not started never start.
+                stopping = True
+                await asyncio.shield(self._abort(key, creating, [p.future for p in streams if p.future]))
 
     def _put(self, key: str, data: bytes) -> None:
         # The low-level PUT takes bytes directly; put_object would wrap them in a stream and copy them again.
@@ -335,12 +407,20 @@ def _check_not_too_long(received: int, size: int) -> None:
             f"chunk: received more bytes than header.size_bytes={size}", field="chunk", reason="SIZE_MISMATCH")
 
 
-def _check_complete(received: int, size: int, actual_sha256: str, expected_sha256: str) -> None:
+def _check_length(received: int, size: int) -> None:
     if received != size:
         raise errors.InvalidArgument(
             f"header.size_bytes: the stream ended after {received} of the announced {size} bytes",
             field="header.size_bytes", reason="SIZE_MISMATCH")
+
+
+def _check_digest(actual_sha256: str, expected_sha256: str, field: str, announcer: str) -> None:
     if actual_sha256 != expected_sha256:
         raise errors.DataLoss(
-            f"header.sha256: received bytes hash to {actual_sha256}, the header announced {expected_sha256}; "
-            "nothing was committed", reason="DIGEST_MISMATCH")
+            f"{field}: received bytes hash to {actual_sha256}, the {announcer} announced {expected_sha256}; "
+            "nothing was committed", field=field, reason="DIGEST_MISMATCH")
+
+
+def _check_complete(received: int, size: int, actual_sha256: str, expected_sha256: str) -> None:
+    _check_length(received, size)
+    _check_digest(actual_sha256, expected_sha256, "header.sha256", "header")

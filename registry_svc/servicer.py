@@ -18,6 +18,7 @@ from registry_svc.store import (
     EventRecord,
     LoraSpec,
     PublishHeader,
+    PublishTrailer,
     RegistryStore,
     VersionRecord,
 )
@@ -33,7 +34,8 @@ def adapter_pb(record: AdapterRecord) -> registry_pb2.Adapter:
     return registry_pb2.Adapter(
         name=record.name,
         lora_config=common_pb2.LoraConfig(rank=record.lora.rank, alpha=record.lora.alpha,
-                                          target_modules=record.lora.target_modules, seed=record.lora.seed),
+                                          target_modules=record.lora.target_modules, seed=record.lora.seed,
+                                          weights_dtype=record.lora.weights_dtype),
         base_model=record.base_model, keep_last=record.keep_last, metadata=record.metadata, aliases=record.aliases,
         latest_version=record.latest_version, create_time=_timestamp(record.create_time_ms))
 
@@ -67,7 +69,8 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
         adapter = request.adapter
         lora = adapter.lora_config
         record = await self.store.create_adapter(
-            adapter.name, LoraSpec(lora.rank, lora.alpha, list(lora.target_modules), lora.seed), adapter.base_model,
+            adapter.name, LoraSpec(lora.rank, lora.alpha, list(lora.target_modules), lora.seed, lora.weights_dtype),
+            adapter.base_model,
             adapter.keep_last, dict(adapter.metadata), caller=current_caller())
         return registry_pb2.CreateAdapterResponse(adapter=adapter_pb(record))
 
@@ -96,12 +99,16 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
             metadata=dict(header_pb.metadata), aliases=list(header_pb.aliases),
             kind=header_pb.kind or KIND_WEIGHTS)
 
-        async def chunks() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncIterator[bytes | PublishTrailer]:
             async for message in requests:
-                if message.WhichOneof("payload") != "chunk":
+                payload = message.WhichOneof("payload")
+                if payload == "chunk":
+                    yield message.chunk
+                elif payload == "trailer":
+                    yield PublishTrailer(message.trailer.sha256)
+                else:
                     raise errors.InvalidArgument("header: sent twice; only the first message may be a header",
                                                  field="header")
-                yield message.chunk
 
         with metrics.PUBLISH_SECONDS.time():
             result = await self.store.publish(header, chunks(), caller=current_caller())

@@ -46,6 +46,9 @@ KIND_WEIGHTS = 1
 KIND_TRAINING_STATE = 2
 KINDS = (KIND_WEIGHTS, KIND_TRAINING_STATE)
 
+# LoraConfig.weights_dtype: unspecified (= float32), float32, bfloat16.
+WEIGHTS_DTYPES = (0, 1, 2)
+
 EVENT_ADAPTER_CREATED = 1
 EVENT_VERSION_PUBLISHED = 2
 EVENT_ALIAS_SET = 3
@@ -79,6 +82,9 @@ class RegistryLimits:
     max_events: int = 1_000_000
     # CollectGarbage aborts multipart uploads older than this (left behind by a registry that crashed mid-publish).
     stale_upload_seconds: int = 24 * 3600
+    # Bytes of publishes whose sha256 comes in the trailer held in memory at once (see `publish`); one such blob
+    # may be at most this large.
+    max_buffered_publish_bytes: int = 2 * 1024**3
 
     @classmethod
     def from_env(cls) -> RegistryLimits:
@@ -96,6 +102,8 @@ class LoraSpec:
     alpha: float = 0.0
     target_modules: list[str] = field(default_factory=list)
     seed: int = 0
+    # One of WEIGHTS_DTYPES: how trainers write the adapter's weights versions (the registry accepts any float blob).
+    weights_dtype: int = 0
 
 
 @dataclass
@@ -148,6 +156,13 @@ class PublishHeader:
 
 
 @dataclass
+class PublishTrailer:
+    """The last item of a publish stream whose header has no sha256."""
+
+    sha256: str
+
+
+@dataclass
 class PublishResult:
     version: VersionRecord
     deduplicated: bool
@@ -183,6 +198,10 @@ def validate_lora(spec: LoraSpec, limits: RegistryLimits, field_name: str = "ada
             field=f"{field_name}.target_modules")
     if len(set(spec.target_modules)) != len(spec.target_modules):
         raise errors.InvalidArgument(f"{field_name}.target_modules: names repeat", field=f"{field_name}.target_modules")
+    if spec.weights_dtype not in WEIGHTS_DTYPES:
+        raise errors.InvalidArgument(
+            f"{field_name}.weights_dtype: {spec.weights_dtype} is not a WeightsDtype (unspecified, float32, bfloat16)",
+            field=f"{field_name}.weights_dtype")
     return spec
 
 
@@ -244,6 +263,53 @@ def _text(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+class _Trailer:
+    """The trailer of one publish stream: allowed only when the header has no sha256, at most once, last."""
+
+    def __init__(self, header_sha256: str):
+        self.allowed = not header_sha256
+        self.sha256: str | None = None
+
+    def receive(self, trailer: PublishTrailer) -> None:
+        if not self.allowed:
+            raise errors.InvalidArgument("trailer: the header carries the sha256; a trailer may only end a stream "
+                                         "whose header.sha256 is empty", field="trailer")
+        if self.sha256 is not None:
+            raise errors.InvalidArgument("trailer: sent twice", field="trailer")
+        if not SHA256_RE.match(trailer.sha256):
+            raise errors.InvalidArgument(
+                f"trailer.sha256: {trailer.sha256[:80]!r} is not 64 lower-case hex digits", field="trailer.sha256")
+        self.sha256 = trailer.sha256
+
+    def expected(self) -> str:
+        if self.sha256 is None:
+            raise errors.InvalidArgument(
+                "trailer: the stream ended without one; when header.sha256 is empty the last message must be the "
+                "trailer with the blob's sha256 (nothing was committed)", field="trailer")
+        return self.sha256
+
+
+class _ByteBudget:
+    """Bytes held at once by publishes that buffer their blob; a publish waits until its blob fits."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._released = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, size: int):
+        while self.used + size > self.limit:
+            self._released.clear()
+            await self._released.wait()
+        self.used += size
+        try:
+            yield
+        finally:
+            self.used -= size
+            self._released.set()
+
+
 # ---------------------------------------------------------------------------------------------------- the store
 
 class RegistryStore:
@@ -273,6 +339,7 @@ class RegistryStore:
             "FORGET_UPLOAD", "CLAIM_GARBAGE", "RELEASE_GARBAGE")}
         self.events_key = self.prefix + "events"
         self._closing = asyncio.Event()
+        self._buffered = _ByteBudget(self.limits.max_buffered_publish_bytes)
         self._active_watches = 0
         self._pending_reads: set[asyncio.Future] = set()
 
@@ -452,13 +519,19 @@ class RegistryStore:
 
     def validate_publish_header(self, header: PublishHeader) -> PublishHeader:
         validate_name(header.adapter, "header.adapter")
-        if not SHA256_RE.match(header.sha256):
+        if header.sha256 and not SHA256_RE.match(header.sha256):
             raise errors.InvalidArgument(
-                f"header.sha256: {header.sha256[:80]!r} is not 64 lower-case hex digits", field="header.sha256")
+                f"header.sha256: {header.sha256[:80]!r} is not 64 lower-case hex digits (or empty, with the digest "
+                "in the trailer)", field="header.sha256")
         if header.size_bytes < 1 or header.size_bytes > self.limits.max_blob_bytes:
             raise errors.InvalidArgument(
                 f"header.size_bytes: {header.size_bytes} must be between 1 and {self.limits.max_blob_bytes}",
                 field="header.size_bytes")
+        if not header.sha256 and header.size_bytes > self.limits.max_buffered_publish_bytes:
+            raise errors.InvalidArgument(
+                f"header.sha256: required for a blob of {header.size_bytes} bytes; a blob whose digest comes in the "
+                f"trailer is held in memory until it is checked, at most {self.limits.max_buffered_publish_bytes} "
+                "bytes", field="header.sha256")
         if header.kind not in KINDS:
             raise errors.InvalidArgument(f"header.kind: {header.kind} is not a known VersionKind",
                                          field="header.kind")
@@ -478,20 +551,37 @@ class RegistryStore:
         header.aliases = list(dict.fromkeys(header.aliases))
         return header
 
-    async def publish(self, header: PublishHeader, chunks: AsyncIterator[bytes], *,
+    async def publish(self, header: PublishHeader, items: AsyncIterator[bytes | PublishTrailer], *,
                       caller: Identity = OPEN) -> PublishResult:
-        """Stores the blob announced by `header` (validated by `validate_publish_header`) from `chunks`, then
-        commits the version. Nothing is committed unless every byte arrived and matched the digest."""
+        """Stores the blob announced by `header` (validated by `validate_publish_header`) from `items` (its
+        chunks, then a PublishTrailer when the header has no sha256), then commits the version. Nothing is
+        committed unless every byte arrived and matched the digest.
+
+        With the digest in the header, the bytes stream into S3 as they arrive. With the digest in the trailer, the
+        blob's key (its digest) is unknown until the last byte, so the bytes are held in memory (within
+        `max_buffered_publish_bytes` for all such publishes at once) and written once checked."""
         self.validate_publish_header(header)
         caller.authorize(header.adapter, "header.adapter")
         adapter = await self.get_adapter(header.adapter, "header.adapter")
+        trailer = _Trailer(header.sha256)
         if header.idempotency_key:
             prior = await self._prior_publish(adapter.name, header)
             if prior is not None:
+                if not header.sha256:
+                    # Only the bytes tell whether this is the first publish's content: hash them, store nothing.
+                    digest = await self.blobs.digest(self._checked_chunks(items, None, trailer), header.size_bytes,
+                                                     trailer.expected)
+                    self._check_same_content(prior, header.idempotency_key, digest, "trailer.sha256")
                 return PublishResult(prior, deduplicated=True)
         await self._check_bytes_quota(header.size_bytes, caller)
         token = uuid.uuid4().hex
-        await self._register_upload(header.sha256, token, header.size_bytes)
+        claimed = ""  # the blob this publish protects from garbage collection until it commits or gives up
+
+        async def claim(sha256: str) -> None:
+            nonlocal claimed
+            await self._register_upload(sha256, token, header.size_bytes)
+            claimed = sha256
+
         committed = False
         check = BlobCheck(header.size_bytes, training_state=header.kind == KIND_TRAINING_STATE)
         try:
@@ -503,18 +593,25 @@ class RegistryStore:
                 check.finish()
                 self._check_blob_matches(adapter, check)
 
-            await self.blobs.upload(self._checked_chunks(chunks, check), header.size_bytes, header.sha256, verify)
+            chunks = self._checked_chunks(items, check, trailer)
+            if header.sha256:
+                await claim(header.sha256)
+                await self.blobs.upload(chunks, header.size_bytes, header.sha256, verify)
+            else:
+                async with self._buffered.hold(header.size_bytes):
+                    await self.blobs.upload_trailed(chunks, header.size_bytes, trailer.expected, verify, claim)
+            sha256 = claimed
             result = await self._script(
-                "PUBLISH", header.adapter, _now_ms(), header.idempotency_key, header.kind, header.sha256,
+                "PUBLISH", header.adapter, _now_ms(), header.idempotency_key, header.kind, sha256,
                 header.size_bytes, header.training_step, json.dumps(header.metadata), token, *header.aliases)
             committed = True
         finally:
-            if not committed:
+            if claimed and not committed:
                 # Shielded: a cancelled publish must still release its claim so GC can collect the blob.
                 with contextlib.suppress(errors.LoraplaneError):
-                    await asyncio.shield(self._script("FORGET_UPLOAD", header.sha256, token))
+                    await asyncio.shield(self._script("FORGET_UPLOAD", claimed, token))
         if result[0] == -1:
-            await self._collect_freed([header.sha256])
+            await self._collect_freed([sha256])
             raise errors.NotFound(f"header.adapter: adapter {shown(header.adapter)} was deleted during the upload",
                                   field="header.adapter")
         version, deduplicated, freed = int(result[0]), bool(result[1]), result[2:]
@@ -523,7 +620,7 @@ class RegistryStore:
             record = await self.get_version(header.adapter, version=version)
         except errors.NotFound:
             # keep_last=... removed it at once (it can only be an older version deduplicated here).
-            record = VersionRecord(header.adapter, version, header.kind, header.sha256, header.size_bytes,
+            record = VersionRecord(header.adapter, version, header.kind, sha256, header.size_bytes,
                                    header.training_step, header.metadata, [], _now_ms())
         return PublishResult(record, deduplicated)
 
@@ -536,12 +633,17 @@ class RegistryStore:
             record = await self.get_version(adapter, version=int(prior))
         except errors.NotFound:
             return None
-        if record.sha256 != header.sha256:
-            raise errors.AlreadyExists(
-                f"header.idempotency_key: {shown(header.idempotency_key)} was used for version {record.version} with a "
-                f"different sha256 ({record.sha256}); use a new key for different content",
-                field="header.idempotency_key")
+        if header.sha256:
+            self._check_same_content(record, header.idempotency_key, header.sha256, "header.sha256")
         return record
+
+    @staticmethod
+    def _check_same_content(prior: VersionRecord, idempotency_key: str, sha256: str, where: str) -> None:
+        if prior.sha256 != sha256:
+            raise errors.AlreadyExists(
+                f"header.idempotency_key: {shown(idempotency_key)} was used for version {prior.version} with a "
+                f"different sha256 ({prior.sha256}, this {where} is {sha256}); use a new key for different content",
+                field="header.idempotency_key")
 
     async def _register_upload(self, sha256: str, token: str, size: int) -> None:
         # Protects the blob from a concurrent garbage collection between its upload and its commit. Generous
@@ -553,16 +655,23 @@ class RegistryStore:
             await asyncio.sleep(0.05)  # GC is deleting this very blob right now; it finishes quickly.
         raise errors.Unavailable(f"blob {sha256} is being garbage-collected; retry", reason="BLOB_BUSY")
 
-    async def _checked_chunks(self, chunks: AsyncIterator[bytes], check: BlobCheck) -> AsyncIterator[bytes]:
+    async def _checked_chunks(self, items: AsyncIterator[bytes | PublishTrailer], check: BlobCheck | None,
+                              trailer: _Trailer) -> AsyncIterator[bytes]:
+        """The chunks of a publish stream, bounded and fed to `check`; a trailer goes to `trailer`."""
         limit = self.limits.max_chunk_bytes
-        async for chunk in chunks:
+        async for chunk in items:
+            if isinstance(chunk, PublishTrailer):
+                trailer.receive(chunk)
+                continue
+            if trailer.sha256 is not None:
+                raise errors.InvalidArgument("trailer: must be the last message; a chunk followed it", field="trailer")
             if len(chunk) > limit:
                 raise errors.InvalidArgument(f"chunk: {len(chunk)} bytes, at most {limit} per message",
                                              field="chunk")
             if chunk:
-                if len(chunk) > CHECK_OFF_LOOP_BYTES:
+                if check is not None and len(chunk) > CHECK_OFF_LOOP_BYTES:
                     await asyncio.to_thread(check.feed, chunk)
-                else:
+                elif check is not None:
                     check.feed(chunk)
                 yield chunk
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplane.adapter_format import TrainingState, parse_training_state, serialize_adapter, serialize_training_state
+from loraplane.adapter_format import TrainingState, adapter_writer, parse_training_state, serialize_training_state
 from loraplane.auth import OPEN, Identity, TenantCounter
 from loraplane.errors import (
     AlreadyExists,
@@ -30,11 +30,14 @@ from loraplane.errors import (
 )
 from loraplane.lora import LoraSpec
 from loraplane.registry_client import (
+    CHUNK_BYTES,
     VERSION_KIND_TRAINING_STATE,
     VERSION_KIND_WEIGHTS,
     AdapterVersion,
     RegistryClient,
+    StreamedBlob,
     lora_config,
+    weights_dtype_name,
 )
 from trainer_svc.backends.base import BatchItem, ItemResult, TrainerBackend
 from trainer_svc.journal import (
@@ -61,6 +64,7 @@ from trainer_svc.validation import (
     validate_data,
     validate_metadata,
     validate_page,
+    validate_weights_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -110,6 +114,7 @@ class AdapterInfo:
     last_seq_id: int
     resident: bool
     parameter_count: int
+    weights_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,9 @@ class LoraConfig:
     alpha: float = 0.0
     target_modules: tuple[str, ...] = ()
     seed: int = 0
+    # The dtype of published weights versions (adapter_format.WEIGHTS_DTYPES); params and optimizer state stay
+    # float32 whatever it is.
+    weights_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -136,9 +144,10 @@ class SourceRef:
 @dataclass
 class ExportedBlob:
     """The worker-side result of PublishWeights/SaveState: the blob captured at that seq_id. A retry gets this same
-    object back and re-publishes it under the same idempotency key, so the registry returns the same version."""
+    object back and re-publishes it under the same idempotency key, so the registry returns the same version. A
+    weights blob is a StreamedBlob: made once, in upload-sized chunks, and kept, so a retry sends the same bytes."""
 
-    blob: bytes | None
+    blob: bytes | StreamedBlob | None
     step: int
     idempotency_key: str
     version: AdapterVersion | None = None
@@ -177,6 +186,9 @@ class TrainerService:
             batch_window_s=self.limits.batch_window_s,
         )
         self._uids: dict[str, str] = {}
+        # Per adapter, the dtype its weights versions are published in (not in the journal's AdapterRecord: a
+        # recovered adapter reads it back from the registry, which holds every adapter's LoraConfig).
+        self._weights_dtypes: dict[str, str] = {}
         self._creating: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued = TenantCounter("max_queued_requests")
@@ -206,14 +218,16 @@ class TrainerService:
                                   field="base_model")
         spec = LoraSpec.create(int(config.rank), float(config.alpha), list(config.target_modules),
                                int(config.seed), max_rank=self.limits.max_lora_rank)
+        weights_dtype = validate_weights_dtype(config.weights_dtype)
         if name in self.pool or name in self._creating:
             raise AlreadyExists(f"adapter {name!r} already exists on this trainer", field="name")
         self._creating.add(name)
         try:
             registered = await self.registry.create_adapter(
-                name, lora_config=lora_config(spec.rank, spec.effective_alpha, spec.target_modules, spec.seed),
+                name, lora_config=lora_config(spec.rank, spec.effective_alpha, spec.target_modules, spec.seed,
+                                              weights_dtype),
                 base_model=self.base_model, keep_last=keep_last, metadata=dict(metadata or {}), exist_ok=True)
-            self._check_registry_match(name, registered, spec)
+            self._check_registry_match(name, registered, spec, weights_dtype)
 
             uid = uuid.uuid4().hex
             record = AdapterRecord(name=name, rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules),
@@ -221,9 +235,11 @@ class TrainerService:
             if self.journal is not None:
                 # Durable before it is acknowledged: a restarted trainer rebuilds the adapter from this record.
                 await asyncio.to_thread(self.journal.put_adapter, record)
+            self._weights_dtypes[name] = weights_dtype
             try:
                 info = await self._on_worker(lambda: self._info(self._new_state(record, spec)))
             except BaseException:
+                self._weights_dtypes.pop(name, None)
                 if self.journal is not None:
                     await asyncio.to_thread(self.journal.drop_adapter, name)
                 raise
@@ -252,11 +268,12 @@ class TrainerService:
         checkpoint = record.checkpoint
         self._checkpoint_marks[record.name] = (checkpoint.step if checkpoint else 0, time.monotonic())
 
-    def _check_registry_match(self, name, registered, spec: LoraSpec) -> None:
+    def _check_registry_match(self, name, registered, spec: LoraSpec, weights_dtype: str) -> None:
         # exist_ok lets a restarted trainer train an adapter the registry already knows, but only the same shape.
         got = registered.lora_config
         same = (got.rank == spec.rank and abs(got.alpha - spec.effective_alpha) < 1e-6
                 and (list(got.target_modules) or list(spec.target_modules)) == list(spec.target_modules)
+                and weights_dtype_name(got.weights_dtype) == weights_dtype
                 and (not registered.base_model or registered.base_model == self.base_model))
         if not same:
             raise AlreadyExists(
@@ -274,6 +291,7 @@ class TrainerService:
             self.scheduler.close_lane(name, f"adapter {name!r} was deleted")
             await self._on_worker(lambda: self.pool.remove(name))
             self._uids.pop(name, None)
+            self._weights_dtypes.pop(name, None)
             self._recent_entries.pop(name, None)
             self._checkpoint_marks.pop(name, None)
             record = self._records.pop(name, None)
@@ -300,7 +318,8 @@ class TrainerService:
     def _info(self, state: AdapterState) -> AdapterInfo:
         return AdapterInfo(name=state.name, spec=state.spec, base_model=state.base_model, step=state.step,
                            last_seq_id=self.scheduler.last_seq_id(state.name) if state.name in self._uids else 0,
-                           resident=state.resident, parameter_count=state.parameter_count)
+                           resident=state.resident, parameter_count=state.parameter_count,
+                           weights_dtype=self._weights_dtypes.get(state.name, "float32"))
 
     def info(self) -> dict:
         description = self.backend.description
@@ -370,6 +389,13 @@ class TrainerService:
             validate_metadata(metadata)
             return None, 0
 
+        caller.authorize(adapter, "adapter")
+        if adapter in self.pool and adapter not in self._weights_dtypes:
+            weights_dtype = await self._registered_weights_dtype(adapter)
+            if weights_dtype is None:
+                raise Unavailable(f"the registry is unavailable: adapter {shown(adapter)}'s weights dtype is not "
+                                  "known yet; retry", reason="REGISTRY_UNAVAILABLE")
+            self._weights_dtypes.setdefault(adapter, weights_dtype)
         exported: ExportedBlob = await self._sequenced(adapter, seq_id, "publish", payload_hash, checked, caller)
         return await self._finish_publish(adapter, exported, VERSION_KIND_WEIGHTS, aliases, metadata)
 
@@ -387,6 +413,12 @@ class TrainerService:
                               metadata: Mapping[str, str]) -> AdapterVersion:
         async with exported.lock:
             if exported.version is None:
+                if isinstance(exported.blob, StreamedBlob):
+                    # Made and hashed in one pass before the upload rather than during it (with the digest in a
+                    # trailer): the registry stores a blob under its digest, so it can write S3 while the bytes
+                    # arrive only when the digest comes first; with a trailer it holds the blob and writes it
+                    # after the stream, measured slower at the 8B shape (docs/benchmarks.md, bench/publish.py).
+                    await asyncio.to_thread(exported.blob.make)
                 version = await self.registry.publish(
                     adapter, exported.blob, kind=kind, training_step=exported.step, metadata=dict(metadata),
                     aliases=list(aliases), idempotency_key=exported.idempotency_key)
@@ -511,10 +543,17 @@ class TrainerService:
         return f"trainer:{self._uids.get(job.adapter, '')}:{job.seq_id}:{hashlib.sha256(job.payload_hash).hexdigest()[:16]}"
 
     def _run_publish(self, job: Job) -> ExportedBlob:
+        """Worker side: only the export (a host snapshot of the params, so training may go on). The file is made
+        from it off the worker (`_finish_publish`): cast to the adapter's weights dtype, cut into upload chunks and
+        hashed, in one pass."""
         state = self.pool.get(job.adapter)
-        blob = serialize_adapter(self.backend.export_params(state), state.spec, state.base_model)
-        return ExportedBlob(blob=blob, step=state.step, idempotency_key=self._idempotency_key(job),
-                            seq_id=job.seq_id)
+        weights_dtype = self._weights_dtypes.get(job.adapter)
+        if weights_dtype is None:  # a replay while the registry was unreachable: recovery is retried
+            raise Unavailable(f"adapter {shown(job.adapter)}'s weights dtype is not known: the registry is "
+                              "unavailable", reason="REGISTRY_UNAVAILABLE")
+        writer = adapter_writer(self.backend.export_params(state), state.spec, state.base_model, weights_dtype)
+        return ExportedBlob(blob=StreamedBlob(writer.size, writer.chunks(CHUNK_BYTES)), step=state.step,
+                            idempotency_key=self._idempotency_key(job), seq_id=job.seq_id)
 
     def _training_state(self, state: AdapterState) -> TrainingState:
         """Host copies of the adapter's params, moments and step (copies: training goes on while they are saved)."""
@@ -688,6 +727,9 @@ class TrainerService:
                                      f"serves {self.base_model!r}")
         spec = LoraSpec.create(record.rank, record.alpha, record.target_modules, record.seed,
                                max_rank=max(record.rank, self.limits.max_lora_rank))
+        weights_dtype = await self._registered_weights_dtype(record.name)
+        if weights_dtype is not None:
+            self._weights_dtypes[record.name] = weights_dtype
         checkpoint = record.checkpoint
         loaded = None
         if checkpoint is not None:
@@ -725,6 +767,19 @@ class TrainerService:
         log.info("recovered adapter %s: checkpoint %s, %d journal entries, step %d, last seq_id %d", record.name,
                  f"v{checkpoint.version}" if checkpoint else "none", len(entries), state.step,
                  self.scheduler.last_seq_id(record.name))
+
+    async def _registered_weights_dtype(self, name: str) -> str | None:
+        """The adapter's weights dtype as the registry has it; None while the registry cannot be reached (a
+        recovering trainer still trains; its first PublishWeights asks again)."""
+        try:
+            registered = await self.registry.get_adapter(name)
+        except NotFound:
+            # Its publishes will fail the same way; its training need not.
+            log.warning("adapter %s is not in the registry; its weights dtype is taken to be float32", name)
+            return "float32"
+        except TRANSIENT:
+            return None
+        return weights_dtype_name(registered.lora_config.weights_dtype)
 
     def _recorded_outcome(self, state: AdapterState, entry: JournalEntry):
         data = entry.outcome

@@ -13,7 +13,7 @@ from loraplane.client._session import Session
 from loraplane.client.errors import AlreadyExistsError, error_from_domain
 from loraplane.client.training_client import SeqCounter, TrainingClient
 from loraplane.client.types import TrainerAdapterInfo, VersionInfo, parse_path
-from loraplane.registry_client import RegistryClient
+from loraplane.registry_client import RegistryClient, weights_dtype_name, weights_dtype_value
 from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2, trainer_pb2_grpc
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -72,13 +72,18 @@ class ServiceClient(Session):
         keep_last: int = 0,
         metadata: Mapping[str, str] | None = None,
         exist_ok: bool = False,
+        weights_dtype: str = "float32",
     ) -> TrainingClient:
         """Creates a LoRA adapter on the trainer (and in the registry) and returns its TrainingClient.
 
         `base_model` must be the trainer's (None = whatever it serves). `alpha` None = rank (scale 1).
         `target_modules` None = all attention and MLP projections, narrowed by `train_attn` / `train_mlp`.
         `seed` None = random. `name` None = a generated "run-xxxxxxxx". With `exist_ok`, an existing adapter of
-        that name is attached to instead (numbering continues after its last seq_id)."""
+        that name is attached to instead (numbering continues after its last seq_id). `weights_dtype` "bfloat16"
+        publishes weights versions as the float32 params rounded to bfloat16 (half the bytes; samplers then serve
+        the rounded weights, so their logprobs differ from the trainer's by that rounding); training stays float32."""
+        if weights_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"weights_dtype must be 'float32' or 'bfloat16', not {weights_dtype!r}")
         if target_modules is None:
             if not (train_attn or train_mlp):
                 raise ValueError("at least one of train_attn / train_mlp must be true")
@@ -87,7 +92,8 @@ class ServiceClient(Session):
                 target_modules = []  # the server's default: every projection
         name = name or f"run-{uuid.uuid4().hex[:8]}"
         lora = common_pb2.LoraConfig(rank=rank, alpha=float(alpha or 0.0), target_modules=list(target_modules),
-                                     seed=random.getrandbits(63) if seed is None else seed)
+                                     seed=random.getrandbits(63) if seed is None else seed,
+                                     weights_dtype=weights_dtype_value(weights_dtype))
         request = trainer_pb2.TrainerServiceCreateAdapterRequest(
             name=name, lora_config=lora, base_model=base_model or "", keep_last=keep_last,
             metadata={str(k): str(v) for k, v in (metadata or {}).items()})
@@ -121,7 +127,8 @@ class ServiceClient(Session):
         lora = adapter.lora_config
         client = self.create_lora_training_client(
             adapter.base_model or None, rank=lora.rank, alpha=lora.alpha or None,
-            target_modules=list(lora.target_modules), seed=lora.seed if seed is None else seed, name=name)
+            target_modules=list(lora.target_modules), seed=lora.seed if seed is None else seed, name=name,
+            weights_dtype=weights_dtype_name(lora.weights_dtype))
         client.load_state(path, with_optimizer=with_optimizer).result()
         return client
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from loraplane.registry_client import weights_dtype_name
 from loraplane.v1 import common_pb2, sampler_pb2, trainer_pb2
 
 # loss_fn_inputs keys and the Datum field each one fills.
@@ -341,13 +342,16 @@ class TrainerAdapterInfo:
     last_seq_id: int
     resident: bool
     parameter_count: int
+    # "float32" or "bfloat16": the dtype of the adapter's published weights versions.
+    weights_dtype: str = "float32"
 
     @classmethod
     def from_proto(cls, proto: trainer_pb2.TrainerAdapter) -> TrainerAdapterInfo:
         lora = proto.lora_config
         return cls(name=proto.name, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules),
                    seed=lora.seed, base_model=proto.base_model, step=proto.step, last_seq_id=proto.last_seq_id,
-                   resident=proto.resident, parameter_count=proto.parameter_count)
+                   resident=proto.resident, parameter_count=proto.parameter_count,
+                   weights_dtype=weights_dtype_name(lora.weights_dtype))
 
 
 # ---- adapter paths -------------------------------------------------------------------------------------------

@@ -20,6 +20,42 @@ else:
 
 DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
 
+class _WeightsDtype:
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
+
+class _WeightsDtypeEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_WeightsDtype.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
+    WEIGHTS_DTYPE_UNSPECIFIED: _WeightsDtype.ValueType  # 0
+    """float32, the default: a published version holds exactly the trainer's params, so a sampler's logprobs for it
+    equal the trainer's Forward logprobs (within the engines' own rounding).
+    """
+    WEIGHTS_DTYPE_FLOAT32: _WeightsDtype.ValueType  # 1
+    WEIGHTS_DTYPE_BFLOAT16: _WeightsDtype.ValueType  # 2
+    """bfloat16: the float32 master params rounded to nearest-even bfloat16 (tensor dtype BF16 in the safetensors
+    file, which HF PEFT, SGLang and vLLM load). Half the bytes to publish, download and load, but the version is
+    not exactly the trainer's adapter: a sampler's logprobs for it differ from the trainer's Forward by that
+    rounding.
+    """
+
+class WeightsDtype(_WeightsDtype, metaclass=_WeightsDtypeEnumTypeWrapper):
+    """How a trainer writes an adapter's WEIGHTS versions. Training itself always keeps float32 master params and
+    float32 optimizer state, and TRAINING_STATE versions (SaveState, checkpoints) are always float32.
+    """
+
+WEIGHTS_DTYPE_UNSPECIFIED: WeightsDtype.ValueType  # 0
+"""float32, the default: a published version holds exactly the trainer's params, so a sampler's logprobs for it
+equal the trainer's Forward logprobs (within the engines' own rounding).
+"""
+WEIGHTS_DTYPE_FLOAT32: WeightsDtype.ValueType  # 1
+WEIGHTS_DTYPE_BFLOAT16: WeightsDtype.ValueType  # 2
+"""bfloat16: the float32 master params rounded to nearest-even bfloat16 (tensor dtype BF16 in the safetensors
+file, which HF PEFT, SGLang and vLLM load). Half the bytes to publish, download and load, but the version is
+not exactly the trainer's adapter: a sampler's logprobs for it differ from the trainer's Forward by that
+rounding.
+"""
+global___WeightsDtype = WeightsDtype
+
 class _VersionKind:
     ValueType = typing.NewType("ValueType", builtins.int)
     V: typing_extensions.TypeAlias = ValueType
@@ -54,12 +90,15 @@ class LoraConfig(google.protobuf.message.Message):
     ALPHA_FIELD_NUMBER: builtins.int
     TARGET_MODULES_FIELD_NUMBER: builtins.int
     SEED_FIELD_NUMBER: builtins.int
+    WEIGHTS_DTYPE_FIELD_NUMBER: builtins.int
     rank: builtins.int
     """Rank r of every A (r x in) / B (out x r) pair. Must be >= 1 and <= the server's max_lora_rank."""
     alpha: builtins.float
     """Scale numerator; 0 means alpha = rank (scale 1)."""
     seed: builtins.int
     """Seed of the A initialisation; the same seed gives the same initial adapter on every machine."""
+    weights_dtype: global___WeightsDtype.ValueType
+    """The dtype of the tensors in the adapter's published WEIGHTS versions. Unspecified = float32."""
     @property
     def target_modules(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
         """Projection names among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj. Empty = all of them."""
@@ -71,8 +110,9 @@ class LoraConfig(google.protobuf.message.Message):
         alpha: builtins.float = ...,
         target_modules: collections.abc.Iterable[builtins.str] | None = ...,
         seed: builtins.int = ...,
+        weights_dtype: global___WeightsDtype.ValueType = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["alpha", b"alpha", "rank", b"rank", "seed", b"seed", "target_modules", b"target_modules"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["alpha", b"alpha", "rank", b"rank", "seed", b"seed", "target_modules", b"target_modules", "weights_dtype", b"weights_dtype"]) -> None: ...
 
 global___LoraConfig = LoraConfig
 

@@ -291,7 +291,11 @@ class PublishVersionHeader(google.protobuf.message.Message):
     KIND_FIELD_NUMBER: builtins.int
     adapter: builtins.str
     sha256: builtins.str
-    """Lower-case hex sha256 of the whole blob."""
+    """Lower-case hex sha256 of the whole blob. Empty = it comes in the trailer, the stream's last message. Blobs are
+    stored under their digest, so the registry can only write such a blob to storage once the trailer has arrived:
+    it holds the bytes in memory until then (within a server-wide budget; a blob larger than the whole budget
+    needs its sha256 here, INVALID_ARGUMENT naming header.sha256 otherwise).
+    """
     size_bytes: builtins.int
     idempotency_key: builtins.str
     """A retried publish with the same key returns the version of the first one instead of adding another."""
@@ -321,23 +325,45 @@ class PublishVersionHeader(google.protobuf.message.Message):
 global___PublishVersionHeader = PublishVersionHeader
 
 @typing.final
+class PublishVersionTrailer(google.protobuf.message.Message):
+    """The last message of a PublishVersion stream whose header's sha256 is empty."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: builtins.int
+    sha256: builtins.str
+    """Lower-case hex sha256 of the whole blob."""
+    def __init__(
+        self,
+        *,
+        sha256: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["sha256", b"sha256"]) -> None: ...
+
+global___PublishVersionTrailer = PublishVersionTrailer
+
+@typing.final
 class PublishVersionRequest(google.protobuf.message.Message):
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: builtins.int
     CHUNK_FIELD_NUMBER: builtins.int
+    TRAILER_FIELD_NUMBER: builtins.int
     chunk: builtins.bytes
     @property
     def header(self) -> global___PublishVersionHeader: ...
+    @property
+    def trailer(self) -> global___PublishVersionTrailer: ...
     def __init__(
         self,
         *,
         header: global___PublishVersionHeader | None = ...,
         chunk: builtins.bytes = ...,
+        trailer: global___PublishVersionTrailer | None = ...,
     ) -> None: ...
-    def HasField(self, field_name: typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]) -> None: ...
-    def WhichOneof(self, oneof_group: typing.Literal["payload", b"payload"]) -> typing.Literal["header", "chunk"] | None: ...
+    def HasField(self, field_name: typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload", "trailer", b"trailer"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload", "trailer", b"trailer"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["payload", b"payload"]) -> typing.Literal["header", "chunk", "trailer"] | None: ...
 
 global___PublishVersionRequest = PublishVersionRequest
 

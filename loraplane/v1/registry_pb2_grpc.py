@@ -127,9 +127,11 @@ class AdapterRegistryServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def PublishVersion(self, request_iterator, context):
-        """First message: header. Then chunks of at most 1 MiB. The version is committed only when the received bytes
-        match the header's size and sha256 (else INVALID_ARGUMENT / DATA_LOSS naming header.size_bytes / header.sha256)
-        and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
+        """First message: header. Then chunks of at most 1 MiB. Then, only when header.sha256 is empty, a trailer with
+        the sha256 (for a client that hashes the blob while it sends it). The version is committed only when the
+        received bytes match the header's size and the sha256 (else INVALID_ARGUMENT / DATA_LOSS naming
+        header.size_bytes / header.sha256 or trailer.sha256; INVALID_ARGUMENT naming `trailer` when a stream whose
+        header has no sha256 ends without one) and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
         adapter (header, adapter_config, tensor names and shapes consistent with it, finite values) whose rank, target
         modules and base model are the adapter's; a TRAINING_STATE blob a trainer training state of the same shape.
         """

@@ -46,9 +46,11 @@ class AdapterRegistryServiceStub:
         loraplane.v1.registry_pb2.PublishVersionRequest,
         loraplane.v1.registry_pb2.PublishVersionResponse,
     ]
-    """First message: header. Then chunks of at most 1 MiB. The version is committed only when the received bytes
-    match the header's size and sha256 (else INVALID_ARGUMENT / DATA_LOSS naming header.size_bytes / header.sha256)
-    and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
+    """First message: header. Then chunks of at most 1 MiB. Then, only when header.sha256 is empty, a trailer with
+    the sha256 (for a client that hashes the blob while it sends it). The version is committed only when the
+    received bytes match the header's size and the sha256 (else INVALID_ARGUMENT / DATA_LOSS naming
+    header.size_bytes / header.sha256 or trailer.sha256; INVALID_ARGUMENT naming `trailer` when a stream whose
+    header has no sha256 ends without one) and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
     adapter (header, adapter_config, tensor names and shapes consistent with it, finite values) whose rank, target
     modules and base model are the adapter's; a TRAINING_STATE blob a trainer training state of the same shape.
     """
@@ -119,9 +121,11 @@ class AdapterRegistryServiceAsyncStub:
         loraplane.v1.registry_pb2.PublishVersionRequest,
         loraplane.v1.registry_pb2.PublishVersionResponse,
     ]
-    """First message: header. Then chunks of at most 1 MiB. The version is committed only when the received bytes
-    match the header's size and sha256 (else INVALID_ARGUMENT / DATA_LOSS naming header.size_bytes / header.sha256)
-    and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
+    """First message: header. Then chunks of at most 1 MiB. Then, only when header.sha256 is empty, a trailer with
+    the sha256 (for a client that hashes the blob while it sends it). The version is committed only when the
+    received bytes match the header's size and the sha256 (else INVALID_ARGUMENT / DATA_LOSS naming
+    header.size_bytes / header.sha256 or trailer.sha256; INVALID_ARGUMENT naming `trailer` when a stream whose
+    header has no sha256 ends without one) and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
     adapter (header, adapter_config, tensor names and shapes consistent with it, finite values) whose rank, target
     modules and base model are the adapter's; a TRAINING_STATE blob a trainer training state of the same shape.
     """
@@ -202,9 +206,11 @@ class AdapterRegistryServiceServicer(metaclass=abc.ABCMeta):
         request_iterator: _MaybeAsyncIterator[loraplane.v1.registry_pb2.PublishVersionRequest],
         context: _ServicerContext,
     ) -> typing.Union[loraplane.v1.registry_pb2.PublishVersionResponse, collections.abc.Awaitable[loraplane.v1.registry_pb2.PublishVersionResponse]]:
-        """First message: header. Then chunks of at most 1 MiB. The version is committed only when the received bytes
-        match the header's size and sha256 (else INVALID_ARGUMENT / DATA_LOSS naming header.size_bytes / header.sha256)
-        and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
+        """First message: header. Then chunks of at most 1 MiB. Then, only when header.sha256 is empty, a trailer with
+        the sha256 (for a client that hashes the blob while it sends it). The version is committed only when the
+        received bytes match the header's size and the sha256 (else INVALID_ARGUMENT / DATA_LOSS naming
+        header.size_bytes / header.sha256 or trailer.sha256; INVALID_ARGUMENT naming `trailer` when a stream whose
+        header has no sha256 ends without one) and are what the kind says (else INVALID_ARGUMENT naming `chunk`): a WEIGHTS blob a PEFT safetensors LoRA
         adapter (header, adapter_config, tensor names and shapes consistent with it, finite values) whose rank, target
         modules and base model are the adapter's; a TRAINING_STATE blob a trainer training state of the same shape.
         """
