@@ -68,6 +68,8 @@ class AdapterRecord:
     seed: int
     base_model: str
     uid: str
+    # The dtype of its published weights versions; records written before the option existed are float32.
+    weights_dtype: str = "float32"
     metadata: dict[str, str] = field(default_factory=dict)
     checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first
 

@@ -186,9 +186,6 @@ class TrainerService:
             batch_window_s=self.limits.batch_window_s,
         )
         self._uids: dict[str, str] = {}
-        # Per adapter, the dtype its weights versions are published in (not in the journal's AdapterRecord: a
-        # recovered adapter reads it back from the registry, which holds every adapter's LoraConfig).
-        self._weights_dtypes: dict[str, str] = {}
         self._creating: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued = TenantCounter("max_queued_requests")
@@ -231,21 +228,20 @@ class TrainerService:
 
             uid = uuid.uuid4().hex
             record = AdapterRecord(name=name, rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules),
-                                   seed=spec.seed, base_model=self.base_model, uid=uid, metadata=dict(metadata or {}))
+                                   seed=spec.seed, base_model=self.base_model, uid=uid, weights_dtype=weights_dtype,
+                                   metadata=dict(metadata or {}))
             if self.journal is not None:
                 # Durable before it is acknowledged: a restarted trainer rebuilds the adapter from this record.
                 await asyncio.to_thread(self.journal.put_adapter, record)
-            self._weights_dtypes[name] = weights_dtype
             try:
-                info = await self._on_worker(lambda: self._info(self._new_state(record, spec)))
+                state = await self._on_worker(lambda: self._new_state(record, spec))
             except BaseException:
-                self._weights_dtypes.pop(name, None)
                 if self.journal is not None:
                     await asyncio.to_thread(self.journal.drop_adapter, name)
                 raise
             self._adopt(record)
             self.scheduler.open_lane(name)
-            return info
+            return self._info(state)
         finally:
             self._creating.discard(name)
 
@@ -291,7 +287,6 @@ class TrainerService:
             self.scheduler.close_lane(name, f"adapter {name!r} was deleted")
             await self._on_worker(lambda: self.pool.remove(name))
             self._uids.pop(name, None)
-            self._weights_dtypes.pop(name, None)
             self._recent_entries.pop(name, None)
             self._checkpoint_marks.pop(name, None)
             record = self._records.pop(name, None)
@@ -319,7 +314,7 @@ class TrainerService:
         return AdapterInfo(name=state.name, spec=state.spec, base_model=state.base_model, step=state.step,
                            last_seq_id=self.scheduler.last_seq_id(state.name) if state.name in self._uids else 0,
                            resident=state.resident, parameter_count=state.parameter_count,
-                           weights_dtype=self._weights_dtypes.get(state.name, "float32"))
+                           weights_dtype=self._weights_dtype(state.name))
 
     def info(self) -> dict:
         description = self.backend.description
@@ -390,12 +385,6 @@ class TrainerService:
             return None, 0
 
         caller.authorize(adapter, "adapter")
-        if adapter in self.pool and adapter not in self._weights_dtypes:
-            weights_dtype = await self._registered_weights_dtype(adapter)
-            if weights_dtype is None:
-                raise Unavailable(f"the registry is unavailable: adapter {shown(adapter)}'s weights dtype is not "
-                                  "known yet; retry", reason="REGISTRY_UNAVAILABLE")
-            self._weights_dtypes.setdefault(adapter, weights_dtype)
         exported: ExportedBlob = await self._sequenced(adapter, seq_id, "publish", payload_hash, checked, caller)
         return await self._finish_publish(adapter, exported, VERSION_KIND_WEIGHTS, aliases, metadata)
 
@@ -547,11 +536,8 @@ class TrainerService:
         from it off the worker (`_finish_publish`): cast to the adapter's weights dtype, cut into upload chunks and
         hashed, in one pass."""
         state = self.pool.get(job.adapter)
-        weights_dtype = self._weights_dtypes.get(job.adapter)
-        if weights_dtype is None:  # a replay while the registry was unreachable: recovery is retried
-            raise Unavailable(f"adapter {shown(job.adapter)}'s weights dtype is not known: the registry is "
-                              "unavailable", reason="REGISTRY_UNAVAILABLE")
-        writer = adapter_writer(self.backend.export_params(state), state.spec, state.base_model, weights_dtype)
+        writer = adapter_writer(self.backend.export_params(state), state.spec, state.base_model,
+                                self._weights_dtype(job.adapter))
         return ExportedBlob(blob=StreamedBlob(writer.size, writer.chunks(CHUNK_BYTES)), step=state.step,
                             idempotency_key=self._idempotency_key(job), seq_id=job.seq_id)
 
@@ -727,9 +713,6 @@ class TrainerService:
                                      f"serves {self.base_model!r}")
         spec = LoraSpec.create(record.rank, record.alpha, record.target_modules, record.seed,
                                max_rank=max(record.rank, self.limits.max_lora_rank))
-        weights_dtype = await self._registered_weights_dtype(record.name)
-        if weights_dtype is not None:
-            self._weights_dtypes[record.name] = weights_dtype
         checkpoint = record.checkpoint
         loaded = None
         if checkpoint is not None:
@@ -768,18 +751,9 @@ class TrainerService:
                  f"v{checkpoint.version}" if checkpoint else "none", len(entries), state.step,
                  self.scheduler.last_seq_id(record.name))
 
-    async def _registered_weights_dtype(self, name: str) -> str | None:
-        """The adapter's weights dtype as the registry has it; None while the registry cannot be reached (a
-        recovering trainer still trains; its first PublishWeights asks again)."""
-        try:
-            registered = await self.registry.get_adapter(name)
-        except NotFound:
-            # Its publishes will fail the same way; its training need not.
-            log.warning("adapter %s is not in the registry; its weights dtype is taken to be float32", name)
-            return "float32"
-        except TRANSIENT:
-            return None
-        return weights_dtype_name(registered.lora_config.weights_dtype)
+    def _weights_dtype(self, name: str) -> str:
+        record = self._records.get(name)
+        return record.weights_dtype if record is not None else "float32"
 
     def _recorded_outcome(self, state: AdapterState, entry: JournalEntry):
         data = entry.outcome
