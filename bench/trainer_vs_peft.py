@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.common import environment
+from trainer_svc.validation import DatumPayload
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -149,17 +150,6 @@ def peft_contender(hf, ids: torch.Tensor, targets: torch.Tensor, rank: int, chec
 # -- loraplane's backend through the domain service -------------------------------------------------------------------
 
 
-@dataclass
-class _Datum:
-    """What the service validates (the fields of a Datum message), as plain lists."""
-
-    input_tokens: list[int]
-    target_tokens: list[int]
-    weights: list[float] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)
-
-
 def build_backend(kind: str, hf, name: str, device: torch.device, dtype: torch.dtype, lora_dtype, slots: int,
                   megatron_options: dict | None = None):
     from loraplane.models.base import from_hf_model
@@ -231,7 +221,7 @@ class DirectDriver:
         self.run(go())
         self.seq[name] = 0
 
-    def step_fn(self, shares: dict[str, list[_Datum]], lr: float):
+    def step_fn(self, shares: dict[str, list[DatumPayload]], lr: float):
         from trainer_svc.optimizer import AdamHyper
 
         svc = self.service
@@ -298,7 +288,7 @@ class GrpcDriver:
         self.training[name] = self.client.create_lora_training_client(rank=rank, alpha=2.0 * rank, seed=seed,
                                                                       name=name)
 
-    def step_fn(self, shares: dict[str, list[_Datum]], lr: float):
+    def step_fn(self, shares: dict[str, list[DatumPayload]], lr: float):
         from loraplane.client import AdamParams, Datum, ModelInput
 
         payloads = {name: [Datum(model_input=ModelInput.from_ints(d.input_tokens),
@@ -476,7 +466,7 @@ def main(argv=None) -> dict:
         # launcher loads them on the host), so the memory picture is the deployment's.
         hf.to("cpu")
         torch.cuda.empty_cache()
-    rows_data = [_Datum(ids[i].tolist(), tgt[i].tolist()) for i in range(args.datums)]
+    rows_data = [DatumPayload(ids[i].tolist(), tgt[i].tolist()) for i in range(args.datums)]
     work = Path(tempfile.mkdtemp(prefix="bench-vs-peft-"))
     if backend is not None:
         limits = bench_limits(tokens, max(tenant_counts), args.rank)

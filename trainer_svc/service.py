@@ -58,6 +58,7 @@ from trainer_svc.optimizer import AdamHyper, StepOutcome
 from trainer_svc.pool import AdapterPool, AdapterState
 from trainer_svc.scheduler import FUSABLE, REJECTED, TRANSIENT, Job, Scheduler
 from trainer_svc.validation import (
+    DatumPayload,
     validate_adapter_name,
     validate_alias,
     validate_aliases,
@@ -358,7 +359,7 @@ class TrainerService:
                 return await self._submit(adapter, seq_id, REJECTED, exc, payload_hash)
             return await self._submit(adapter, seq_id, kind, payload, payload_hash, tokens=tokens)
 
-    async def forward_backward(self, adapter: str, seq_id: int, data: Sequence, loss_fn: str,
+    async def forward_backward(self, adapter: str, seq_id: int, data: Sequence[DatumPayload], loss_fn: str,
                                loss_config: Mapping[str, float], payload_hash: bytes, *, backward: bool = True,
                                caller: Identity = OPEN) -> ItemResult:
         def checked():

@@ -12,6 +12,7 @@ from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import ItemResult
 from trainer_svc.optimizer import ADAM_FIELDS, AdamHyper
 from trainer_svc.service import AdapterInfo, LoraConfig, SourceRef, TrainerService
+from trainer_svc.validation import DatumPayload
 
 
 def payload_hash(request) -> bytes:
@@ -29,6 +30,10 @@ def source_ref(message: common_pb2.AdapterRef) -> SourceRef:
     which = message.WhichOneof("selector")
     return SourceRef(name=message.name, version=message.version if which == "version" else 0,
                      alias=message.alias if which == "alias" else None)
+
+
+def datum_payloads(data) -> list[DatumPayload]:
+    return [DatumPayload(d.input_tokens, d.target_tokens, d.weights, d.logprobs, d.advantages) for d in data]
 
 
 def adapter_message(info: AdapterInfo) -> trainer_pb2.TrainerAdapter:
@@ -62,15 +67,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.TrainerServiceCreateAdapterResponse(adapter=adapter_message(info))
 
     async def ForwardBackward(self, request, context):
-        result = await self.service.forward_backward(request.adapter, request.seq_id, request.data, request.loss_fn,
-                                                     dict(request.loss_fn_config), payload_hash(request),
+        result = await self.service.forward_backward(request.adapter, request.seq_id, datum_payloads(request.data),
+                                                     request.loss_fn, dict(request.loss_fn_config), payload_hash(request),
                                                      caller=current_caller())
         _count_tokens(request, "forward_backward")
         return trainer_pb2.ForwardBackwardResponse(outputs=_outputs(result), metrics=result.metrics)
 
     async def Forward(self, request, context):
-        result = await self.service.forward_backward(request.adapter, request.seq_id, request.data, request.loss_fn,
-                                                     dict(request.loss_fn_config), payload_hash(request),
+        result = await self.service.forward_backward(request.adapter, request.seq_id, datum_payloads(request.data),
+                                                     request.loss_fn, dict(request.loss_fn_config), payload_hash(request),
                                                      backward=False, caller=current_caller())
         _count_tokens(request, "forward")
         return trainer_pb2.ForwardResponse(outputs=_outputs(result), metrics=result.metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -57,10 +58,22 @@ def _tokens(values: Sequence[int], field: str, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def validate_data(data: Sequence, loss_fn: str, loss_config: Mapping[str, float], *, vocab_size: int,
+@dataclass(frozen=True)
+class DatumPayload:
+    """A datum as the caller sent it, not yet checked: position-aligned sequences (the servicer hands over the
+    wire's repeated fields as they are, without copying them into lists). `validate_data` turns it into a
+    `DatumInput` of tensors or names the offending field."""
+
+    input_tokens: Sequence[int]
+    target_tokens: Sequence[int]
+    weights: Sequence[float] = ()
+    logprobs: Sequence[float] = ()
+    advantages: Sequence[float] = ()
+
+
+def validate_data(data: Sequence[DatumPayload], loss_fn: str, loss_config: Mapping[str, float], *, vocab_size: int,
                   max_context_length: int, max_batch_datums: int, max_request_tokens: int
                   ) -> tuple[list[DatumInput], str, dict[str, float]]:
-    """`data` holds objects with input_tokens, target_tokens, weights, logprobs, advantages (e.g. Datum protos)."""
     name, config = resolve_loss(loss_fn, dict(loss_config))
     if len(data) == 0:
         raise InvalidArgument("data is empty: send at least one datum", field="data")
