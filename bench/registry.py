@@ -113,7 +113,7 @@ async def event_delivery(client: RegistryClient, watcher_client: RegistryClient,
         async for event in stream:
             if event.version:
                 received[event.version] = time.time()
-                commit_times[event.version] = event.time.ToMilliseconds() / 1000
+                commit_times[event.version] = event.time
 
     commit_times: dict[int, float] = {}
     event_blobs = [adapter_of_size(1024, run) for run in range(runs)]

@@ -1,15 +1,19 @@
 """Asyncio client of the adapter registry, used by the trainer, the sampler and the SDK.
 
 It hides the streaming protocol (publish header + chunks, download header + chunks) and turns every gRPC error into
-a domain error (`loraplane.errors`), so callers catch `NotFound`, `Unavailable`, ... and never import grpc.
+a domain error (`loraplane.errors`), so callers catch `NotFound`, `Unavailable`, ... and never import grpc. What the
+sampler's domain code reads (`get_version`, `download`, `watch`) comes back as dataclasses of this module, so that
+code never handles a protobuf message either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Self
 
 import grpc
@@ -20,12 +24,97 @@ from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 CHUNK_BYTES = 1024 * 1024
 
-# Plain values and the result type of this client, for domain code that keeps the protobuf stubs out of its own
-# imports (the trainer's service: it passes this client's results through, it never builds wire messages).
-VERSION_KIND_UNSPECIFIED: int = common_pb2.VERSION_KIND_UNSPECIFIED
-VERSION_KIND_WEIGHTS: int = common_pb2.VERSION_KIND_WEIGHTS
-VERSION_KIND_TRAINING_STATE: int = common_pb2.VERSION_KIND_TRAINING_STATE
+
+class _OpenEnum(enum.IntEnum):
+    """A protobuf enum's values. Protobuf enums are open: a value newer than this library (a newer registry) stays
+    its number and equals none of the members, so code that does not know it passes it by instead of failing."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> _OpenEnum | None:
+        if not isinstance(value, int):
+            return None
+        newer = int.__new__(cls, value)
+        newer._name_ = f"UNKNOWN_{value}"
+        newer._value_ = value
+        return newer
+
+
+class VersionKind(_OpenEnum):
+    UNSPECIFIED = common_pb2.VERSION_KIND_UNSPECIFIED
+    WEIGHTS = common_pb2.VERSION_KIND_WEIGHTS
+    TRAINING_STATE = common_pb2.VERSION_KIND_TRAINING_STATE
+
+
+class EventType(_OpenEnum):
+    UNSPECIFIED = registry_pb2.EVENT_TYPE_UNSPECIFIED
+    ADAPTER_CREATED = registry_pb2.EVENT_TYPE_ADAPTER_CREATED
+    VERSION_PUBLISHED = registry_pb2.EVENT_TYPE_VERSION_PUBLISHED
+    ALIAS_SET = registry_pb2.EVENT_TYPE_ALIAS_SET
+    VERSION_DELETED = registry_pb2.EVENT_TYPE_VERSION_DELETED
+    ADAPTER_DELETED = registry_pb2.EVENT_TYPE_ADAPTER_DELETED
+
+
+# The names the trainer's service knows VersionKind's members by. It passes publish's result (a protobuf
+# AdapterVersion) through to its servicer untouched, naming its type from here rather than importing the stubs.
+VERSION_KIND_UNSPECIFIED = VersionKind.UNSPECIFIED
+VERSION_KIND_WEIGHTS = VersionKind.WEIGHTS
+VERSION_KIND_TRAINING_STATE = VersionKind.TRAINING_STATE
 AdapterVersion = common_pb2.AdapterVersion
+
+
+@dataclass(frozen=True)
+class StoredVersion:
+    """One published version of an adapter, as `get_version` and `download` describe it."""
+
+    adapter: str
+    version: int
+    kind: VersionKind
+    # Lower-case hex sha256 of the blob.
+    sha256: str
+    size_bytes: int
+    training_step: int
+    metadata: dict[str, str]
+    # The aliases that point at this version now.
+    aliases: tuple[str, ...]
+    # Unix seconds; None when the registry sent no time.
+    create_time: float | None
+
+
+@dataclass(frozen=True)
+class RegistryEvent:
+    """One change in the registry, as `watch` yields it; `cursor` resumes the watch after it."""
+
+    cursor: str
+    type: EventType
+    adapter: str
+    # 0 for adapter events and for a removed alias.
+    version: int
+    kind: VersionKind
+    sha256: str
+    # Set for ALIAS_SET.
+    alias: str
+    # Unix seconds of the commit; None when the registry sent no time.
+    time: float | None
+
+
+def _unix_seconds(message, timestamp_field: str) -> float | None:
+    if not message.HasField(timestamp_field):
+        return None
+    return getattr(message, timestamp_field).ToNanoseconds() / 1e9
+
+
+def stored_version(proto: common_pb2.AdapterVersion) -> StoredVersion:
+    """The StoredVersion of an AdapterVersion off the wire (also of one a trainer reply carries)."""
+    return StoredVersion(adapter=proto.adapter, version=proto.version, kind=VersionKind(proto.kind),
+                         sha256=proto.sha256, size_bytes=proto.size_bytes, training_step=proto.training_step,
+                         metadata=dict(proto.metadata), aliases=tuple(proto.aliases),
+                         create_time=_unix_seconds(proto, "create_time"))
+
+
+def _registry_event(proto: registry_pb2.Event) -> RegistryEvent:
+    return RegistryEvent(cursor=proto.cursor, type=EventType(proto.type), adapter=proto.adapter,
+                         version=proto.version, kind=VersionKind(proto.kind), sha256=proto.sha256, alias=proto.alias,
+                         time=_unix_seconds(proto, "time"))
 
 
 # LoraConfig.weights_dtype by the names domain code uses (loraplane.adapter_format.WEIGHTS_DTYPES); unspecified
@@ -300,11 +389,11 @@ class RegistryClient:
             raise self._error(exc, f"publish to {adapter!r}") from None
         return reply.version
 
-    async def get_version(self, name: str, version: int = 0, alias: str = "") -> common_pb2.AdapterVersion:
+    async def get_version(self, name: str, version: int = 0, alias: str = "") -> StoredVersion:
         try:
             reply = await self.stub.GetVersion(registry_pb2.GetVersionRequest(ref=adapter_ref(name, version, alias)),
                                                timeout=self.timeout)
-            return reply.version
+            return stored_version(reply.version)
         except grpc.RpcError as exc:
             raise self._error(exc, f"get version of {name!r}") from None
 
@@ -339,17 +428,17 @@ class RegistryClient:
         except grpc.RpcError as exc:
             raise self._error(exc, f"set alias {alias!r} of {adapter!r}") from None
 
-    async def download(self, name: str, version: int = 0, alias: str = "") -> tuple[common_pb2.AdapterVersion, bytes]:
+    async def download(self, name: str, version: int = 0, alias: str = "") -> tuple[StoredVersion, bytes]:
         """The whole blob, verified against the header's size and sha256 (mismatch -> DataLoss)."""
         request = registry_pb2.DownloadVersionRequest(ref=adapter_ref(name, version, alias))
-        described: common_pb2.AdapterVersion | None = None
+        described: StoredVersion | None = None
         parts: list[bytes] = []
         digest = hashlib.sha256()
         try:
             async for reply in self.stub.DownloadVersion(request, timeout=None if self.timeout is None
                                                          else self.timeout * 10):
                 if reply.HasField("header"):
-                    described = reply.header.version
+                    described = stored_version(reply.header.version)
                 else:
                     digest.update(reply.chunk)
                     parts.append(reply.chunk)
@@ -373,7 +462,7 @@ class RegistryClient:
 
     async def watch(
         self, *, after_cursor: str = "", adapter: str = "", prefix: str = "", start_at_end: bool = False
-    ) -> AsyncIterator[registry_pb2.Event]:
+    ) -> AsyncIterator[RegistryEvent]:
         """Events after `after_cursor`, then new ones as they happen; runs until the caller stops iterating.
         Resume after an error with the cursor of the last event handled."""
         request = registry_pb2.WatchEventsRequest(after_cursor=after_cursor, adapter=adapter, prefix=prefix,
@@ -381,7 +470,7 @@ class RegistryClient:
         call = self.stub.WatchEvents(request)
         try:
             async for reply in call:
-                yield reply.event
+                yield _registry_event(reply.event)
         except grpc.RpcError as exc:
             raise self._error(exc, "watch events") from None
         finally:

@@ -16,7 +16,8 @@ from rich.table import Table
 
 from loraplane.client import APIError, SamplingParams, ServiceClient
 from loraplane.client.addresses import resolve_address
-from loraplane.v1 import common_pb2, registry_pb2, sampler_pb2, sampler_pb2_grpc
+from loraplane.registry_client import EventType, RegistryEvent, VersionKind
+from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from loraplane_cli import app
 
 console = Console()
@@ -32,13 +33,13 @@ DataDirOption = typer.Option(None, "--data-dir", help="Data dir of `loraplane up
 DemoOutOption = typer.Option(Path("demo-output"), help="Where the loss plot and log are written.")
 BenchArgsOption = typer.Option(None, "--arg", help="Extra argument passed to the script (repeatable).")
 
-_KINDS = {common_pb2.VERSION_KIND_WEIGHTS: "weights", common_pb2.VERSION_KIND_TRAINING_STATE: "state"}
+_KINDS = {VersionKind.WEIGHTS: "weights", VersionKind.TRAINING_STATE: "state"}
 _EVENT_NAMES = {
-    registry_pb2.EVENT_TYPE_ADAPTER_CREATED: ("created", "green"),
-    registry_pb2.EVENT_TYPE_VERSION_PUBLISHED: ("published", "cyan"),
-    registry_pb2.EVENT_TYPE_ALIAS_SET: ("alias", "magenta"),
-    registry_pb2.EVENT_TYPE_VERSION_DELETED: ("version deleted", "yellow"),
-    registry_pb2.EVENT_TYPE_ADAPTER_DELETED: ("adapter deleted", "red"),
+    EventType.ADAPTER_CREATED: ("created", "green"),
+    EventType.VERSION_PUBLISHED: ("published", "cyan"),
+    EventType.ALIAS_SET: ("alias", "magenta"),
+    EventType.VERSION_DELETED: ("version deleted", "yellow"),
+    EventType.ADAPTER_DELETED: ("adapter deleted", "red"),
 }
 
 
@@ -55,10 +56,14 @@ def _fail(exc: BaseException) -> typer.Exit:
     return typer.Exit(1)
 
 
-def _time(proto_ts) -> str:
-    if not proto_ts.seconds and not proto_ts.nanos:
+def _time(unix_seconds: float | None) -> str:
+    if not unix_seconds:
         return "-"
-    return proto_ts.ToDatetime(tzinfo=dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return dt.datetime.fromtimestamp(unix_seconds, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _timestamp(proto_ts) -> str:
+    return _time(proto_ts.ToNanoseconds() / 1e9)
 
 
 def _size(num: int) -> str:
@@ -86,7 +91,7 @@ def adapters_ls(prefix: str = typer.Option("", help="Only names starting with th
     for a in found:
         aliases = ", ".join(f"{k}→v{v}" for k, v in sorted(a.aliases.items()))
         table.add_row(a.name, a.base_model, str(a.lora_config.rank), f"{a.lora_config.alpha or a.lora_config.rank:g}",
-                      f"v{a.latest_version}" if a.latest_version else "-", aliases or "-", _time(a.create_time))
+                      f"v{a.latest_version}" if a.latest_version else "-", aliases or "-", _timestamp(a.create_time))
     console.print(table)
 
 
@@ -115,7 +120,7 @@ def adapters_show(name: str, registry: str = RegistryOption, data_dir: Path = Da
         ("aliases", ", ".join(f"{k}→v{v}" for k, v in sorted(adapter.aliases.items())) or "-"),
         ("weights versions", str(len(weights))),
         ("training states", str(len(states))),
-        ("created", _time(adapter.create_time)),
+        ("created", _timestamp(adapter.create_time)),
         *((f"metadata.{k}", v) for k, v in sorted(adapter.metadata.items())),
     ]
     for key, value in rows:
@@ -140,10 +145,8 @@ def adapters_versions(name: str,
     for column in ("version", "kind", "step", "size", "sha256", "aliases", "created", "metadata"):
         table.add_column(column)
     for v in versions:
-        created = dt.datetime.fromtimestamp(v.create_time, dt.UTC).strftime("%Y-%m-%d %H:%M:%S") \
-            if v.create_time else "-"
         table.add_row(f"v{v.version}", v.kind.replace("training_state", "state"), str(v.training_step),
-                      _size(v.size_bytes), v.sha256[:12], ", ".join(v.aliases) or "-", created,
+                      _size(v.size_bytes), v.sha256[:12], ", ".join(v.aliases) or "-", _time(v.create_time),
                       ", ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())) or "-")
     console.print(table)
 
@@ -186,15 +189,15 @@ def adapters_alias(name: str, alias: str,
 # ---- watch ------------------------------------------------------------------------------------------------------
 
 
-def _event_line(event: registry_pb2.Event) -> str:
+def _event_line(event: RegistryEvent) -> str:
     label, color = _EVENT_NAMES.get(event.type, ("event", "white"))
     when = _time(event.time)
     detail = ""
-    if event.type == registry_pb2.EVENT_TYPE_VERSION_PUBLISHED:
+    if event.type == EventType.VERSION_PUBLISHED:
         detail = f" v{event.version} ({_KINDS.get(event.kind, 'weights')}, sha256 {event.sha256[:12]})"
-    elif event.type == registry_pb2.EVENT_TYPE_ALIAS_SET:
+    elif event.type == EventType.ALIAS_SET:
         detail = f" {event.alias} → v{event.version}" if event.version else f" {event.alias} removed"
-    elif event.type == registry_pb2.EVENT_TYPE_VERSION_DELETED:
+    elif event.type == EventType.VERSION_DELETED:
         detail = f" v{event.version}"
     return f"{when}  [{color}]{label:<16}[/{color}] [bold]{event.adapter}[/bold]{detail}"
 

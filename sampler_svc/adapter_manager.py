@@ -27,8 +27,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from loraplane import errors
-from loraplane.registry_client import RegistryClient
-from loraplane.v1 import common_pb2, registry_pb2
+from loraplane.registry_client import EventType, RegistryClient, RegistryEvent, StoredVersion, VersionKind
 from sampler_svc.engines.base import Engine
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ MAX_BACKOFF_S = 2.0
 MAX_LOAD_ATTEMPTS = 3
 # Longest wait for each background task or connection to wind down in stop().
 STOP_WAIT_S = 5.0
-WEIGHT_KINDS = (common_pb2.VERSION_KIND_WEIGHTS, common_pb2.VERSION_KIND_UNSPECIFIED)
+WEIGHT_KINDS = (VersionKind.WEIGHTS, VersionKind.UNSPECIFIED)
 
 
 def version_key(adapter: str, version: int) -> str:
@@ -247,7 +246,7 @@ class AdapterManager:
         return described.version
 
     @staticmethod
-    def _check_weights(described: common_pb2.AdapterVersion) -> None:
+    def _check_weights(described: StoredVersion) -> None:
         if described.kind not in WEIGHT_KINDS:
             raise errors.InvalidArgument(
                 f"version {described.version} of adapter {described.adapter!r} is a training state, not weights",
@@ -371,24 +370,24 @@ class AdapterManager:
 
     # ------------------------------------------------------------------ events
 
-    async def _apply_event(self, event: registry_pb2.Event) -> None:
+    async def _apply_event(self, event: RegistryEvent) -> None:
         adapter = event.adapter
-        if event.type == registry_pb2.EVENT_TYPE_VERSION_PUBLISHED:
+        if event.type == EventType.VERSION_PUBLISHED:
             if event.kind not in WEIGHT_KINDS:
                 return
             self._known.setdefault(adapter, set()).add(event.version)
             if event.version in self._retained_versions(adapter):
                 await self._load_for_event(adapter, event.version, event.sha256)
             self._enforce_retention(adapter)
-        elif event.type == registry_pb2.EVENT_TYPE_VERSION_DELETED:
+        elif event.type == EventType.VERSION_DELETED:
             self._forget(adapter, [event.version])
             await self._load_retained(adapter)
-        elif event.type == registry_pb2.EVENT_TYPE_ADAPTER_DELETED:
+        elif event.type == EventType.ADAPTER_DELETED:
             self._forget(adapter, list(self._known.get(adapter, ())) +
                          [e.version for e in self._loaded.values() if e.adapter == adapter])
             self._known.pop(adapter, None)
             self._aliases.pop(adapter, None)
-        elif event.type == registry_pb2.EVENT_TYPE_ALIAS_SET:
+        elif event.type == EventType.ALIAS_SET:
             aliases = self._aliases.setdefault(adapter, {})
             if event.version:
                 aliases[event.alias] = event.version

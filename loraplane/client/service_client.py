@@ -13,7 +13,7 @@ from loraplane.client._session import Session
 from loraplane.client.errors import AlreadyExistsError, error_from_domain
 from loraplane.client.training_client import SeqCounter, TrainingClient
 from loraplane.client.types import TrainerAdapterInfo, VersionInfo, parse_path
-from loraplane.registry_client import RegistryClient, weights_dtype_name, weights_dtype_value
+from loraplane.registry_client import RegistryClient, RegistryEvent, weights_dtype_name, weights_dtype_value
 from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2, trainer_pb2_grpc
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -158,8 +158,8 @@ class ServiceClient(Session):
         return [VersionInfo.from_proto(v) for v in found]
 
     def get_version(self, adapter: str, version: int = 0, alias: str = "") -> VersionInfo:
-        return VersionInfo.from_proto(self._registry_call("GetVersion",
-                                                          lambda c: c.get_version(adapter, version, alias)))
+        return VersionInfo.from_stored(self._registry_call("GetVersion",
+                                                           lambda c: c.get_version(adapter, version, alias)))
 
     def delete_adapter(self, name: str) -> None:
         self._registry_call("DeleteAdapter", lambda c: c.delete_adapter(name))
@@ -181,7 +181,7 @@ class ServiceClient(Session):
         runtime().run(run())
 
     async def watch_events(self, *, after_cursor: str = "", adapter: str = "", prefix: str = "",
-                           start_at_end: bool = False) -> AsyncIterator[registry_pb2.Event]:
+                           start_at_end: bool = False) -> AsyncIterator[RegistryEvent]:
         """Registry events (on the caller's own loop, with its own channel); runs until the caller stops."""
         async with RegistryClient(self.registry_address, timeout=None, security=self.security) as client:
             try:

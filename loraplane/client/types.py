@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from loraplane.registry_client import weights_dtype_name
+from loraplane.registry_client import StoredVersion, VersionKind, stored_version, weights_dtype_name
 from loraplane.v1 import common_pb2, sampler_pb2, trainer_pb2
 
 # loss_fn_inputs keys and the Datum field each one fills.
@@ -309,12 +309,15 @@ class VersionInfo:
         return format_path(self.adapter, self.version)
 
     @classmethod
+    def from_stored(cls, stored: StoredVersion) -> VersionInfo:
+        kinds = {VersionKind.WEIGHTS: "weights", VersionKind.TRAINING_STATE: "training_state"}
+        return cls(adapter=stored.adapter, version=stored.version, kind=kinds.get(stored.kind, "unspecified"),
+                   sha256=stored.sha256, size_bytes=stored.size_bytes, training_step=stored.training_step,
+                   metadata=dict(stored.metadata), aliases=list(stored.aliases), create_time=stored.create_time)
+
+    @classmethod
     def from_proto(cls, proto: common_pb2.AdapterVersion) -> VersionInfo:
-        kinds = {common_pb2.VERSION_KIND_WEIGHTS: "weights", common_pb2.VERSION_KIND_TRAINING_STATE: "training_state"}
-        created = proto.create_time.ToDatetime().timestamp() if proto.HasField("create_time") else None
-        return cls(adapter=proto.adapter, version=proto.version, kind=kinds.get(proto.kind, "unspecified"),
-                   sha256=proto.sha256, size_bytes=proto.size_bytes, training_step=proto.training_step,
-                   metadata=dict(proto.metadata), aliases=list(proto.aliases), create_time=created)
+        return cls.from_stored(stored_version(proto))
 
 
 @dataclass

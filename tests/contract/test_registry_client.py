@@ -9,8 +9,8 @@ import pytest
 
 from loraplane import errors
 from loraplane.local.processes import free_port
-from loraplane.registry_client import RegistryClient
-from loraplane.v1 import common_pb2, registry_pb2
+from loraplane.registry_client import EventType, RegistryClient, RegistryEvent, VersionKind
+from loraplane.v1 import common_pb2
 from tests.fixtures.registry import TEST_LORA, adapter_blob, sha256_hex
 
 
@@ -34,7 +34,8 @@ async def test_client_round_trip(registry):
         assert state.version == 2
 
         described, data = await client.download("team/c1", alias="prod")
-        assert data == blob and described.version == 1
+        assert data == blob and (described.version, described.kind) == (1, VersionKind.WEIGHTS)
+        assert described.aliases == ("prod",) and described.create_time
         assert (await client.get_version("team/c1")).version == 1  # latest weights
         assert [v.version for v in await client.list_versions("team/c1")] == [1, 2]
         assert [a.name for a in await client.list_adapters(prefix="team/")] == ["team/c1"]
@@ -45,10 +46,12 @@ async def test_client_round_trip(registry):
             events.append(event)
             if len(events) == 4:
                 break
-        assert [e.type for e in events] == [registry_pb2.EVENT_TYPE_ADAPTER_CREATED,
-                                            registry_pb2.EVENT_TYPE_VERSION_PUBLISHED,
-                                            registry_pb2.EVENT_TYPE_ALIAS_SET,
-                                            registry_pb2.EVENT_TYPE_VERSION_PUBLISHED]
+        assert all(isinstance(e, RegistryEvent) and e.cursor and e.time for e in events)
+        assert [(e.type, e.version, e.kind) for e in events] == [
+            (EventType.ADAPTER_CREATED, 0, VersionKind.UNSPECIFIED),
+            (EventType.VERSION_PUBLISHED, 1, VersionKind.WEIGHTS),
+            (EventType.ALIAS_SET, 1, VersionKind.WEIGHTS),
+            (EventType.VERSION_PUBLISHED, 2, VersionKind.TRAINING_STATE)]
         await client.delete_version("team/c1", 2)
         await client.delete_adapter("team/c1")
         with pytest.raises(errors.NotFound):
@@ -79,4 +82,4 @@ async def test_watch_is_cancellable_while_blocked(registry):
         assert not task.done()  # blocked: nothing happened after the call started
         await client.create_adapter("late", lora_config=TEST_LORA, base_model="tiny")
         event = await asyncio.wait_for(task, 10)
-        assert (event.type, event.adapter) == (registry_pb2.EVENT_TYPE_ADAPTER_CREATED, "late")
+        assert (event.type, event.adapter) == (EventType.ADAPTER_CREATED, "late")

@@ -2,8 +2,9 @@
 services (registry_svc, trainer_svc, sampler_svc, gateway_svc) -> shared library (loraplane). This test reads every
 import statement of the repository's packages (module level, inside functions and under TYPE_CHECKING alike) and
 fails when a lower layer imports a higher one, when one service imports another (they talk over gRPC), or when the
-client modules import each other in a circle, or when the trainer's domain code (service, scheduler) imports the
-protobuf stubs (its servicer converts the wire to domain dataclasses and back)."""
+client modules import each other in a circle, or when the domain code of the trainer (service, scheduler) or of the
+sampler (everything but its servicer and server) imports the protobuf stubs (the servicer converts the wire to domain
+dataclasses and back)."""
 
 from __future__ import annotations
 
@@ -73,15 +74,31 @@ def test_the_client_modules_import_each_other_without_a_circle():
 
 
 WIRE = "loraplane.v1"
-# Domain modules that see no wire types: the servicer beside them converts. (The registry client's results, which
-# are protobuf messages, may pass through them; they are named via loraplane.registry_client, never imported.)
-WIRE_FREE = ("trainer_svc/service.py", "trainer_svc/scheduler.py")
+# Domain modules that see no wire types: the servicer beside them converts. (What publish returns to the trainer, a
+# protobuf AdapterVersion, passes through its service untouched, named via loraplane.registry_client.)
+TRAINER_WIRE_FREE = ("trainer_svc/service.py", "trainer_svc/scheduler.py")
+# In the sampler only the servicer and the process wiring (server, __main__) may touch the wire; any module added
+# to sampler_svc is domain code.
+SAMPLER_WIRE_SIDE = ("sampler_svc/servicer.py", "sampler_svc/server.py", "sampler_svc/__main__.py")
+
+
+def sampler_wire_free() -> list[str]:
+    return sorted(path.relative_to(ROOT).as_posix() for path in modules("sampler_svc").values()
+                  if path.relative_to(ROOT).as_posix() not in SAMPLER_WIRE_SIDE)
+
+
+def wire_imports(paths) -> dict[str, list[str]]:
+    offenders = {path: sorted(i for i in imports_of(ROOT / path) if i == WIRE or i.startswith(WIRE + "."))
+                 for path in paths}
+    return {p: i for p, i in offenders.items() if i}
 
 
 def test_the_trainer_domain_imports_no_protobuf_stubs():
-    offenders = {path: sorted(i for i in imports_of(ROOT / path) if i == WIRE or i.startswith(WIRE + "."))
-                 for path in WIRE_FREE}
-    assert {p: i for p, i in offenders.items() if i} == {}
+    assert wire_imports(TRAINER_WIRE_FREE) == {}
+
+
+def test_the_sampler_domain_imports_no_protobuf_stubs():
+    assert wire_imports(sampler_wire_free()) == {}
 
 
 def test_this_test_sees_the_arrows_it_guards():
@@ -89,4 +106,7 @@ def test_this_test_sees_the_arrows_it_guards():
     assert "loraplane.client._session" in imports_of(ROOT / "loraplane/client/service_client.py")
     assert any(package_of(i) == "trainer_svc" for path in modules(TOP).values() for i in imports_of(path))
     assert "loraplane.v1.common_pb2" in imports_of(ROOT / "trainer_svc/servicer.py")
-    assert all((ROOT / path).is_file() for path in WIRE_FREE)
+    assert "loraplane.v1.sampler_pb2" in imports_of(ROOT / "sampler_svc/servicer.py")
+    assert all((ROOT / path).is_file() for path in (*TRAINER_WIRE_FREE, *SAMPLER_WIRE_SIDE))
+    assert {"sampler_svc/adapter_manager.py", "sampler_svc/service.py",
+            "sampler_svc/engines/torch_engine.py"} <= set(sampler_wire_free())
