@@ -549,14 +549,14 @@ class SGLangEngine(Engine):
 
 
 def _write_peft_dir(blob: bytes, spec, base_name: str, directory: Path) -> Path:
-    """The PEFT directory SGLang loads. A float32 blob already is the adapter_model.safetensors SGLang reads (PEFT
-    tensor names; its extra metadata is ignored), so its bytes are written as they are, without parsing and
-    re-serializing them (for an 8B-shape rank-32 adapter, 335 MB, that pair cost as much as SGLang's load).
-    Other dtypes go through materialize_peft_dir, which writes float32 as the tensor path's exactness argument
-    assumes."""
+    """The PEFT directory SGLang loads. A float32 or bfloat16 blob already is the adapter_model.safetensors SGLang
+    reads (PEFT tensor names; its extra metadata is ignored; SGLang casts to the server's dtype, which is exact from
+    either), so its bytes are written as they are, without parsing and re-serializing them (for an 8B-shape
+    rank-32 adapter, 335 MB, that pair cost as much as SGLang's load; a bf16 version stays half of it). Other
+    dtypes go through materialize_peft_dir, which writes float32."""
     header_len = int.from_bytes(blob[:8], "little")
     header = json.loads(bytes(blob[8:8 + header_len]))
-    if any(entry.get("dtype") != "F32" for name, entry in header.items() if name != "__metadata__"):
+    if any(entry.get("dtype") not in ("F32", "BF16") for name, entry in header.items() if name != "__metadata__"):
         return materialize_peft_dir(blob, directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = peft_adapter_config(spec, base_name)

@@ -91,6 +91,8 @@ def test_a_bfloat16_adapter_publishes_rounded_weights_that_peft_and_the_sampler_
         # The SGLang engine's file transport writes a directory PEFT loads, with the same weights.
         sglang_dir = _write_peft_dir(blob, spec, "tiny", tmp_path / "sglang")
         assert torch.equal(peft_logits(sglang_dir, tokens), theirs)
+        # Written as published: BF16 tensors, half the bytes of a float32 file for SGLang to read.
+        assert tensor_dtypes((sglang_dir / "adapter_model.safetensors").read_bytes()) == {"BF16"}
 
         # The torch sampler serves the bf16 version exactly as a float32 version of the rounded weights.
         sampler.create_adapter("twin", lora_config=common_pb2.LoraConfig(rank=spec.rank, alpha=spec.alpha))

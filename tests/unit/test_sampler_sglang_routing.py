@@ -305,17 +305,21 @@ async def test_auto_sends_files_to_servers_on_this_host_and_tensors_to_the_other
         fake.http.shutdown()
 
 
-def test_non_float32_blobs_are_written_as_float32(tmp_path):
+@pytest.mark.parametrize("stored, written", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_blobs_reach_sglang_as_bf16_or_float32_files(tmp_path, stored, written):
+    """A bf16 blob (LoraConfig.weights_dtype, or a producer other than this project) is written as it is, half the
+    bytes of float32, which SGLang casts exactly to its own dtype; other dtypes become float32."""
     from safetensors.torch import load_file, save
 
     from sampler_svc.engines.sglang_engine import _write_peft_dir
 
     params, spec, base_name = parse_adapter(adapter_blob(1))
-    # The same adapter stored in bf16, as a producer other than this project's might.
-    half = save({k: v.to(torch.bfloat16) for k, v in params.items()},
+    blob = save({k: v.to(stored) for k, v in params.items()},
                 metadata={"format": "pt", "adapter_config": json.dumps(peft_adapter_config(spec, base_name))})
-    directory = _write_peft_dir(half, spec, base_name, tmp_path / "d")
+    directory = _write_peft_dir(blob, spec, base_name, tmp_path / "d")
     on_disk = load_file(directory / "adapter_model.safetensors")
     assert sorted(on_disk) == sorted(params)
-    assert all(on_disk[k].dtype == torch.float32 and torch.equal(on_disk[k], params[k].to(torch.bfloat16).float())
+    assert all(on_disk[k].dtype == written and torch.equal(on_disk[k], params[k].to(stored).to(written))
                for k in params)
+    if stored == written:
+        assert (directory / "adapter_model.safetensors").read_bytes() == blob
