@@ -147,30 +147,13 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     return {"trainer": trainer, "sampler": sampler}
 
 
-def launched_sglang_urls(sampler_pid: int) -> list[str]:
-    """The SGLang servers the sampler launched (its children running sglang.launch_server), so their own adapter
-    lists can be read."""
-    urls = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == sampler_pid and "sglang.launch_server" in argv and "--port" in argv:
-            urls.append(f"http://127.0.0.1:{argv[argv.index('--port') + 1]}")
-    return urls
-
-
 class SamplerProbe:
     """What is loaded where: the sampler's ListLoadedAdapters and each SGLang server's LoRA names."""
 
-    def __init__(self, address: str, security, sglang_urls: list[str]):
+    def __init__(self, address: str, security):
         self.channel = sync_channel(address, security)
         self.stub = sampler_pb2_grpc.SamplerServiceStub(self.channel)
-        self.sglang_urls = sglang_urls
+        self.sglang_urls: list[str] = []
 
     def loaded(self, adapter: str = "") -> set[str]:
         names, token = set(), ""
@@ -378,12 +361,13 @@ def run_e2e(args: argparse.Namespace) -> dict:
         service = ServiceClient(trainer=addresses["trainer"], sampler=addresses["sampler"],
                                 registry=addresses["registry"], data_dir=data_dir)
         info = service.get_server_capabilities()
-        sglang_urls = launched_sglang_urls(state.component("sampler").pid) if args.engine == "sglang" else []
-        if args.engine == "sglang" and not sglang_urls:
-            raise RuntimeError("the sampler runs no SGLang server that this driver can find")
-        report["sglang_urls"] = sglang_urls
-        probe = SamplerProbe(addresses["sampler"], service.security, sglang_urls)
+        probe = SamplerProbe(addresses["sampler"], service.security)
         status = probe.stub.GetStatus(sampler_pb2.GetStatusRequest(), timeout=30)
+        # The driver holds the cluster's admin key, so the sampler names the SGLang servers it launched.
+        probe.sglang_urls = list(status.engine_servers)
+        if args.engine == "sglang" and not probe.sglang_urls:
+            raise RuntimeError("the sampler reports no SGLang server (GetStatus.engine_servers is empty)")
+        report["sglang_urls"] = probe.sglang_urls
         shape = {"trainer_backend": info.backend, "trainer_base_model": info.base_model,
                  "sampler_engine": status.engine, "sampler_base_model": status.base_model}
         report["shape"] = shape

@@ -85,6 +85,7 @@ class SamplerStatus:
     registry_connected: bool
     keep_versions: int
     max_loaded: int
+    engine_servers: list[str]
 
 
 class SamplerService:
@@ -275,7 +276,8 @@ class SamplerService:
             engine=self.engine.name, base_model=self.engine.base_model_name, loaded=loaded,
             queue_depth=self.engine.queue_depth, running_requests=self.engine.running_requests,
             watch_cursor=self.manager.cursor, registry_connected=self.manager.registry_connected,
-            keep_versions=self.manager.keep_versions, max_loaded=self.manager.max_loaded)
+            keep_versions=self.manager.keep_versions, max_loaded=self.manager.max_loaded,
+            engine_servers=self.engine.server_urls if caller.scope is None else [])
 
 
 def _authorize(caller: Identity, selector: AdapterSelector) -> None:

@@ -125,4 +125,4 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             engine=status.engine, base_model=status.base_model, loaded=[_loaded(e) for e in status.loaded],
             queue_depth=status.queue_depth, running_requests=status.running_requests,
             watch_cursor=status.watch_cursor, registry_connected=status.registry_connected,
-            keep_versions=status.keep_versions, max_loaded=status.max_loaded)
+            keep_versions=status.keep_versions, max_loaded=status.max_loaded, engine_servers=status.engine_servers)

@@ -399,6 +399,7 @@ class GetStatusResponse(google.protobuf.message.Message):
     REGISTRY_CONNECTED_FIELD_NUMBER: builtins.int
     KEEP_VERSIONS_FIELD_NUMBER: builtins.int
     MAX_LOADED_FIELD_NUMBER: builtins.int
+    ENGINE_SERVERS_FIELD_NUMBER: builtins.int
     engine: builtins.str
     """"torch" or "sglang"."""
     base_model: builtins.str
@@ -411,6 +412,13 @@ class GetStatusResponse(google.protobuf.message.Message):
     max_loaded: builtins.int
     @property
     def loaded(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___LoadedAdapter]: ...
+    @property
+    def engine_servers(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
+        """URLs of the inference servers the engine drives (SGLang; empty for the in-process torch engine). Shown only to
+        callers not confined to a tenant's namespace (admin and service keys, or a server without auth): where the
+        servers run is the operator's business.
+        """
+
     def __init__(
         self,
         *,
@@ -423,7 +431,8 @@ class GetStatusResponse(google.protobuf.message.Message):
         registry_connected: builtins.bool = ...,
         keep_versions: builtins.int = ...,
         max_loaded: builtins.int = ...,
+        engine_servers: collections.abc.Iterable[builtins.str] | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["base_model", b"base_model", "engine", b"engine", "keep_versions", b"keep_versions", "loaded", b"loaded", "max_loaded", b"max_loaded", "queue_depth", b"queue_depth", "registry_connected", b"registry_connected", "running_requests", b"running_requests", "watch_cursor", b"watch_cursor"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["base_model", b"base_model", "engine", b"engine", "engine_servers", b"engine_servers", "keep_versions", b"keep_versions", "loaded", b"loaded", "max_loaded", b"max_loaded", "queue_depth", b"queue_depth", "registry_connected", b"registry_connected", "running_requests", b"running_requests", "watch_cursor", b"watch_cursor"]) -> None: ...
 
 global___GetStatusResponse = GetStatusResponse

@@ -130,6 +130,11 @@ class Engine(abc.ABC):
     def running_requests(self) -> int:
         return 0
 
+    @property
+    def server_urls(self) -> list[str]:
+        """URLs of the inference servers this engine drives (empty for an in-process engine)."""
+        return []
+
 
 def nan_first(values: Sequence[float]) -> list[float]:
     return [math.nan, *values]

@@ -156,6 +156,10 @@ class SGLangEngine(Engine):
         return sum(server.in_flight for server in self.servers)
 
     @property
+    def server_urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    @property
     def loaded_names(self) -> dict[str, str]:
         return {key: server.url for key, server in self._route.items()}
 

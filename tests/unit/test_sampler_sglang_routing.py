@@ -323,3 +323,27 @@ def test_blobs_reach_sglang_as_bf16_or_float32_files(tmp_path, stored, written):
                for k in params)
     if stored == written:
         assert (directory / "adapter_model.safetensors").read_bytes() == blob
+
+
+async def test_status_names_the_engines_servers_to_the_operator_only(fakes, tmp_path):
+    """GetStatus.engine_servers: an admin (or the open mode) learns where the SGLang servers run, a tenant does not
+    (where the servers run is the operator's business). The manager is never started: status reads no registry."""
+    from loraplane.auth import OPEN, ROLE_TENANT, Identity
+    from loraplane.local.processes import free_port
+    from loraplane.registry_client import RegistryClient
+    from sampler_svc.adapter_manager import AdapterManager
+    from sampler_svc.service import SamplerService
+
+    engine = SGLangEngine("tiny", urls=[f.url for f in fakes], work_dir=tmp_path)
+    await engine.start()
+    registry = RegistryClient(f"127.0.0.1:{free_port()}")
+    try:
+        manager = AdapterManager(engine, registry, redis_url=f"redis://127.0.0.1:{free_port()}", key_prefix="t:",
+                                 instance_id="status-test")
+        service = SamplerService(engine, manager)
+        assert service.status(caller=OPEN).engine_servers == [f.url for f in fakes]
+        tenant = Identity(key_id="k1", tenant="acme", role=ROLE_TENANT)
+        assert service.status(caller=tenant).engine_servers == []
+    finally:
+        await registry.close()
+        await engine.stop()
