@@ -127,12 +127,13 @@ def _save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> b
     return SafetensorsWriter(tensors, metadata).to_bytes()
 
 
-def weights_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a LoraConfig.weights_dtype name ("" = float32)."""
+def weights_dtype(name: str, field: str = "weights_dtype") -> torch.dtype:
+    """The torch dtype of a LoraConfig.weights_dtype name ("" = float32); InvalidArgument naming `field` for any
+    other name."""
     dtype = WEIGHTS_DTYPES.get(name or "float32")
     if dtype is None:
-        raise InvalidArgument(f"weights_dtype: {clip(name)!r} is not one of {', '.join(WEIGHTS_DTYPES)}",
-                              field="weights_dtype")
+        raise InvalidArgument(f"{field}: {clip(name)!r} is not a WeightsDtype; use one of {', '.join(WEIGHTS_DTYPES)}",
+                              field=field)
     return dtype
 
 

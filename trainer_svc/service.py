@@ -385,7 +385,6 @@ class TrainerService:
             validate_metadata(metadata)
             return None, 0
 
-        caller.authorize(adapter, "adapter")
         exported: ExportedBlob = await self._sequenced(adapter, seq_id, "publish", payload_hash, checked, caller)
         return await self._finish_publish(adapter, exported, VERSION_KIND_WEIGHTS, aliases, metadata)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraplane.adapter_format import WEIGHTS_DTYPES
+from loraplane.adapter_format import weights_dtype
 from loraplane.errors import InvalidArgument
 from loraplane.fields import validate_alias, validate_metadata, validate_name  # noqa: F401 - re-exported
 from trainer_svc.backends.base import DatumInput
@@ -25,9 +25,7 @@ def validate_adapter_name(name: str, field: str = "name") -> str:
 
 def validate_weights_dtype(name: str, field: str = "lora_config.weights_dtype") -> str:
     """A LoraConfig.weights_dtype name ("" = float32), canonical."""
-    if (name or "float32") not in WEIGHTS_DTYPES:
-        raise InvalidArgument(f"{field}: {name[:40]!r} is not a WeightsDtype; use float32 (the default, "
-                              f"WEIGHTS_DTYPE_FLOAT32) or bfloat16 (WEIGHTS_DTYPE_BFLOAT16)", field=field)
+    weights_dtype(name, field)
     return name or "float32"
 
 
