@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loraplane import errors
@@ -286,7 +286,10 @@ class SGLangEngine(Engine):
                 "--max-lora-rank", str(self.max_lora_rank),
                 "--lora-target-modules", *self.lora_target_modules,
                 "--max-loras-per-batch", str(self.max_loras_per_batch),
-                "--max-loaded-loras", str(self.max_loaded_loras), *self.extra_server_args]
+                "--max-loaded-loras", str(self.max_loaded_loras),
+                # Each streamed chunk carries only its new tokens and logprobs; by default every chunk repeats the
+                # whole output so far, and both SGLang and this engine pay O(n^2) JSON per streamed sample.
+                "--incremental-streaming-output", *self.extra_server_args]
         env = dict(os.environ, SGLANG_RETURN_ORIGINAL_LOGPROB="True")
         env.setdefault("CUDA_VISIBLE_DEVICES", str(index))
         log_path = self.work_dir / f"server-{index}.log"
@@ -529,13 +532,18 @@ class SGLangEngine(Engine):
         try:
             remaining = len(tasks)
             while remaining:
-                item = await updates.get()
-                if item is done:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
+                items = [await updates.get()]
+                while not updates.empty():
+                    items.append(updates.get_nowait())
+                # A backlog (the consumer fell behind SGLang) leaves as one update per sequence: hundreds of
+                # concurrent streams otherwise cost one gRPC message per token each and starve new streams.
+                for item in _coalesced(items):
+                    if item is done:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield item
         finally:
             for task in tasks:
                 task.cancel()  # a consumer that stops early (client went away) aborts the SGLang requests
@@ -550,6 +558,33 @@ class SGLangEngine(Engine):
         outputs = await self._generate_call(server, payload)
         values = _input_logprobs(outputs[0].get("meta_info", {}))
         return values[: len(tokens)]
+
+
+def _coalesced(items: list) -> list:
+    """Consecutive queued updates merged per sequence, in the order their sequences first appear; anything else
+    (an end marker, an error) keeps its place after the updates queued before it."""
+    out: list = []
+    open_updates: dict[int, GenerationUpdate] = {}
+    for item in items:
+        if not isinstance(item, GenerationUpdate):
+            out.append(item)
+            open_updates.clear()
+            continue
+        merged = open_updates.get(item.sequence_index)
+        if merged is None:
+            merged = replace(item, tokens=list(item.tokens), logprobs=list(item.logprobs))
+            out.append(merged)
+            if item.finish_reason is None:
+                open_updates[item.sequence_index] = merged
+            continue
+        merged.tokens.extend(item.tokens)
+        merged.logprobs.extend(item.logprobs)
+        merged.finish_reason = item.finish_reason
+        if item.prompt_logprobs is not None:
+            merged.prompt_logprobs = item.prompt_logprobs
+        if item.finish_reason is not None:
+            del open_updates[item.sequence_index]
+    return out
 
 
 def _write_peft_dir(blob: bytes, spec, base_name: str, directory: Path) -> Path:

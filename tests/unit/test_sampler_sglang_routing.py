@@ -7,6 +7,7 @@ tests/gpu/test_sglang_engine.py and bench/sampler.py --engine sglang.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -39,7 +40,7 @@ class FakeSGLang:
     plays a server older than /load_lora_adapter_from_tensors (FastAPI's 404)."""
 
     def __init__(self, *, tensor_endpoint: bool = True, tp_size: int = 1, dtype: str = "auto",
-                 max_loaded_loras: int = 8):
+                 max_loaded_loras: int = 8, incremental_streaming: bool = False):
         self.calls: list[tuple[str, dict]] = []
         self.loaded: set[str] = set()
         # name -> one dict of tensors per TP rank copy, as the server would deserialize them
@@ -85,10 +86,28 @@ class FakeSGLang:
                 if self.path == "/unload_lora_adapter":
                     fake.loaded.discard(body["lora_name"])
                     return self._reply(200, {"success": True})
+                if body.get("stream"):
+                    return self._stream(body["sampling_params"]["max_new_tokens"])
                 count = len(body["input_ids"]) if isinstance(body["input_ids"][0], list) else 1
                 out = [{"output_ids": [7], "meta_info": {"output_token_logprobs": [[-1.0, 7, None]],
                                                          "finish_reason": {"type": "length"}}}] * count
                 return self._reply(200, out)
+
+            def _stream(self, tokens):
+                """Server-sent events as SGLang 0.5.17 writes them: token i is 10 + i with logprob -(i + 1) / 10;
+                every chunk repeats the output so far unless the server streams incrementally."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                pairs = [[-(i + 1) / 10, 10 + i, None] for i in range(tokens)]
+                for i in range(tokens):
+                    shown = pairs[i : i + 1] if incremental_streaming else pairs[: i + 1]
+                    meta = {"output_token_logprobs": shown, "completion_tokens": i + 1,
+                            "finish_reason": {"type": "length"} if i == tokens - 1 else None}
+                    chunk = {"output_ids": [p[1] for p in shown], "meta_info": meta}
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
@@ -347,3 +366,39 @@ async def test_status_names_the_engines_servers_to_the_operator_only(fakes, tmp_
     finally:
         await registry.close()
         await engine.stop()
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative-chunks", "incremental-chunks"])
+async def test_streamed_samples_arrive_whole_whether_or_not_a_backlog_is_coalesced(tmp_path, incremental):
+    """Tried: both chunk forms SGLang can stream, read promptly (one update per token) and after a deliberate stall
+    (the backlog must leave as fewer, merged updates with nothing lost or repeated)."""
+    fake = FakeSGLang(incremental_streaming=incremental)
+    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path)
+    await engine.start()
+    try:
+        tokens = 12
+        expected = {"tokens": [10 + i for i in range(tokens)], "logprobs": [-(i + 1) / 10 for i in range(tokens)]}
+        for stall in (False, True):
+            request = GenerationRequest(prompt_tokens=(5, 6), options=SamplingOptions(max_tokens=tokens),
+                                        num_samples=3, stream=True)
+            per_sequence: dict[int, dict[str, list]] = {}
+            updates, finished = 0, []
+            stream = engine.generate(request)
+            async for update in stream:
+                if stall and updates == 0:
+                    await asyncio.sleep(0.5)  # every sample's remaining chunks queue up meanwhile
+                updates += 1
+                got = per_sequence.setdefault(update.sequence_index, {"tokens": [], "logprobs": []})
+                got["tokens"] += update.tokens
+                got["logprobs"] += update.logprobs
+                if update.finish_reason is not None:
+                    finished.append(update.sequence_index)
+            assert per_sequence == {i: expected for i in range(3)}
+            assert sorted(finished) == [0, 1, 2]
+            if stall:
+                assert updates < 3 * tokens / 2, f"backlog not coalesced: {updates} updates"
+            else:
+                assert updates >= tokens  # read promptly, tokens leave as they come
+    finally:
+        await engine.stop()
+        fake.http.shutdown()
