@@ -90,7 +90,7 @@ def random_datums(vocab_size: int, count: int, seq_len: int, generator) -> list:
     return out
 
 
-def random_adapter_blob(base, seed: int, rank: int = 16) -> bytes:
+def random_adapter_blob(base, seed: int, rank: int = 16, dtype: str = "float32") -> bytes:
     """A PEFT blob of a rank-`rank` adapter on every projection whose B is small and random (not zero), so that it
     changes the model's output and costs the same as a trained one."""
     import torch
@@ -104,7 +104,7 @@ def random_adapter_blob(base, seed: int, rank: int = 16) -> bytes:
     for key in params:
         if key.endswith("lora_B.weight"):
             params[key] = torch.randn(params[key].shape, generator=generator) * 0.01
-    return serialize_adapter(params, spec, base.name)
+    return serialize_adapter(params, spec, base.name, dtype)
 
 
 @contextlib.contextmanager

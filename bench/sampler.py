@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,19 +215,23 @@ def write_shape_dir(shape: str, directory: Path) -> None:
         torch.cuda.empty_cache()  # the memory goes to the SGLang server started next
 
 
-async def sglang_load_paths(shape: str, iterations: int, workdir: Path) -> dict:
-    """publish -> first sample, tensors vs files, alternately (the order flips every iteration), on one server."""
+WAYS = ("file:float32", "file:bfloat16", "tensors:float32", "tensors:bfloat16")
+
+
+async def sglang_load_paths(shape: str, iterations: int, workdir: Path, ways: Sequence[str]) -> dict:
+    """publish -> first sample for each way a version can reach SGLang (`transport:blob dtype`), rotated every
+    iteration, on one server."""
     model_dir = workdir.parent / f"lp-model-{shape}"  # kept across runs on one machine
     started = time.perf_counter()
     write_shape_dir(shape, model_dir)
     model_write_s = time.perf_counter() - started
     with embedded_storage(workdir, "bench-sampler") as storage:
         return await _sglang_load_paths(storage.model_copy(update={"data_dir": workdir}), shape, iterations,
-                                        workdir, model_dir, model_write_s)
+                                        workdir, model_dir, model_write_s, list(ways))
 
 
 async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Path, model_dir: Path,
-                             model_write_s: float) -> dict:
+                             model_write_s: float, ways: list[str]) -> dict:
     from sampler_svc.engines.base import GenerationRequest, SamplingOptions
     from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
 
@@ -254,8 +259,8 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
 
     engine.load_adapter = timed_load
     prompt = list(range(100, 132))
-    results: dict = {"tensors": {"total": [], "committed": [], "engine_load": []},
-                     "file": {"total": [], "committed": [], "engine_load": []}}
+    results: dict = {way: {"total": [], "committed": [], "engine_load": []} for way in ways}
+    adapter_of = {way: way.replace(":", "-") for way in ways}  # one adapter per way, its blobs in its dtype
     try:
         channel = grpc.aio.insecure_channel(sampler.address, options=channel_options())
         stub = sampler_pb2_grpc.SamplerServiceStub(channel)
@@ -271,37 +276,47 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
             end = time.perf_counter()
             return end - began, end - committed, version.version
 
-        for transport in ("tensors", "file"):
-            await client.create_adapter(transport, base_model=str(model_dir),
-                                        lora_config=common_pb2.LoraConfig(rank=rank, alpha=2 * rank))
-        # Warm-up both ways: the first load of a shape configures SGLang's LoRA kernels (~20 s).
-        for transport in ("tensors", "file"):
+        dtype_enum = {"float32": common_pb2.WEIGHTS_DTYPE_FLOAT32, "bfloat16": common_pb2.WEIGHTS_DTYPE_BFLOAT16}
+        for way in ways:
+            await client.create_adapter(adapter_of[way], base_model=str(model_dir), lora_config=common_pb2.LoraConfig(
+                rank=rank, alpha=2 * rank, weights_dtype=dtype_enum[way.split(":")[1]]))
+        # Warm-up every way: the first load of a shape configures SGLang's LoRA kernels (~20 s).
+        for n, way in enumerate(ways):
+            transport, dtype = way.split(":")
             engine.adapter_transport = transport
-            await publish_and_sample(transport, random_adapter_blob(facts, 10_000 + len(transport), rank))
+            await publish_and_sample(adapter_of[way], random_adapter_blob(facts, 10_000 + n, rank, dtype))
 
-        # Same bytes both ways -> the same greedy tokens and logprobs (bf16 transfer is exact, see the engine).
-        blob = random_adapter_blob(facts, 77, rank)
+        # The same bytes every way -> the same greedy tokens and logprobs (the transfer is exact, see the engine);
+        # bf16 blobs are the float32 one rounded, so they are compared among themselves.
         outputs = {}
-        for transport in ("tensors", "file"):
+        for way in ways:
+            transport, dtype = way.split(":")
             engine.adapter_transport = transport
-            await real_load(f"same@{transport}", blob)
+            key = f"same@{adapter_of[way]}"
+            await real_load(key, random_adapter_blob(facts, 77, rank, dtype))
             request = GenerationRequest(prompt_tokens=tuple(prompt), options=SamplingOptions(max_tokens=16,
-                                        temperature=0.0), adapter_key=f"same@{transport}")
+                                        temperature=0.0), adapter_key=key)
             updates = [u async for u in engine.generate(request)]
-            outputs[transport] = ([t for u in updates for t in u.tokens], [x for u in updates for x in u.logprobs])
-            await engine.unload_adapter(f"same@{transport}")
-        same_tokens = outputs["tensors"][0] == outputs["file"][0]
-        max_logprob_diff = max(abs(a - b) for a, b in zip(outputs["tensors"][1], outputs["file"][1]))
+            outputs[way] = ([t for u in updates for t in u.tokens], [x for u in updates for x in u.logprobs])
+            await engine.unload_adapter(key)
+        same_tokens, max_logprob_diff = True, 0.0
+        for way in ways:
+            twin = next(w for w in ways if w.split(":")[1] == way.split(":")[1])
+            same_tokens &= outputs[way][0] == outputs[twin][0]
+            max_logprob_diff = max([max_logprob_diff, *(abs(a - b) for a, b in zip(outputs[way][1],
+                                                                                      outputs[twin][1]))])
 
         for index in range(iterations):
-            order = ("tensors", "file") if index % 2 == 0 else ("file", "tensors")
-            for transport in order:
+            shift = index % len(ways)
+            for way in ways[shift:] + ways[:shift]:
+                transport, dtype = way.split(":")
                 engine.adapter_transport = transport
-                blob = random_adapter_blob(facts, 1000 * (1 + len(transport)) + index, rank)  # not timed
-                total, committed, version = await publish_and_sample(transport, blob)
-                results[transport]["total"].append(total)
-                results[transport]["committed"].append(committed)
-                results[transport]["engine_load"].append(load_s.get(f"{transport}@v{version}", float("nan")))
+                blob = random_adapter_blob(facts, 1000 * (1 + ways.index(way)) + index, rank, dtype)  # not timed
+                total, committed, version = await publish_and_sample(adapter_of[way], blob)
+                results[way]["total"].append(total)
+                results[way]["committed"].append(committed)
+                results[way]["engine_load"].append(load_s.get(f"{adapter_of[way]}@v{version}", float("nan")))
+                results[way].setdefault("blob_mb", round(len(blob) / 1e6, 1))
         await channel.close()
         server = engine.servers[0]
     finally:
@@ -314,14 +329,14 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
                 "max": round(max(values) * 1e3, 1)}
 
     return {
-        "shape": shape, "rank": rank, "adapter_mb": round(len(blob) / 1e6, 1), "iterations": iterations,
+        "shape": shape, "rank": rank, "ways": ways, "iterations": iterations,
         "server": {"tp_size": server.tp_size, "dtype": server.dtype, "tensor_loads": server.tensor_loads},
         "sampler_startup_s": round(startup_s, 1), "model_write_s": round(model_write_s, 1),
         "same_greedy_tokens_both_ways": same_tokens, "max_logprob_diff_both_ways": max_logprob_diff,
-        **{transport: {name: summary(values) for name, values in parts.items()} for transport, parts in
-           results.items()},
-        "raw_ms": {transport: {name: [round(v * 1e3, 1) for v in values] for name, values in parts.items()}
-                   for transport, parts in results.items()},
+        **{way: {name: summary(values) if isinstance(values, list) else values for name, values in parts.items()}
+           for way, parts in results.items()},
+        "raw_ms": {way: {name: [round(v * 1e3, 1) for v in values] for name, values in parts.items()
+                         if isinstance(values, list)} for way, parts in results.items()},
     }
 
 
@@ -336,17 +351,19 @@ def main() -> None:
     parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
     parser.add_argument("--shape", choices=sorted(SHAPES),
                         help="sglang only: tensors vs files publish -> first sample on a dummy-weight model this shape")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=["file:float32", "file:bfloat16"],
+                        help="with --shape: transport:blob dtype of the versions compared")
     args = parser.parse_args()
     if args.shape:
         # A fixed folder, kept: the SGLang server's log is there when something fails.
         workdir = Path(tempfile.gettempdir()) / f"lp-bench-load-{args.shape}"
         shutil.rmtree(workdir, ignore_errors=True)
-        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir))
+        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir, args.ways))
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         print(json.dumps(result, indent=2))
-        for transport in ("tensors", "file"):
-            parts = result[transport]
-            print(f"{args.shape} rank {result['rank']} ({result['adapter_mb']} MB) {transport:<8} publish->sample p50 "
+        for way in args.ways:
+            parts = result[way]
+            print(f"{args.shape} rank {result['rank']} ({parts['blob_mb']} MB) {way:<16} publish->sample p50 "
                   f"{parts['total']['p50']:>8.1f} ms  committed->sample {parts['committed']['p50']:>8.1f} ms  "
                   f"engine load {parts['engine_load']['p50']:>8.1f} ms")
         out = REPO / "bench" / "results" / f"sampler_sglang_load_{args.shape}.json"

@@ -9,8 +9,9 @@
 # travel with the source tree (.gpuwork) in the call that installs and measures:
 #   bash scripts/gpu/sampler_vs_sglang.sh install-lpx           (parts + .gpuwh/lpx -> /tmp/sgsite)
 #   bash scripts/gpu/sampler_vs_sglang.sh bench [bench args...] (bench/sampler_vs_sglang.py, Llama-3.2-1B shape)
-#   bash scripts/gpu/sampler_vs_sglang.sh load SHAPE ITERATIONS (bench/sampler.py: publish -> first sample, adapter
-#                                                                versions as tensors vs files; smollm2 | llama8b)
+#   bash scripts/gpu/sampler_vs_sglang.sh load SHAPE ITERATIONS [WAY...] (bench/sampler.py: publish -> first
+#       sample per way a version reaches SGLang, transport:blob dtype, default file:float32 file:bfloat16;
+#       SHAPE smollm2 | llama8b)
 # Older modes (run 1-3 of the bench): part pNN | extras | install, with .gpuwh/extra + .gpuwh/weed.
 set -uo pipefail
 mode=$1; shift
@@ -40,11 +41,12 @@ case "$mode" in
     python3 -c "import sglang, aiohttp, redis, minio, torch; from loraplane.local.processes import valkey_binary, weed_binary; print(sglang.__version__, aiohttp.__version__, torch.__version__, valkey_binary(), weed_binary())" ;;
   load)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    python3 bench/sampler.py --engine sglang --shape "$1" --iterations "${2:-6}" 2>&1 \
-      | grep --line-buffered -v -i -E "warn|Loading weights" | tee "$OUT/load_$1.log"
-    cp bench/results/sampler_sglang_load_$1.json "$OUT/" 2>/dev/null
-    grep -v -E "^\s*$" /tmp/lp-bench-load-$1/sglang/server-0.log | tail -150 > "$OUT/sglang_server_$1.log" 2>/dev/null
-    tail -25 "$OUT/sglang_server_$1.log" ;;
+    shape=$1; iterations=${2:-6}; shift $(( $# < 2 ? $# : 2 )); ways=${*:+--ways $*}
+    python3 bench/sampler.py --engine sglang --shape "$shape" --iterations "$iterations" $ways 2>&1 \
+      | grep --line-buffered -v -i -E "warn|Loading weights" | tee "$OUT/load_$shape.log"
+    cp bench/results/sampler_sglang_load_$shape.json "$OUT/" 2>/dev/null
+    grep -v -E "^\s*$" /tmp/lp-bench-load-$shape/sglang/server-0.log | tail -150 > "$OUT/sglang_server_$shape.log" 2>/dev/null
+    tail -25 "$OUT/sglang_server_$shape.log" ;;
   install)
     work=$(mktemp -d)
     cat /tmp/sgparts/p* | tar xf - -C "$work" || exit 3
