@@ -47,7 +47,7 @@ FAMILIES = ("llama3", "qwen2", "qwen3")
 LOGITS_ATOL = 2e-5
 LOGPROB_ATOL = 2e-5
 GRAD_RTOL = 1e-5
-# Ragged (the backend right-pads the batch); both longer than 16 tokens, the wavelength below which the llama3
+# Ragged (packed back to back in one row); both longer than 16 tokens, the wavelength below which the llama3
 # settings below (original context 64, high_freq_factor 4) keep a frequency unscaled.
 SEQUENCE_LENGTHS = (29, 18)
 

@@ -20,7 +20,7 @@ def _run(fn_kind, hook, segments_of, x0, out0, weight):
     x = x0.clone().requires_grad_(True)
     base = out0.clone().requires_grad_(True)
     out = base * 1.0  # a non-leaf, like a linear layer's output
-    with lora.route(segments, x.shape[1]) as routing:
+    with lora.route(segments, x.shape[0]) as routing:
         if fn_kind == "inplace":
             y = _HookAddInPlace.apply(x, out, routing.anchor, (routing, 1, hook))
         else:
@@ -37,16 +37,16 @@ def test_in_place_add_equals_out_plus_delta(hook, mixed):
 
     def segments_of(adapters):
         if not mixed:
-            return [RowSegment(0, 5, adapters[0])]
-        return [RowSegment(0, 2, adapters[0]), RowSegment(2, 3, None), RowSegment(3, 5, adapters[1])]
+            return [RowSegment(0, 20, adapters[0])]
+        return [RowSegment(0, 8, adapters[0]), RowSegment(8, 12, None), RowSegment(12, 20, adapters[1])]
 
     targets = HOOK_TARGETS[hook]
     width = SHAPE.in_features(targets[0])
     out_width = sum(SHAPE.out_features(t) for t in targets)
     g = torch.Generator().manual_seed(11)
-    x0 = torch.randn(4, 5, width, generator=g, dtype=torch.float64)
-    out0 = torch.randn(4, 5, out_width, generator=g, dtype=torch.float64)
-    weight = torch.randn(4, 5, out_width, generator=g, dtype=torch.float64)
+    x0 = torch.randn(20, 1, width, generator=g, dtype=torch.float64)  # a packed row [T, 1, in]
+    out0 = torch.randn(20, 1, out_width, generator=g, dtype=torch.float64)
+    weight = torch.randn(20, 1, out_width, generator=g, dtype=torch.float64)
     got = _run("inplace", hook, segments_of, x0, out0, weight)
     want = _run("delta", hook, segments_of, x0, out0, weight)
     for a, b in zip(got[:3], want[:3]):

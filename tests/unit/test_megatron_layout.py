@@ -194,12 +194,12 @@ def test_fused_hook_gives_each_row_its_own_adapter_and_exact_gradients(hook):
 
     lora = MegatronLora(None, SHAPE, torch.float64, tensor_parallel=(1, None))
     adapters = [_random_adapter(lora, 2, 0.5, 1), _random_adapter(lora, 3, 2.0, 2)]
-    segments = [RowSegment(0, 2, adapters[0]), RowSegment(2, 3, None), RowSegment(3, 5, adapters[1])]
+    segments = [RowSegment(0, 8, adapters[0]), RowSegment(8, 12, None), RowSegment(12, 20, adapters[1])]
     layer, targets = 1, HOOK_TARGETS[hook]
     width = SHAPE.in_features(targets[0])
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(4, 5, width, generator=g, dtype=torch.float64, requires_grad=True)  # [s, b, in]
-    with lora.route(segments, 5) as routing:
+    x = torch.randn(20, 1, width, generator=g, dtype=torch.float64, requires_grad=True)  # a packed row [T, 1, in]
+    with lora.route(segments, 20) as routing:
         delta = _HookDelta.apply(x, routing.anchor, (routing, layer, hook))
     weight = torch.randn(delta.shape, generator=g, dtype=torch.float64)
     (delta * weight).sum().backward()
@@ -214,9 +214,9 @@ def test_fused_hook_gives_each_row_its_own_adapter_and_exact_gradients(hook):
         ad = seg.adapter
         a = ad.params[a_class_name(hook)][layer].clone().requires_grad_(True)  # [G, r, in]
         bts = [ad.params[b_class_name(t)][layer, 0].clone().requires_grad_(True) for t in targets]  # B^T [r, out]
-        rows = x_ref[:, seg.start : seg.end]
+        rows = x_ref[seg.start : seg.end]
         deltas = [projection_delta(rows, a[i], bt.t(), ad.scale) for i, bt in enumerate(bts)]
-        expected[:, seg.start : seg.end] = lora.place(hook, deltas)
+        expected[seg.start : seg.end] = lora.place(hook, deltas)
         leaves.append((ad, a, bts))
     (expected * weight).sum().backward()
 
@@ -237,8 +237,8 @@ def test_one_adapter_over_the_whole_batch_uses_its_own_buffers_as_gradient_sinks
 
     lora = MegatronLora(None, SHAPE, torch.float64, tensor_parallel=(1, None))
     ad = _random_adapter(lora, 3, 1.5, 3)
-    x = torch.randn(3, 2, SHAPE.hidden_size, dtype=torch.float64)
-    with lora.route([RowSegment(0, 2, ad)], 2) as routing:
+    x = torch.randn(6, 1, SHAPE.hidden_size, dtype=torch.float64)
+    with lora.route([RowSegment(0, 6, ad)], 6) as routing:
         delta = _HookDelta.apply(x, routing.anchor, (routing, 0, "qkv"))
     assert routing.scale == 1.5 and routing.grads[a_class_name("qkv")] is ad.grads[a_class_name("qkv")]
     delta.sum().backward()

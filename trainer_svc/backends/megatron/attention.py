@@ -1,29 +1,64 @@
-"""Core attention for the megatron backend's layer spec: causal attention through ``torch.nn.functional.
-scaled_dot_product_attention`` (flash / memory-efficient kernels on CUDA), in place of megatron's unfused
+"""Core attention for the megatron backend's layer spec, over packed rows: causal attention within each datum of a
+batch that :mod:`.engine` runs as ONE row of ``T = Σ len_i`` tokens (no padding), in place of megatron's unfused
 ``DotProductAttention``, which materializes the ``[b, heads, s, s]`` score matrix (and an fp32 copy for the softmax)
 and keeps it for the backward: 8.6 GB per layer for an 8B model at 16 x 2048 tokens.
 
-The fused kernels keep the softmax statistics in fp32 in registers and recompute the scores in the backward, so
-nothing of size ``s^2`` is stored. GQA runs without expanding K/V where the kernel supports it (``enable_gqa``).
+The row's datum boundaries come as :class:`PackedRows` (megatron's ``PackedSeqParams`` with the boundaries on the
+host too), handed through ``GPTModel.forward(packed_seq_params=...)``. Its ``qkv_format`` is ``sbhd``, not ``thd``:
+megatron's thd path applies RoPE per call through a device-to-host copy of ``cu_seqlens`` and a split/cat per datum
+(twice per layer), while :func:`.model.forward_logits` computes the angles of every token's position within its
+datum once per batch, so megatron's plain ``[T, 1, heads, d]`` RoPE path is exact and costs what it always did.
 
-The mask: the trainer's batches are causal LM batches (right-padded rows; padding comes after a datum's tokens, so
-causal attention keeps it from touching real positions), and this module always applies the causal mask. The
-``attention_mask`` megatron hands down is the explicit causal one and is not read.
+Kernels. Nothing of size ``T^2`` is ever formed, and a datum never attends to another:
+  * CUDA, bf16/fp16: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over ``cu_seqlens``), one call
+    per layer, when this torch has it (its signature differs between releases: read at first use);
+  * otherwise (fp32, CPU, older torch, or a kernel that refuses): ``scaled_dot_product_attention(is_causal=True)``
+    once per datum. On CUDA only the fused kernels are allowed (flash / memory-efficient / cuDNN) so the math
+    kernel's s^2 scores never come back; GQA runs without expanding K/V where the kernel supports it.
+The kernels keep the softmax statistics in fp32 and recompute the scores in the backward.
+
+The ``attention_mask`` megatron hands down is not read (the module is causal per datum by construction).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
 import math
+from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 _GQA_FUSED_OK: dict[str, bool] = {}  # per device type: did a fused kernel accept enable_gqa
+_VARLEN_OK: dict[tuple[str, torch.dtype], bool] = {}  # per device type and dtype: did varlen_attn run
+
+
+@dataclass
+class PackedRows(PackedSeqParams):
+    """The datums of one packed row: ``cu_seqlens_q`` / ``_kv`` (int32, on the device) for the varlen kernel and
+    ``bounds`` ((start, end) per datum, on the host) for the per-datum loop, so neither reads the device."""
+
+    bounds: tuple[tuple[int, int], ...] = ()
+
+
+def packed_rows(lengths: list[int], device: torch.device) -> PackedRows:
+    """The :class:`PackedRows` of datums of these (non-zero) lengths laid back to back."""
+    ends = list(itertools.accumulate(lengths))
+    starts = [0, *ends[:-1]]
+    cu = torch.tensor([0, *ends], dtype=torch.int32).to(device, non_blocking=True)
+    longest = max(lengths)
+    return PackedRows(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                      max_seqlen_kv=longest, bounds=tuple(zip(starts, ends)))
 
 
 class SDPACoreAttention(MegatronModule):
-    """Drop-in for ``DotProductAttention`` (same constructor and forward signature); causal only."""
+    """Drop-in for ``DotProductAttention`` (same constructor and forward signature); causal within each datum of
+    a packed row (``packed_seq_params`` is required)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -45,14 +80,48 @@ class SDPACoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_ignored):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention: packed sequences and attention bias are not supported")
-        sq, b = query.shape[0], query.shape[1]
-        # [s, b, heads, d] -> [b, heads, s, d] (views; the kernels take strided inputs)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = self._sdpa(q, k, v)
-        # [b, heads, s, d] -> [s, b, heads * d]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention: attention bias is not supported")
+        if not isinstance(packed_seq_params, PackedRows):
+            raise TypeError("SDPACoreAttention runs packed rows only (model.forward_logits builds them)")
+        # [T, 1, heads, d] (or thd's [T, heads, d]) -> [T, heads, d]: views
+        t = query.shape[0]
+        q, k, v = (x.reshape(t, x.shape[-2], x.shape[-1]) for x in (query, key, value))
+        out = self._varlen(q, k, v, packed_seq_params)
+        if out is None:
+            out = self._per_datum(q, k, v, packed_seq_params.bounds)
+        return out.reshape(t, 1, self.heads * self.head_dim)
+
+    def _varlen(self, q, k, v, packed: PackedRows):
+        key = (q.device.type, q.dtype)
+        if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or not _VARLEN_OK.get(key, True):
+            return None
+        call = _varlen_call()
+        if call is None or (not call.scale and not math.isclose(self.softmax_scale, 1.0 / math.sqrt(self.head_dim))):
+            _VARLEN_OK[key] = False
+            return None
+        if self.heads != self.groups and not call.gqa:
+            rep = self.heads // self.groups
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        kwargs = dict(call.causal)
+        if call.scale:
+            kwargs["scale"] = self.softmax_scale
+        if call.gqa and self.heads != self.groups:
+            kwargs["enable_gqa"] = True
+        try:
+            return call.fn(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_kv, packed.max_seqlen_q,
+                           packed.max_seqlen_kv, **kwargs)
+        except (RuntimeError, ValueError, TypeError):
+            _VARLEN_OK[key] = False
+            return None
+
+    def _per_datum(self, q, k, v, bounds):
+        outs = []
+        for start, end in bounds:
+            # [len, heads, d] -> [1, heads, len, d] (views; the kernels take strided inputs)
+            qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            outs.append(self._sdpa(qi, ki, vi)[0].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
     def _sdpa(self, q, k, v):
         if self.heads == self.groups:
@@ -75,3 +144,29 @@ class SDPACoreAttention(MegatronModule):
         rep = self.heads // self.groups
         return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
                                               is_causal=True, scale=self.softmax_scale)
+
+
+@dataclass(frozen=True)
+class _VarlenCall:
+    fn: object
+    causal: dict  # the keyword that makes it causal in this torch: is_causal=True or window_size=(-1, 0)
+    scale: bool  # takes scale=
+    gqa: bool  # takes enable_gqa=
+
+
+@functools.cache
+def _varlen_call() -> _VarlenCall | None:
+    """How this torch's ``varlen_attn`` is called: 2.9/2.10 take ``is_causal`` and no scale or GQA; later releases
+    take ``window_size=(-1, 0)`` for causal, ``scale`` and ``enable_gqa``."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
+        return None
+    return _VarlenCall(varlen_attn, causal, "scale" in params, "enable_gqa" in params)

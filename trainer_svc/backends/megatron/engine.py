@@ -311,37 +311,39 @@ class Engine:
                     s.device[1].zero_()
         n = len(datums)
         mine = list(range(self.dp_rank, n, self.dp))
-        # Group my datums by adapter so each adapter's rows are one contiguous range of the padded batch.
+        # My datums back to back in one packed row, grouped by adapter so that each adapter's tokens are one
+        # contiguous range (what the LoRA routing, and its grouped GEMM, needs).
         order = sorted(mine, key=lambda i: (list(slots).index(datums[i].adapter), i))
-        max_len = max((len(datums[i].input_tokens) for i in order), default=0)
+        lengths = [len(datums[i].input_tokens) for i in order]
+        offsets = [0]
+        for length in lengths:
+            offsets.append(offsets[-1] + length)
+        tokens = offsets[-1]
         out_lp = torch.zeros(n, max(len(d.input_tokens) for d in datums) if n else 0, dtype=torch.float32,
                              device=self.device)
         out_loss = torch.zeros_like(out_lp)
         loss_by_adapter = torch.zeros(len(slots), dtype=torch.float64, device=self.device)
-        if order:
-            b = len(order)
-            ids = torch.zeros(b, max_len, dtype=torch.long)
-            tgt = torch.zeros(b, max_len, dtype=torch.long)
-            for row, i in enumerate(order):
-                d = datums[i]
-                ids[row, : len(d.input_tokens)] = torch.tensor(d.input_tokens, dtype=torch.long)
-                tgt[row, : len(d.target_tokens)] = torch.tensor(d.target_tokens, dtype=torch.long)
+        if tokens:
+            ids = torch.tensor([t for i in order for t in datums[i].input_tokens], dtype=torch.long)
+            tgt = torch.tensor([t for i in order for t in datums[i].target_tokens], dtype=torch.long)
             ids = ids.to(self.device, non_blocking=True)
             tgt = tgt.to(self.device, non_blocking=True)
-            segments, start = [], 0
+            segments, row = [], 0
             for name, s in slots.items():
-                count = sum(1 for i in order if datums[i].adapter == name)
+                count = sum(len(datums[i].input_tokens) for i in order if datums[i].adapter == name)
                 if count:
-                    segments.append(RowSegment(start, start + count, self.tensors(s)))
-                    start += count
-            self.stats["recomputed_layers"] = self.recompute.plan(b * max_len, backward, self.device)
-            with torch.set_grad_enabled(backward), self.lora.route(segments, b) as routing:
-                lp_all = target_logprobs(forward_logits(self.model, ids), tgt)  # [b, max_len] fp32
+                    segments.append(RowSegment(row, row + count, self.tensors(s)))
+                    row += count
+            self.stats["recomputed_layers"] = self.recompute.plan(tokens, backward, self.device)
+            with torch.set_grad_enabled(backward), self.lora.route(segments, tokens) as routing:
+                self.stats[f"lora_{routing.mode}"] = self.stats.get(f"lora_{routing.mode}", 0) + 1
+                logits = forward_logits(self.model, ids, lengths)  # [1, T, V/TP]
+                lp_all = target_logprobs(logits, tgt[None])[0]  # [T] fp32
                 total = lp_all.new_zeros(())
-                for row, i in enumerate(order):
+                for k, i in enumerate(order):
                     d = datums[i]
-                    length = len(d.input_tokens)
-                    lp = lp_all[row, :length]
+                    length = lengths[k]
+                    lp = lp_all[offsets[k] : offsets[k] + length]
                     name, lname, lcfg = routes[i] if routes is not None else (d.adapter, loss_fn, loss_cfg)
 
                     def opt(values):

@@ -7,17 +7,31 @@ gate, up) the per-projection deltas ``scale * B_p (A_p x)`` are computed separat
 
 Storage. Each adapter's tensors on this rank are grouped in *classes* (:func:`lora_classes`), one ``[L, G, r,
 dim]`` tensor per class: the A's of the projections that share a hook input (q|k|v, gate|up) side by side, and
-each B stored transposed (``B^T``, ``[r, out]``). A batch stacks its adapters along the rank dimension with one
-``cat`` per class, so a hook does the same number of operations for one adapter as for eight.
+each B stored transposed (``B^T``, ``[r, out]``). A batch stacks its adapters with one ``cat`` (along the rank
+dimension) or ``stack`` (grouped: along a new adapter dimension) per class, so a hook does the same number of
+operations for one adapter as for eight.
 
 One autograd node per hook. The LoRA tensors are not autograd leaves: :class:`_HookDelta` computes the delta in
 its forward and, in its backward, the input gradient plus the A and B gradients, which it adds straight into the
 batch's gradient sinks. A per-batch anchor leaf makes the first hook's output require grad. With hundreds of LoRA
 tensors per adapter, per-tensor leaves (and their cat/split/accumulate nodes) cost more host time than the model.
 
-Several adapters in one batch: ``A_cat x`` is multiplied by a per-row 0/1 mask that keeps each row's own adapter's
-rank block, then by ``B_cat^T`` whose rank rows carry their adapter's scale; each row gets exactly its adapter's
-``scale * B (A x)`` and each adapter's gradient comes only from its rows.
+Rows. The hooks see the batch as token rows (the packed ``[T, 1, h]`` of :mod:`.engine`, flattened to ``[T, h]``);
+a :class:`RowSegment` routes one contiguous token range to one adapter. The engine packs each adapter's datums back
+to back, so every adapter owns exactly one range.
+
+Several adapters in one batch, grouped (the fast path): each adapter's rows against its own A and B with
+``torch._grouped_mm`` and the cumulative row ends as offsets: ``x A^T`` and ``mid B^T`` (and the input gradient)
+are 2-D x 3-D grouped products, the A and B gradients 2-D x 2-D ones whose contraction (the rows) is split per
+adapter, giving ``[n, r, dim]`` straight into each adapter's slice of the gradient sink. Each row costs its own
+adapter's rank, not Σr. Taken when the adapters share one rank, the kernel exists for the device and compute dtype
+(:func:`grouped_mm_supported`: bf16 on sm90 on CUDA) and the feature dims meet its 16-byte stride alignment.
+
+Otherwise, the mask: ``A_cat x`` (all adapters' ranks stacked) is multiplied by a per-row 0/1 mask that keeps each
+row's own adapter's rank block, then by ``B_cat^T``. Either way each adapter's scale rides on its rank rows of the
+stacked ``B^T`` (the fp32 master times the scale, rounded once to the compute dtype: the 0/1 mask product is exact
+in bf16, and both modes multiply by the same bf16 B), each row gets exactly its adapter's ``scale * B (A x)`` and
+each adapter's gradient comes only from its rows.
 
 Tensor parallel (no sequence parallel):
   * column-parallel targets (q, k, v, gate, up): A in full, B's local row chunk. The gradient of the low-rank
@@ -31,12 +45,14 @@ Tensor parallel (no sequence parallel):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .layout import LlamaShape, fuse_gate_up, interleave_qkv, split_gate_up, split_qkv
 
@@ -96,6 +112,8 @@ class AdapterTensors:
 
 @dataclass(frozen=True)
 class RowSegment:
+    """Token rows ``[start, end)`` of the flattened batch, routed to ``adapter`` (None: no adapter)."""
+
     start: int
     end: int
     adapter: AdapterTensors | None
@@ -129,11 +147,11 @@ class MegatronLora:
             mlp.linear_fc2.register_forward_hook(self._hook(i, "down_proj"))
 
     @contextlib.contextmanager
-    def route(self, segments: Sequence[RowSegment], batch_rows: int) -> Iterator[BatchRouting]:
-        """Routes the rows of the next forward(s); the returned routing's :meth:`BatchRouting.accumulate_grads`
-        moves the gradients of a backward into each adapter's grad buffer."""
+    def route(self, segments: Sequence[RowSegment], rows: int) -> Iterator[BatchRouting]:
+        """Routes the ``rows`` token rows of the next forward(s); the returned routing's
+        :meth:`BatchRouting.accumulate_grads` moves the gradients of a backward into each adapter's grad buffer."""
         previous = getattr(_local, "routing", None)
-        routing = BatchRouting(self, list(segments), batch_rows)
+        routing = BatchRouting(self, list(segments), rows)
         _local.routing = routing
         try:
             yield routing
@@ -171,6 +189,14 @@ class MegatronLora:
 
         return run
 
+    def grouped_layout_ok(self, rank: int, dtype: torch.dtype) -> bool:
+        """Whether every operand of the grouped products has 16-byte aligned strides and column offsets (what
+        ``torch._grouped_mm`` requires): the rank, this rank's feature dims and the head dim (the q, k, v column
+        views) in multiples of 16 bytes."""
+        unit = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+        dims = [rank, self.shape.head_dim, *(c.dim for c in self.classes)]
+        return all(d % unit == 0 for d in dims)
+
     # -- the work of one hook ---------------------------------------------------------------------------------
 
     def place(self, hook: str, deltas: list[torch.Tensor]) -> torch.Tensor:
@@ -202,69 +228,149 @@ class MegatronLora:
 
 
 class BatchRouting:
-    """One batch's adapters, stacked per class along the rank dimension, with masks and gradient sinks."""
+    """One batch's adapters, stacked per class, with their gradient sinks and the way their rows are told apart.
 
-    def __init__(self, lora: MegatronLora, segments: list[RowSegment], batch_rows: int):
+    Three modes, picked per batch: one adapter over every row (its own tensors, a scalar scale); the grouped GEMM
+    (``grouped``: several adapters of one rank, each owning one contiguous row range from row 0, on a device and
+    dtype where ``torch._grouped_mm`` runs a real grouped kernel); otherwise the 0/1 mask over the rank-stacked
+    adapters."""
+
+    def __init__(self, lora: MegatronLora, segments: list[RowSegment], rows: int):
         self.lora = lora
-        members = [s for s in segments if s.adapter is not None]
+        members = [s for s in segments if s.adapter is not None and s.end > s.start]
         if len({id(s.adapter) for s in members}) != len(members):
             raise ValueError("each adapter must occupy one contiguous row range of the batch")
         self.members = members
+        self.rows = rows
         self.active = bool(members)
         self.anchor: torch.Tensor | None = None
         self.weights: dict[str, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor] = {}
-        self.total_rank = sum(s.adapter.rank for s in members)
-        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+        self.grouped = False
+        self.end = rows  # rows [end, rows) get no adapter (grouped mode only: elsewhere the mask zeroes them)
+        self._masks: dict[int, torch.Tensor] = {}
         if not members:
             return
         cd = lora.compute_dtype
         first = members[0].adapter
         device = next(iter(first.params.values())).device
+        self._device = device
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         single = len(members) == 1
+        ranks = [s.adapter.rank for s in members]
+        self.scale = first.scale if single and members[0].start == 0 and members[0].end == rows else None
+        self.grouped = (
+            not single
+            and len(set(ranks)) == 1
+            and members[0].start == 0
+            and all(a.end == b.start for a, b in itertools.pairwise(members))
+            and lora.grouped_layout_ok(ranks[0], cd)
+            and grouped_mm_supported(device, cd)
+        )
+        if self.grouped:
+            self._init_grouped(device, cd)
+            return
+        # Σr wide: every row multiplies every routed adapter's rank block (the mask keeps its own).
+        self.block = sum(ranks)
         # One adapter over every row: a scalar scale. Otherwise a 0/1 row mask, and each adapter's scale rides on
         # its rank rows of the stacked B^T (so the mask product is exact in bf16).
-        self.scale = first.scale if single and members[0].start == 0 and members[0].end == batch_rows else None
-        self.rank_scale = None if self.scale is not None else torch.cat(
+        rank_scale = None if self.scale is not None else torch.cat(
             [torch.full((s.adapter.rank,), s.adapter.scale, dtype=torch.float32) for s in members]
         ).to(device, non_blocking=True)
-        self._rank_scale_column = None if self.rank_scale is None else self.rank_scale.view(-1, 1)
+        self._b_grad_scale = None if rank_scale is None else rank_scale.view(-1, 1)
         for c in lora.classes:
             stacked = first.params[c.name] if single else torch.cat([s.adapter.params[c.name] for s in members], 2)
-            if c.which == "B" and self.rank_scale is not None:
-                stacked = stacked * self.rank_scale.view(1, 1, -1, 1)
+            if c.which == "B" and rank_scale is not None:
+                stacked = stacked * rank_scale.view(1, 1, -1, 1)
             self.weights[c.name] = stacked if stacked.dtype == cd else stacked.to(cd)
             # One adapter: its own grad buffer is the sink. Several: a stacked sink, split after the backward.
             self.grads[c.name] = first.grads[c.name] if single else torch.zeros(
                 stacked.shape, dtype=torch.float32, device=device)
-        self._batch_rows = batch_rows
-        self._device = device
 
-    def scaled(self, mid: torch.Tensor, groups: int, batch: int) -> torch.Tensor:
-        """``mid[T, groups * Σr]`` times the scalar scale (one adapter on every row), or with every rank block
-        zeroed outside its adapter's rows."""
+    def _init_grouped(self, device: torch.device, cd: torch.dtype) -> None:
+        members = self.members
+        n = len(members)
+        self.block = members[0].adapter.rank
+        self.end = members[-1].end
+        self.offs = torch.tensor([s.end for s in members], dtype=torch.int32).to(device, non_blocking=True)
+        scales = torch.tensor([s.adapter.scale for s in members], dtype=torch.float32).to(device, non_blocking=True)
+        self._b_grad_scale = scales.view(n, 1, 1)
+        for c in self.lora.classes:
+            stacked = torch.stack([s.adapter.params[c.name] for s in members])  # [n, L, G, r, dim]
+            if c.which == "B":
+                # The scale rides on B (fp32 master × scale, rounded once to the compute dtype): the same bf16 B as
+                # the mask path uses, and mid = x A^T stays a plain product.
+                stacked = stacked * scales.view(n, 1, 1, 1, 1)
+            self.weights[c.name] = stacked if stacked.dtype == cd else stacked.to(cd)
+            self.grads[c.name] = torch.zeros(stacked.shape, dtype=torch.float32, device=device)
+
+    @property
+    def mode(self) -> str:
+        """``none`` (no adapter routed), ``single`` (one adapter over every row), ``grouped`` or ``mask``."""
+        if not self.members:
+            return "none"
+        return "single" if self.scale is not None else "grouped" if self.grouped else "mask"
+
+    # -- the pieces the hook math is written in (one formula for every mode) -----------------------------------
+
+    def a_weight(self, hook: str, layer: int) -> torch.Tensor:
+        """The hook's A's, projections side by side: ``[n, G·r, in]`` (grouped) or ``[G·Σr, in]``."""
+        w = self.weights[a_class_name(hook)]
+        return w[:, layer].flatten(1, 2) if self.grouped else w[layer].flatten(0, 1)
+
+    def b_weight(self, target: str, layer: int) -> torch.Tensor:
+        """The scale-carrying ``B^T``: ``[n, r, out]`` (grouped) or ``[Σr, out]``."""
+        w = self.weights[b_class_name(target)]
+        return w[:, layer, 0] if self.grouped else w[layer, 0]
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` with each adapter's rows (of ``a``, or of the contraction when both are 2-D) against its own
+        weights: ``b`` 3-D gives ``[rows, m]``; both 2-D gives per-adapter sums ``[n, k, m]``."""
+        if self.grouped:
+            return torch._grouped_mm(a, b, offs=self.offs)
+        return a @ b
+
+    def rows_of(self, x2: torch.Tensor) -> torch.Tensor:
+        """The rows that carry an adapter (all of them, except in grouped mode, where the tail past ``end`` has
+        none and the grouped kernel leaves its output rows unwritten)."""
+        return x2[: self.end] if self.grouped and self.end < x2.shape[0] else x2
+
+    def full_rows(self, t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0, 0, self.rows - t.shape[0])) if t.shape[0] < self.rows else t
+
+    def scaled(self, mid: torch.Tensor, groups: int) -> torch.Tensor:
+        """``mid[T, groups * block]`` times the scalar scale (one adapter on every row), as it is (grouped: each
+        row met only its own adapter), or with every rank block zeroed outside its adapter's rows (mask)."""
         if self.scale is not None:
             return mid * self.scale
-        key = (groups, mid.shape[0])
-        mask = self._masks.get(key)
+        if self.grouped:
+            return mid
+        mask = self._masks.get(groups)
         if mask is None:
-            host = torch.zeros(self._batch_rows, self.total_rank, dtype=mid.dtype)
-            col = 0
-            for s in self.members:
-                host[s.start : s.end, col : col + s.adapter.rank] = 1
-                col += s.adapter.rank
-            # Materialized for every token row ([seq * batch, groups * Σr], a few MB): one multiply per use and
-            # no reshapes, so a hook issues as many operations as with a scalar scale.
-            mask = self._masks[key] = host.to(self._device).repeat(mid.shape[0] // batch, groups)
+            owner = torch.full((self.rows,), -1, dtype=torch.int32)
+            for k, s in enumerate(self.members):
+                owner[s.start : s.end] = k
+            cols = torch.repeat_interleave(torch.arange(len(self.members), dtype=torch.int32),
+                                           torch.tensor([s.adapter.rank for s in self.members]))
+            # Materialized for every token row ([T, groups * Σr], a few MB), built on the device from the owners
+            # of rows and rank columns: one multiply per use, as with a scalar scale.
+            owner, cols = owner.to(self._device, non_blocking=True), cols.to(self._device, non_blocking=True)
+            mask = self._masks[groups] = (owner[:, None] == cols[None, :]).to(mid.dtype).repeat(1, groups)
         return mid * mask
 
-    def add_b_grad(self, sink: torch.Tensor, grad_bt: torch.Tensor) -> None:
+    def add_a_grad(self, hook: str, layer: int, grad: torch.Tensor) -> None:
+        sink = self.grads[a_class_name(hook)]
+        sink = sink[:, layer] if self.grouped else sink[layer]
+        sink.add_(grad.view(sink.shape))
+
+    def add_b_grad(self, target: str, layer: int, grad_bt: torch.Tensor) -> None:
         """Adds the gradient of an unscaled B^T, given that of the stacked (scale-carrying) one."""
-        if self.rank_scale is None:
+        sink = self.grads[b_class_name(target)]
+        sink = sink[:, layer, 0] if self.grouped else sink[layer, 0]
+        if self._b_grad_scale is None:
             sink.add_(grad_bt)
         else:
-            sink.addcmul_(grad_bt, self._rank_scale_column)
+            sink.addcmul_(grad_bt, self._b_grad_scale)
 
     def accumulate_grads(self) -> None:
         """After a backward: adds the stacked gradients into each adapter's grad buffer (one adapter: already
@@ -273,8 +379,50 @@ class BatchRouting:
             return
         ranks = [s.adapter.rank for s in self.members]
         for name, stacked in self.grads.items():
-            for s, part in zip(self.members, stacked.split(ranks, dim=2)):
-                s.adapter.grads[name].add_(part)
+            parts = stacked.unbind(0) if self.grouped else stacked.split(ranks, dim=2)
+            torch._foreach_add_([s.adapter.grads[name] for s in self.members], list(parts))
+
+
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here as a grouped kernel and computes what this module relies on (checked
+    once per device type and dtype with a tiny call against the plain products). On CUDA only bf16 on sm90: other
+    dtypes and architectures either have no kernel or take torch's fallback, a loop over the groups that copies
+    the offsets to the host (a sync per call). On CPU (tests) torch's loop is all there is, and fine."""
+    key = (device.type, dtype)
+    ok = _GROUPED_MM_OK.get(key)
+    if ok is None:
+        ok = _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype)
+    return ok
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm") or device.type not in ("cpu", "cuda"):
+        return False
+    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] != 9):
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 16, generator=g).to(device, dtype)
+    w = torch.randn(3, 8, 16, generator=g).to(device, dtype)  # stored [n, k, in]: used transposed, as A is
+    y = torch.randn(24, 8, generator=g).to(device, dtype)
+    ends = [8, 16, 24]
+    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    try:
+        rows = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # [24, 8]
+        per_group = torch._grouped_mm(x.t(), y, offs=offs)  # [3, 16, 8]
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
+    start = 0
+    for k, end in enumerate(ends):
+        if not (torch.allclose(rows[start:end].float(), (x[start:end] @ w[k].t()).float(), atol=tol, rtol=tol)
+                and torch.allclose(per_group[k].float(), (x[start:end].t() @ y[start:end]).float(), atol=tol,
+                                   rtol=tol)):
+            return False
+        start = end
+    return True
 
 
 class _HookDelta(torch.autograd.Function):
@@ -286,8 +434,8 @@ class _HookDelta(torch.autograd.Function):
         lora = routing.lora
         seq, batch, _ = x.shape
         x2, mid = _lora_forward_mid(x, plan)
-        r = routing.total_rank
-        deltas = [mid[:, i * r : (i + 1) * r] @ routing.weights[b_class_name(t)][layer, 0]
+        r = routing.block
+        deltas = [routing.full_rows(routing.mm(mid[:, i * r : (i + 1) * r], routing.b_weight(t, layer)))
                   for i, t in enumerate(HOOK_TARGETS[hook])]
         ctx.save_for_backward(x2, mid)
         ctx.plan = plan
@@ -300,17 +448,17 @@ class _HookDelta(torch.autograd.Function):
 
 
 def _lora_forward_mid(x, plan):
-    """``mid = scale-or-mask(x A_cat^T)`` ([T, G * Σr], all-reduced for row-parallel hooks) and ``x`` as rows."""
+    """``mid = scale-or-mask(x A^T)`` ([rows, G * block], all-reduced for row-parallel hooks) and ``x`` as the
+    rows that carry an adapter."""
     routing, layer, hook = plan
     lora = routing.lora
     cd = lora.compute_dtype
-    _seq, batch, width = x.shape
-    x2 = (x if x.dtype == cd else x.to(cd)).reshape(-1, width)
-    a = routing.weights[a_class_name(hook)][layer].reshape(-1, width)  # [G * Σr, in]
-    mid = x2 @ a.t()
+    width = x.shape[-1]
+    x2 = routing.rows_of((x if x.dtype == cd else x.to(cd)).reshape(-1, width))
+    mid = routing.mm(x2, routing.a_weight(hook, layer).transpose(-1, -2))
     if hook in ROW_PARALLEL_HOOKS and lora.tp > 1:
         dist.all_reduce(mid, group=lora.tp_group)
-    return x2, routing.scaled(mid, len(HOOK_TARGETS[hook]), batch)
+    return x2, routing.scaled(mid, len(HOOK_TARGETS[hook]))
 
 
 def _lora_backward(ctx, g):
@@ -320,40 +468,42 @@ def _lora_backward(ctx, g):
     x2, mid = ctx.saved_tensors
     cd = lora.compute_dtype
     seq, batch = g.shape[0], g.shape[1]
-    r = routing.total_rank
+    r = routing.block
     targets = HOOK_TARGETS[hook]
-    parts = lora.unplace(hook, (g if g.dtype == cd else g.to(cd)).reshape(seq * batch, -1))
+    parts = lora.unplace(hook, routing.rows_of((g if g.dtype == cd else g.to(cd)).reshape(seq * batch, -1)))
     g_mids = []
     for i, (t, g_t) in enumerate(zip(targets, parts)):
-        bt = routing.weights[b_class_name(t)][layer, 0]  # [Σr, out]
-        routing.add_b_grad(routing.grads[b_class_name(t)][layer, 0], mid[:, i * r : (i + 1) * r].t() @ g_t)
-        g_mids.append(g_t @ bt.t())
-    g_mid = routing.scaled(g_mids[0] if len(g_mids) == 1 else torch.cat(g_mids, 1), len(targets), batch)
+        bt = routing.b_weight(t, layer)  # [n, r, out] or [Σr, out]
+        routing.add_b_grad(t, layer, routing.mm(mid[:, i * r : (i + 1) * r].t(), g_t))
+        g_mids.append(routing.mm(g_t, bt.transpose(-1, -2)))
+    g_mid = routing.scaled(g_mids[0] if len(g_mids) == 1 else torch.cat(g_mids, 1), len(targets))
     if hook not in ROW_PARALLEL_HOOKS and lora.tp > 1:
         dist.all_reduce(g_mid, group=lora.tp_group)
-    a_name = a_class_name(hook)
-    width = x2.shape[1]
-    routing.grads[a_name][layer].add_((g_mid.t() @ x2).view(len(targets), r, width))
+    routing.add_a_grad(hook, layer, routing.mm(g_mid.t(), x2))
     if not ctx.needs_input_grad[0]:
         return None
-    a = routing.weights[a_name][layer].reshape(-1, width)
-    return (g_mid @ a).view(seq, batch, width).to(ctx.x_dtype)
+    g_x = routing.full_rows(routing.mm(g_mid, routing.a_weight(hook, layer)))
+    return g_x.view(seq, batch, -1).to(ctx.x_dtype)
 
 
 class _HookAddInPlace(torch.autograd.Function):
     """What the hooks run: adds the LoRA delta of one hook into the base layer's output in place (``addmm_``
     straight into each projection's columns where they are 2-D: no delta tensor, no placement copy, no separate
-    add). The base output's gradient passes through unchanged; the LoRA gradients are :class:`_HookDelta`'s."""
+    add; grouped: one add of the grouped product into the adapters' rows). The base output's gradient passes
+    through unchanged; the LoRA gradients are :class:`_HookDelta`'s."""
 
     @staticmethod
     def forward(ctx, x, out, anchor, plan):
         routing, layer, hook = plan
         lora = routing.lora
         x2, mid = _lora_forward_mid(x, plan)
-        r = routing.total_rank
+        r = routing.block
         for i, (t, view) in enumerate(zip(HOOK_TARGETS[hook], lora.out_views(hook, out.view(-1, out.shape[-1])))):
-            m, bt = mid[:, i * r : (i + 1) * r], routing.weights[b_class_name(t)][layer, 0]
-            if view.dim() == 2 and bt.dtype == view.dtype:
+            m, bt = mid[:, i * r : (i + 1) * r], routing.b_weight(t, layer)
+            if routing.grouped:
+                view = view[: routing.end]
+                view.add_(routing.mm(m, bt).view(view.shape).to(view.dtype))
+            elif view.dim() == 2 and bt.dtype == view.dtype:
                 view.addmm_(m, bt)
             else:
                 view.add_((m @ bt).to(view.dtype).view(view.shape))

@@ -236,8 +236,9 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
     # Always ours, not megatron's: one code path for default and llama3 RoPE, equal to transformers' by
-    # construction. A plain attribute (not a buffer), so it stays fp32 whatever dtype the model is cast to.
-    model.rotary_pos_emb.inv_freq = rope_inv_freq(spec).to(device)
+    # construction, at each token's position within its datum of the packed row.
+    model.rotary_pos_emb = PackedRotaryEmbedding(rope_inv_freq(spec).to(device))
+    model.packed_attention = attention == "sdpa"
     return model.to(device=device, dtype=dtype)
 
 
@@ -280,14 +281,58 @@ def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device, attention:
     return model, spec
 
 
-def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Vocab-sharded logits ``[b, s, V/TP]`` for right-padded ``input_ids[b, s]`` (causal mask, so padding
-    after a sequence never affects its positions)."""
-    b, s = input_ids.shape
-    position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-    # True = masked out (megatron's convention); broadcast over batch and heads.
-    causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu_(1)[None, None]
-    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=causal)
+class PackedRotaryEmbedding(torch.nn.Module):
+    """Stands in for ``GPTModel.rotary_pos_emb``: the RoPE angles ``[T, 1, 1, head_dim]`` of the positions of the
+    packed row being run (each datum's restart at 0), which :func:`forward_logits` sets. megatron applies them with
+    its plain (sbhd) path, ``t * cos + rotate_half(t) * sin``; the angles are ``position * inv_freq`` in fp32, the
+    same products megatron's ``arange`` ones and transformers' are, so every datum is rotated exactly as alone."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        super().__init__()
+        self.inv_freq = inv_freq  # a plain attribute (not a buffer): stays fp32 whatever dtype the model is cast to
+        self.positions: torch.Tensor | None = None
+
+    def get_rotary_seq_len(self, *_args, **_kwargs) -> int:
+        return 0 if self.positions is None else self.positions.shape[0]
+
+    def forward(self, max_seq_len: int = 0, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if self.positions is None:
+            raise RuntimeError("the megatron model runs packed rows: call model.forward_logits")
+        freqs = torch.outer(self.positions.to(self.inv_freq.dtype), self.inv_freq)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def forward_logits(model, input_ids: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
+    """Vocab-sharded logits of one packed row: ``input_ids[T]`` holding datums of ``lengths`` back to back (each at
+    positions 0.. and attending only within itself) gives ``[1, T, V/TP]``; ``input_ids[b, s]`` is ``b`` datums of
+    ``s`` tokens (run as the same packed row) and gives ``[b, s, V/TP]``."""
+    if input_ids.dim() == 2:
+        b, s = input_ids.shape
+        return forward_logits(model, input_ids.reshape(-1), [s] * b).view(b, s, -1)
+    lengths = [n for n in lengths if n]
+    total = sum(lengths)
+    if total != input_ids.shape[0]:
+        raise ValueError(f"lengths sum to {total} but the packed row has {input_ids.shape[0]} tokens")
+    device = input_ids.device
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    positions = (torch.arange(total) - starts.repeat_interleave(torch.tensor(lengths))).to(device, non_blocking=True)
+    packed = mask = None
+    if getattr(model, "packed_attention", True):
+        from .attention import packed_rows
+
+        packed = packed_rows(lengths, device)
+    else:
+        # megatron's unfused attention (comparisons only): the block-diagonal causal mask, True = masked out.
+        owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+        later = torch.ones(total, total, dtype=torch.bool, device=device).triu_(1)
+        mask = ((owner[:, None] != owner[None, :]) | later)[None, None]
+    rotary = model.rotary_pos_emb
+    rotary.positions = positions
+    try:
+        return model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask,
+                     packed_seq_params=packed)
+    finally:
+        rotary.positions = None
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -314,7 +359,9 @@ class _TargetLogprob(torch.autograd.Function):
     128k vocabulary) on top of the fp32 input copy. Here the forward keeps only the logits it was given and the fp32
     log-sum-exp per token, and both directions work in row chunks of at most ``LOGPROB_CHUNK_ELEMENTS`` fp32
     values; the math per element is the same fp32 math (``x - lse``; gradient ``g * (onehot - exp(x - lse))``, cast
-    to the logits' dtype as autograd casts the gradient of ``.float()``)."""
+    to the logits' dtype as autograd casts the gradient of ``.float()``). The gradient keeps the logits' own row
+    order: megatron's packed logits are ``[1, T, V]``, whose ``[T, 1, V]`` transpose (what the output layer's
+    backward reads) is the same contiguous memory."""
 
     @staticmethod
     def forward(ctx, logits, targets):
@@ -334,24 +381,6 @@ class _TargetLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         logits, targets, lse = ctx.saved_tensors
-        if logits.dim() != 3:
-            return _TargetLogprob._backward_rows(logits, targets, lse, grad_out), None
-        # The gradient is built in [s, b, V] order and handed back as its [b, s, V] transpose: megatron's logits
-        # are the [b, s, V] copy of an [s, b, V] output, so the output layer's backward then gets a contiguous
-        # gradient (with a [b, s, V]-contiguous one it ran a batched GEMM of N = b, 7x slower on an H100).
-        b, s, vocab = logits.shape
-        lt, tt = logits.transpose(0, 1), targets.t()
-        lse_t = lse.view(b, s).t()
-        g_t = grad_out.float().t()
-        grad = torch.empty((s, b, vocab), dtype=logits.dtype, device=logits.device)
-        step = max(1, LOGPROB_CHUNK_ELEMENTS // (b * vocab))
-        fn = _kernels(logits.device)[1]
-        for i in range(0, s, step):
-            grad[i : i + step] = fn(lt[i : i + step], lse_t[i : i + step], g_t[i : i + step], tt[i : i + step])
-        return grad.transpose(0, 1), None
-
-    @staticmethod
-    def _backward_rows(logits, targets, lse, grad_out):
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)
         tgt = targets.reshape(-1, 1)
@@ -361,7 +390,7 @@ class _TargetLogprob(torch.autograd.Function):
         fn = _kernels(logits.device)[1]
         for i in range(0, flat.shape[0], rows):
             grad[i : i + rows] = fn(flat[i : i + rows], lse[i : i + rows], g[i : i + rows, 0], tgt[i : i + rows, 0])
-        return grad.view(logits.shape)
+        return grad.view(logits.shape), None
 
 
 def _lse_and_target(x: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

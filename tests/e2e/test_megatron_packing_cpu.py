@@ -1,0 +1,146 @@
+"""Packed batches and the grouped LoRA GEMM in the megatron engine (megatron-core on CPU: gloo, fp32, the CPU shims
+of scripts/gpu/cpu_shims.py), run in a child process (``python tests/e2e/test_megatron_packing_cpu.py`` prints one
+JSON line) because it initializes torch.distributed.
+
+Checked:
+  * a batch of datums of different lengths, packed into one row, gives every datum the logprobs it gets alone
+    (its positions restart at 0 and it attends only within itself);
+  * three adapters (different scales, 1, 2 and 3 datums of different lengths) fused in one packed batch take the
+    grouped GEMM and give each adapter the gradient it gets trained alone, and the gradient of the 0/1-mask path
+    (forced by making the grouped-GEMM probe answer no, which is what a device or dtype without the kernel does).
+
+Tolerances (fp32): packing changes which rows share a GEMM and where a datum's rows sit, so only the summation
+order of a few reductions differs: 1e-5 on logprobs (about 10 ulps of the ~1-10 magnitudes here) and 1e-5 relative
+on gradients, as the other megatron CPU checks allow.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_megatron_cpu import run
+
+LENGTHS = (17, 5, 30, 11, 1, 23)  # one adapter's datums (packing check)
+# The fused check: per adapter (name, alpha, datum lengths): 1, 2 and 3 datums, different scales.
+TENANTS = (("a", 8.0, (19,)), ("b", 2.0, (7, 26)), ("c", 5.0, (12, 3, 21)))
+RANK = 4
+
+
+def main() -> None:
+    import torch
+
+    import scripts.gpu.cpu_shims  # noqa: F401  (before the backend is used)
+    from loraplane.lora import LoraSpec
+    from loraplane.models import load_base_model
+    from trainer_svc.backends.megatron import lora as lora_mod
+    from trainer_svc.backends.megatron.engine import DatumWork, Engine
+    from trainer_svc.backends.megatron.model import init_parallel
+
+    init_parallel(1)
+    base = load_base_model("tiny", device="cpu", dtype=torch.float32)
+    engine = Engine(base, device_slots=4, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+
+    def datum(adapter, n):
+        tokens = torch.randint(0, base.vocab_size, (n + 1,), generator=g)
+        return DatumWork(adapter, tokens[:-1].tolist(), tokens[1:].tolist())
+
+    def add_adapter(name, alpha, seed):
+        engine.create(name, LoraSpec.create(RANK, alpha, [], seed=seed))
+        # Random A and B, so that the adapter changes the logits and both get gradients.
+        engine.slot(name).host[0].normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+
+    def grads(name):
+        return engine.slot(name).device[1].clone()
+
+    def zero_grads():
+        for s in engine.slots.values():
+            for buffer in (s.host, s.device):
+                if buffer is not None:
+                    buffer[1].zero_()
+
+    report = {}
+    # -- packing: each datum as alone -------------------------------------------------------------------------------
+    add_adapter("p", 8.0, 1)
+    data = [datum("p", n) for n in LENGTHS]
+    packed = engine.run_batch(data, "cross_entropy", {}, backward=False).logprobs
+    alone = [engine.run_batch([d], "cross_entropy", {}, backward=False).logprobs[0] for d in data]
+    report["packed_vs_alone_logprob_max_abs"] = max(abs(a - b) for x, y in zip(packed, alone) for a, b in zip(x, y))
+    report["packed_lengths"] = [len(x) for x in packed]
+    report["logprob_scale"] = max(abs(a) for x in alone for a in x)
+
+    # -- fused tenants: grouped vs alone vs mask ------------------------------------------------------------------
+    for k, (name, alpha, _) in enumerate(TENANTS):
+        add_adapter(name, alpha, 10 + k)
+    fused_data = [datum(name, n) for name, _, lengths in TENANTS for n in lengths]
+    # Interleaved in the request, as the scheduler may hand them over; the engine groups them per adapter.
+    fused_data = fused_data[::2] + fused_data[1::2]
+
+    def fused(force_mask: bool):
+        zero_grads()
+        before = dict(engine.stats)
+        saved = lora_mod.grouped_mm_supported
+        if force_mask:
+            lora_mod.grouped_mm_supported = lambda device, dtype: False
+        try:
+            out = engine.run_batch(fused_data, "cross_entropy", {}, backward=True)
+        finally:
+            lora_mod.grouped_mm_supported = saved
+        mode = [m for m in ("grouped", "mask", "single") if engine.stats.get(f"lora_{m}", 0) > before.get(f"lora_{m}", 0)]
+        return out.logprobs, {name: grads(name) for name, _, _ in TENANTS}, mode
+
+    grouped_lp, grouped_grads, grouped_mode = fused(False)
+    mask_lp, mask_grads, mask_mode = fused(True)
+    alone_grads, alone_lp = {}, {}
+    for name, _, _ in TENANTS:
+        zero_grads()
+        mine = [d for d in fused_data if d.adapter == name]
+        alone_lp[name] = engine.run_batch(mine, "cross_entropy", {}, backward=True).logprobs
+        alone_grads[name] = grads(name)
+    report["grouped_mode"], report["mask_mode"] = grouped_mode, mask_mode
+    report["probe_cpu_fp32"] = lora_mod.grouped_mm_supported(torch.device("cpu"), torch.float32)
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    report["grad_norms"] = {name: float(alone_grads[name].norm()) for name in alone_grads}
+    report["grouped_vs_alone_grad_rel"] = max(rel(grouped_grads[n], alone_grads[n]) for n in alone_grads)
+    report["grouped_vs_mask_grad_rel"] = max(rel(grouped_grads[n], mask_grads[n]) for n in alone_grads)
+    fused_alone_lp = []
+    for d in fused_data:
+        fused_alone_lp.append(alone_lp[d.adapter].pop(0))
+    report["grouped_vs_alone_logprob_max_abs"] = max(
+        abs(a - b) for x, y in zip(grouped_lp, fused_alone_lp) for a, b in zip(x, y))
+    report["grouped_vs_mask_logprob_max_abs"] = max(
+        abs(a - b) for x, y in zip(grouped_lp, mask_lp) for a, b in zip(x, y))
+    print(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    stdout = run([sys.executable, str(Path(__file__).resolve())], timeout=240)
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_packed_datums_get_the_logprobs_they_get_alone(measured):
+    assert measured["packed_lengths"] == list(LENGTHS)
+    assert measured["packed_vs_alone_logprob_max_abs"] <= 1e-5, measured
+
+
+def test_fused_tenants_take_the_grouped_gemm_and_get_their_own_gradients(measured):
+    assert measured["probe_cpu_fp32"] is True
+    assert measured["grouped_mode"] == ["grouped"] and measured["mask_mode"] == ["mask"], measured
+    assert all(n > 0 for n in measured["grad_norms"].values())
+    assert measured["grouped_vs_alone_grad_rel"] <= 1e-5, measured
+    assert measured["grouped_vs_mask_grad_rel"] <= 1e-5, measured
+    assert measured["grouped_vs_alone_logprob_max_abs"] <= 1e-5, measured
+    assert measured["grouped_vs_mask_logprob_max_abs"] <= 1e-5, measured
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    main()
