@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.utils import divide
 
 _GQA_FUSED_OK: dict[str, bool] = {}  # per device type: did a fused kernel accept enable_gqa
 _VARLEN_OK: dict[tuple[str, torch.dtype], bool] = {}  # per device type and dtype: did varlen_attn run
@@ -70,13 +69,7 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention runs without attention dropout (LoRA fine-tuning uses none)")
         if getattr(config, "apply_query_key_layer_scaling", False):
             raise ValueError("SDPACoreAttention does not support apply_query_key_layer_scaling")
-        from megatron.core import parallel_state
-
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.heads = divide(config.num_attention_heads, tp)
-        self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
-        self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_ignored):
@@ -87,63 +80,70 @@ class SDPACoreAttention(MegatronModule):
         # [T, 1, heads, d] (or thd's [T, heads, d]) -> [T, heads, d]: views
         t = query.shape[0]
         q, k, v = (x.reshape(t, x.shape[-2], x.shape[-1]) for x in (query, key, value))
-        out = self._varlen(q, k, v, packed_seq_params)
-        if out is None:
-            out = self._per_datum(q, k, v, packed_seq_params.bounds)
-        return out.reshape(t, 1, self.heads * self.head_dim)
+        return packed_attention(q, k, v, packed_seq_params, self.softmax_scale).reshape(t, 1, -1)
 
-    def _varlen(self, q, k, v, packed: PackedRows):
-        key = (q.device.type, q.dtype)
-        if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or not _VARLEN_OK.get(key, True):
-            return None
-        call = _varlen_call()
-        if call is None or (not call.scale and not math.isclose(self.softmax_scale, 1.0 / math.sqrt(self.head_dim))):
-            _VARLEN_OK[key] = False
-            return None
-        if self.heads != self.groups and not call.gqa:
-            rep = self.heads // self.groups
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        kwargs = dict(call.causal)
-        if call.scale:
-            kwargs["scale"] = self.softmax_scale
-        if call.gqa and self.heads != self.groups:
+
+def packed_attention(q, k, v, packed: PackedRows, scale: float) -> torch.Tensor:
+    """Causal attention within each datum of a packed row: ``q[T, heads, d]``, ``k, v[T, groups, d]`` ->
+    ``[T, heads, d]``."""
+    out = _varlen(q, k, v, packed, scale)
+    return _per_datum(q, k, v, packed.bounds, scale) if out is None else out
+
+
+def _varlen(q, k, v, packed: PackedRows, scale: float):
+    key = (q.device.type, q.dtype)
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or not _VARLEN_OK.get(key, True):
+        return None
+    call = _varlen_call()
+    if call is None or (not call.scale and not math.isclose(scale, 1.0 / math.sqrt(q.shape[-1]))):
+        _VARLEN_OK[key] = False
+        return None
+    heads, groups = q.shape[1], k.shape[1]
+    kwargs = dict(call.causal)
+    if call.scale:
+        kwargs["scale"] = scale
+    if heads != groups:
+        if call.gqa:
             kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
+    try:
+        return call.fn(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_kv, packed.max_seqlen_q, packed.max_seqlen_kv,
+                       **kwargs)
+    except (RuntimeError, ValueError, TypeError):
+        _VARLEN_OK[key] = False
+        return None
+
+
+def _per_datum(q, k, v, bounds, scale: float):
+    outs = []
+    for start, end in bounds:
+        # [len, heads, d] -> [1, heads, len, d] (views; the kernels take strided inputs)
+        qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        outs.append(_sdpa(qi, ki, vi, scale)[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def _sdpa(q, k, v, scale: float):
+    heads, groups = q.shape[1], k.shape[1]
+    if heads == groups:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    dev = q.device.type
+    if _GQA_FUSED_OK.get(dev, True):
+        if dev != "cuda":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         try:
-            return call.fn(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_kv, packed.max_seqlen_q,
-                           packed.max_seqlen_kv, **kwargs)
-        except (RuntimeError, ValueError, TypeError):
-            _VARLEN_OK[key] = False
-            return None
-
-    def _per_datum(self, q, k, v, bounds):
-        outs = []
-        for start, end in bounds:
-            # [len, heads, d] -> [1, heads, len, d] (views; the kernels take strided inputs)
-            qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            outs.append(self._sdpa(qi, ki, vi)[0].transpose(0, 1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-
-    def _sdpa(self, q, k, v):
-        if self.heads == self.groups:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        dev = q.device.type
-        if _GQA_FUSED_OK.get(dev, True):
-            if dev != "cuda":
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                      enable_gqa=True)
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            try:
-                # Only the fused kernels: a silent fallback to the math kernel would bring the s^2 scores back.
-                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                  SDPBackend.CUDNN_ATTENTION]):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                          enable_gqa=True)
-            except RuntimeError:
-                _GQA_FUSED_OK[dev] = False
-        rep = self.heads // self.groups
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
-                                              is_causal=True, scale=self.softmax_scale)
+            # Only the fused kernels: a silent fallback to the math kernel would bring the s^2 scores back.
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                              SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        except RuntimeError:
+            _GQA_FUSED_OK[dev] = False
+    rep = heads // groups
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                          is_causal=True, scale=scale)
 
 
 @dataclass(frozen=True)
