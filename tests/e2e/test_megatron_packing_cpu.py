@@ -7,7 +7,8 @@ Checked:
     (its positions restart at 0 and it attends only within itself);
   * three adapters (different scales, 1, 2 and 3 datums of different lengths) fused in one packed batch take the
     grouped GEMM and give each adapter the gradient it gets trained alone, and the gradient of the 0/1-mask path
-    (forced by making the grouped-GEMM probe answer no, which is what a device or dtype without the kernel does).
+    (forced by making the grouped-GEMM probe answer no, which is what a device or dtype without the kernel does);
+  * under TP = 2 (torchrun, 2 ranks) the grouped path gives the full gradients and logprobs of one rank.
 
 Tolerances (fp32): packing changes which rows share a GEMM and where a datum's rows sit, so only the summation
 order of a few reductions differs: 1e-5 on logprobs (about 10 ulps of the ~1-10 magnitudes here) and 1e-5 relative
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_megatron_cpu import run
+from tests.e2e.test_megatron_cpu import run, torchrun
 
 LENGTHS = (17, 5, 30, 11, 1, 23)  # one adapter's datums (packing check)
 # The fused check: per adapter (name, alpha, datum lengths): 1, 2 and 3 datums, different scales.
@@ -30,18 +31,27 @@ TENANTS = (("a", 8.0, (19,)), ("b", 2.0, (7, 26)), ("c", 5.0, (12, 3, 21)))
 RANK = 4
 
 
-def main() -> None:
+def main(tp: int = 1, out: str | None = None) -> None:
     import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     import scripts.gpu.cpu_shims  # noqa: F401  (before the backend is used)
-    from loraplane.lora import LoraSpec
-    from loraplane.models import load_base_model
+    from loraplane.lora import LoraSpec, init_lora_params
+    from loraplane.models.base import _wrap
+    from loraplane.models.tiny import build_tiny_tokenizer
     from trainer_svc.backends.megatron import lora as lora_mod
     from trainer_svc.backends.megatron.engine import DatumWork, Engine
     from trainer_svc.backends.megatron.model import init_parallel
 
-    init_parallel(1)
-    base = load_base_model("tiny", device="cpu", dtype=torch.float32)
+    init_parallel(tp)
+    # A seeded tiny Llama whose vocabulary (256) TP=2 divides (the stock ``tiny`` has 261 tokens).
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, max_position_embeddings=128)
+    torch.manual_seed(7)
+    base = _wrap("packing-check", LlamaForCausalLM(config).float(), build_tiny_tokenizer(), torch.device("cpu"),
+                 torch.float32)
     engine = Engine(base, device_slots=4, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
 
@@ -50,12 +60,21 @@ def main() -> None:
         return DatumWork(adapter, tokens[:-1].tolist(), tokens[1:].tolist())
 
     def add_adapter(name, alpha, seed):
-        engine.create(name, LoraSpec.create(RANK, alpha, [], seed=seed))
-        # Random A and B, so that the adapter changes the logits and both get gradients.
-        engine.slot(name).host[0].normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+        spec = LoraSpec.create(RANK, alpha, [], seed=seed)
+        # Random full A and B (the same on any TP layout), so that the adapter changes the logits and both get
+        # gradients.
+        params = init_lora_params(base, spec)
+        gen = torch.Generator().manual_seed(seed)
+        for key in sorted(params):
+            params[key] = 0.05 * torch.randn(params[key].shape, generator=gen)
+        engine.load_state(name, params, None, None, 0, spec)
 
     def grads(name):
         return engine.slot(name).device[1].clone()
+
+    def full_grads(name):  # the full PEFT gradients, assembled over TP ranks (every rank calls; rank 0 gets them)
+        (full,) = engine.gather_full(name, rows=(1,)) or (None,)
+        return None if full is None else torch.cat([full[k].reshape(-1) for k in sorted(full)])
 
     def zero_grads():
         for s in engine.slots.values():
@@ -87,13 +106,14 @@ def main() -> None:
         if force_mask:
             lora_mod.grouped_mm_supported = lambda device, dtype: False
         try:
-            out = engine.run_batch(fused_data, "cross_entropy", {}, backward=True)
+            result = engine.run_batch(fused_data, "cross_entropy", {}, backward=True)
         finally:
             lora_mod.grouped_mm_supported = saved
         mode = [m for m in ("grouped", "mask", "single") if engine.stats.get(f"lora_{m}", 0) > before.get(f"lora_{m}", 0)]
-        return out.logprobs, {name: grads(name) for name, _, _ in TENANTS}, mode
+        return result.logprobs, {name: grads(name) for name, _, _ in TENANTS}, mode
 
     grouped_lp, grouped_grads, grouped_mode = fused(False)
+    full = {name: full_grads(name) for name, _, _ in TENANTS}
     mask_lp, mask_grads, mask_mode = fused(True)
     alone_grads, alone_lp = {}, {}
     for name, _, _ in TENANTS:
@@ -117,13 +137,17 @@ def main() -> None:
         abs(a - b) for x, y in zip(grouped_lp, fused_alone_lp) for a, b in zip(x, y))
     report["grouped_vs_mask_logprob_max_abs"] = max(
         abs(a - b) for x, y in zip(grouped_lp, mask_lp) for a, b in zip(x, y))
-    print(json.dumps(report))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if out:
+            torch.save({"grouped_full_grads": full, "grouped_logprobs": grouped_lp}, out)
+        print(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict:
-    stdout = run([sys.executable, str(Path(__file__).resolve())], timeout=240)
-    return json.loads(stdout.strip().splitlines()[-1])
+def measured(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("packing") / "tp1.pt"
+    stdout = run([sys.executable, str(Path(__file__).resolve()), "--out", str(out)], timeout=240)
+    return {**json.loads(stdout.strip().splitlines()[-1]), "out": out}
 
 
 def test_packed_datums_get_the_logprobs_they_get_alone(measured):
@@ -141,6 +165,29 @@ def test_fused_tenants_take_the_grouped_gemm_and_get_their_own_gradients(measure
     assert measured["grouped_vs_mask_logprob_max_abs"] <= 1e-5, measured
 
 
+def test_grouped_gemm_under_tensor_parallel_equals_one_rank(measured, tmp_path):
+    """TP=2 (gloo, 2 ranks): the grouped path with its TP all-reduces (of ``A x`` for o/down in the forward, of the
+    gradient of ``A x`` for q, k, v, gate, up in the backward) gives the full gradients and logprobs of one rank."""
+    import torch
+
+    out = tmp_path / "tp2.pt"
+    stdout = run(torchrun(2, str(Path(__file__).resolve()), "--tp", "2", "--out", str(out)), timeout=280)
+    tp2 = json.loads(stdout.strip().splitlines()[-1])
+    assert tp2["grouped_mode"] == ["grouped"] and tp2["mask_mode"] == ["mask"], tp2
+    one, two = torch.load(measured["out"]), torch.load(out)
+    for name, want in one["grouped_full_grads"].items():
+        got = two["grouped_full_grads"][name]
+        assert float((got - want).norm() / want.norm()) <= 1e-5, name
+    worst = max(abs(a - b) for x, y in zip(one["grouped_logprobs"], two["grouped_logprobs"]) for a, b in zip(x, y))
+    assert worst <= 1e-5
+
+
 if __name__ == "__main__":
+    import argparse
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    main()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    main(args.tp, args.out)
