@@ -295,7 +295,8 @@ class Engine:
 
     def run_batch(self, datums: list[DatumWork], loss_fn: str, loss_cfg: dict[str, float], backward: bool,
                   routes: list[tuple[str, str, dict[str, float]]] | None = None) -> BatchResult:
-        """One fused forward (and backward) over datums of possibly several adapters.
+        """One fused forward (and backward) over datums of possibly several adapters, run as one packed row per
+        rank (no padding; each adapter's tokens one contiguous range, see :mod:`.lora`).
 
         ``routes`` (optional) gives each datum's own (adapter, loss_fn, loss_cfg) when requests with different
         losses share the batch; otherwise every datum uses ``loss_fn``/``loss_cfg``. Data-parallel ranks take

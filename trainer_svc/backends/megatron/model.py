@@ -1,10 +1,12 @@
 """Hugging Face Llama-3.x / Qwen2.5 / Qwen3 weights → megatron-core ``GPTModel`` (local, non-Transformer-Engine layer
 spec).
 
-The model runs in plain PyTorch: causal attention through torch SDPA (:mod:`.attention`; ``attention="unfused"``
-keeps megatron's ``DotProductAttention``), ``torch.nn.RMSNorm``, the non-fused RoPE path (rotate-half convention,
-like HF Llama), ``ColumnParallelLinear`` / ``RowParallelLinear``. The base weights are frozen; only the LoRA tensors
-of :mod:`.lora` receive gradients.
+The model runs in plain PyTorch: causal attention within each datum of a packed row (:mod:`.attention`;
+``attention="unfused"`` keeps megatron's ``DotProductAttention`` with a block-diagonal mask), ``torch.nn.RMSNorm``,
+the non-fused RoPE path (rotate-half convention, like HF Llama) at each token's position within its datum
+(:class:`PackedRotaryEmbedding`), ``ColumnParallelLinear`` / ``RowParallelLinear``. A batch is one packed row
+(:func:`forward_logits`): no padding. The base weights are frozen; only the LoRA tensors of :mod:`.lora` receive
+gradients.
 
 What a family adds to the Llama layout (docs/megatron.md, "Model families"): Qwen2 biases q, k and v (megatron's
 ``add_qkv_bias``: one bias on the fused ``linear_qkv``); Qwen3 RMS-normalizes every q and k head before RoPE
