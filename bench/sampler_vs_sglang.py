@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -268,7 +269,8 @@ def start_sampler_process(root: Path, model_dir: Path, url: str, registry_addres
 async def main_async(args) -> dict:
     model_dir = Path(args.model_dir)
     root = Path(args.work_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(root, ignore_errors=True)  # a previous run's registry would already hold the bench adapters
+    root.mkdir(parents=True)
     valkey, seaweed = valkey_server(root / "valkey"), seaweed_s3_server(root / "seaweed")
     valkey.start()
     seaweed.start()
