@@ -12,7 +12,9 @@ export PYTHONPATH=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages PATH
 PYSPY=$(command -v py-spy || ls /tmp/pyspy/py-spy 2>/dev/null)
 if [ -z "$PYSPY" ]; then
   mkdir -p /tmp/pyspy && cat /tmp/sgparts/p* | tar xf - -C /tmp/pyspy --wildcards 'py_spy-*.whl' \
-    && unzip -o -q -j /tmp/pyspy/py_spy-*.whl '*/scripts/py-spy' -d /tmp/pyspy && chmod +x /tmp/pyspy/py-spy
+    && python3 -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('/tmp/pyspy/py_spy-*.whl')[0]); \
+open('/tmp/pyspy/py-spy', 'wb').write(z.read(next(n for n in z.namelist() if n.endswith('/py-spy'))))" \
+    && chmod +x /tmp/pyspy/py-spy
   PYSPY=/tmp/pyspy/py-spy
 fi
 python3 bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b --concurrency 256 --mixes mixed8 \
