@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# NOT RUN YET: written in a session with no GPU time; the production-shape run on the GPU machine is still to be made.
+# Run on the H100 on 2026-11-25: passed in run mode and as the gpu-marked test (docs/benchmarks.md, "The production
+# shape end to end"; logs in docs/gpu-runs/h100-issue12-e2e-*).
 #
 # The production shape end to end on one GPU (issue 12, item 4): Valkey + SeaweedFS + registry, the megatron trainer
 # under torchrun and sampler_svc on a launched SGLang server sharing the GPU (--mem-fraction-static), two tenants'
