@@ -100,8 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mem-fraction-static", type=float, default=0.4,
                    help="SGLang's share of the GPU (weights + KV cache); the trainer uses the rest")
     p.add_argument("--sglang-cuda-graph", action="store_true",
-                   help="leave SGLang's CUDA graphs on (off by default: SGLang 0.5.17's csgmv CUDA-graph bug hits "
-                        "decode batches that mix adapters, which two tenants produce)")
+                   help="leave SGLang's CUDA graphs on (off by default: two tenants make decode batches that mix "
+                        "adapters, whose graph replay had a csgmv bug upstream, sgl-project/sglang#28371; 0.5.17 "
+                        "carries the fix, not yet checked on the GPU by tests/gpu/test_sglang_engine.py)")
     p.add_argument("--require-reward-rise", action="store_true",
                    help="fail unless every tenant's mean reward over the last --window iterations exceeds that of "
                         "the first ones (a real model over >= 10 iterations; a random one does not learn)")
