@@ -81,6 +81,16 @@ def tiny_config(vocab_size: int) -> LlamaConfig:
     )
 
 
+def build_tp_divisible_llama(seed: int) -> LlamaForCausalLM:
+    """A seeded tiny Llama (fp32) whose vocabulary (256), heads (4) and KV heads (2) split over 2 tensor-parallel
+    ranks; the stock `tiny` model's 261-token vocabulary does not. Its tokenizer is :func:`build_tiny_tokenizer`."""
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
 def build_tiny_model(vocab_size: int) -> LlamaForCausalLM:
     config = tiny_config(vocab_size)
     model = LlamaForCausalLM(config)

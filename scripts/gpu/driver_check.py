@@ -27,11 +27,10 @@ def main() -> None:
     if args.cpu_dev:
         sys.path.insert(0, ".")
         import scripts.gpu.cpu_shims  # noqa: F401
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from loraplane.lora import LoraSpec, init_lora_params
     from loraplane.models.base import _wrap
-    from loraplane.models.tiny import build_tiny_tokenizer
+    from loraplane.models.tiny import build_tiny_tokenizer, build_tp_divisible_llama
     from trainer_svc.backends.base import BatchItem, DatumInput
     from trainer_svc.backends.megatron import model as megatron_model
     from trainer_svc.backends.megatron.backend import Driver, MegatronBackend
@@ -41,11 +40,7 @@ def main() -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     megatron_model.init_parallel(args.tp)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, max_position_embeddings=128)
-    torch.manual_seed(7)
-    base = _wrap("driver-check", LlamaForCausalLM(config).float(), build_tiny_tokenizer(), torch.device("cpu"),
+    base = _wrap("driver-check", build_tp_divisible_llama(7), build_tiny_tokenizer(), torch.device("cpu"),
                  torch.float32)
     engine = Engine(base, device_slots=2, dtype=torch.float32)
     driver = Driver(engine)

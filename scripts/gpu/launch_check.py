@@ -34,16 +34,9 @@ CPU_ENTRY = "import scripts.gpu.cpu_shims; from trainer_svc.backends.megatron.la
 def tp_friendly_model(directory: Path) -> Path:
     """A seeded tiny Llama directory whose vocabulary (256) and KV heads (2) split over 2 ranks (the `tiny` model's
     261-token vocabulary does not)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from loraplane.models.tiny import build_tiny_tokenizer, build_tp_divisible_llama
 
-    from loraplane.models.tiny import build_tiny_tokenizer
-
-    torch.manual_seed(11)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         max_position_embeddings=256)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    build_tp_divisible_llama(11).save_pretrained(directory)
     build_tiny_tokenizer().save_pretrained(directory)
     return directory
 

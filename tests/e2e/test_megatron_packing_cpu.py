@@ -34,23 +34,17 @@ RANK = 4
 def main(tp: int = 1, out: str | None = None) -> None:
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import scripts.gpu.cpu_shims  # noqa: F401  (before the backend is used)
     from loraplane.lora import LoraSpec, init_lora_params
     from loraplane.models.base import _wrap
-    from loraplane.models.tiny import build_tiny_tokenizer
+    from loraplane.models.tiny import build_tiny_tokenizer, build_tp_divisible_llama
     from trainer_svc.backends.megatron import lora as lora_mod
     from trainer_svc.backends.megatron.engine import DatumWork, Engine
     from trainer_svc.backends.megatron.model import init_parallel
 
     init_parallel(tp)
-    # A seeded tiny Llama whose vocabulary (256) TP=2 divides (the stock ``tiny`` has 261 tokens).
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, max_position_embeddings=128)
-    torch.manual_seed(7)
-    base = _wrap("packing-check", LlamaForCausalLM(config).float(), build_tiny_tokenizer(), torch.device("cpu"),
+    base = _wrap("packing-check", build_tp_divisible_llama(7), build_tiny_tokenizer(), torch.device("cpu"),
                  torch.float32)
     engine = Engine(base, device_slots=4, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
@@ -141,6 +135,11 @@ def main(tp: int = 1, out: str | None = None) -> None:
         if out:
             torch.save({"grouped_full_grads": full, "grouped_logprobs": grouped_lp}, out)
         print(json.dumps(report))
+    if dist.is_initialized():
+        # A rank that exits while gloo's threads still run aborts ("terminate called without an active exception"),
+        # which failed a finished run under load.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import io
 import json
 import pickle
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -40,7 +41,7 @@ class FakeSGLang:
     plays a server older than /load_lora_adapter_from_tensors (FastAPI's 404)."""
 
     def __init__(self, *, tensor_endpoint: bool = True, tp_size: int = 1, dtype: str = "auto",
-                 max_loaded_loras: int = 8, incremental_streaming: bool = False):
+                 max_loaded_loras: int = 8, incremental_streaming: bool = False, chunk_interval_s: float = 0.0):
         self.calls: list[tuple[str, dict]] = []
         self.loaded: set[str] = set()
         # name -> one dict of tensors per TP rank copy, as the server would deserialize them
@@ -107,6 +108,7 @@ class FakeSGLang:
                     chunk = {"output_ids": [p[1] for p in shown], "meta_info": meta}
                     self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                     self.wfile.flush()
+                    time.sleep(chunk_interval_s)  # a decode step
                 self.wfile.write(b"data: [DONE]\n\n")
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -372,7 +374,8 @@ async def test_status_names_the_engines_servers_to_the_operator_only(fakes, tmp_
 async def test_streamed_samples_arrive_whole_whether_or_not_a_backlog_is_coalesced(tmp_path, incremental):
     """Tried: both chunk forms SGLang can stream, read promptly (one update per token) and after a deliberate stall
     (the backlog must leave as fewer, merged updates with nothing lost or repeated)."""
-    fake = FakeSGLang(incremental_streaming=incremental)
+    # One token every 40 ms per sample (a decode step), so a consumer that keeps up sees them one by one.
+    fake = FakeSGLang(incremental_streaming=incremental, chunk_interval_s=0.04)
     engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path)
     await engine.start()
     try:
@@ -386,7 +389,7 @@ async def test_streamed_samples_arrive_whole_whether_or_not_a_backlog_is_coalesc
             stream = engine.generate(request)
             async for update in stream:
                 if stall and updates == 0:
-                    await asyncio.sleep(0.5)  # every sample's remaining chunks queue up meanwhile
+                    await asyncio.sleep(1.0)  # every sample's remaining chunks (12 x 40 ms) queue up meanwhile
                 updates += 1
                 got = per_sequence.setdefault(update.sequence_index, {"tokens": [], "logprobs": []})
                 got["tokens"] += update.tokens
@@ -398,7 +401,9 @@ async def test_streamed_samples_arrive_whole_whether_or_not_a_backlog_is_coalesc
             if stall:
                 assert updates < 3 * tokens / 2, f"backlog not coalesced: {updates} updates"
             else:
-                assert updates >= tokens  # read promptly, tokens leave as they come
+                # Read promptly, tokens leave as they come: far more updates than the stalled read gives (a loaded
+                # machine may still merge a few neighbours).
+                assert updates >= 2 * tokens, f"a prompt reader got only {updates} updates"
     finally:
         await engine.stop()
         fake.http.shutdown()
