@@ -132,12 +132,13 @@ def sample_request(index: int, prompt: list[int], mix: Mix, num_samples: int, ma
                                      sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0))
 
 
-async def run_grpc(stub, prompts, mix: Mix, num_samples: int, max_tokens: int, concurrency: int):
+async def run_grpc(stubs, prompts, mix: Mix, num_samples: int, max_tokens: int, concurrency: int):
     gate = asyncio.Semaphore(concurrency)
 
     async def one(index: int, prompt: list[int]) -> int:
         async with gate:
-            reply = await stub.Sample(sample_request(index, prompt, mix, num_samples, max_tokens), timeout=600)
+            reply = await stubs[index % len(stubs)].Sample(sample_request(index, prompt, mix, num_samples,
+                                                                          max_tokens), timeout=600)
         return sum(len(s.tokens) for s in reply.sequences)
 
     return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
@@ -161,7 +162,7 @@ async def latency_raw(session, url: str, prompts, mix: Mix, max_tokens: int, con
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
-async def latency_grpc(stub, prompts, mix: Mix, max_tokens: int, concurrency: int):
+async def latency_grpc(stubs, prompts, mix: Mix, max_tokens: int, concurrency: int):
     gate = asyncio.Semaphore(concurrency)
 
     async def one(index: int, prompt: list[int]) -> list[float]:
@@ -169,7 +170,7 @@ async def latency_grpc(stub, prompts, mix: Mix, max_tokens: int, concurrency: in
         async with gate:
             start = time.perf_counter()
             stamps = []
-            async for chunk in stub.SampleStream(request, timeout=600):
+            async for chunk in stubs[index % len(stubs)].SampleStream(request, timeout=600):
                 if chunk.tokens:
                     stamps.append(time.perf_counter())
         return [stamps[0] - start, *(b - a for a, b in itertools.pairwise(stamps))]
@@ -190,8 +191,11 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) ->
     rng = random.Random(0)
     vocab = engine.vocab_size
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
-    channel = grpc.aio.insecure_channel(sampler_address, options=channel_options())
-    stub = sampler_pb2_grpc.SamplerServiceStub(channel)
+    # --grpc-channels > 1: requests spread over that many HTTP/2 connections (a local subchannel pool each, or
+    # gRPC would share one connection among equal channels), raw SGLang having one connection per request.
+    options = channel_options() + ([("grpc.use_local_subchannel_pool", 1)] if args.grpc_channels > 1 else [])
+    channels = [grpc.aio.insecure_channel(sampler_address, options=options) for _ in range(args.grpc_channels)]
+    stubs = [sampler_pb2_grpc.SamplerServiceStub(channel) for channel in channels]
     throughput, latency = [], []
     try:
         # Warm-up: every adapter through every path (SGLang's first LoRA batch configures its kernels).
@@ -199,7 +203,7 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) ->
         for mix in (Mix("base"), Mix("mixed8")):
             await run_raw(session, url, warm, mix, 1, 8, ADAPTERS)
             await run_engine(engine, warm, mix, 1, 8, ADAPTERS)
-            await run_grpc(stub, warm, mix, 1, 8, ADAPTERS)
+            await run_grpc(stubs, warm, mix, 1, 8, ADAPTERS)
         configs = [(c, m, 1) for c in args.concurrency for m in args.mixes]
         configs += [(64, m, 8) for m in args.mixes if 64 in args.concurrency]
         for concurrency, mix_name, num_samples in configs:
@@ -217,7 +221,7 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) ->
                     elif path == "engine":
                         tokens = await run_engine(engine, prompts, mix, num_samples, args.max_tokens, concurrency)
                     else:
-                        tokens = await run_grpc(stub, prompts, mix, num_samples, args.max_tokens, concurrency)
+                        tokens = await run_grpc(stubs, prompts, mix, num_samples, args.max_tokens, concurrency)
                     rates[path].append(tokens / (time.perf_counter() - start))
             row = {"concurrency": concurrency, "mix": mix_name, "num_samples": num_samples,
                    **{f"{p}_tok_s": statistics.median(v) for p, v in rates.items()}, "runs": rates}
@@ -229,14 +233,15 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) ->
             mix = Mix("mixed8")
             prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(concurrency)]
             raw = summarize_latency(await latency_raw(session, url, prompts, mix, args.max_tokens, concurrency))
-            via = summarize_latency(await latency_grpc(stub, prompts, mix, args.max_tokens, concurrency))
+            via = summarize_latency(await latency_grpc(stubs, prompts, mix, args.max_tokens, concurrency))
             row = {"concurrency": concurrency, "mix": "mixed8", "raw": raw, "grpc": via,
                    "ttft_p50_ratio": via["ttft_ms"]["p50"] / raw["ttft_ms"]["p50"]}
             latency.append(row)
             print(json.dumps(row), flush=True)
     finally:
         await session.close()
-        await channel.close()
+        for channel in channels:
+            await channel.close()
     return {"throughput": throughput, "latency": latency}
 
 
@@ -335,6 +340,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--mem-fraction", type=float, default=0.5)
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--grpc-channels", type=int, default=1,
+                        help="gRPC connections the bench's client spreads its requests over")
     parser.add_argument("--out", default=str(REPO / "bench/results/sampler_vs_sglang.json"))
     args = parser.parse_args()
     if args.build_shape:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Where the sampler's time goes at 256 concurrent streams (issue 12's TTFT miss): bench/sampler_vs_sglang.py at
 # 256 x 8 adapters, with py-spy (carried in SGLang's wheel set) sampling the sampler_svc process and the bench
-# process (the clients) while it runs. Needs the SGLang install of scripts/gpu/sampler_vs_sglang.sh. Folded stacks
-# land in $OUT (sampler.folded, bench.folded).
+# process (the clients) while it runs. GRPC_CHANNELS=8 spreads the bench's gRPC requests over 8 connections (the
+# next suspect for the 256-stream TTFT: 256 streams on one HTTP/2 connection). Needs the SGLang install of
+# scripts/gpu/sampler_vs_sglang.sh. Folded stacks land in $OUT (sampler.folded, bench.folded).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,7 +19,7 @@ open('/tmp/pyspy/py-spy', 'wb').write(z.read(next(n for n in z.namelist() if n.e
   PYSPY=/tmp/pyspy/py-spy
 fi
 python3 bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b --concurrency 256 --mixes mixed8 \
-  --rounds 1 > "$OUT/bench.log" 2>&1 &
+  --rounds 1 --grpc-channels "${GRPC_CHANNELS:-1}" > "$OUT/bench.log" 2>&1 &
 bench=$!
 until pid=$(pgrep -f "python3 -m sampler_svc" | head -1) && [ -n "$pid" ]; do kill -0 $bench 2>/dev/null || { tail -5 "$OUT/bench.log"; exit 1; }; sleep 1; done
 until grep -q '"concurrency": 256' "$OUT/bench.log"; do sleep 0.5; done  # the throughput row: latency comes next
