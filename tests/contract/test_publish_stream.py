@@ -19,6 +19,7 @@ from tests.fixtures.registry import (
     adapter_blob,
     all_events,
     bucket_objects,
+    create_adapter,
     download,
     multipart_uploads,
     publish,
@@ -35,11 +36,6 @@ E = registry_pb2
 LARGE = 12 * 1024 * 1024
 
 
-def create(stub, name: str) -> None:
-    stub.CreateAdapter(E.CreateAdapterRequest(adapter=E.Adapter(name=name, lora_config=TEST_LORA,
-                                                                base_model=TEST_BASE_MODEL)))
-
-
 def trailed(adapter: str, blob: bytes, *, trailer: str | None = None, chunk: int = 1024 * 1024, **header_fields):
     """A publish stream with an empty header sha256 and the digest (or `trailer`) in a trailer last."""
     yield from publish_requests(adapter, blob, sha256="", chunk=chunk, **header_fields)
@@ -54,7 +50,7 @@ def without_trailer(adapter: str, blob: bytes):
 @pytest.mark.parametrize("size", [3000, LARGE], ids=["one-put", "multipart"])
 def test_a_publish_with_the_digest_in_the_trailer_commits_the_same_version(registry, registry_stub, size):
     stub = registry_stub
-    create(stub, "tr")
+    create_adapter(stub, "tr")
     blob = adapter_blob(size)
     reply = stub.PublishVersion(trailed("tr", blob, training_step=4, aliases=["prod"], metadata={"k": "v"}),
                                 timeout=120)
@@ -73,7 +69,7 @@ def test_a_publish_with_the_digest_in_the_trailer_commits_the_same_version(regis
 
 def test_a_stream_whose_trailer_is_wrong_missing_or_misplaced_commits_nothing(registry, registry_stub):
     stub = registry_stub
-    create(stub, "target")
+    create_adapter(stub, "target")
     publish(stub, "target", adapter_blob(3000))
     before = registry_state(stub, registry.settings)
     large, small = adapter_blob(LARGE), adapter_blob(3000)
@@ -113,7 +109,7 @@ def test_a_stream_whose_trailer_is_wrong_missing_or_misplaced_commits_nothing(re
 
 def test_the_header_digest_form_still_works_and_shares_blobs_with_the_trailer_form(registry, registry_stub):
     stub = registry_stub
-    create(stub, "both")
+    create_adapter(stub, "both")
     blob = adapter_blob(LARGE)
     first = publish(stub, "both", blob).version  # the digest in the header, as every existing client sends it
     second = stub.PublishVersion(trailed("both", blob), timeout=120).version
@@ -129,7 +125,7 @@ def test_the_header_digest_form_still_works_and_shares_blobs_with_the_trailer_fo
 
 def test_idempotency_keys_hold_whichever_form_carries_the_digest(registry, registry_stub):
     stub = registry_stub
-    create(stub, "idem")
+    create_adapter(stub, "idem")
     blob = adapter_blob(LARGE)
     first = stub.PublishVersion(trailed("idem", blob, idempotency_key="k1"), timeout=120)
     assert first.version.version == 1 and not first.deduplicated
@@ -157,7 +153,7 @@ def test_a_blob_larger_than_the_buffer_budget_needs_its_digest_in_the_header(iso
                                limits=RegistryLimits(max_buffered_publish_bytes=8 * 1024 * 1024))
     try:
         stub = live.stub()
-        create(stub, "big")
+        create_adapter(stub, "big")
         blob = adapter_blob(LARGE)
         with pytest.raises(grpc.RpcError) as caught:
             stub.PublishVersion(trailed("big", blob), timeout=120)

@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplane.v1 import common_pb2, registry_pb2
 from tests.fixtures.registry import (
     TEST_BASE_MODEL,
-    TEST_LORA,
     adapter_blob,
     all_events,
     bucket_objects,
+    create_adapter,
     download,
     multipart_uploads,
     publish,
@@ -37,12 +37,6 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND
 WEIGHTS = common_pb2.VERSION_KIND_WEIGHTS
 STATE = common_pb2.VERSION_KIND_TRAINING_STATE
 E = registry_pb2
-
-
-def create(stub, name: str, **fields) -> registry_pb2.Adapter:
-    fields.setdefault("lora_config", TEST_LORA)
-    fields.setdefault("base_model", TEST_BASE_MODEL)
-    return stub.CreateAdapter(E.CreateAdapterRequest(adapter=E.Adapter(name=name, **fields))).adapter
 
 
 def ref(name: str, version: int = 0, alias: str = "") -> common_pb2.AdapterRef:
@@ -72,14 +66,14 @@ def test_health_and_service_are_served(registry):
 def test_create_get_list_delete_adapter(registry, registry_stub):
     stub = registry_stub
     lora = common_pb2.LoraConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"], seed=7)
-    made = create(stub, "team/exp-1", lora_config=lora, base_model="tiny", keep_last=3, metadata={"owner": "ann"})
+    made = create_adapter(stub, "team/exp-1", lora_config=lora, base_model="tiny", keep_last=3, metadata={"owner": "ann"})
     assert made.name == "team/exp-1" and made.lora_config == lora and made.base_model == "tiny"
     assert made.keep_last == 3 and dict(made.metadata) == {"owner": "ann"} and made.latest_version == 0
     assert made.create_time.seconds > 0
 
     got = stub.GetAdapter(E.GetAdapterRequest(name="team/exp-1")).adapter
     assert got == made
-    create(stub, "solo")
+    create_adapter(stub, "solo")
     names = [a.name for a in stub.ListAdapters(E.ListAdaptersRequest()).adapters]
     assert names == ["solo", "team/exp-1"]
 
@@ -94,7 +88,7 @@ def test_create_get_list_delete_adapter(registry, registry_stub):
 
 def test_create_adapter_bad_input_is_rejected_and_changes_nothing(registry, registry_stub):
     stub = registry_stub
-    create(stub, "taken", metadata={"k": "v"})
+    create_adapter(stub, "taken", metadata={"k": "v"})
     before = registry_state(stub, registry.settings)
     cases = [
         # (what was tried, adapter fields, field named in the message)
@@ -132,16 +126,16 @@ def test_create_adapter_bad_input_is_rejected_and_changes_nothing(registry, regi
     ]
     for what, fields, field in cases:
         with rpc_error(INVALID, field) as caught:
-            create(stub, **fields)
+            create_adapter(stub, **fields)
         assert caught.value.code() == INVALID, what
     with rpc_error(grpc.StatusCode.ALREADY_EXISTS, "adapter.name", "taken"):
-        create(stub, "taken", metadata={"k": "other"})
+        create_adapter(stub, "taken", metadata={"k": "other"})
     assert registry_state(stub, registry.settings) == before
 
 
 def test_get_and_delete_adapter_bad_input(registry, registry_stub):
     stub = registry_stub
-    create(stub, "kept")
+    create_adapter(stub, "kept")
     before = registry_state(stub, registry.settings)
     with rpc_error(NOT_FOUND, "name", "ghost"):  # unknown name
         stub.GetAdapter(E.GetAdapterRequest(name="ghost"))
@@ -158,7 +152,7 @@ def test_list_adapters_pagination_and_prefix(registry, registry_stub):
     stub = registry_stub
     names = sorted([f"t1/a{i}" for i in range(5)] + [f"t2/b{i}" for i in range(3)] + ["z"])
     for name in names:
-        create(stub, name)
+        create_adapter(stub, name)
 
     seen, token, pages = [], "", 0
     while True:
@@ -192,7 +186,7 @@ def test_list_adapters_pagination_and_prefix(registry, registry_stub):
 
 def test_delete_adapter_removes_versions_and_blobs_and_the_name_can_be_reused(registry, registry_stub):
     stub = registry_stub
-    create(stub, "gone")
+    create_adapter(stub, "gone")
     blob = blob_of(3000)
     publish(stub, "gone", blob, aliases=["best"])
     assert f"blobs/sha256/{sha256_hex(blob)}" in bucket_objects(registry.settings)
@@ -200,7 +194,7 @@ def test_delete_adapter_removes_versions_and_blobs_and_the_name_can_be_reused(re
     assert bucket_objects(registry.settings) == {}
     with rpc_error(NOT_FOUND, "ref.name"):
         stub.GetVersion(E.GetVersionRequest(ref=ref("gone", 1)))
-    create(stub, "gone")
+    create_adapter(stub, "gone")
     assert publish(stub, "gone", blob_of(10)).version.version == 1
 
 
@@ -208,7 +202,7 @@ def test_delete_adapter_removes_versions_and_blobs_and_the_name_can_be_reused(re
 
 def test_publish_and_get_version(registry, registry_stub):
     stub = registry_stub
-    create(stub, "pub")
+    create_adapter(stub, "pub")
     first, second, state = blob_of(100), blob_of(2_500_000), blob_of(777, kind=STATE)
     v1 = publish(stub, "pub", first, training_step=10, metadata={"loss": "1.5"}, aliases=["stable"])
     assert not v1.deduplicated
@@ -234,7 +228,7 @@ def test_publish_and_get_version(registry, registry_stub):
 
 def test_publish_and_download_a_blob_of_several_parts(registry, registry_stub):
     stub = registry_stub
-    create(stub, "big")
+    create_adapter(stub, "big")
     blob = blob_of(37 * 1024 * 1024 + 3)  # three S3 parts (16 MiB each but the last)
     version = publish(stub, "big", blob, chunk=1024 * 1024).version
     assert (version.size_bytes, version.sha256) == (len(blob), sha256_hex(blob))
@@ -245,8 +239,8 @@ def test_publish_and_download_a_blob_of_several_parts(registry, registry_stub):
 
 def test_publish_same_content_twice_shares_one_blob(registry, registry_stub):
     stub = registry_stub
-    create(stub, "a")
-    create(stub, "b")
+    create_adapter(stub, "a")
+    create_adapter(stub, "b")
     blob = blob_of(5000)
     publish(stub, "a", blob)
     publish(stub, "b", blob)
@@ -260,7 +254,7 @@ def test_publish_same_content_twice_shares_one_blob(registry, registry_stub):
 
 def test_publish_with_an_idempotency_key_returns_the_first_version(registry, registry_stub):
     stub = registry_stub
-    create(stub, "idem")
+    create_adapter(stub, "idem")
     blob = blob_of(6_000_000)
     first = publish(stub, "idem", blob, idempotency_key="step-100")
     retry = publish(stub, "idem", blob, idempotency_key="step-100")
@@ -287,7 +281,7 @@ def rank_8_blob() -> bytes:
 
 def test_publish_bad_input_is_rejected_and_commits_nothing(registry, registry_stub):
     stub = registry_stub
-    create(stub, "target")
+    create_adapter(stub, "target")
     publish(stub, "target", blob_of(10))
     before = registry_state(stub, registry.settings)
     good = blob_of(6_000_000)
@@ -350,8 +344,8 @@ def test_publish_bad_input_is_rejected_and_commits_nothing(registry, registry_st
 
 def test_get_version_bad_input(registry, registry_stub):
     stub = registry_stub
-    create(stub, "empty")
-    create(stub, "full")
+    create_adapter(stub, "empty")
+    create_adapter(stub, "full")
     publish(stub, "full", blob_of(10), aliases=["prod"])
     publish(stub, "full", blob_of(10, kind=STATE), kind=STATE)
     before = registry_state(stub, registry.settings)
@@ -372,7 +366,7 @@ def test_get_version_bad_input(registry, registry_stub):
 
 def test_list_versions_pagination_and_kind(registry, registry_stub):
     stub = registry_stub
-    create(stub, "many")
+    create_adapter(stub, "many")
     kinds = [WEIGHTS, STATE, WEIGHTS, WEIGHTS, STATE, WEIGHTS, WEIGHTS]
     for index, kind in enumerate(kinds):
         publish(stub, "many", blob_of(20 + index, kind=kind), kind=kind)
@@ -407,7 +401,7 @@ def test_list_versions_pagination_and_kind(registry, registry_stub):
 
 def test_delete_version(registry, registry_stub):
     stub = registry_stub
-    create(stub, "dv")
+    create_adapter(stub, "dv")
     blobs = [blob_of(1000 + i) for i in range(3)]
     for blob in blobs:
         publish(stub, "dv", blob)
@@ -435,7 +429,7 @@ def test_delete_version(registry, registry_stub):
 
 def test_set_alias(registry, registry_stub):
     stub = registry_stub
-    create(stub, "al")
+    create_adapter(stub, "al")
     for i in range(3):
         publish(stub, "al", blob_of(50 + i))
     publish(stub, "al", blob_of(9, kind=STATE), kind=STATE)
@@ -469,7 +463,7 @@ def test_set_alias(registry, registry_stub):
 
 def test_keep_last_retention_keeps_alias_targets_and_collects_blobs(registry, registry_stub):
     stub = registry_stub
-    create(stub, "ret", keep_last=2)
+    create_adapter(stub, "ret", keep_last=2)
     blobs = [blob_of(400 + i) for i in range(5)]
     publish(stub, "ret", blobs[0], aliases=["golden"])
     state = publish(stub, "ret", blob_of(31, kind=STATE), kind=STATE).version.version  # training states are not counted
@@ -492,7 +486,7 @@ def test_keep_last_retention_keeps_alias_targets_and_collects_blobs(registry, re
 
 def test_download_whole_resumed_and_by_alias(registry, registry_stub):
     stub = registry_stub
-    create(stub, "dl")
+    create_adapter(stub, "dl")
     blob = blob_of(3 * 1024 * 1024 + 12345)
     publish(stub, "dl", blob, aliases=["prod"])
     small = blob_of(10)
@@ -531,7 +525,7 @@ def test_download_whole_resumed_and_by_alias(registry, registry_stub):
 
 def test_download_of_a_corrupted_blob_is_data_loss(registry, registry_stub):
     stub = registry_stub
-    create(stub, "rot")
+    create_adapter(stub, "rot")
     blob = blob_of(200_000)
     publish(stub, "rot", blob)
     # Real corruption: overwrite the stored object with other bytes of the same length, behind the registry's back.
@@ -545,8 +539,8 @@ def test_download_of_a_corrupted_blob_is_data_loss(registry, registry_stub):
 
 def test_watch_events_replay_filters_and_cursor(registry, registry_stub):
     stub = registry_stub
-    create(stub, "t1/a")
-    create(stub, "t2/b")
+    create_adapter(stub, "t1/a")
+    create_adapter(stub, "t2/b")
     publish(stub, "t1/a", blob_of(10), aliases=["x"])
     publish(stub, "t2/b", blob_of(11))
     everything = all_events(stub)
@@ -577,7 +571,7 @@ def test_watch_events_replay_filters_and_cursor(registry, registry_stub):
 
 def test_watch_blocks_for_new_events_and_start_at_end_skips_the_backlog(registry, registry_stub):
     stub = registry_stub
-    create(stub, "live")
+    create_adapter(stub, "live")
     publish(stub, "live", blob_of(5))
     call = stub.WatchEvents(E.WatchEventsRequest(start_at_end=True), timeout=30)
     replies = iter(call)
@@ -595,7 +589,7 @@ def test_watch_blocks_for_new_events_and_start_at_end_skips_the_backlog(registry
 
 def test_collect_garbage_removes_only_unreferenced_blobs(registry, registry_stub):
     stub = registry_stub
-    create(stub, "gc")
+    create_adapter(stub, "gc")
     kept = blob_of(1234)
     publish(stub, "gc", kept)
     # An orphan, as a registry crash between the blob upload and the metadata commit would leave it.

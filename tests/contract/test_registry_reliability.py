@@ -16,11 +16,10 @@ from loraplane.local.processes import seaweed_s3_server, valkey_server, wait_unt
 from loraplane.v1 import registry_pb2 as E
 from loraplane.v1 import registry_pb2_grpc
 from tests.fixtures.registry import (
-    TEST_BASE_MODEL,
-    TEST_LORA,
     adapter_blob,
     all_events,
     bucket_objects,
+    create_adapter,
     download,
     multipart_uploads,
     publish,
@@ -31,15 +30,9 @@ from tests.fixtures.registry import (
 )
 
 
-def create(stub, name: str, **fields) -> None:
-    fields.setdefault("lora_config", TEST_LORA)
-    fields.setdefault("base_model", TEST_BASE_MODEL)
-    stub.CreateAdapter(E.CreateAdapterRequest(adapter=E.Adapter(name=name, **fields)))
-
-
 def test_concurrent_publishers_get_versions_without_gap_or_duplicate(registry):
     stub = registry.stub()
-    create(stub, "busy")
+    create_adapter(stub, "busy")
     publishers, per_publisher = 8, 25
 
     def run(worker: int) -> list[tuple[int, str]]:
@@ -64,7 +57,7 @@ def test_concurrent_publishers_get_versions_without_gap_or_duplicate(registry):
 
 def test_a_cancelled_upload_leaves_no_version_and_no_blob(registry):
     stub = registry.stub()
-    create(stub, "cancel")
+    create_adapter(stub, "cancel")
     blob = adapter_blob(20 * 1024 * 1024)
     release = threading.Event()
 
@@ -95,7 +88,7 @@ def test_a_cancelled_upload_leaves_no_version_and_no_blob(registry):
 
 def test_a_wrong_sha256_is_data_loss_and_commits_nothing(registry):
     stub = registry.stub()
-    create(stub, "integrity")
+    create_adapter(stub, "integrity")
     blob = adapter_blob(20 * 1024 * 1024)  # multipart: two parts, both sent to S3 before the digest check
     claimed = sha256_hex(blob[:-1] + bytes([blob[-1] ^ 1]))
     with pytest.raises(grpc.RpcError) as caught:
@@ -150,7 +143,7 @@ class Watcher:
 
 def test_a_watcher_that_reconnects_from_its_cursor_sees_every_event_once_in_order(registry):
     stub = registry.stub()
-    create(stub, "w")
+    create_adapter(stub, "w")
     watcher = Watcher(registry.address, adapter="w")
     try:
         for round_ in range(4):
@@ -178,7 +171,7 @@ def test_valkey_killed_and_restarted_loses_nothing_and_watchers_resume(tmp_path,
     watcher = Watcher(live.address)
     try:
         stub = live.stub()
-        create(stub, "durable", keep_last=0)
+        create_adapter(stub, "durable", keep_last=0)
         blobs = [adapter_blob(1000 + i) for i in range(5)]
         for blob in blobs[:3]:
             publish(stub, "durable", blob)
@@ -216,7 +209,7 @@ def test_valkey_restart_keeps_committed_versions(tmp_path, seaweed, background_l
     live = start_live_registry(private_settings(valkey.url, seaweed), background_loop)
     try:
         stub = live.stub()
-        create(stub, "kept")
+        create_adapter(stub, "kept")
         blobs = [adapter_blob(2000 + i) for i in range(4)]
         for blob in blobs:
             publish(stub, "kept", blob, aliases=["last"])
@@ -238,7 +231,7 @@ def test_s3_down_is_unavailable_with_a_clear_message_and_the_registry_recovers(t
     live = start_live_registry(private_settings(valkey.url, s3), background_loop)
     try:
         stub = live.stub()
-        create(stub, "s3")
+        create_adapter(stub, "s3")
         before = adapter_blob(7 * 1024 * 1024)
         publish(stub, "s3", before)
 
