@@ -361,9 +361,7 @@ class _TargetLogprob(torch.autograd.Function):
     128k vocabulary) on top of the fp32 input copy. Here the forward keeps only the logits it was given and the fp32
     log-sum-exp per token, and both directions work in row chunks of at most ``LOGPROB_CHUNK_ELEMENTS`` fp32
     values; the math per element is the same fp32 math (``x - lse``; gradient ``g * (onehot - exp(x - lse))``, cast
-    to the logits' dtype as autograd casts the gradient of ``.float()``). The gradient keeps the logits' own row
-    order: megatron's packed logits are ``[1, T, V]``, whose ``[T, 1, V]`` transpose (what the output layer's
-    backward reads) is the same contiguous memory."""
+    to the logits' dtype as autograd casts the gradient of ``.float()``)."""
 
     @staticmethod
     def forward(ctx, logits, targets):
@@ -383,23 +381,26 @@ class _TargetLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         logits, targets, lse = ctx.saved_tensors
-        if logits.dim() == 3:
-            # Built in [s, b, V] order and handed back as its [b, s, V] transpose: megatron's logits are the
-            # [b, s, V] transpose of an [s, b, V] output, so the output layer's backward then gets a gradient with
-            # standard [s, b, V] strides. Even for b = 1 (packed rows) the strides matter: a [1, T, V]-contiguous
-            # gradient reached it as [T, 1, V] with a stride of T * V on the size-1 dimension, and its matmul ran as
-            # a batched GEMM of T products of one row each, rereading the vocabulary matrix every time: 1.2 s of a
-            # 1.3 s step at Llama-1B shape on an H100.
-            b, s, vocab = logits.shape
-            lt, tt = logits.transpose(0, 1), targets.transpose(0, 1)
-            lse_t = lse.view(b, s).t()
-            g_t = grad_out.float().transpose(0, 1)
-            grad = torch.empty((s, b, vocab), dtype=logits.dtype, device=logits.device)
-            step = max(1, LOGPROB_CHUNK_ELEMENTS // (b * vocab))
-            fn = _kernels(logits.device)[1]
-            for i in range(0, s, step):
-                grad[i : i + step] = fn(lt[i : i + step], lse_t[i : i + step], g_t[i : i + step], tt[i : i + step])
-            return grad.transpose(0, 1), None
+        if logits.dim() != 3:
+            return _TargetLogprob._backward_rows(logits, targets, lse, grad_out), None
+        # The gradient is built in [s, b, V] order and handed back as its [b, s, V] transpose: megatron's logits
+        # are the [b, s, V] transpose of an [s, b, V] output, so the output layer's backward then gets a gradient
+        # with standard [s, b, V] strides (with a [b, s, V]-contiguous one its matmul ran as a batched GEMM of
+        # N = b, 7x slower on an H100; for a packed row, b = 1, the size-1 dimension's stride of T * V made it T
+        # one-row GEMMs that each reread the vocabulary matrix: 1.2 s of a 1.3 s Llama-1B step).
+        b, s, vocab = logits.shape
+        lt, tt = logits.transpose(0, 1), targets.t()
+        lse_t = lse.view(b, s).t()
+        g_t = grad_out.float().t()
+        grad = torch.empty((s, b, vocab), dtype=logits.dtype, device=logits.device)
+        step = max(1, LOGPROB_CHUNK_ELEMENTS // (b * vocab))
+        fn = _kernels(logits.device)[1]
+        for i in range(0, s, step):
+            grad[i : i + step] = fn(lt[i : i + step], lse_t[i : i + step], g_t[i : i + step], tt[i : i + step])
+        return grad.transpose(0, 1), None
+
+    @staticmethod
+    def _backward_rows(logits, targets, lse, grad_out):
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)
         tgt = targets.reshape(-1, 1)
@@ -409,7 +410,7 @@ class _TargetLogprob(torch.autograd.Function):
         fn = _kernels(logits.device)[1]
         for i in range(0, flat.shape[0], rows):
             grad[i : i + rows] = fn(flat[i : i + rows], lse[i : i + rows], g[i : i + rows, 0], tgt[i : i + rows, 0])
-        return grad.view(logits.shape), None
+        return grad.view(logits.shape)
 
 
 def _lse_and_target(x: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
