@@ -153,7 +153,7 @@ def serialize_adapter(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_m
     return adapter_writer(params, spec, base_model_name, dtype).to_bytes()
 
 
-def _read(blob: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _header(blob: bytes, what: str) -> dict:
     if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) < 8:
         raise DataLoss(f"{what} is not a safetensors file (too short)", field="blob")
     header_len = int.from_bytes(bytes(blob[:8]), "little")
@@ -161,6 +161,16 @@ def _read(blob: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, st
         raise DataLoss(f"{what} is not a safetensors file (bad header length)", field="blob")
     try:
         header = json.loads(bytes(blob[8:8 + header_len]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataLoss(f"{what} is not a valid safetensors file: {exc}", field="blob") from exc
+    if not isinstance(header, dict):
+        raise DataLoss(f"{what} is not a valid safetensors file: its header is not a JSON object", field="blob")
+    return header
+
+
+def _read(blob: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    header = _header(blob, what)
+    try:
         tensors = st_load(bytes(blob))
     except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
         raise DataLoss(f"{what} is not a valid safetensors file: {exc}", field="blob") from exc
@@ -193,6 +203,31 @@ def _spec_from_peft_config(config: dict) -> LoraSpec:
 def parse_adapter(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
     """Reads a weights blob -> (params, spec, base model name). Shapes and keys are checked against the config."""
     tensors, metadata = _read(blob, "adapter blob")
+    spec, base_name = _adapter_config(metadata)
+    params = {k: v.to(torch.float32) for k, v in tensors.items()}
+    _check_params(params, spec, field="blob")
+    return params, spec, base_name
+
+
+def adapter_header(blob: bytes) -> tuple[LoraSpec, str, dict[str, str]]:
+    """(spec, base model name, tensor name -> safetensors dtype) of a weights blob, from its header alone: keys and
+    shapes are checked against the config, the values are not read (for a consumer that hands the bytes on as they
+    are, such as a PEFT file for SGLang, of a blob whose digest it has checked: the registry checked its values)."""
+    header = _header(blob, "adapter blob")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise DataLoss("adapter blob: safetensors metadata is not a string map", field="blob")
+    spec, base_name = _adapter_config(metadata)
+    try:
+        shapes = {name: tuple(int(n) for n in entry["shape"]) for name, entry in header.items()}
+        dtypes = {name: str(entry["dtype"]) for name, entry in header.items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataLoss(f"adapter blob: malformed safetensors header entry: {exc}", field="blob") from None
+    _check_shapes(shapes, spec, field="blob")
+    return spec, base_name, dtypes
+
+
+def _adapter_config(metadata: Mapping[str, str]) -> tuple[LoraSpec, str]:
     raw = metadata.get(ADAPTER_CONFIG_KEY)
     if raw is None:
         raise DataLoss("adapter blob has no adapter_config in its safetensors metadata", field="blob")
@@ -200,10 +235,7 @@ def parse_adapter(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
         config = json.loads(raw)
     except ValueError as exc:
         raise DataLoss(f"adapter_config metadata is not JSON: {exc}", field="blob") from exc
-    spec = _spec_from_peft_config(config)
-    params = {k: v.to(torch.float32) for k, v in tensors.items()}
-    _check_params(params, spec, field="blob")
-    return params, spec, str(config.get("base_model_name_or_path") or "")
+    return _spec_from_peft_config(config), str(config.get("base_model_name_or_path") or "")
 
 
 def _non_finite_key(params: Mapping[str, torch.Tensor]) -> str | None:

@@ -13,6 +13,7 @@ import enum
 import hashlib
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Self
 
@@ -434,16 +435,25 @@ class RegistryClient:
         described: StoredVersion | None = None
         parts: list[bytes] = []
         digest = hashlib.sha256()
+        # One thread hashes the chunks in order while the next ones arrive (hashlib lets go of the GIL): hashing on
+        # the event loop added its whole time (~0.1 s per 168 MB) to every download.
+        hashing = ThreadPoolExecutor(1, thread_name_prefix="download-sha256")
+        hashed: asyncio.Future | None = None
+        loop = asyncio.get_running_loop()
         try:
             async for reply in self.stub.DownloadVersion(request, timeout=None if self.timeout is None
                                                          else self.timeout * 10):
                 if reply.HasField("header"):
                     described = stored_version(reply.header.version)
                 else:
-                    digest.update(reply.chunk)
+                    hashed = loop.run_in_executor(hashing, digest.update, reply.chunk)
                     parts.append(reply.chunk)
+            if hashed is not None:
+                await hashed  # the last update, queued after all others on the one thread
         except grpc.RpcError as exc:
             raise self._error(exc, f"download {name!r}") from None
+        finally:
+            hashing.shutdown(wait=False, cancel_futures=True)
         if described is None:
             raise errors.DataLoss(f"registry {self.address}: download of {name!r} sent no header")
         blob = b"".join(parts)

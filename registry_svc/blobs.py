@@ -13,10 +13,12 @@ The minio SDK is synchronous: every call runs in a thread pool so the event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import queue
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +44,8 @@ MIN_PART_BYTES = 5 * 1024 * 1024
 PART_BYTES = max(MIN_PART_BYTES, int(os.environ.get("LORAPLANE_REGISTRY_PART_BYTES") or 16 * 1024 * 1024))
 # A publisher that stalls this long mid-part loses its upload (and frees the sending thread).
 PART_STALL_SECONDS = 120
+# Pieces of a blob read from S3 ahead of the one being sent.
+READ_AHEAD_CHUNKS = 8
 # Parts of a buffered blob sent at once.
 PARALLEL_PARTS = 4
 
@@ -84,13 +88,21 @@ class BlobStore:
         except S3Error as exc:
             if exc.code in _EXPECTED_S3_CODES:
                 raise
-            raise errors.Unavailable(
-                f"S3 at {self.endpoint} (bucket {self.bucket!r}) refused to {what}: {exc.code}: {exc.message}",
-                reason="S3_ERROR") from None
+            raise self._unavailable(exc, what) from None
         except (urllib3.exceptions.HTTPError, OSError, MinioException) as exc:
-            raise errors.Unavailable(
+            raise self._unavailable(exc, what) from None
+
+    def _unavailable(self, exc: BaseException, what: str) -> BaseException:
+        """UNAVAILABLE for what S3 or the way to it did wrong; anything else as it is."""
+        if isinstance(exc, S3Error):
+            return errors.Unavailable(
+                f"S3 at {self.endpoint} (bucket {self.bucket!r}) refused to {what}: {exc.code}: {exc.message}",
+                reason="S3_ERROR")
+        if isinstance(exc, (urllib3.exceptions.HTTPError, OSError, MinioException)):
+            return errors.Unavailable(
                 f"S3 at {self.endpoint} (bucket {self.bucket!r}) is unavailable while trying to {what}: "
-                f"{type(exc).__name__}: {exc}", reason="S3_UNAVAILABLE") from None
+                f"{type(exc).__name__}: {exc}", reason="S3_UNAVAILABLE")
+        return exc
 
     async def ensure_bucket(self) -> None:
         if not await self._call("check the bucket", self.client.bucket_exists, self.bucket):
@@ -305,8 +317,9 @@ class BlobStore:
         except Exception as exc:  # noqa: BLE001 - best effort; S3 lifecycle rules or GC clean the rest
             log.warning("could not abort multipart upload %s of %s: %s", upload_id, key, exc)
 
-    async def read(self, sha256: str, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
-        """The blob's bytes from `offset`, in pieces of `chunk_size`."""
+    async def read(self, sha256: str, offset: int, chunk_size: int, hasher: Any = None) -> AsyncIterator[bytes]:
+        """The blob's bytes from `offset`, in pieces of `chunk_size`; `hasher` (a hashlib object), when given, is
+        fed every piece in order by the reading thread, off the event loop."""
         try:
             response = await self._call("read a blob", self.client.get_object, self.bucket, blob_key(sha256),
                                         offset)
@@ -315,15 +328,43 @@ class BlobStore:
                 raise errors.DataLoss(f"blob {sha256} is recorded but missing from bucket {self.bucket!r}",
                                       reason="BLOB_MISSING") from None
             raise
+        # One thread per download reads the next pieces from S3 (and hashes them) while the caller sends the current
+        # one; it alone touches the response, closing it too, so a caller that stops early never races a read.
+        loop = asyncio.get_running_loop()
+        ahead: asyncio.Queue[bytes | BaseException] = asyncio.Queue(READ_AHEAD_CHUNKS)
+        stop = threading.Event()
+
+        def hand_over(item: bytes | BaseException) -> None:
+            asyncio.run_coroutine_threadsafe(ahead.put(item), loop).result(timeout=PART_STALL_SECONDS)
+
+        def read_all() -> None:
+            try:
+                while not stop.is_set():
+                    data = _read_exactly(response, chunk_size, hasher)
+                    hand_over(data)
+                    if not data:
+                        return
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+                if not stop.is_set():
+                    with contextlib.suppress(BaseException):
+                        hand_over(exc)
+            finally:
+                response.close()
+                response.release_conn()
+
+        threading.Thread(target=read_all, name=f"s3-read {sha256[:12]}", daemon=True).start()
         try:
             while True:
-                data = await self._call("read a blob", _read_exactly, response, chunk_size)
+                data = await ahead.get()
+                if isinstance(data, BaseException):
+                    raise self._unavailable(data, "read a blob") from None
                 if not data:
                     return
                 yield data
         finally:
-            response.close()
-            response.release_conn()
+            stop.set()
+            while not ahead.empty():  # frees a put the reading thread may be blocked in
+                ahead.get_nowait()
 
     async def remove(self, sha256: str) -> None:
         await self._call("delete a blob", self.client.remove_object, self.bucket, blob_key(sha256))
@@ -385,7 +426,14 @@ class _PartStream:
             yield data
 
 
-def _read_exactly(response: Any, count: int) -> bytes:
+def _read_exactly(response: Any, count: int, hasher: Any = None) -> bytes:
+    data = _read_full(response, count)
+    if hasher is not None:
+        hasher.update(data)
+    return data
+
+
+def _read_full(response: Any, count: int) -> bytes:
     # urllib3 may return short reads; gather a full chunk so the client sees uniform pieces.
     data = response.read(count)
     if len(data) in (0, count):

@@ -812,12 +812,10 @@ class RegistryStore:
         hasher = hashlib.sha256() if offset == 0 else None
         sent = offset
         held: bytes | None = None
-        async for data in self.blobs.read(record.sha256, offset, chunk_size):
+        async for data in self.blobs.read(record.sha256, offset, chunk_size, hasher):
             if held is not None:
                 yield held
             sent += len(data)
-            if hasher is not None:
-                hasher.update(data)
             held = data
         if sent != record.size_bytes or (hasher is not None and hasher.hexdigest() != record.sha256):
             raise errors.DataLoss(f"stored blob of {shown(record.adapter)} v{record.version} is corrupt: {sent} bytes, "

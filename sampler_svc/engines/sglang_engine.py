@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loraplane import errors
-from loraplane.adapter_format import materialize_peft_dir, parse_adapter, peft_adapter_config
+from loraplane.adapter_format import adapter_header, materialize_peft_dir, parse_adapter, peft_adapter_config
 from sampler_svc.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -336,14 +336,19 @@ class SGLangEngine(Engine):
     async def load_adapter(self, key: str, blob: bytes) -> LoadedAdapterInfo:
         if key in self._route:
             raise errors.AlreadyExists(f"{key} is already loaded", field="adapter")
-        params, spec, base_name = await asyncio.to_thread(parse_adapter, blob)
+        server = min(self.servers, key=lambda s: len(s.adapters))
+        tensors = self._sends_tensors(server)
+        # A file is the blob's own bytes: its header is all that must be read (the digest was checked on download).
+        if tensors:
+            params, spec, base_name = await asyncio.to_thread(parse_adapter, blob)
+        else:
+            spec, base_name, _dtypes = await asyncio.to_thread(adapter_header, blob)
         if base_name and base_name != self._base_model_name:
             raise errors.FailedPrecondition(
                 f"{key} was trained on {base_name!r}; this sampler serves {self._base_model_name!r}", field="adapter")
         if spec.rank > self.max_lora_rank:
             raise errors.FailedPrecondition(
                 f"{key} has rank {spec.rank}; the SGLang servers allow at most {self.max_lora_rank}", field="adapter")
-        server = min(self.servers, key=lambda s: len(s.adapters))
         if server.max_loaded and len(server.adapters) >= server.max_loaded:
             # SGLang would make room by evicting a name on its own, behind the manager's back (and a version that
             # came as tensors cannot be reloaded from anywhere): the manager's max_loaded must stay within this.
@@ -351,7 +356,7 @@ class SGLangEngine(Engine):
                 f"every SGLang server holds its --max-loaded-loras ({server.max_loaded}) adapter versions; "
                 f"unload some or raise the limit", field="adapter")
         status, body = None, None
-        if self._sends_tensors(server):
+        if tensors:
             request = await asyncio.to_thread(self._tensor_request, key, params, spec, base_name, server)
             del params
             status, body = await self._load_call(server, key, "/load_lora_adapter_from_tensors", request)
@@ -364,7 +369,7 @@ class SGLangEngine(Engine):
                 server.tensor_loads = server.tensor_loads or status == 200
         if status is None:
             directory = self._adapter_dir(key)
-            await asyncio.to_thread(_write_peft_dir, blob, spec, base_name, directory)
+            await asyncio.to_thread(_write_peft_dir, blob, directory)
             status, body = await self._load_call(server, key, "/load_lora_adapter",
                                                  {"lora_name": key, "lora_path": str(directory)})
             if status != 200 or (isinstance(body, dict) and body.get("success") is False):
@@ -587,15 +592,14 @@ def _coalesced(items: list) -> list:
     return out
 
 
-def _write_peft_dir(blob: bytes, spec, base_name: str, directory: Path) -> Path:
+def _write_peft_dir(blob: bytes, directory: Path) -> Path:
     """The PEFT directory SGLang loads. A float32 or bfloat16 blob already is the adapter_model.safetensors SGLang
     reads (PEFT tensor names; its extra metadata is ignored; SGLang casts to the server's dtype, which is exact from
     either), so its bytes are written as they are, without parsing and re-serializing them (for an 8B-shape
     rank-32 adapter, 335 MB, that pair cost as much as SGLang's load; a bf16 version stays half of it). Other
     dtypes go through materialize_peft_dir, which writes float32."""
-    header_len = int.from_bytes(blob[:8], "little")
-    header = json.loads(bytes(blob[8:8 + header_len]))
-    if any(entry.get("dtype") not in ("F32", "BF16") for name, entry in header.items() if name != "__metadata__"):
+    spec, base_name, dtypes = adapter_header(blob)
+    if any(dtype not in ("F32", "BF16") for dtype in dtypes.values()):
         return materialize_peft_dir(blob, directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = peft_adapter_config(spec, base_name)

@@ -89,7 +89,7 @@ def test_a_bfloat16_adapter_publishes_rounded_weights_that_peft_and_the_sampler_
         exact = peft_logits(masters_dir, tokens)
         assert not torch.equal(theirs, exact) and torch.allclose(theirs, exact, atol=1e-2)
         # The SGLang engine's file transport writes a directory PEFT loads, with the same weights.
-        sglang_dir = _write_peft_dir(blob, spec, "tiny", tmp_path / "sglang")
+        sglang_dir = _write_peft_dir(blob, tmp_path / "sglang")
         assert torch.equal(peft_logits(sglang_dir, tokens), theirs)
         # Written as published: BF16 tensors, half the bytes of a float32 file for SGLang to read.
         assert tensor_dtypes((sglang_dir / "adapter_model.safetensors").read_bytes()) == {"BF16"}

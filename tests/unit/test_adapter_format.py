@@ -10,6 +10,7 @@ from safetensors.torch import save as st_save
 
 from loraplane.adapter_format import (
     TrainingState,
+    adapter_header,
     materialize_peft_dir,
     parse_adapter,
     parse_training_state,
@@ -71,6 +72,43 @@ def test_parse_rejects_garbage_and_inconsistent_blobs(tiny):
     odd = dict(params, **{"model.embed_tokens.weight": torch.zeros(2, 2)})
     with pytest.raises(InvalidArgument):
         parse_adapter(st_save(odd, metadata={"adapter_config": json.dumps(config)}))
+
+
+def test_header_alone_gives_the_spec_and_checks_keys_and_shapes_as_parse_does(tiny):
+    """adapter_header reads no values (the SGLang file path hands the bytes on): it must agree with parse_adapter
+    on spec, base and every structural refusal. Tried: a truncated header, a non-object header, no config, a rank
+    that disagrees, a missing B, a foreign key, a malformed entry."""
+    spec = LoraSpec.create(2, 4, ["q_proj", "up_proj"], seed=3)
+    params = trained_like(tiny, spec, 5)
+    blob = serialize_adapter(params, spec, "tiny", "bfloat16")
+    header_spec, base_name, dtypes = adapter_header(blob)
+    _, parsed_spec, parsed_base = parse_adapter(blob)
+    assert (header_spec, base_name) == (parsed_spec, parsed_base) == (spec, "tiny")
+    assert set(dtypes) == set(params) and set(dtypes.values()) == {"BF16"}
+
+    def blob_with(tensors, config):
+        return st_save(tensors, metadata={"adapter_config": json.dumps(config)})
+
+    config = {"peft_type": "LORA", "r": 3, "lora_alpha": 3, "target_modules": ["q_proj", "up_proj"]}
+    partial = {k: v for k, v in params.items() if k != peft_key(0, "up_proj", "B")}
+    odd = dict(params, **{"model.embed_tokens.weight": torch.zeros(2, 2)})
+    refused = {
+        "truncated": (blob[:20], DataLoss),
+        "not an object": (len(b"[1]").to_bytes(8, "little") + b"[1]", DataLoss),
+        "no config": (st_save(params), DataLoss),
+        "rank disagrees": (blob_with(params, config), InvalidArgument),
+        "missing B": (blob_with(partial, dict(config, r=2, lora_alpha=2)), InvalidArgument),
+        "foreign key": (blob_with(odd, dict(config, r=2, lora_alpha=2)), InvalidArgument),
+    }
+    for bad, error in refused.values():
+        with pytest.raises(error):
+            adapter_header(bad)
+        with pytest.raises(error):
+            parse_adapter(bad)
+    header = json.dumps({"__metadata__": {"adapter_config": json.dumps(config)},
+                         "model.layers.0.self_attn.q_proj.lora_A.weight": {"dtype": "F32"}}).encode()
+    with pytest.raises(DataLoss, match="malformed"):
+        adapter_header(len(header).to_bytes(8, "little") + header)
 
 
 def test_training_state_roundtrip_is_exact(tiny):

@@ -337,7 +337,7 @@ def test_blobs_reach_sglang_as_bf16_or_float32_files(tmp_path, stored, written):
     params, spec, base_name = parse_adapter(adapter_blob(1))
     blob = save({k: v.to(stored) for k, v in params.items()},
                 metadata={"format": "pt", "adapter_config": json.dumps(peft_adapter_config(spec, base_name))})
-    directory = _write_peft_dir(blob, spec, base_name, tmp_path / "d")
+    directory = _write_peft_dir(blob, tmp_path / "d")
     on_disk = load_file(directory / "adapter_model.safetensors")
     assert sorted(on_disk) == sorted(params)
     assert all(on_disk[k].dtype == written and torch.equal(on_disk[k], params[k].to(stored).to(written))
