@@ -258,17 +258,34 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
             load_s[key] = time.perf_counter() - began
 
     engine.load_adapter = timed_load
+    # The sampler's download of each version (its own RegistryClient, in this process): when it began, how long.
+    download_began: dict[str, float] = {}
+    download_s: dict[str, float] = {}
+    real_download = RegistryClient.download
+
+    async def timed_download(self, name, version=0, alias=""):
+        key = f"{name}@v{version}"
+        download_began[key] = time.perf_counter()
+        try:
+            return await real_download(self, name, version, alias)
+        finally:
+            download_s[key] = time.perf_counter() - download_began[key]
+
+    RegistryClient.download = timed_download
     prompt = list(range(100, 132))
-    results: dict = {way: {"total": [], "committed": [], "engine_load": []} for way in ways}
+    results: dict = {way: {"total": [], "committed": [], "event": [], "download": [], "engine_load": []}
+                     for way in ways}
     adapter_of = {way: way.replace(":", "-") for way in ways}  # one adapter per way, its blobs in its dtype
     try:
         channel = grpc.aio.insecure_channel(sampler.address, options=channel_options())
         stub = sampler_pb2_grpc.SamplerServiceStub(channel)
 
+        committed_at: dict[str, float] = {}
+
         async def publish_and_sample(name: str, blob: bytes) -> tuple[float, float, int]:
             began = time.perf_counter()
             version = await client.publish(name, blob)
-            committed = time.perf_counter()
+            committed = committed_at[f"{name}@v{version.version}"] = time.perf_counter()
             reply = await stub.Sample(sampler_pb2.SampleRequest(
                 adapter=common_pb2.AdapterRef(name=name, version=version.version), prompt_tokens=prompt,
                 sampling_params=common_pb2.SamplingParams(max_tokens=1)))
@@ -315,11 +332,17 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
                 total, committed, version = await publish_and_sample(adapter_of[way], blob)
                 results[way]["total"].append(total)
                 results[way]["committed"].append(committed)
-                results[way]["engine_load"].append(load_s.get(f"{adapter_of[way]}@v{version}", float("nan")))
+                key = f"{adapter_of[way]}@v{version}"
+                results[way]["engine_load"].append(load_s.get(key, float("nan")))
+                results[way]["download"].append(download_s.get(key, float("nan")))
+                # Commit -> the sampler starts downloading: the event's way to the watcher (it can be negative by
+                # the publish reply's own way back, when the event outruns it).
+                results[way]["event"].append(download_began.get(key, float("nan")) - committed_at[key])
                 results[way].setdefault("blob_mb", round(len(blob) / 1e6, 1))
         await channel.close()
         server = engine.servers[0]
     finally:
+        RegistryClient.download = real_download
         await client.close()
         await sampler.stop()
         await registry.stop()
@@ -365,7 +388,8 @@ def main() -> None:
             parts = result[way]
             print(f"{args.shape} rank {result['rank']} ({parts['blob_mb']} MB) {way:<16} publish->sample p50 "
                   f"{parts['total']['p50']:>8.1f} ms  committed->sample {parts['committed']['p50']:>8.1f} ms  "
-                  f"engine load {parts['engine_load']['p50']:>8.1f} ms")
+                  f"(event {parts['event']['p50']:>6.1f} ms, download {parts['download']['p50']:>7.1f} ms, "
+                  f"engine load {parts['engine_load']['p50']:>7.1f} ms)")
         out = REPO / "bench" / "results" / f"sampler_sglang_load_{args.shape}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))

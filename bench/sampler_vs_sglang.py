@@ -191,11 +191,15 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) ->
     rng = random.Random(0)
     vocab = engine.vocab_size
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
-    # --grpc-channels > 1: requests spread over that many HTTP/2 connections (a local subchannel pool each, or
-    # gRPC would share one connection among equal channels), raw SGLang having one connection per request.
-    options = channel_options() + ([("grpc.use_local_subchannel_pool", 1)] if args.grpc_channels > 1 else [])
-    channels = [grpc.aio.insecure_channel(sampler_address, options=options) for _ in range(args.grpc_channels)]
-    stubs = [sampler_pb2_grpc.SamplerServiceStub(channel) for channel in channels]
+    # Each --grpc-channels count N is a client whose requests spread over N HTTP/2 connections (a local subchannel
+    # pool each, or gRPC would share one connection among equal channels), raw SGLang having one connection per
+    # request. Throughput uses the first count; latency measures every count.
+    options = channel_options() + [("grpc.use_local_subchannel_pool", 1)]
+    channels = {n: [grpc.aio.insecure_channel(sampler_address, options=options) for _ in range(n)]
+                for n in args.grpc_channels}
+    stubs_of = {n: [sampler_pb2_grpc.SamplerServiceStub(channel) for channel in group]
+                for n, group in channels.items()}
+    stubs = stubs_of[args.grpc_channels[0]]
     throughput, latency = [], []
     try:
         # Warm-up: every adapter through every path (SGLang's first LoRA batch configures its kernels).
@@ -229,19 +233,40 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) ->
             row["grpc_over_raw"] = row["grpc_tok_s"] / row["raw_tok_s"]
             throughput.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
+        # Latency: --latency-rounds rounds, raw and each gRPC client in a rotating order, fresh prompts every run
+        # (all requests of a run start at once, so one run's TTFT depends on how SGLang happens to batch the
+        # prefills; a single run gave ratios from 0.66 to 3.5 at 256). Each path's percentiles are the medians of
+        # its per-run percentiles.
+        paths = ["raw", *(f"grpc{n}" for n in args.grpc_channels)]
         for concurrency in args.concurrency:
             mix = Mix("mixed8")
-            prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(concurrency)]
-            raw = summarize_latency(await latency_raw(session, url, prompts, mix, args.max_tokens, concurrency))
-            via = summarize_latency(await latency_grpc(stubs, prompts, mix, args.max_tokens, concurrency))
-            row = {"concurrency": concurrency, "mix": "mixed8", "raw": raw, "grpc": via,
-                   "ttft_p50_ratio": via["ttft_ms"]["p50"] / raw["ttft_ms"]["p50"]}
+            runs: dict[str, list[dict]] = {path: [] for path in paths}
+            for round_ in range(args.latency_rounds):
+                for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
+                    prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(concurrency)]
+                    if path == "raw":
+                        per_request = await latency_raw(session, url, prompts, mix, args.max_tokens, concurrency)
+                    else:
+                        per_request = await latency_grpc(stubs_of[int(path[4:])], prompts, mix, args.max_tokens,
+                                                         concurrency)
+                    runs[path].append(summarize_latency(per_request))
+            summary = {path: {metric: {q: statistics.median(run[metric][q] for run in path_runs)
+                                       for q in path_runs[0][metric]} for metric in path_runs[0]}
+                       for path, path_runs in runs.items()}
+            row = {"concurrency": concurrency, "mix": "mixed8", "rounds": args.latency_rounds, "raw": summary["raw"],
+                   "grpc": summary[paths[1]], **{path: summary[path] for path in paths[1:]},
+                   "ttft_p50_ratio": summary[paths[1]]["ttft_ms"]["p50"] / summary["raw"]["ttft_ms"]["p50"],
+                   "ttft_p50_ratio_by_channels": {n: summary[f"grpc{n}"]["ttft_ms"]["p50"]
+                                                  / summary["raw"]["ttft_ms"]["p50"] for n in args.grpc_channels},
+                   "ttft_p50_runs_ms": {path: [round(run["ttft_ms"]["p50"], 1) for run in path_runs]
+                                        for path, path_runs in runs.items()}}
             latency.append(row)
             print(json.dumps(row), flush=True)
     finally:
         await session.close()
-        for channel in channels:
-            await channel.close()
+        for group in channels.values():
+            for channel in group:
+                await channel.close()
     return {"throughput": throughput, "latency": latency}
 
 
@@ -258,6 +283,14 @@ def table(result: dict) -> str:
         lines.append(f"| {r['concurrency']} | {r['raw']['ttft_ms']['p50']:.1f} / {r['grpc']['ttft_ms']['p50']:.1f} | "
                      f"{r['ttft_p50_ratio']:.2f} | {r['raw']['itl_ms']['p50']:.2f} / {r['grpc']['itl_ms']['p50']:.2f} "
                      f"| {r['raw']['itl_ms']['p99']:.2f} / {r['grpc']['itl_ms']['p99']:.2f} |")
+    by_channels = [r for r in result["latency"] if len(r["ttft_p50_ratio_by_channels"]) > 1]
+    if by_channels:
+        counts = list(by_channels[0]["ttft_p50_ratio_by_channels"])
+        lines += ["", "| concurrency | " + " | ".join(f"TTFT p50 gRPC ÷ raw, {n} connection(s)" for n in counts) + " |",
+                  "|---|" + "---|" * len(counts)]
+        for r in by_channels:
+            lines.append(f"| {r['concurrency']} | "
+                         + " | ".join(f"{r['ttft_p50_ratio_by_channels'][n]:.2f}" for n in counts) + " |")
     return "\n".join(lines)
 
 
@@ -340,8 +373,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--mem-fraction", type=float, default=0.5)
     parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--grpc-channels", type=int, default=1,
-                        help="gRPC connections the bench's client spreads its requests over")
+    parser.add_argument("--grpc-channels", type=int, nargs="+", default=[1],
+                        help="gRPC connections a client spreads its requests over: throughput uses the first count, "
+                             "latency compares every count")
+    parser.add_argument("--latency-rounds", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "bench/results/sampler_vs_sglang.json"))
     args = parser.parse_args()
     if args.build_shape:

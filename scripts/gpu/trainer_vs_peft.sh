@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The trainer-vs-PEFT benchmark on one GPU (bench/trainer_vs_peft.py; numbers go to docs/benchmarks.md).
 #   bash scripts/gpu/trainer_vs_peft.sh [CASE ...]     default: 1b 8b 8b-long-bf16 8b-long-peft; the others: 1b-unfused (before/after),
-#     8b-long-bf16 / 8b-long-peft / 8b-long-alone (16 x 2048 variants), 1b-profile, tests (tests/gpu/test_megatron_fast_paths.py, test_megatron_families.py)
+#     8b-long-bf16 / 8b-long-peft / 8b-long-alone (16 x 2048 variants), 1b-profile, 8b-profile, tests (tests/gpu/test_megatron_fast_paths.py, test_megatron_families.py)
 # Needs megatron-core's wheel parts in .gpuwh/megatron/parts and the few pure-Python packages of
 # scripts/gpu/trainer_vs_peft-wheels.txt in .gpuwh/tvp_extra/parts (build both here with
 # /work/shared/gpu/build-wheelhouse.sh LIST DIR; carry them with the call). JSON + a summary log land in $OUT.
@@ -53,6 +53,8 @@ for c in $cases; do
     # The backend alone (its HF source moved off the device, as in a deployment): how many layers recompute=auto picks.
     8b-long-alone) run_case llama8b_16x2048_megatron_alone --shape llama8b --datums 16 --seq-len 2048 --tenants 1,8 --rounds 3 --warmup 1 --no-peft ;;
     1b-profile) run_case llama1b_16x512_profile --shape llama1b --datums 16 --seq-len 512 --tenants 1 --rounds 3 --profile "$OUT" ;;
+    # Where an 8B 16 x 2048 step's time goes (issue 11's MFU miss): kernel families and device-busy share.
+    8b-profile) run_case llama8b_16x2048_profile --shape llama8b --datums 16 --seq-len 2048 --tenants 1 --rounds 2 --warmup 1 --no-peft --profile "$OUT" ;;
     # Before/after in one run on the same machine: megatron's unfused attention without recomputation.
     1b-unfused) run_case llama1b_16x512_unfused --shape llama1b --datums 16 --seq-len 512 --tenants 1,8 --rounds ${ROUNDS:-10} --attention unfused --recompute none ;;
     tests) python3 -m pytest tests/gpu/test_megatron_fast_paths.py tests/gpu/test_megatron_families.py -m gpu -o addopts="" --noconftest -p no:cacheprovider \
