@@ -361,8 +361,9 @@ def time_rounds(contenders: list[Contender], rounds: int, warmup: int, device: t
                 c.peak_bytes = max(c.peak_bytes, torch.cuda.max_memory_allocated(device))
 
 
-def profile_steps(contenders: list[Contender], out_dir: Path, device: torch.device) -> None:
-    """One profiled step per contender: the top ops by device (or CPU) time, as text."""
+def profile_steps(contenders: list[Contender], out_dir: Path, device: torch.device, case: str) -> None:
+    """One profiled step per contender: the top ops by device (or CPU) time, as text, named by `case` (so the
+    profiles of several shapes written to one folder stay apart)."""
     from torch.profiler import ProfilerActivity, profile
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -379,7 +380,7 @@ def profile_steps(contenders: list[Contender], out_dir: Path, device: torch.devi
                                                                              row_limit=15)
         if device.type == "cuda":
             text = kernel_breakdown(events, wall) + "\n\n" + text
-        (out_dir / f"profile_{c.label.replace('/', '_')}.txt").write_text(text)
+        (out_dir / f"profile_{case}_{c.label.replace('/', '_')}.txt").write_text(text)
 
 
 # Kernel families by name, first match wins (cuBLAS/cuBLASLt GEMMs are nvjet/cutlass/xmma kernels on H100).
@@ -393,8 +394,12 @@ KERNEL_FAMILIES = (("attention", ("flash", "fmha", "sdpa", "attn")),
 def kernel_breakdown(events, wall_s: float) -> str:
     """Device time of one profiled step by kernel family, and how much of the step's wall time the device was busy:
     the split that says whether a step is GEMM-bound, elementwise-bound or waiting on the host."""
+    from torch.autograd import DeviceType
+
     totals: dict[str, float] = {}
     for event in events:
+        if event.device_type != DeviceType.CUDA:
+            continue  # an operator can carry its kernels' time as its own too: count the kernels alone
         spent = getattr(event, "self_device_time_total", None)
         if spent is None:
             spent = event.self_cuda_time_total
@@ -528,7 +533,8 @@ def main(argv=None) -> dict:
     try:
         time_rounds(contenders, args.rounds, args.warmup, device)
         if args.profile:
-            profile_steps([c for c in contenders if c.error is None][:2], Path(args.profile), device)
+            case = Path(args.out).stem if args.out else f"{Path(args.shape).name}_{args.datums}x{args.seq_len}"
+            profile_steps([c for c in contenders if c.error is None][:2], Path(args.profile), device, case)
     finally:
         for close in closers:
             try:

@@ -21,6 +21,9 @@ class Settings(BaseSettings):
     s3_bucket: str = "loraplane"
     s3_secure: bool = False
     s3_region: str = ""
+    # The registry may answer a download with a presigned S3 URL of the blob (a minute long) instead of streaming it
+    # through itself: several times faster for large adapters. Clients that cannot reach S3 fall back to the stream.
+    s3_direct_downloads: bool = True
     # Every Redis key of the registry starts with this; lets several registries share one Redis.
     key_prefix: str = "lp:"
 

@@ -366,6 +366,12 @@ class BlobStore:
             while not ahead.empty():  # frees a put the reading thread may be blocked in
                 ahead.get_nowait()
 
+    async def presigned_get(self, sha256: str, seconds: int) -> str:
+        """A URL that GETs the blob without credentials for `seconds` (signed here; no S3 round trip once the
+        bucket's region is known)."""
+        return await self._call("sign a download URL", self.client.presigned_get_object, self.bucket,
+                                blob_key(sha256), timedelta(seconds=seconds))
+
     async def remove(self, sha256: str) -> None:
         await self._call("delete a blob", self.client.remove_object, self.bucket, blob_key(sha256))
 

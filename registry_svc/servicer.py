@@ -138,6 +138,14 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
 
     async def DownloadVersion(self, request, context):
         name, version, alias = _ref_fields(request.ref)
+        direct = (await self.store.direct_download(name, version, alias, caller=current_caller())
+                  if request.direct else None)
+        if direct is not None:
+            record, url = direct
+            metrics.DOWNLOAD_BYTES.labels(metrics.tenant_of(record.adapter)).inc(record.size_bytes)
+            yield registry_pb2.DownloadVersionResponse(
+                header=registry_pb2.DownloadVersionHeader(version=version_pb(record), direct_url=url))
+            return
         record, chunks = await self.store.download(name, version, alias, request.offset, request.chunk_size,
                                                     caller=current_caller())
         yield registry_pb2.DownloadVersionResponse(

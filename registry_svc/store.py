@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
 BASE_MODEL_RE = re.compile(r"^[A-Za-z0-9._/][A-Za-z0-9._/:@+-]*\Z")
 CURSOR_RE = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}\Z")
+# How long a presigned download URL stays valid: long enough to start the GET, short enough that a leaked one
+# soon opens nothing.
+DIRECT_URL_SECONDS = 60
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 KIND_WEIGHTS = 1
@@ -334,6 +337,7 @@ class RegistryStore:
                                                    **common)
         self.blobs = BlobStore(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key,
                                settings.s3_bucket, secure=settings.s3_secure, region=settings.s3_region)
+        self.direct_downloads = settings.s3_direct_downloads
         self._scripts = {name: self.redis.register_script(getattr(lua, name)) for name in (
             "CREATE_ADAPTER", "PUBLISH", "SET_ALIAS", "DELETE_VERSION", "DELETE_ADAPTER", "REGISTER_UPLOAD",
             "FORGET_UPLOAD", "CLAIM_GARBAGE", "RELEASE_GARBAGE")}
@@ -803,6 +807,17 @@ class RegistryStore:
                                          field="offset")
         chunks = self._verified_read(record, offset, chunk_size or 1024 * 1024)
         return record, chunks
+
+    async def direct_download(self, adapter: str, version: int, alias: str, *,
+                              caller: Identity = OPEN) -> tuple[VersionRecord, str] | None:
+        """(the version, a presigned GET URL of its blob) when this registry hands out S3 addresses, else None (the
+        caller streams instead). Authorized exactly as a streamed download is."""
+        if not self.direct_downloads:
+            return None
+        validate_name(adapter, "ref.name")
+        caller.authorize(adapter, "ref.name")
+        record = await self.get_version(adapter, version, alias)
+        return record, await self.blobs.presigned_get(record.sha256, DIRECT_URL_SECONDS)
 
     async def _verified_read(self, record: VersionRecord, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
         if offset == record.size_bytes:

@@ -542,10 +542,15 @@ class DownloadVersionRequest(google.protobuf.message.Message):
     REF_FIELD_NUMBER: builtins.int
     OFFSET_FIELD_NUMBER: builtins.int
     CHUNK_SIZE_FIELD_NUMBER: builtins.int
+    DIRECT_FIELD_NUMBER: builtins.int
     offset: builtins.int
     """Resume point in bytes; must be <= size."""
     chunk_size: builtins.int
     """Preferred chunk size; 0 = 1 MiB; at most 4 MiB."""
+    direct: builtins.bool
+    """Ask for the blob's S3 address instead of its bytes. A registry that hands them out (s3_direct_downloads)
+    answers with a header carrying `direct_url` and no chunks; one that does not streams the bytes as usual.
+    """
     @property
     def ref(self) -> loraplane.v1.common_pb2.AdapterRef: ...
     def __init__(
@@ -554,9 +559,10 @@ class DownloadVersionRequest(google.protobuf.message.Message):
         ref: loraplane.v1.common_pb2.AdapterRef | None = ...,
         offset: builtins.int = ...,
         chunk_size: builtins.int = ...,
+        direct: builtins.bool = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["ref", b"ref"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["chunk_size", b"chunk_size", "offset", b"offset", "ref", b"ref"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["chunk_size", b"chunk_size", "direct", b"direct", "offset", b"offset", "ref", b"ref"]) -> None: ...
 
 global___DownloadVersionRequest = DownloadVersionRequest
 
@@ -566,8 +572,13 @@ class DownloadVersionHeader(google.protobuf.message.Message):
 
     VERSION_FIELD_NUMBER: builtins.int
     OFFSET_FIELD_NUMBER: builtins.int
+    DIRECT_URL_FIELD_NUMBER: builtins.int
     offset: builtins.int
     """First byte sent in the following chunks."""
+    direct_url: builtins.str
+    """Only in answer to `direct`: a presigned GET URL of the whole blob, valid for a short time (a minute). No chunks
+    follow; the caller checks what it fetches against version.size_bytes and version.sha256.
+    """
     @property
     def version(self) -> loraplane.v1.common_pb2.AdapterVersion: ...
     def __init__(
@@ -575,9 +586,10 @@ class DownloadVersionHeader(google.protobuf.message.Message):
         *,
         version: loraplane.v1.common_pb2.AdapterVersion | None = ...,
         offset: builtins.int = ...,
+        direct_url: builtins.str = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["version", b"version"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["offset", b"offset", "version", b"version"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["direct_url", b"direct_url", "offset", b"offset", "version", b"version"]) -> None: ...
 
 global___DownloadVersionHeader = DownloadVersionHeader
 

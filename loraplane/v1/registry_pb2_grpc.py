@@ -164,7 +164,8 @@ class AdapterRegistryServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def DownloadVersion(self, request, context):
-        """First message: header (version, size, sha256). Then chunks from `offset`.
+        """First message: header (version, size, sha256). Then chunks from `offset`, or none when the header carries a
+        direct_url.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

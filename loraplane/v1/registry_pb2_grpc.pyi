@@ -79,7 +79,9 @@ class AdapterRegistryServiceStub:
         loraplane.v1.registry_pb2.DownloadVersionRequest,
         loraplane.v1.registry_pb2.DownloadVersionResponse,
     ]
-    """First message: header (version, size, sha256). Then chunks from `offset`."""
+    """First message: header (version, size, sha256). Then chunks from `offset`, or none when the header carries a
+    direct_url.
+    """
 
     WatchEvents: grpc.UnaryStreamMultiCallable[
         loraplane.v1.registry_pb2.WatchEventsRequest,
@@ -154,7 +156,9 @@ class AdapterRegistryServiceAsyncStub:
         loraplane.v1.registry_pb2.DownloadVersionRequest,
         loraplane.v1.registry_pb2.DownloadVersionResponse,
     ]
-    """First message: header (version, size, sha256). Then chunks from `offset`."""
+    """First message: header (version, size, sha256). Then chunks from `offset`, or none when the header carries a
+    direct_url.
+    """
 
     WatchEvents: grpc.aio.UnaryStreamMultiCallable[
         loraplane.v1.registry_pb2.WatchEventsRequest,
@@ -249,7 +253,9 @@ class AdapterRegistryServiceServicer(metaclass=abc.ABCMeta):
         request: loraplane.v1.registry_pb2.DownloadVersionRequest,
         context: _ServicerContext,
     ) -> typing.Union[collections.abc.Iterator[loraplane.v1.registry_pb2.DownloadVersionResponse], collections.abc.AsyncIterator[loraplane.v1.registry_pb2.DownloadVersionResponse]]:
-        """First message: header (version, size, sha256). Then chunks from `offset`."""
+        """First message: header (version, size, sha256). Then chunks from `offset`, or none when the header carries a
+        direct_url.
+        """
 
     @abc.abstractmethod
     def WatchEvents(

@@ -9,6 +9,8 @@ import math
 import os
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -29,6 +31,7 @@ from tests.fixtures.registry import (
     rpc_error,
     s3_client,
     sha256_hex,
+    start_live_registry,
     versions_of,
 )
 
@@ -533,6 +536,41 @@ def test_download_of_a_corrupted_blob_is_data_loss(registry, registry_stub):
                                             io.BytesIO(b"\0" * len(blob)), len(blob))
     with rpc_error(grpc.StatusCode.DATA_LOSS, "corrupt"):
         download(stub, "rot")
+
+
+def test_a_direct_download_hands_out_the_blobs_s3_address_and_only_when_allowed(registry, registry_stub,
+                                                                                 isolated_settings, background_loop):
+    """`direct`: the header carries a presigned URL of exactly the stored blob and no chunk follows; a registry
+    with s3_direct_downloads off streams the bytes instead. A corrupted object behind the URL is the caller's to
+    catch: the client turns it into DataLoss as the streamed path does (tests/contract/test_registry_client.py)."""
+    stub = registry_stub
+    create_adapter(stub, "direct")
+    blob = blob_of(3 * 1024 * 1024 + 5)
+    publish(stub, "direct", blob, aliases=["prod"])
+    replies = list(stub.DownloadVersion(E.DownloadVersionRequest(ref=ref("direct", alias="prod"), direct=True)))
+    assert len(replies) == 1 and replies[0].HasField("header")
+    header = replies[0].header
+    assert (header.version.version, header.version.sha256) == (1, sha256_hex(blob))
+    assert header.direct_url.startswith(registry.settings.s3_endpoint.join(("http://", "/")))
+    with urllib.request.urlopen(header.direct_url, timeout=30) as reply:
+        assert reply.read() == blob
+    # Signed for that one object: the same query string on another key is refused by S3.
+    other = header.direct_url.replace(sha256_hex(blob), sha256_hex(blob_of(10)))
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(other, timeout=30)
+    assert refused.value.code == 403
+    # Bad refs are refused exactly as for a streamed download.
+    with rpc_error(NOT_FOUND, "ref.version"):
+        list(stub.DownloadVersion(E.DownloadVersionRequest(ref=ref("direct", 7), direct=True)))
+
+    streaming = start_live_registry(isolated_settings.model_copy(update={"s3_direct_downloads": False}),
+                                    background_loop)
+    try:
+        replies = list(streaming.stub().DownloadVersion(E.DownloadVersionRequest(ref=ref("direct", 1), direct=True)))
+        assert replies[0].header.direct_url == ""
+        assert b"".join(r.chunk for r in replies[1:]) == blob
+    finally:
+        streaming.close(drop_data=False)  # the test's own registry shares the data and drops it
 
 
 # ---------------------------------------------------------------------------------------------------- events

@@ -83,3 +83,49 @@ async def test_watch_is_cancellable_while_blocked(registry):
         await client.create_adapter("late", lora_config=TEST_LORA, base_model="tiny")
         event = await asyncio.wait_for(task, 10)
         assert (event.type, event.adapter) == (EventType.ADAPTER_CREATED, "late")
+
+
+async def test_downloads_come_straight_from_s3_are_checked_and_fall_back_to_the_stream(registry, caplog,
+                                                                                       monkeypatch):
+    """The client takes the blob from the presigned S3 URL (no warning, the stream never used), checks it like
+    streamed bytes (a corrupted object is DataLoss), and when S3 is unreachable from it streams through the
+    registry, from then on without asking for URLs. The unreachable S3 is a mock: a network that lets a client reach
+    the registry but not the S3 server the registry itself uses cannot be made on one loopback host."""
+    import io
+    import urllib.error
+
+    from loraplane import registry_client
+    from tests.fixtures.registry import s3_client
+
+    lora = common_pb2.LoraConfig(rank=4, alpha=8)
+    blob = adapter_blob(5 * 1024 * 1024 + 3)
+    async with RegistryClient(registry.address) as client:
+        await client.create_adapter("team/d", lora_config=lora, base_model="tiny")
+        await client.publish("team/d", blob)
+        with caplog.at_level("WARNING", logger="loraplane.registry_client"):
+            described, data = await client.download("team/d", 1)
+        assert data == blob and described.sha256 == sha256_hex(blob)
+        assert not [r for r in caplog.records if r.name == "loraplane.registry_client"]
+
+        rotten = adapter_blob(4000, seed=3)
+        await client.publish("team/d", rotten)
+        s3_client(registry.settings).put_object(registry.settings.s3_bucket, f"blobs/sha256/{sha256_hex(rotten)}",
+                                                io.BytesIO(b"\0" * len(rotten)), len(rotten))
+        with pytest.raises(errors.DataLoss, match="corrupt"):
+            await client.download("team/d", 2)
+
+        asked = []
+        real_stream = client._download_stream
+
+        async def recorded(request, name):
+            asked.append(request.direct)
+            return await real_stream(request, name)
+
+        def unreachable(url, timeout):
+            raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+
+        monkeypatch.setattr(client, "_download_stream", recorded)
+        monkeypatch.setattr(registry_client.urllib.request, "urlopen", unreachable)
+        assert (await client.download("team/d", 1))[1] == blob
+        assert (await client.download("team/d", 1))[1] == blob
+        assert asked == [True, False, False]  # asked for the URL once, then streamed
