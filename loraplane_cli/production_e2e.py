@@ -99,10 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-versions", type=int, default=2, help="the sampler's retention per adapter")
     p.add_argument("--mem-fraction-static", type=float, default=0.4,
                    help="SGLang's share of the GPU (weights + KV cache); the trainer uses the rest")
-    p.add_argument("--sglang-cuda-graph", action="store_true",
-                   help="leave SGLang's CUDA graphs on (off by default: two tenants make decode batches that mix "
-                        "adapters, whose graph replay had a csgmv bug upstream, sgl-project/sglang#28371; 0.5.17 "
-                        "carries the fix, not yet checked on the GPU by tests/gpu/test_sglang_engine.py)")
+    p.add_argument("--sglang-eager", action="store_true",
+                   help="turn SGLang's CUDA graphs off (--disable-cuda-graph). They are on by default: decode "
+                        "batches of two tenants mix adapters, whose graph replay had a csgmv bug upstream "
+                        "(sgl-project/sglang#28371); 0.5.17 carries the fix, and tests/gpu/test_sglang_engine.py "
+                        "checks graphs against eager decoding on mixed-adapter batches (passed on the H100)")
     p.add_argument("--require-reward-rise", action="store_true",
                    help="fail unless every tenant's mean reward over the last --window iterations exceeds that of "
                         "the first ones (a real model over >= 10 iterations; a random one does not learn)")
@@ -143,7 +144,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                     f"--sglang-arg=--mem-fraction-static={args.mem_fraction_static}",
                     # The checkpoint SmolLM2 is served from is fp32 (dequantized GGUF); serve what the trainer trains.
                     f"--sglang-arg=--dtype={args.dtype}"]
-        if not args.sglang_cuda_graph:
+        if args.sglang_eager:
             sampler.append("--sglang-arg=--disable-cuda-graph")
     return {"trainer": trainer, "sampler": sampler}
 
