@@ -267,8 +267,9 @@ async def _made_ahead(blob: StreamedBlob, lookahead: int = 8) -> AsyncIterator[b
         room.release()
 
 
-# The pieces a direct download reads and hashes at a time.
+# The pieces a direct download reads and hashes at a time, and how long any one socket operation of it may wait.
 DIRECT_READ_BYTES = 4 * 1024 * 1024
+DIRECT_TIMEOUT_S = 10.0
 
 
 def _fetch_direct(url: str, size: int, timeout: float) -> tuple[bytes, str]:
@@ -465,8 +466,10 @@ class RegistryClient:
         described, direct_url, blob, digest = await self._download_stream(request, name)
         if direct_url:
             try:
+                # A short socket timeout: an S3 host that drops this client's packets should cost one wait of
+                # seconds, not of the RPC timeout, before the stream takes over.
                 blob, digest = await asyncio.to_thread(_fetch_direct, direct_url, described.size_bytes,
-                                                       self.timeout or 30.0)
+                                                       min(self.timeout or DIRECT_TIMEOUT_S, DIRECT_TIMEOUT_S))
             except (OSError, http.client.HTTPException) as exc:
                 if not isinstance(exc, urllib.error.HTTPError):
                     # S3 is not reachable from here (another network): stop asking for its address.
