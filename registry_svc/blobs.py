@@ -340,7 +340,9 @@ class BlobStore:
         def read_all() -> None:
             try:
                 while not stop.is_set():
-                    data = _read_exactly(response, chunk_size, hasher)
+                    data = _read_exactly(response, chunk_size)
+                    if hasher is not None:
+                        hasher.update(data)
                     hand_over(data)
                     if not data:
                         return
@@ -432,14 +434,7 @@ class _PartStream:
             yield data
 
 
-def _read_exactly(response: Any, count: int, hasher: Any = None) -> bytes:
-    data = _read_full(response, count)
-    if hasher is not None:
-        hasher.update(data)
-    return data
-
-
-def _read_full(response: Any, count: int) -> bytes:
+def _read_exactly(response: Any, count: int) -> bytes:
     # urllib3 may return short reads; gather a full chunk so the client sees uniform pieces.
     data = response.read(count)
     if len(data) in (0, count):

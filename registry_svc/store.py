@@ -814,9 +814,7 @@ class RegistryStore:
         caller streams instead). Authorized exactly as a streamed download is."""
         if not self.direct_downloads:
             return None
-        validate_name(adapter, "ref.name")
-        caller.authorize(adapter, "ref.name")
-        record = await self.get_version(adapter, version, alias)
+        record = await self.get_version(adapter, version, alias, caller=caller)
         return record, await self.blobs.presigned_get(record.sha256, DIRECT_URL_SECONDS)
 
     async def _verified_read(self, record: VersionRecord, offset: int, chunk_size: int) -> AsyncIterator[bytes]:

