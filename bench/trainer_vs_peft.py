@@ -32,6 +32,7 @@ import copy
 import gc
 import hashlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -552,6 +553,7 @@ def main(argv=None) -> dict:
         "rounds": args.rounds,
         "warmup": args.warmup, "torch": torch.__version__, "model_build_s": round(build_s, 2),
         "peak_flops": peak, "attention": args.attention, "recompute": args.recompute,
+        "megatron_compile": os.environ.get("LORAPLANE_MEGATRON_COMPILE", "1"),
         "megatron_stats": dict(getattr(getattr(backend, "engine", None), "stats", {}) or {}),
         "environment": environment(), "notes": notes, "contenders": {},
     }

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The trainer-vs-PEFT benchmark on one GPU (bench/trainer_vs_peft.py; numbers go to docs/benchmarks.md).
 #   bash scripts/gpu/trainer_vs_peft.sh [CASE ...]     default: 1b 8b 8b-long-bf16 8b-long-peft; the others: 1b-unfused (before/after),
-#     8b-long-bf16 / 8b-long-peft / 8b-long-alone (16 x 2048 variants), 1b-profile, 8b-profile, tests (tests/gpu/test_megatron_fast_paths.py, test_megatron_families.py)
+#     8b-long-bf16 / 8b-long-peft / 8b-long-alone (16 x 2048 variants), 1b-profile, 8b-profile, tests (tests/gpu/test_megatron_fast_paths.py, test_megatron_families.py),
+#     1b-fusion / 8b-fusion (the compiled RoPE and SwiGLU chains off, then on: LORAPLANE_MEGATRON_COMPILE)
+# A case that runs longer than CASE_TIMEOUT seconds (default 480) is stopped; what the others measured still returns.
 # Needs megatron-core's wheel parts in .gpuwh/megatron/parts and the few pure-Python packages of
 # scripts/gpu/trainer_vs_peft-wheels.txt in .gpuwh/tvp_extra/parts (build both here with
 # /work/shared/gpu/build-wheelhouse.sh LIST DIR; carry them with the call). JSON + a summary log land in $OUT.
@@ -32,13 +34,15 @@ fi
   python3 -c "import sys, torch, transformers, peft; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
   git log -1 --format='%h %s' 2>/dev/null || true
 } 2>&1 | tee -a "$OUT/env.log"
-run_case() {  # label, then bench args
+run_case() {  # label, then bench args; $COMPILE: LORAPLANE_MEGATRON_COMPILE for this case (default: all parts)
   local label=$1; shift
-  echo "== $label: $*" | tee -a "$OUT/summary.log"
-  python3 bench/trainer_vs_peft.py --out "$OUT/$label.json" "$@" > "$OUT/$label.log" 2>&1
+  echo "== $label: LORAPLANE_MEGATRON_COMPILE=${COMPILE:-1} $*" | tee -a "$OUT/summary.log"
+  LORAPLANE_MEGATRON_COMPILE=${COMPILE:-1} timeout -k 10 "${CASE_TIMEOUT:-480}" \
+    python3 bench/trainer_vs_peft.py --out "$OUT/$label.json" "$@" > "$OUT/$label.log" 2>&1
   local rc=$?
   grep -v -i -E "warn|^\s*$" "$OUT/$label.log" | tail -12 | tee -a "$OUT/summary.log"
   [ $rc -eq 0 ] || echo "exit code $rc" | tee -a "$OUT/summary.log"
+  finish  # a later case that runs out the call's time still leaves this one's results
 }
 cases=${*:-1b 8b 8b-long-bf16 8b-long-peft}
 for c in $cases; do
@@ -57,6 +61,14 @@ for c in $cases; do
     8b-profile) run_case llama8b_16x2048_profile --shape llama8b --datums 16 --seq-len 2048 --tenants 1 --rounds 2 --warmup 1 --no-peft --profile "$OUT" ;;
     # Before/after in one run on the same machine: megatron's unfused attention without recomputation.
     1b-unfused) run_case llama1b_16x512_unfused --shape llama1b --datums 16 --seq-len 512 --tenants 1,8 --rounds ${ROUNDS:-10} --attention unfused --recompute none ;;
+    # Before/after of the compiled elementwise chains (fusion.py), back to back in one call: only the logprob
+    # kernels compiled (as through run tvp6), then every part.
+    1b-fusion) for COMPILE in logprob 1; do
+                 run_case llama1b_16x512_compile_$COMPILE --shape llama1b --datums 16 --seq-len 512 --tenants 1 --rounds ${ROUNDS:-5}
+               done; COMPILE= ;;
+    8b-fusion) long8b=(--shape llama8b --datums 16 --seq-len 2048 --tenants 1 --rounds ${ROUNDS:-3} --warmup 1 --no-peft)
+               COMPILE=logprob; run_case llama8b_16x2048_alone_compile_logprob "${long8b[@]}"
+               COMPILE=1; run_case llama8b_16x2048_alone_compile_all "${long8b[@]}" --profile "$OUT"; COMPILE= ;;
     tests) python3 -m pytest tests/gpu/test_megatron_fast_paths.py tests/gpu/test_megatron_families.py -m gpu -o addopts="" --noconftest -p no:cacheprovider \
              -q -rA 2>&1 | tee -a "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tee -a "$OUT/summary.log" ;;
     *) echo "unknown case $c" ;;

@@ -1,6 +1,7 @@
 """The megatron backend's fast paths on CUDA: fused SDPA attention and full activation recomputation (whose
-recomputation runs on autograd's device thread) against the unfused model, and the compiled chunked logprob kernels
-in bf16 against ``log_softmax`` on fp32-upcast logits. Run by ``scripts/gpu/`` with ``-m gpu --noconftest``."""
+recomputation runs on autograd's device thread) against the unfused model, the compiled chunked logprob kernels
+in bf16 against ``log_softmax`` on fp32-upcast logits, and the compiled RoPE against its eager chain. Run by
+``scripts/gpu/`` with ``-m gpu --noconftest``."""
 
 from __future__ import annotations
 
@@ -51,6 +52,28 @@ def test_compiled_logprob_kernels_match_log_softmax_in_bf16():
     # Both gradients are fp32 math rounded once to bf16.
     assert torch.allclose(logits.grad.float(), ref_in.grad.float(), atol=1e-2, rtol=1e-2)
     assert (logits.grad.float() - ref_in.grad.float()).abs().mean() < 1e-5
+
+
+def test_compiled_rope_matches_the_eager_chain_in_bf16():
+    """The RoPE the packed core attention applies on CUDA compiles (no silent eager fallback) and equals the
+    op-by-op chain up to the bf16 roundings it skips, forward and backward."""
+    from trainer_svc.backends.megatron import fusion
+
+    assert fusion.compiles("rope", torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for t in (300, 517):  # a second length: the dynamic kernel serves it without another compile failing
+        x = torch.randn(t, 8, 128, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        angles = torch.rand(t, 1, 128, device="cuda", generator=g) * 100
+        cos, sin = torch.cos(angles).to(torch.bfloat16), torch.sin(angles).to(torch.bfloat16)
+        weights = torch.randn(t, 8, 128, device="cuda", generator=g)
+        out = fusion.apply_rope(x, cos, sin)
+        ref = fusion.rotate(x_ref, cos, sin)
+        (out.float() * weights).sum().backward()
+        (ref.float() * weights).sum().backward()
+        assert not fusion._ROTATE_COMPILED.failed
+        assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=1e-2)
+        assert torch.allclose(x.grad.float(), x_ref.grad.float(), atol=2e-2, rtol=1e-2)
 
 
 def test_varlen_attention_matches_per_datum_sdpa():

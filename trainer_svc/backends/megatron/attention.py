@@ -7,7 +7,9 @@ The row's datum boundaries come as :class:`PackedRows` (megatron's ``PackedSeqPa
 host too), handed through ``GPTModel.forward(packed_seq_params=...)``. Its ``qkv_format`` is ``sbhd``, not ``thd``:
 megatron's thd path applies RoPE per call through a device-to-host copy of ``cu_seqlens`` and a split/cat per datum
 (twice per layer), while :func:`.model.forward_logits` computes the angles of every token's position within its
-datum once per batch, so megatron's plain ``[T, 1, heads, d]`` RoPE path is exact and costs what it always did.
+datum once per batch and hands them over with the boundaries; this module rotates q and k with them before
+attending (:func:`.fusion.apply_rope`: one fused kernel per tensor and direction on CUDA, megatron's op-by-op math
+elsewhere), and megatron is handed no angles of its own.
 
 Kernels. Nothing of size ``T^2`` is ever formed, and a datum never attends to another:
   * CUDA, bf16/fp16: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over ``cu_seqlens``), one call
@@ -26,12 +28,14 @@ import functools
 import inspect
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
+
+from .fusion import apply_rope
 
 _GQA_FUSED_OK: dict[str, bool] = {}  # per device type: did a fused kernel accept enable_gqa
 _VARLEN_OK: dict[tuple[str, torch.dtype], bool] = {}  # per device type and dtype: did varlen_attn run
@@ -40,9 +44,19 @@ _VARLEN_OK: dict[tuple[str, torch.dtype], bool] = {}  # per device type and dtyp
 @dataclass
 class PackedRows(PackedSeqParams):
     """The datums of one packed row: ``cu_seqlens_q`` / ``_kv`` (int32, on the device) for the varlen kernel and
-    ``bounds`` ((start, end) per datum, on the host) for the per-datum loop, so neither reads the device."""
+    ``bounds`` ((start, end) per datum, on the host) for the per-datum loop, so neither reads the device; and the
+    RoPE angles of each token's position within its datum (``rope_angles``, fp32 ``[T, 1, head_dim]``), which
+    :class:`SDPACoreAttention` applies to q and k (none: the caller already rotated them)."""
 
     bounds: tuple[tuple[int, int], ...] = ()
+    rope_angles: torch.Tensor | None = None
+    _rope_cos_sin: dict = field(default_factory=dict, init=False, repr=False)
+
+    def rope_cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the angles in ``dtype`` (as megatron casts them), once per batch, not once per layer."""
+        if dtype not in self._rope_cos_sin:
+            self._rope_cos_sin[dtype] = (torch.cos(self.rope_angles).to(dtype), torch.sin(self.rope_angles).to(dtype))
+        return self._rope_cos_sin[dtype]
 
 
 def packed_rows(lengths: list[int], device: torch.device) -> PackedRows:
@@ -80,6 +94,9 @@ class SDPACoreAttention(MegatronModule):
         # [T, 1, heads, d] (or thd's [T, heads, d]) -> [T, heads, d]: views
         t = query.shape[0]
         q, k, v = (x.reshape(t, x.shape[-2], x.shape[-1]) for x in (query, key, value))
+        if packed_seq_params.rope_angles is not None:
+            cos, sin = packed_seq_params.rope_cos_sin(q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return packed_attention(q, k, v, packed_seq_params, self.softmax_scale).reshape(t, 1, -1)
 
 

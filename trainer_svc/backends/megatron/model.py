@@ -3,8 +3,9 @@ spec).
 
 The model runs in plain PyTorch: causal attention within each datum of a packed row (:mod:`.attention`;
 ``attention="unfused"`` keeps megatron's ``DotProductAttention`` with a block-diagonal mask), ``torch.nn.RMSNorm``,
-the non-fused RoPE path (rotate-half convention, like HF Llama) at each token's position within its datum
-(:class:`PackedRotaryEmbedding`), ``ColumnParallelLinear`` / ``RowParallelLinear``. A batch is one packed row
+RoPE in the rotate-half convention (like HF Llama) at each token's position within its datum
+(:class:`PackedRotaryEmbedding`), ``ColumnParallelLinear`` / ``RowParallelLinear``; on CUDA the RoPE and SwiGLU
+chains run as compiled kernels (:mod:`.fusion`). A batch is one packed row
 (:func:`forward_logits`): no padding. The base weights are frozen; only the LoRA tensors of :mod:`.lora` receive
 gradients.
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from loraplane.errors import FailedPrecondition
 from loraplane.models.base import sliding_window_in_use
 
+from .fusion import CompiledOrEager, compiles
 from .layout import LlamaShape, hf_to_mcore_state_dict, shape_from_hf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -210,7 +212,7 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         tensor_model_parallel_size=_tp_size(),
         use_cpu_initialization=True,
         perform_initialization=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=compiles("swiglu", device),
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
@@ -239,8 +241,8 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
     )
     # Always ours, not megatron's: one code path for default and llama3 RoPE, equal to transformers' by
     # construction, at each token's position within its datum of the packed row.
-    model.rotary_pos_emb = PackedRotaryEmbedding(rope_inv_freq(spec).to(device))
     model.packed_attention = attention == "sdpa"
+    model.rotary_pos_emb = PackedRotaryEmbedding(rope_inv_freq(spec).to(device), model.packed_attention)
     return model.to(device=device, dtype=dtype)
 
 
@@ -285,23 +287,33 @@ def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device, attention:
 
 class PackedRotaryEmbedding(torch.nn.Module):
     """Stands in for ``GPTModel.rotary_pos_emb``: the RoPE angles ``[T, 1, 1, head_dim]`` of the positions of the
-    packed row being run (each datum's restart at 0), which :func:`forward_logits` sets. megatron applies them with
-    its plain (sbhd) path, ``t * cos + rotate_half(t) * sin``; the angles are ``position * inv_freq`` in fp32, the
-    same products megatron's ``arange`` ones and transformers' are, so every datum is rotated exactly as alone."""
+    packed row being run (each datum's restart at 0), which :func:`forward_logits` sets. The angles are
+    ``position * inv_freq`` in fp32, the same products megatron's ``arange`` ones and transformers' are, so every
+    datum is rotated exactly as alone.
 
-    def __init__(self, inv_freq: torch.Tensor):
+    With the packed core attention (``in_core_attention``) the rotation is applied there (:mod:`.attention`, one
+    fused kernel on CUDA) and megatron is handed no angles; otherwise megatron applies them with its plain (sbhd)
+    path, ``t * cos + rotate_half(t) * sin`` op by op."""
+
+    def __init__(self, inv_freq: torch.Tensor, in_core_attention: bool):
         super().__init__()
         self.inv_freq = inv_freq  # a plain attribute (not a buffer): stays fp32 whatever dtype the model is cast to
+        self.in_core_attention = in_core_attention
         self.positions: torch.Tensor | None = None
 
     def get_rotary_seq_len(self, *_args, **_kwargs) -> int:
         return 0 if self.positions is None else self.positions.shape[0]
 
-    def forward(self, max_seq_len: int = 0, offset: int = 0, packed_seq: bool = False, cp_group=None):
+    def angles(self) -> torch.Tensor:
         if self.positions is None:
             raise RuntimeError("the megatron model runs packed rows: call model.forward_logits")
         freqs = torch.outer(self.positions.to(self.inv_freq.dtype), self.inv_freq)
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+    def forward(self, max_seq_len: int = 0, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if self.in_core_attention and self.positions is not None:
+            return None  # forward_logits handed the angles to the core attention with the row's boundaries
+        return self.angles()
 
 
 def forward_logits(model, input_ids: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
@@ -330,6 +342,8 @@ def forward_logits(model, input_ids: torch.Tensor, lengths: list[int] | None = N
         mask = ((owner[:, None] != owner[None, :]) | later)[None, None]
     rotary = model.rotary_pos_emb
     rotary.positions = positions
+    if packed is not None and rotary.in_core_attention:
+        packed.rope_angles = rotary.angles()[:, 0]  # [T, 1, d]: broadcasts over the heads of [T, heads, d]
     try:
         return model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask,
                      packed_seq_params=packed)
@@ -435,34 +449,17 @@ def _logprob_grad_fused(x, lse, g, tgt):
     return (torch.where(hot, gi, 0.0) - gi * torch.exp(x.float() - lse.unsqueeze(-1))).to(x.dtype)
 
 
-class _CompiledOrEager:
-    """``torch.compile(fn)``, falling back to ``eager`` for good if compiling fails (no compiler toolchain)."""
-
-    def __init__(self, fn, eager):
-        self.eager = eager
-        self.compiled = torch.compile(fn)
-        self.failed = False
-
-    def __call__(self, *args):
-        if not self.failed:
-            try:
-                return self.compiled(*args)
-            except Exception:  # noqa: BLE001 - the eager math is the same
-                self.failed = True
-        return self.eager(*args)
-
-
 _KERNELS: dict[str, tuple] = {}
 
 
 def _kernels(device: torch.device) -> tuple:
-    """(forward chunk fn, backward chunk fn): compiled (fused: one pass over the logits) on CUDA unless
-    LORAPLANE_MEGATRON_COMPILE=0, else eager."""
+    """(forward chunk fn, backward chunk fn): compiled (fused: one pass over the logits) where
+    :func:`.fusion.compiles` says so, else eager."""
     key = device.type
     if key not in _KERNELS:
         fns = (_lse_and_target, _logprob_grad_eager)
-        if key == "cuda" and os.environ.get("LORAPLANE_MEGATRON_COMPILE", "1") != "0":
-            fns = (_CompiledOrEager(_lse_and_target, _lse_and_target),
-                   _CompiledOrEager(_logprob_grad_fused, _logprob_grad_eager))
+        if compiles("logprob", device):
+            fns = (CompiledOrEager(_lse_and_target, _lse_and_target),
+                   CompiledOrEager(_logprob_grad_fused, _logprob_grad_eager))
         _KERNELS[key] = fns
     return _KERNELS[key]

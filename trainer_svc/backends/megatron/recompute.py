@@ -9,9 +9,9 @@ context has exited), so the routing of the original forward is captured and put 
 Why whole layers and not megatron's "selective" (core-attention) recomputation: with the fused attention of
 :mod:`.attention` nothing of size s^2 is stored any more (the kernel already recomputes the scores in its backward),
 so what remains per token and layer is the projections' and the MLP's activations (about ``6h + 2kv + 4ffn``
-values); only whole-layer recomputation removes those. ``plan()`` picks the smallest number of layers to recompute
-(the first ``k``, like megatron's ``block`` method) so that the estimate fits the free device memory, so a batch
-that fits runs without any recomputation.
+values; ``3ffn`` with the fused SwiGLU); only whole-layer recomputation removes those. ``plan()`` picks the smallest
+number of layers to recompute (the first ``k``, like megatron's ``block`` method) so that the estimate fits the free
+device memory, so a batch that fits runs without any recomputation.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ class LayerRecompute:
         self.tp = tp
         self.bytes = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
         self.layers = list(model.decoder.layers)
+        # MLP activations kept per token, in units of ffn: the fc1 output (2), and unfused also silu(a) and the
+        # (b + 0) copy that silu(a) * b keeps, against the fused SwiGLU's one saved input (.fusion).
+        self.mlp_ffn_kept = 3 if getattr(model.config, "bias_activation_fusion", False) else 4
         self.count = 0  # layers [0, count) are recomputed in the next forward
         for i, layer in enumerate(self.layers):
             layer.forward = self._wrap(i, layer.forward)
@@ -62,7 +65,7 @@ class LayerRecompute:
         s, tp = self.shape, self.tp
         kv = s.num_kv_heads * s.head_dim // tp
         q = s.num_heads * s.head_dim // tp
-        per_token = 4 * s.hidden_size + 2 * q + 2 * kv + 4 * s.ffn_hidden_size // tp
+        per_token = 4 * s.hidden_size + 2 * q + 2 * kv + self.mlp_ffn_kept * s.ffn_hidden_size // tp
         return tokens * per_token * self.bytes, tokens * s.hidden_size * self.bytes
 
     def plan(self, tokens: int, backward: bool, device: torch.device) -> int:
