@@ -339,10 +339,12 @@ class SGLangEngine(Engine):
         server = min(self.servers, key=lambda s: len(s.adapters))
         tensors = self._sends_tensors(server)
         # A file is the blob's own bytes: its header is all that must be read (the digest was checked on download).
+        header = None
         if tensors:
             params, spec, base_name = await asyncio.to_thread(parse_adapter, blob)
         else:
-            spec, base_name, _dtypes = await asyncio.to_thread(adapter_header, blob)
+            header = await asyncio.to_thread(adapter_header, blob)
+            spec, base_name, _dtypes = header
         if base_name and base_name != self._base_model_name:
             raise errors.FailedPrecondition(
                 f"{key} was trained on {base_name!r}; this sampler serves {self._base_model_name!r}", field="adapter")
@@ -369,7 +371,7 @@ class SGLangEngine(Engine):
                 server.tensor_loads = server.tensor_loads or status == 200
         if status is None:
             directory = self._adapter_dir(key)
-            await asyncio.to_thread(_write_peft_dir, blob, directory)
+            await asyncio.to_thread(_write_peft_dir, blob, directory, header)
             status, body = await self._load_call(server, key, "/load_lora_adapter",
                                                  {"lora_name": key, "lora_path": str(directory)})
             if status != 200 or (isinstance(body, dict) and body.get("success") is False):
@@ -592,13 +594,14 @@ def _coalesced(items: list) -> list:
     return out
 
 
-def _write_peft_dir(blob: bytes, directory: Path) -> Path:
+def _write_peft_dir(blob: bytes, directory: Path, header: tuple | None = None) -> Path:
     """The PEFT directory SGLang loads. A float32 or bfloat16 blob already is the adapter_model.safetensors SGLang
     reads (PEFT tensor names; its extra metadata is ignored; SGLang casts to the server's dtype, which is exact from
     either), so its bytes are written as they are, without parsing and re-serializing them (for an 8B-shape
     rank-32 adapter, 335 MB, that pair cost as much as SGLang's load; a bf16 version stays half of it). Other
-    dtypes go through materialize_peft_dir, which writes float32."""
-    spec, base_name, dtypes = adapter_header(blob)
+    dtypes go through materialize_peft_dir, which writes float32. ``header``: the blob's ``adapter_header`` where the
+    caller already read it."""
+    spec, base_name, dtypes = header or adapter_header(blob)
     if any(dtype not in ("F32", "BF16") for dtype in dtypes.values()):
         return materialize_peft_dir(blob, directory)
     directory.mkdir(parents=True, exist_ok=True)
