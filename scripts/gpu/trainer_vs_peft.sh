@@ -63,9 +63,9 @@ for c in $cases; do
     1b-unfused) run_case llama1b_16x512_unfused --shape llama1b --datums 16 --seq-len 512 --tenants 1,8 --rounds ${ROUNDS:-10} --attention unfused --recompute none ;;
     # Before/after of the compiled elementwise chains (fusion.py), back to back in one call: only the logprob
     # kernels compiled (as through run tvp6), then every part.
-    1b-fusion) for COMPILE in logprob 1; do
-                 run_case llama1b_16x512_compile_$COMPILE --shape llama1b --datums 16 --seq-len 512 --tenants 1 --rounds ${ROUNDS:-5}
-               done; COMPILE= ;;
+    1b-fusion) short1b=(--shape llama1b --datums 16 --seq-len 512 --tenants 1 --rounds ${ROUNDS:-5})
+               COMPILE=logprob; run_case llama1b_16x512_compile_logprob "${short1b[@]}"
+               COMPILE=1; run_case llama1b_16x512_compile_all "${short1b[@]}"; COMPILE= ;;
     8b-fusion) long8b=(--shape llama8b --datums 16 --seq-len 2048 --tenants 1 --rounds ${ROUNDS:-3} --warmup 1 --no-peft)
                COMPILE=logprob; run_case llama8b_16x2048_alone_compile_logprob "${long8b[@]}"
                COMPILE=1; run_case llama8b_16x2048_alone_compile_all "${long8b[@]}" --profile "$OUT"; COMPILE= ;;
