@@ -11,11 +11,13 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import math
 import os
 import re
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -235,24 +237,41 @@ def _query_fingerprint(*query: object) -> str:
     return hashlib.sha256(json.dumps(query, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
-def encode_page_token(position: str | int, *query: object) -> str:
-    raw = json.dumps({"p": position, "q": _query_fingerprint(*query)}, separators=(",", ":")).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+_BAD_TOKEN = "page_token: not a token this registry issued for this query; pass next_page_token unchanged"
 
 
-def decode_page_token(token: str, *query: object) -> str | int | None:
+def _mac(secret: bytes, payload: bytes) -> str:
+    digest = hmac.new(secret, b"loraplane page token\n" + payload, hashlib.sha256).digest()[:16]
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def encode_page_token(secret: bytes, position: str | int, *query: object) -> str:
+    """`<payload>.<mac>`: the position after which the next page starts and the fingerprint of the query that made
+    it, authenticated with the registry's secret. A caller can neither forge a position nor move a token to another
+    query (the caller's scope is part of every query), so a token is only ever a bookmark in a listing the caller
+    was already allowed to read."""
+    payload = base64.urlsafe_b64encode(json.dumps({"p": position, "q": _query_fingerprint(*query)},
+                                                  separators=(",", ":")).encode()).decode().rstrip("=")
+    return f"{payload}.{_mac(secret, payload.encode())}"
+
+
+def decode_page_token(secret: bytes, token: str, *query: object) -> str | int | None:
     """The position after which the next page starts (None for the first page). A token is valid only for the
-    query that produced it (AIP-158), so a changed filter cannot silently skip or repeat items."""
+    query (and caller scope) that produced it (AIP-158), so a changed filter cannot silently skip or repeat items;
+    a token with a wrong signature, a changed payload or another query's fingerprint is refused with one message
+    (which says nothing about what the token names)."""
     if not token:
         return None
+    payload, _, mac = token.partition(".")
+    if not mac or not hmac.compare_digest(mac, _mac(secret, payload.encode())):
+        raise errors.InvalidArgument(_BAD_TOKEN, field="page_token")
     try:
-        decoded = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        decoded = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
         position, fingerprint = decoded["p"], decoded["q"]
     except (ValueError, KeyError, TypeError):
-        raise errors.InvalidArgument("page_token: not a token this registry issued", field="page_token") from None
-    if fingerprint != _query_fingerprint(*query):
-        raise errors.InvalidArgument("page_token: issued for a different query; the other arguments must match the "
-                                     "call that returned it", field="page_token")
+        raise errors.InvalidArgument(_BAD_TOKEN, field="page_token") from None
+    if fingerprint != _query_fingerprint(*query) or not isinstance(position, (str, int)):
+        raise errors.InvalidArgument(_BAD_TOKEN, field="page_token")
     return position
 
 
@@ -346,6 +365,7 @@ class RegistryStore:
         self._buffered = _ByteBudget(self.limits.max_buffered_publish_bytes)
         self._active_watches = 0
         self._pending_reads: set[asyncio.Future] = set()
+        self._page_token_secret: bytes | None = None
 
     async def start(self) -> None:
         await self.blobs.ensure_bucket()
@@ -455,13 +475,19 @@ class RegistryStore:
             raise errors.InvalidArgument(f"prefix: {len(prefix)} characters, at most {self.limits.max_prefix_chars}",
                                          field="prefix")
         size = page_size_of(page_size)
+        secret = await self._page_secret()
+        query = ("adapters", prefix, caller.scope or "")
         # A scoped caller lists only its own namespace (an empty page when it asks for another one).
         narrowed = caller.narrow_prefix(prefix)
         if narrowed is None:
-            decode_page_token(page_token, "adapters", prefix)
+            decode_page_token(secret, page_token, *query)
             return [], ""
+        after = decode_page_token(secret, page_token, *query)
         prefix = narrowed
-        after = decode_page_token(page_token, "adapters", prefix)
+        # The scan's lower bound never leaves the caller's range, whatever a token says: a position below the
+        # prefix starts at the prefix (the upper bound already ends there).
+        if after is not None and (not isinstance(after, str) or (prefix and after < prefix)):
+            after = None
         low = f"({after}" if after is not None else f"[{prefix}" if prefix else "-"
         high = f"[{prefix}\xff" if prefix else "+"
         with self._redis_errors("list adapters"):
@@ -471,10 +497,24 @@ class RegistryStore:
                     pipe.hgetall(self._akey(name))
                     pipe.hgetall(self._akey(name, ":aliases"))
                 replies = await pipe.execute()
+        # And each record is shown only if the key may see it (a second, independent check of the range above).
         records = [self._adapter_record(fields, aliases)
-                   for fields, aliases in zip(replies[::2], replies[1::2], strict=True) if fields]
-        next_token = encode_page_token(names[size - 1], "adapters", prefix) if len(names) > size else ""
+                   for fields, aliases in zip(replies[::2], replies[1::2], strict=True)
+                   if fields and caller.may_see(fields.get("name", ""))]
+        next_token = encode_page_token(secret, names[size - 1], *query) if len(names) > size else ""
         return records, next_token
+
+    async def _page_secret(self) -> bytes:
+        """The key page tokens are signed with: made once per registry (the first replica to ask stores it in Redis,
+        next to the metadata it protects), so every replica accepts every replica's tokens and a restart keeps
+        issued tokens valid."""
+        if self._page_token_secret is None:
+            key = self.prefix + "page_token_secret"
+            with self._redis_errors("read the page-token secret"):
+                await self.redis.set(key, secrets.token_hex(32), nx=True)
+                stored = await self.redis.get(key)
+            self._page_token_secret = bytes.fromhex(stored)
+        return self._page_token_secret
 
     async def delete_adapter(self, name: str, *, caller: Identity = OPEN) -> None:
         validate_name(name)
@@ -738,7 +778,11 @@ class RegistryStore:
         if kind and kind not in KINDS:
             raise errors.InvalidArgument(f"kind: {kind} is not a known VersionKind", field="kind")
         size = page_size_of(page_size)
-        after = decode_page_token(page_token, "versions", adapter, kind)
+        secret = await self._page_secret()
+        query = ("versions", adapter, kind, caller.scope or "")
+        after = decode_page_token(secret, page_token, *query)
+        if after is not None and (not isinstance(after, int) or isinstance(after, bool)):
+            after = None
         index = self._akey(adapter, f":kind:{kind}" if kind else ":versions")
         with self._redis_errors("list versions"):
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -755,7 +799,7 @@ class RegistryStore:
                 replies = await pipe.execute()
         records = [self._version_record(adapter, int(number), fields, aliases)
                    for number, fields in zip(numbers, replies, strict=False) if fields]
-        next_token = encode_page_token(int(numbers[size - 1]), "versions", adapter, kind) if len(numbers) > size else ""
+        next_token = encode_page_token(secret, int(numbers[size - 1]), *query) if len(numbers) > size else ""
         return records, next_token
 
     async def delete_version(self, adapter: str, version: int, *, caller: Identity = OPEN) -> None:
