@@ -1,12 +1,33 @@
 """Losses, summed over tokens and datums (never averaged), exactly as DESIGN.md defines them.
 
-With lp the learner logprob of each target token, q the sampler logprob, A the advantage, r = exp(lp - q):
+With lp the learner logprob of each target token, q the sampler logprob, A the advantage, r = exp(lp - q), sg() a
+stop-gradient and m the datum's per-token `sequence_ratio_mask`:
   cross_entropy        -lp * w                       (w real, may be negative; default 1)
   importance_sampling  -r * A
   ppo                  -min(r * A, clamp(r, lo, hi) * A)          lo/hi absolute ratio bounds (0.8 / 1.2)
   cispo                -stopgrad(clamp(r, lo, hi)) * lp * A
   dro                  -(lp * A - 0.5 * beta * (lp - q)^2)         beta 0.05
-Each function returns the per-token loss; the datum's elementwise_loss is that vector and loss:sum is the total.
+  gspo                 -min(s_t * A, clamp(s_t, lo, hi) * A)      Tinker's GSPO-token (Zheng et al. 2025), lo/hi 0.8/1.2
+        with M = {t : m_t != 0} (no mask sent: M = {t : A_t != 0}), s = exp(mean_{t in M} (sg(lp_t) - q_t))
+        (0 when M is empty) and s_t = sg(s) * exp(lp_t - sg(lp_t)): every token carries the sequence ratio's value
+        and its own logprob's gradient.
+  stable_reinforce     loraplane's off-policy-robust REINFORCE; only tokens of a sampled sequence contribute:
+        S_k = {t : m_t == k} for k = 1, 2, ... (one k per sampled sequence; no mask sent: one sequence,
+        {t : A_t != 0}). Per-token log ratio d_t = sg(lp_t) - q_t; rho_t = exp(d_t), or with sequence_level = 1
+        rho_t = exp(mean_{u in S_k} d_u) for t in S_k (the geometric-mean ratio of GSPO / sequence-level MIS).
+          keep_t = [mask_low <= rho_t <= mask_high]           trust band: tokens (sequences) outside it are
+                                                                dropped, IcePop (Ling Team 2025) / MIS (Liu et al.
+                                                                2025, "When speed kills stability")
+          w_t    = min(rho_t, ratio_cap)                      truncated importance weight, TIS (Yao et al. 2025,
+                                                                "Your efficient RL framework secretly brings you
+                                                                off-policy RL training")
+          loss_t = keep_t * (-w_t * A_t * lp_t + kl_coeff * (exp(lp_t - q_t) - (lp_t - q_t) - 1))
+        The last term is Schulman's k3 estimate of KL(sampler || learner) on the sampled tokens, a pull towards
+        the policy that produced the data. q must be the logprobs recorded at sampling time (the gateway fills them
+        from its record of the sampled sequence, never from the client). Defaults: ratio_cap 2, mask_low 0.5,
+        mask_high 5, sequence_level 0, kl_coeff 0. On policy (q = lp) it is plain REINFORCE: -A * lp.
+Each function returns the per-token loss of one datum (a Datum is one sampled sequence or several, never part of
+one, so sequence-level terms never cross datums); the datum's elementwise_loss is that vector and loss:sum the total.
 """
 
 from __future__ import annotations
@@ -26,10 +47,13 @@ class LossDef:
     defaults: Mapping[str, float]
     # Datum fields that must be present (same length as input_tokens).
     requires: tuple[str, ...]
+    # The loss reads the datum's sequence_ratio_mask (it reaches the loss in DatumInput.weights, which these losses
+    # have no other use for); None when it was not sent.
+    uses_sequence_mask: bool = False
 
 
 def _cross_entropy(lp, *, weights, **_):
-    return -lp * weights
+    return -lp * (torch.ones_like(lp) if weights is None else weights)
 
 
 def _importance_sampling(lp, *, q, advantages, **_):
@@ -51,19 +75,82 @@ def _dro(lp, *, q, advantages, beta, **_):
     return -(lp * advantages - 0.5 * beta * (lp - q) ** 2)
 
 
+def _gspo(lp, *, q, advantages, weights, clip_low_threshold, clip_high_threshold, **_):
+    in_ratio = (weights != 0) if weights is not None else (advantages != 0)
+    log_ratio = lp.detach() - q
+    seq_log_ratio = log_ratio[in_ratio].mean() if bool(in_ratio.any()) else log_ratio.new_zeros(())
+    ratio = torch.exp(seq_log_ratio + lp - lp.detach())
+    clipped = torch.clamp(ratio, clip_low_threshold, clip_high_threshold)
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def _sequence_ids(weights: torch.Tensor | None, advantages: torch.Tensor) -> torch.Tensor:
+    """Per token: 0 outside every sampled sequence, k >= 1 inside the k-th (validation made them whole numbers)."""
+    if weights is None:
+        return (advantages != 0).long()
+    return weights.round().long()
+
+
+def _stable_reinforce(lp, *, q, advantages, weights, ratio_cap, mask_low, mask_high, sequence_level, kl_coeff,
+                      **_):
+    seq = _sequence_ids(weights, advantages)
+    sampled = seq > 0
+    log_ratio = lp.detach() - q
+    if sequence_level:
+        # Geometric-mean ratio per sampled sequence, broadcast back to its tokens (a float64 sum keeps long
+        # sequences exact; groups are renumbered densely so any ids work).
+        groups, index = torch.unique(seq, return_inverse=True)
+        sums = torch.zeros(len(groups), dtype=torch.float64, device=lp.device).index_add_(0, index,
+                                                                                       log_ratio.double())
+        counts = torch.zeros(len(groups), dtype=torch.float64, device=lp.device).index_add_(
+            0, index, torch.ones_like(log_ratio, dtype=torch.float64))
+        log_ratio = (sums / counts)[index].to(lp.dtype)
+    keep = sampled & (log_ratio >= math.log(mask_low)) & (log_ratio <= math.log(mask_high))
+    # Ratios are only exponentiated where kept (in the band, so finite): a huge off-policy log ratio never turns
+    # into inf * 0 = NaN, in the value or the gradient.
+    zeros = torch.zeros_like(lp)
+    weight = torch.where(keep, torch.exp(torch.clamp(log_ratio, max=math.log(ratio_cap))), zeros)
+    loss = -weight * advantages * lp
+    if kl_coeff:
+        delta = torch.where(keep, lp - q, zeros)
+        loss = loss + kl_coeff * torch.where(keep, torch.exp(delta) - delta - 1, zeros)
+    return loss
+
+
 _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+_STABLE = {"ratio_cap": 2.0, "mask_low": 0.5, "mask_high": 5.0, "sequence_level": 0.0, "kl_coeff": 0.0}
 LOSSES: dict[str, LossDef] = {
     "cross_entropy": LossDef(_cross_entropy, {}, ()),
     "importance_sampling": LossDef(_importance_sampling, {}, ("logprobs", "advantages")),
     "ppo": LossDef(_ppo, _CLIP, ("logprobs", "advantages")),
     "cispo": LossDef(_cispo, _CLIP, ("logprobs", "advantages")),
     "dro": LossDef(_dro, {"beta": 0.05}, ("logprobs", "advantages")),
+    "gspo": LossDef(_gspo, _CLIP, ("logprobs", "advantages"), uses_sequence_mask=True),
+    "stable_reinforce": LossDef(_stable_reinforce, _STABLE, ("logprobs", "advantages"), uses_sequence_mask=True),
 }
 DEFAULT_LOSS = "cross_entropy"
 
 
 def supported_losses() -> list[str]:
     return list(LOSSES)
+
+
+def _check_stable_reinforce(resolved: dict[str, float]) -> None:
+    def refuse(key: str, rule: str) -> None:
+        raise InvalidArgument(f"loss_fn_config.{key} must be {rule}, got {resolved[key]}",
+                              field=f"loss_fn_config.{key}")
+
+    if resolved["ratio_cap"] <= 0:
+        refuse("ratio_cap", "> 0")
+    # The band must hold ratio 1, or on-policy data would train nothing.
+    if not 0 < resolved["mask_low"] <= 1:
+        refuse("mask_low", "in (0, 1]")
+    if resolved["mask_high"] < 1:
+        refuse("mask_high", ">= 1")
+    if resolved["sequence_level"] not in (0.0, 1.0):
+        refuse("sequence_level", "0 (token-level ratios) or 1 (one geometric-mean ratio per sampled sequence)")
+    if resolved["kl_coeff"] < 0:
+        refuse("kl_coeff", ">= 0")
 
 
 def resolve_loss(name: str, config: Mapping[str, float]) -> tuple[str, dict[str, float]]:
@@ -89,12 +176,13 @@ def resolve_loss(name: str, config: Mapping[str, float]) -> tuple[str, dict[str,
                 field="loss_fn_config.clip_low_threshold")
     if resolved.get("beta", 0.0) < 0:
         raise InvalidArgument(f"loss_fn_config.beta must be >= 0, got {resolved['beta']}", field="loss_fn_config.beta")
+    if name == "stable_reinforce":
+        _check_stable_reinforce(resolved)
     return name, resolved
 
 
 def elementwise_loss(name: str, config: Mapping[str, float], lp: torch.Tensor, *, weights: torch.Tensor | None,
                      q: torch.Tensor | None, advantages: torch.Tensor | None) -> torch.Tensor:
-    """Per-token loss of one datum (differentiable in lp)."""
-    if weights is None:
-        weights = torch.ones_like(lp)
+    """Per-token loss of one datum (differentiable in lp). For the losses that read a sequence mask, `weights`
+    carries the datum's sequence_ratio_mask (None = not sent)."""
     return LOSSES[name].fn(lp, weights=weights, q=q, advantages=advantages, **config)

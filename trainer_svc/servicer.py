@@ -33,7 +33,8 @@ def source_ref(message: common_pb2.AdapterRef) -> SourceRef:
 
 
 def datum_payloads(data) -> list[DatumPayload]:
-    return [DatumPayload(d.input_tokens, d.target_tokens, d.weights, d.logprobs, d.advantages) for d in data]
+    return [DatumPayload(d.input_tokens, d.target_tokens, d.weights, d.logprobs, d.advantages, d.sequence_ratio_mask)
+            for d in data]
 
 
 def adapter_message(info: AdapterInfo) -> trainer_pb2.TrainerAdapter:

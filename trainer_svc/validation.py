@@ -67,6 +67,22 @@ class DatumPayload:
     weights: Sequence[float] = ()
     logprobs: Sequence[float] = ()
     advantages: Sequence[float] = ()
+    sequence_ratio_mask: Sequence[float] = ()
+
+
+def _sequence_mask(values: Sequence[float], loss: str, field: str, n: int) -> torch.Tensor | None:
+    """gspo: nonzero marks the tokens of the sequence ratio. stable_reinforce: 0 outside the sampled tokens, k >= 1
+    on the tokens of the datum's k-th sampled sequence."""
+    mask = _floats(values, field, n)
+    if mask is None or loss != "stable_reinforce":
+        return mask
+    bad = (mask < 0) | (mask != torch.round(mask)) | (mask > 2**24)
+    if bool(bad.any()):
+        index = int(torch.nonzero(bad)[0, 0])
+        raise InvalidArgument(
+            f"{field}[{index}] is {float(mask[index])}: stable_reinforce wants 0 (not a sampled token) or the "
+            f"number k >= 1 of the sampled sequence the token belongs to", field=field)
+    return mask
 
 
 def validate_data(data: Sequence[DatumPayload], loss_fn: str, loss_config: Mapping[str, float], *, vocab_size: int,
@@ -101,6 +117,12 @@ def validate_data(data: Sequence[DatumPayload], loss_fn: str, loss_config: Mappi
         weights = _floats(datum.weights, f"{prefix}.weights", n)
         logprobs = _floats(datum.logprobs, f"{prefix}.logprobs", n)
         advantages = _floats(datum.advantages, f"{prefix}.advantages", n)
+        if LOSSES[name].uses_sequence_mask:
+            # These losses take no weights; DatumInput.weights carries the mask to them (see losses.py).
+            weights = _sequence_mask(datum.sequence_ratio_mask, name, f"{prefix}.sequence_ratio_mask", n)
+        elif len(datum.sequence_ratio_mask):
+            raise InvalidArgument(f"{prefix}.sequence_ratio_mask is only read by gspo and stable_reinforce, not {name}",
+                                  field=f"{prefix}.sequence_ratio_mask")
         for field_name, value in (("logprobs", logprobs), ("advantages", advantages)):
             if field_name in required and value is None:
                 raise InvalidArgument(f"{prefix}.{field_name} is required by loss_fn {name} ({n} values)",

@@ -26,6 +26,7 @@ class Datum(google.protobuf.message.Message):
     WEIGHTS_FIELD_NUMBER: builtins.int
     LOGPROBS_FIELD_NUMBER: builtins.int
     ADVANTAGES_FIELD_NUMBER: builtins.int
+    SEQUENCE_RATIO_MASK_FIELD_NUMBER: builtins.int
     @property
     def input_tokens(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]: ...
     @property
@@ -42,6 +43,14 @@ class Datum(google.protobuf.message.Message):
     def advantages(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.float]:
         """Per-token advantages A (RL losses)."""
 
+    @property
+    def sequence_ratio_mask(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.float]:
+        """gspo: nonzero marks the tokens M whose mean log ratio is the sequence ratio (Tinker's loss_fn_input of that
+        name); empty = the tokens with a nonzero advantage. stable_reinforce: 0 on tokens that were not sampled, k >= 1
+        (a whole number) on the tokens of the datum's k-th sampled sequence (the gateway writes one k per sampled
+        provenance span); empty = one sequence, the tokens with a nonzero advantage. Other losses refuse it.
+        """
+
     def __init__(
         self,
         *,
@@ -50,8 +59,9 @@ class Datum(google.protobuf.message.Message):
         weights: collections.abc.Iterable[builtins.float] | None = ...,
         logprobs: collections.abc.Iterable[builtins.float] | None = ...,
         advantages: collections.abc.Iterable[builtins.float] | None = ...,
+        sequence_ratio_mask: collections.abc.Iterable[builtins.float] | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["advantages", b"advantages", "input_tokens", b"input_tokens", "logprobs", b"logprobs", "target_tokens", b"target_tokens", "weights", b"weights"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["advantages", b"advantages", "input_tokens", b"input_tokens", "logprobs", b"logprobs", "sequence_ratio_mask", b"sequence_ratio_mask", "target_tokens", b"target_tokens", "weights", b"weights"]) -> None: ...
 
 global___Datum = Datum
 
@@ -211,12 +221,23 @@ class ForwardBackwardRequest(google.protobuf.message.Message):
     seq_id: builtins.int
     """1, 2, 3 ... per adapter, shared by every sequenced RPC of that adapter."""
     loss_fn: builtins.str
-    """cross_entropy | importance_sampling | ppo | cispo | dro"""
+    """cross_entropy | importance_sampling | ppo | cispo | dro | gspo | stable_reinforce. Per token, with lp the
+    learner logprob, q = Datum.logprobs, A = Datum.advantages, r = exp(lp - q), sg() a stop-gradient:
+      gspo (Tinker's GSPO-token): -min(s_t * A, clamp(s_t, lo, hi) * A), s_t = sg(s) * exp(lp - sg(lp)),
+        s = exp(mean over M of (sg(lp) - q)), M from sequence_ratio_mask.
+      stable_reinforce: on the tokens of sampled sequences, with rho = exp(sg(lp) - q) per token (or, with
+        sequence_level = 1, the geometric mean of rho over the token's sampled sequence),
+        keep = [mask_low <= rho <= mask_high] (IcePop / masked IS), w = min(rho, ratio_cap) (truncated IS):
+        keep * (-w * A * lp + kl_coeff * (exp(lp - q) - (lp - q) - 1)); 0 elsewhere. q must be the sampler's
+        recorded logprobs. Unknown config keys are INVALID_ARGUMENT naming the key.
+    """
     @property
     def data(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___Datum]: ...
     @property
     def loss_fn_config(self) -> google.protobuf.internal.containers.ScalarMap[builtins.str, builtins.float]:
-        """ppo, cispo: clip_low_threshold (0.8), clip_high_threshold (1.2); dro: beta (0.05)."""
+        """ppo, cispo, gspo: clip_low_threshold (0.8), clip_high_threshold (1.2), absolute ratio bounds; dro: beta (0.05);
+        stable_reinforce: ratio_cap (2), mask_low (0.5), mask_high (5), sequence_level (0 or 1; 0), kl_coeff (0).
+        """
 
     def __init__(
         self,

@@ -79,7 +79,8 @@ def test_get_info_describes_model_limits_and_tokenizer(trainer):
     assert "<|im_start|>" in info.tokenizer.chat_template
     assert info.tokenizer.tokenizer_json == b""
     assert info.max_context_length == 512 and info.max_lora_rank >= 8
-    assert list(info.supported_losses) == ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+    assert list(info.supported_losses) == ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
+                                           "stable_reinforce"]
     assert "q_proj" in info.supported_target_modules and "down_proj" in info.supported_target_modules
     assert info.num_hidden_layers == 2 and info.hidden_size == 64 and info.device_slots >= 1
     with_tokenizer = stub.GetInfo(trainer_pb2.GetInfoRequest(include_tokenizer=True))

@@ -3,6 +3,9 @@ forward per datum, the formulas written out independently), values and parameter
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -165,3 +168,217 @@ def test_loss_config_is_validated():
         with pytest.raises(InvalidArgument) as info:
             resolve_loss(name, config)
         assert info.value.field == field, (name, config)
+
+
+# ---- gspo and stable_reinforce: float64 references written out token by token, independently of losses.py ----
+
+def reference_gspo(lp: torch.Tensor, q, adv, mask, clip_low_threshold=0.8, clip_high_threshold=1.2) -> torch.Tensor:
+    """Tinker's GSPO-token, per token in float64: every token carries the sequence ratio's value, d/dlp_t = s."""
+    lp, low, high = lp.double(), clip_low_threshold, clip_high_threshold
+    members = [t for t in range(len(lp)) if (mask[t] != 0 if mask is not None else adv[t] != 0)]
+    seq = sum(float(lp[t].detach()) - float(q[t]) for t in members) / len(members) if members else 0.0
+    s = math.exp(seq)
+    out = []
+    for t in range(len(lp)):
+        ratio = s * torch.exp(lp[t] - lp[t].detach())
+        clipped = lp[t].detach() * 0 + low if s < low else lp[t].detach() * 0 + high if s > high else ratio
+        a = float(adv[t])
+        out.append(-(ratio * a if s * a <= float(clipped.detach()) * a else clipped * a))
+    return torch.stack(out)
+
+
+def reference_stable_reinforce(lp: torch.Tensor, q, adv, mask, ratio_cap=2.0, mask_low=0.5, mask_high=5.0,
+                               sequence_level=0.0, kl_coeff=0.0) -> torch.Tensor:
+    lp = lp.double()
+    ids = [int(mask[t]) if mask is not None else int(adv[t] != 0) for t in range(len(lp))]
+    log_ratio = {t: float(lp[t].detach()) - float(q[t]) for t in range(len(lp))}
+    if sequence_level:
+        by_seq: dict[int, list[float]] = {}
+        for t, k in enumerate(ids):
+            by_seq.setdefault(k, []).append(log_ratio[t])
+        log_ratio = {t: sum(by_seq[ids[t]]) / len(by_seq[ids[t]]) for t in range(len(lp))}
+    out = []
+    for t in range(len(lp)):
+        rho = math.exp(log_ratio[t]) if log_ratio[t] < 700 else math.inf
+        if ids[t] == 0 or not mask_low <= rho <= mask_high:
+            out.append(lp[t] * 0.0)
+            continue
+        delta = lp[t] - float(q[t])
+        out.append(-min(rho, ratio_cap) * float(adv[t]) * lp[t] + kl_coeff * (torch.exp(delta) - delta - 1))
+    return torch.stack(out)
+
+
+def sequence_data(seed: int, loss: str):
+    """Two datums shaped like RL data: a prompt (advantage 0, q 0 as the cookbook pads it) then sampled tokens. The
+    first datum holds two sampled sequences (a multi-turn datum), the second one."""
+    from trainer_svc.validation import DatumPayload
+
+    generator = torch.Generator().manual_seed(seed)
+    payloads = []
+    for prompt, spans in ((4, (5, 6)), (3, (9,))):
+        n = prompt + sum(spans)
+        tokens = torch.randint(5, 261, (n + 1,), generator=generator)
+        adv = [0.0] * prompt
+        mask = [0.0] * prompt
+        for k, length in enumerate(spans, start=1):
+            adv += [float(torch.randn((), generator=generator))] * length
+            mask += [float(k) if loss == "stable_reinforce" else 1.0] * length
+        payloads.append(DatumPayload(tokens[:-1].tolist(), tokens[1:].tolist(), (), [0.0] * n, adv, mask))
+    return payloads
+
+
+def with_sampler_logprobs(backend, state, data, seed, scale):
+    """q = learner logprob + per-token noise + a per-sequence offset, so ratios straddle every band and cap."""
+    with torch.no_grad():
+        learner = reference_logprobs(backend, state, data)
+    generator = torch.Generator().manual_seed(seed)
+    for d, lp in zip(data, learner):
+        offset = torch.zeros_like(lp)
+        ids = d.weights.round().long() if d.weights is not None else (d.advantages != 0).long()
+        for k in ids.unique().tolist():
+            offset[ids == k] = float(torch.randn((), generator=generator)) * scale
+        d.logprobs = lp + offset + torch.randn(lp.shape, generator=generator) * scale
+        d.logprobs[ids == 0] = 0.0
+
+
+@pytest.mark.parametrize("name,config,use_mask", [
+    ("gspo", {}, True),
+    ("gspo", {}, False),
+    ("gspo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}, True),
+    ("stable_reinforce", {}, True),
+    ("stable_reinforce", {}, False),
+    ("stable_reinforce", {"sequence_level": 1.0, "mask_low": 0.7, "mask_high": 1.6}, True),
+    ("stable_reinforce", {"kl_coeff": 0.3, "ratio_cap": 1.5}, True),
+])
+def test_sequence_losses_match_float64_reference(backend, name, config, use_mask):
+    from trainer_svc.validation import validate_data
+
+    state = make_state(backend, 11)
+    payloads = sequence_data(12, name)
+    if not use_mask:
+        payloads = [dataclasses.replace(p, sequence_ratio_mask=()) for p in payloads]
+    data, resolved_name, resolved = validate_data(payloads, name, config, vocab_size=261, max_context_length=64,
+                                                  max_batch_datums=8, max_request_tokens=512)
+    scale = 0.05 if name == "gspo" else 0.4 if config.get("sequence_level") else 0.8
+    with_sampler_logprobs(backend, state, data, 13, scale)
+    (result,) = backend.run([BatchItem(state, data, resolved_name, resolved)], backward=True)
+    grads = {k: v.grad.clone() for k, v in state.params.items()}
+    for tensor in state.params.values():
+        tensor.grad = None
+
+    reference = reference_gspo if name == "gspo" else reference_stable_reinforce
+    lps = reference_logprobs(backend, state, data)
+    reference_total = torch.zeros((), dtype=torch.float64)
+    kept = dropped = 0
+    for out, d, lp in zip(result.outputs, data, lps):
+        ref = reference(lp, d.logprobs, d.advantages, d.weights, **config)
+        assert torch.allclose(torch.tensor(out.elementwise_loss, dtype=torch.float64), ref.detach(), atol=2e-5)
+        reference_total = reference_total + ref.sum()
+        sampled = d.advantages != 0
+        nonzero = ref.detach() != 0
+        kept += int((nonzero & sampled).sum())
+        dropped += int((~nonzero & sampled).sum())
+    assert result.metrics["loss:sum"] == pytest.approx(float(reference_total.detach()), abs=1e-4)
+    reference_total.backward()
+    for key, grad in grads.items():
+        assert torch.allclose(grad.double(), state.params[key].grad.double(), atol=1e-5, rtol=1e-4), key
+    assert any(float(g.abs().sum()) > 0 for g in grads.values())
+    assert kept > 0
+    if name == "stable_reinforce":
+        assert dropped > 0, "the trust band dropped nothing: the test data does not exercise it"
+    else:
+        ratios = [float(torch.exp((lp.detach() - d.logprobs)[d.advantages != 0].mean())) for d, lp in zip(data, lps)]
+        low, high = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
+        inside = [low <= r <= high for r in ratios]
+        assert all(inside) if high >= 1.2 else (any(inside) and not all(inside)), ratios
+
+
+def test_sequence_loss_gradients_in_closed_form():
+    """Gradient check for the surrogates (finite differences do not apply: the weights are stop-gradient by
+    definition): d loss_t / d lp_t against the formulas, in float64."""
+    from trainer_svc.losses import elementwise_loss
+
+    generator = torch.Generator().manual_seed(21)
+    n = 12
+    lp0 = -torch.rand(n, generator=generator, dtype=torch.float64) * 3
+    q = lp0 + torch.randn(n, generator=generator, dtype=torch.float64)
+    adv = torch.randn(n, generator=generator, dtype=torch.float64)
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2], dtype=torch.float64)
+    adv[:2] = 0
+
+    config = resolve_loss("stable_reinforce", {"kl_coeff": 0.25})[1]
+    lp = lp0.clone().requires_grad_(True)
+    elementwise_loss("stable_reinforce", config, lp, weights=mask, q=q, advantages=adv).sum().backward()
+    rho = torch.exp(lp0 - q)
+    keep = (mask > 0) & (rho >= 0.5) & (rho <= 5.0)
+    expected = torch.where(keep, -torch.clamp(rho, max=2.0) * adv + 0.25 * (rho - 1), torch.zeros_like(rho))
+    assert torch.allclose(lp.grad, expected, atol=1e-12)
+    assert bool(keep.any()) and bool((~keep & (mask > 0)).any())
+
+    config = resolve_loss("gspo", {})[1]
+    lp = lp0.clone().requires_grad_(True)
+    q_close = lp0 + torch.randn(n, generator=generator, dtype=torch.float64) * 0.3
+    elementwise_loss("gspo", config, lp, weights=(mask > 0).double(), q=q_close, advantages=adv).sum().backward()
+    s = torch.exp((lp0 - q_close)[mask > 0].mean())
+    unclipped = (adv > 0) & (s <= 1.2) | (adv < 0) & (s >= 0.8)
+    expected = torch.where(unclipped, -s * adv, torch.zeros_like(adv))
+    assert torch.allclose(lp.grad, expected, atol=1e-12)
+
+
+def test_stable_reinforce_is_reinforce_on_policy_and_finite_far_off_policy():
+    from trainer_svc.losses import elementwise_loss
+
+    config = resolve_loss("stable_reinforce", {"kl_coeff": 0.1, "sequence_level": 1.0})[1]
+    lp = torch.tensor([-0.5, -1.0, -2.0, -0.1], requires_grad=True)
+    adv = torch.tensor([0.0, 1.0, 1.0, -2.0])
+    loss = elementwise_loss("stable_reinforce", config, lp, weights=None, q=lp.detach(), advantages=adv)
+    assert torch.allclose(loss, -adv * lp.detach())
+    # A sampler logprob 500 nats below the learner's: the ratio overflows float32; the sequence is dropped, and
+    # neither the value nor the gradient turns into NaN.
+    for level in (0.0, 1.0):
+        config = resolve_loss("stable_reinforce", {"kl_coeff": 0.1, "sequence_level": level})[1]
+        lp = torch.tensor([-0.5, -1.0, -2.0, -0.1], requires_grad=True)
+        q = torch.tensor([0.0, -500.0, -1.0, -0.1])
+        loss = elementwise_loss("stable_reinforce", config, lp, weights=None, q=q, advantages=adv)
+        loss.sum().backward()
+        assert bool(torch.isfinite(loss).all()) and bool(torch.isfinite(lp.grad).all())
+        assert float(loss[1]) == 0.0
+
+
+def test_sequence_loss_config_and_mask_are_validated():
+    from trainer_svc.validation import DatumPayload, validate_data
+
+    assert resolve_loss("stable_reinforce", {})[1] == {"ratio_cap": 2.0, "mask_low": 0.5, "mask_high": 5.0,
+                                                       "sequence_level": 0.0, "kl_coeff": 0.0}
+    assert resolve_loss("stable_reinforce", {"kl_coeff": 0.01})[1]["kl_coeff"] == 0.01
+    assert resolve_loss("gspo", {}) == ("gspo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    for name, config, field in [
+        ("stable_reinforce", {"kl_penalty_coef": 0.1}, "loss_fn_config.kl_penalty_coef"),
+        ("stable_reinforce", {"kl_coeff": -0.1}, "loss_fn_config.kl_coeff"),
+        ("stable_reinforce", {"mask_low": 1.5}, "loss_fn_config.mask_low"),
+        ("stable_reinforce", {"mask_high": 0.9}, "loss_fn_config.mask_high"),
+        ("stable_reinforce", {"ratio_cap": 0.0}, "loss_fn_config.ratio_cap"),
+        ("stable_reinforce", {"sequence_level": 0.5}, "loss_fn_config.sequence_level"),
+        ("gspo", {"beta": 0.1}, "loss_fn_config.beta"),
+        ("gspo", {"clip_low_threshold": 1.3}, "loss_fn_config.clip_low_threshold"),
+    ]:
+        with pytest.raises(InvalidArgument) as info:
+            resolve_loss(name, config)
+        assert info.value.field == field, (name, config)
+
+    limits = {"vocab_size": 261, "max_context_length": 64, "max_batch_datums": 8, "max_request_tokens": 512}
+    good = DatumPayload([5, 6, 7], [6, 7, 8], (), [0.0, -1.0, -2.0], [0.0, 1.0, 1.0], [0.0, 1.0, 2.0])
+    (datum,), _, _ = validate_data([good], "stable_reinforce", {}, **limits)
+    assert datum.weights.tolist() == [0.0, 1.0, 2.0]
+    for loss, payload, field in [
+        ("stable_reinforce", dataclasses.replace(good, sequence_ratio_mask=[0.0, 1.5, 1.0]),
+         "data[0].sequence_ratio_mask"),
+        ("stable_reinforce", dataclasses.replace(good, sequence_ratio_mask=[0.0, -1.0, 1.0]),
+         "data[0].sequence_ratio_mask"),
+        ("gspo", dataclasses.replace(good, sequence_ratio_mask=[1.0]), "data[0].sequence_ratio_mask"),
+        ("ppo", good, "data[0].sequence_ratio_mask"),
+        ("stable_reinforce", dataclasses.replace(good, logprobs=()), "data[0].logprobs"),
+    ]:
+        with pytest.raises(InvalidArgument) as info:
+            validate_data([payload], loss, {}, **limits)
+        assert info.value.field == field, (loss, payload)
