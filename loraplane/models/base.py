@@ -23,7 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from loraplane.errors import FailedPrecondition, InvalidArgument, NotFound
-from loraplane.models.tiny import build_tiny_model, build_tiny_tokenizer
+from loraplane.models import families
+from loraplane.models.tiny import TINY_MOE_NAME, build_tiny_model, build_tiny_moe_model, build_tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def supported_model_names() -> list[str]:
-    return [TINY_NAME, SMOLLM2_NAME]
+    return [TINY_NAME, TINY_MOE_NAME, SMOLLM2_NAME]
 
 
 @dataclass
@@ -52,8 +53,11 @@ class BaseModel:
     dtype: torch.dtype
     num_layers: int
     hidden_size: int
-    # projection name -> (in_features, out_features)
+    # LoRA target name -> (in_features, out_features) of one projection (of one expert for the expert targets)
     module_dims: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # "dense" or "moe" per decoder layer; the routed experts per MoE layer (0 for a dense model)
+    layer_kinds: tuple[str, ...] = ()
+    num_experts: int = 0
 
     @property
     def bos_token_id(self) -> int:
@@ -81,6 +85,12 @@ class BaseModel:
         block = self.model.model.layers[layer]
         return getattr(block.self_attn if projection in _ATTENTION else block.mlp, projection)
 
+    def layer_targets(self, layer: int) -> tuple[str, ...]:
+        """The LoRA targets decoder layer `layer` offers (attention, then its dense MLP or its experts)."""
+        mlp = families.EXPERT_TARGETS if self.layer_kinds and self.layer_kinds[layer] == "moe" else (
+            families.DENSE_MLP_TARGETS)
+        return families.ATTENTION_TARGETS + mlp
+
 
 def model_cache_dir() -> Path:
     root = os.environ.get("LORAPLANE_MODEL_CACHE")
@@ -94,6 +104,10 @@ def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.f
     if name == TINY_NAME:
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(len(tokenizer))
+        model.config._attn_implementation = "sdpa"
+    elif name == TINY_MOE_NAME:
+        tokenizer = build_tiny_tokenizer()
+        model = build_tiny_moe_model(len(tokenizer))
         model.config._attn_implementation = "sdpa"
     elif name == SMOLLM2_NAME:
         directory = ensure_smollm2_cache()
@@ -112,7 +126,7 @@ def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.f
 def checkpoint_directory(name: str) -> Path | None:
     """The Hugging Face directory a named base model is loaded from (weights in their own dtype), or None for a
     model built in memory (`tiny`). Engines that load the model themselves (SGLang) read it from here."""
-    if name == TINY_NAME:
+    if name in (TINY_NAME, TINY_MOE_NAME):
         return None
     if name == SMOLLM2_NAME:
         return ensure_smollm2_cache()
@@ -139,23 +153,28 @@ def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dt
     if layers is None:
         raise InvalidArgument(f"base model {name!r} is not a decoder with model.layers (Llama/Qwen family)",
                               field="base_model")
-    sliding = sliding_window_in_use(model.config)
-    if sliding:
-        # The trainer's packed attention and the sampler's KV-cache decode attend to the whole causal prefix; a
-        # windowed model would train and sample on different logits than transformers computes.
-        raise FailedPrecondition(f"base model {name!r} uses sliding-window attention ({sliding}), which loraplane's "
-                                 "torch backend and engine do not compute", field="base_model")
+    # Refused here, at start-up, naming every feature loraplane does not compute (families.py): e.g. the trainer's
+    # packed attention and the sampler's KV-cache decode attend to the whole causal prefix, so a windowed model
+    # would train and sample on different logits than transformers computes.
+    families.check_supported(model.config, "torch", name)
     model = model.to(device=device, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
     config = model.config
-    block = layers[0]
+    kinds = tuple(families.layer_kinds(config))
     dims: dict[str, tuple[int, int]] = {}
-    for projection in PROJECTIONS:
-        owner = block.self_attn if projection in _ATTENTION else block.mlp
-        linear = getattr(owner, projection, None)
-        if isinstance(linear, torch.nn.Linear):
-            dims[projection] = (linear.in_features, linear.out_features)
+    for block in layers:
+        for projection in PROJECTIONS:
+            owner = block.self_attn if projection in _ATTENTION else block.mlp
+            linear = getattr(owner, projection, None)
+            if isinstance(linear, torch.nn.Linear):
+                dims.setdefault(projection, (linear.in_features, linear.out_features))
+        experts = getattr(block.mlp, "experts", None)
+        if experts is not None and "experts.gate_up_proj" not in dims:
+            # transformers' fused experts: gate_up_proj [E, 2 ffn, hidden], down_proj [E, hidden, ffn].
+            count, two_ffn, hidden = experts.gate_up_proj.shape
+            dims["experts.gate_up_proj"] = (int(hidden), int(two_ffn))
+            dims["experts.down_proj"] = (int(two_ffn) // 2, int(hidden))
     eos: list[int] = []
     generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for candidate in [tokenizer.eos_token_id, *(
@@ -175,7 +194,9 @@ def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dt
         dtype=dtype,
         num_layers=len(layers),
         hidden_size=int(config.hidden_size),
-        module_dims=dims,
+        module_dims={t: dims[t] for t in families.ALL_TARGETS if t in dims},
+        layer_kinds=kinds,
+        num_experts=families.num_experts(config),
     )
 
 

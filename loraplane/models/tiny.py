@@ -108,3 +108,62 @@ def build_tiny_model(vocab_size: int) -> LlamaForCausalLM:
                 values = (torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2.0 - 1.0) * bound
             param.copy_(values)
     return model
+
+
+TINY_MOE_NAME = "tiny-moe"
+TINY_MOE_SEED = 20261126
+
+
+def tiny_moe_config(vocab_size: int):
+    """A Qwen3-MoE in miniature: layer 0 dense (mlp_only_layers), layers 1-2 MoE with 8 experts top-2 and
+    renormalised top-k weights, GQA (4 query heads over 2 KV heads), per-head q/k RMSNorm, head_dim != hidden/heads.
+    Sizes are multiples of 4 so every fp32 grouped matmul operand meets torch._grouped_mm's 16-byte strides."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=MAX_CONTEXT,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        router_aux_loss_coef=0.0,
+        bos_token_id=1,
+        eos_token_id=4,
+        pad_token_id=0,
+    )
+
+
+def build_tiny_moe_model(vocab_size: int):
+    """The seeded `tiny-moe` model (fp32), every weight from one CPU generator like `tiny`. The router weights are
+    drawn larger than the rest so that routing is decisive (top-k ties would make tests fragile)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    config = tiny_moe_config(vocab_size)
+    model = Qwen3MoeForCausalLM(config)
+    generator = torch.Generator(device="cpu").manual_seed(TINY_MOE_SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight"):
+                values = 1.0 + 0.1 * (torch.rand(param.shape, generator=generator, dtype=torch.float32) - 0.5)
+            else:
+                fan_in = param.shape[-1]
+                bound = math.sqrt(3.0) * (1.0 if "embed_tokens" in name else 1.0 / math.sqrt(fan_in))
+                if name.endswith("mlp.gate.weight"):
+                    bound *= 4.0
+                values = (torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2.0 - 1.0) * bound
+            param.copy_(values)
+    return model
