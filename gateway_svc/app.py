@@ -55,7 +55,8 @@ def create_app(settings: GatewaySettings | None = None, cluster: Settings | None
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         quiet_grpc_poller(asyncio.get_running_loop())
-        store = Store(settings.redis_url, settings.key_prefix, future_ttl_s=settings.future_ttl_s)
+        store = Store(settings.redis_url, settings.key_prefix, future_ttl_s=settings.future_ttl_s,
+                      default_tenant=settings.default_tenant)
         upstream = Upstream(settings.trainer_address, settings.registry_address, settings.sampler_address,
                             timeout=settings.upstream_timeout_s, retry_s=settings.upstream_retry_s,
                             security=ClientSecurity.from_settings(cluster))

@@ -11,6 +11,7 @@ Caller errors are never a 500."""
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -43,13 +44,25 @@ class Unsupported(errors.InvalidArgument):
     """A Tinker endpoint or option loraplane does not implement: a user error naming what is missing."""
 
 
+# A network address in a message (grpc's transport errors name their peer: `ipv4:10.1.2.3:50053`, `[::1]:50051`,
+# `localhost:8333`). Upstream replaces the services' configured addresses by name; this catches whatever else
+# slips through, so no answer to a tenant carries an address of the cluster's.
+_ADDRESS = re.compile(r"(?:\b(?:ipv4|ipv6|dns|unix|unix-abstract):/{0,3})?"
+                      r"(?:\[[0-9A-Fa-f:.]+\](?::\d{1,5})?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?|\blocalhost:\d{1,5})")
+
+
+def scrub(message: str) -> str:
+    return _ADDRESS.sub("<internal>", message)
+
+
 def classify(exc: BaseException) -> tuple[int, str, str, str, str]:
-    """(HTTP status, Tinker category, OpenAI type, Anthropic type, message)."""
+    """(HTTP status, Tinker category, OpenAI type, Anthropic type, message); the message never carries a network
+    address."""
     for exc_type, status, category, openai_type, anthropic_type in _TABLE:
         if isinstance(exc, exc_type):
-            return status, category, openai_type, anthropic_type, exc.message
+            return status, category, openai_type, anthropic_type, scrub(exc.message)
     if isinstance(exc, errors.LoraplaneError):
-        return 500, "server", "server_error", "api_error", exc.message
+        return 500, "server", "server_error", "api_error", scrub(exc.message)
     log.exception("unexpected gateway error", exc_info=exc)
     return 500, "unknown", "server_error", "api_error", f"internal error: {type(exc).__name__}"
 

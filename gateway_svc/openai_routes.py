@@ -75,6 +75,25 @@ def _stream_error(exc: BaseException) -> str:
     return "data: " + json.dumps({"error": {"message": message, "type": openai_type}}) + "\n\n"
 
 
+_END = object()
+
+
+async def started(deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`deltas` with its first item already awaited. A stream's headers (HTTP 200) go out with its first byte, so
+    everything that can refuse the request (the model name, the caller's permission on its adapter, the sampler's
+    own checks) must answer before that: awaited here, a refusal is the route's exception and gets its own status
+    (401 / 403 / 404 / 400) and error body, which the official clients raise as PermissionDeniedError etc."""
+    first = await anext(deltas, _END)
+
+    async def rest():
+        if first is _END:
+            return
+        yield first
+        async for delta in deltas:
+            yield delta
+    return rest()
+
+
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
@@ -103,9 +122,11 @@ async def completions(body: CompletionRequest, request: Request):
                     stop=body.stop, seed=body.seed)
     cid, created = svc.new_id("cmpl"), int(time.time())
     if body.stream:
+        deltas = await started(svc.stream(body.model, prompt, body.n, spec))
+
         async def events():
             try:
-                async for index, text, tokens, lps, finish in svc.stream(body.model, prompt, body.n, spec):
+                async for index, text, tokens, lps, finish in deltas:
                     choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
                     if body.logprobs is not None:
                         choice["logprobs"] = {"tokens": await _token_strings(svc, tokens), "token_logprobs": lps,
@@ -144,6 +165,8 @@ async def chat_completions(body: ChatRequest, request: Request):
                             for s, lp in zip(strings, lps)]}
 
     if body.stream:
+        deltas = await started(svc.stream(body.model, prompt, body.n, spec))
+
         async def events():
             def chunk(index, delta, finish, logprobs=None):
                 return "data: " + json.dumps({
@@ -153,7 +176,7 @@ async def chat_completions(body: ChatRequest, request: Request):
             for i in range(body.n):
                 yield chunk(i, {"role": "assistant", "content": ""}, None)
             try:
-                async for index, text, tokens, lps, finish in svc.stream(body.model, prompt, body.n, spec):
+                async for index, text, tokens, lps, finish in deltas:
                     logprobs = await content_logprobs(tokens, lps) if body.logprobs else None
                     yield chunk(index, {"content": text} if text else {}, finish, logprobs)
             except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in-stream
@@ -186,6 +209,8 @@ async def messages(body: MessagesRequest, request: Request):
         return ("stop_sequence", text_cut_by) if text_cut_by else (_STOP_REASON.get(choice_finish, "end_turn"), None)
 
     if body.stream:
+        deltas = await started(svc.stream(body.model, prompt, 1, spec))
+
         async def events():
             def event(name: str, data: dict) -> str:
                 return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
@@ -197,7 +222,7 @@ async def messages(body: MessagesRequest, request: Request):
             produced: list[int] = []
             finish = "stop"
             try:
-                async for _i, text, tokens, _lps, fin in svc.stream(body.model, prompt, 1, spec):
+                async for _i, text, tokens, _lps, fin in deltas:
                     produced.extend(tokens)
                     if text:
                         yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",

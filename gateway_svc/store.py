@@ -1,6 +1,12 @@
 """Everything the gateway remembers, in Redis: sessions, training models (Tinker model_id -> loraplane adapter),
 sampling sessions, tinker:// checkpoints, request dedup keys and futures. No gateway replica holds state of its own,
-so replicas behind one load balancer agree and a restarted gateway carries on."""
+so replicas behind one load balancer agree and a restarted gateway carries on.
+
+Tenant isolation lives here, in one place: every Redis key is built by `k()`, and `k()` puts the calling tenant's
+namespace in front of it (`<prefix>t:<tenant>:<kind>:...`). A record is therefore reachable only by requests of the
+tenant that wrote it; another tenant's lookup of the same id reads a key that does not exist and gets exactly the
+answer a never-issued id gets. A new record type gets this for free as long as it builds its keys with `k()`; no
+code outside this module may build a Redis key."""
 
 from __future__ import annotations
 
@@ -10,15 +16,30 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from loraplane import auth
+
+
+def tenant_of(caller: auth.Identity, default_tenant: str) -> str:
+    """The namespace a gateway caller acts in: a tenant key's tenant; anyone else (admin and service keys, the open
+    mode, a future run for such a caller) the configured default tenant, whose adapters its requests create."""
+    return caller.tenant if caller.role == auth.ROLE_TENANT and caller.tenant else default_tenant
+
 
 class Store:
-    def __init__(self, url: str, prefix: str = "lpgw:", *, future_ttl_s: int = 24 * 3600):
+    def __init__(self, url: str, prefix: str = "lpgw:", *, future_ttl_s: int = 24 * 3600,
+                 default_tenant: str = "tinker"):
         self.redis = aioredis.Redis.from_url(url, decode_responses=False)
         self.prefix = prefix
         self.future_ttl_s = future_ttl_s
+        self.default_tenant = default_tenant
+
+    def tenant(self) -> str:
+        """The tenant of the request (or future) this task serves: the caller set by the app's authentication."""
+        return tenant_of(auth.current_caller(), self.default_tenant)
 
     def k(self, *parts: object) -> str:
-        return self.prefix + ":".join(str(p) for p in parts)
+        """The Redis key of a record of the current caller's tenant (the only way a key is made)."""
+        return f"{self.prefix}t:{self.tenant()}:" + ":".join(str(p) for p in parts)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -27,22 +48,19 @@ class Store:
         return bool(await self.redis.ping())
 
     # ---- generic JSON records --------------------------------------------------------------------------------
-    async def put(self, key: str, value: dict[str, Any], *, nx: bool = False, ttl: int | None = None) -> bool:
+    async def _put(self, key: str, value: dict[str, Any], *, nx: bool = False, ttl: int | None = None) -> bool:
         return bool(await self.redis.set(key, json.dumps(value), nx=nx, ex=ttl))
 
-    async def get(self, key: str) -> dict[str, Any] | None:
+    async def _get(self, key: str) -> dict[str, Any] | None:
         raw = await self.redis.get(key)
         return None if raw is None else json.loads(raw)
 
-    async def new_id(self, kind: str) -> int:
-        return int(await self.redis.incr(self.k("ids", kind)))
-
     # ---- sessions ---------------------------------------------------------------------------------------------
     async def create_session(self, session_id: str, record: dict[str, Any]) -> None:
-        await self.put(self.k("session", session_id), record)
+        await self._put(self.k("session", session_id), record)
 
     async def get_session(self, session_id: str) -> dict[str, Any] | None:
-        return await self.get(self.k("session", session_id))
+        return await self._get(self.k("session", session_id))
 
     async def touch_session(self, session_id: str, **fields: Any) -> bool:
         record = await self.get_session(session_id)
@@ -54,13 +72,13 @@ class Store:
 
     # ---- training models (runs) -------------------------------------------------------------------------------
     async def put_model(self, model_id: str, record: dict[str, Any], *, nx: bool = False) -> bool:
-        ok = await self.put(self.k("model", model_id), record, nx=nx)
+        ok = await self._put(self.k("model", model_id), record, nx=nx)
         if ok:
             await self.redis.zadd(self.k("models"), {model_id: record.get("created", time.time())}, nx=True)
         return ok
 
     async def get_model(self, model_id: str) -> dict[str, Any] | None:
-        return await self.get(self.k("model", model_id))
+        return await self._get(self.k("model", model_id))
 
     async def get_model_touched(self, model_id: str) -> dict[str, Any] | None:
         """The model's record, noting the time of this request (one round trip)."""
@@ -103,10 +121,10 @@ class Store:
 
     # ---- sampling sessions ------------------------------------------------------------------------------------
     async def put_sampler(self, sampler_id: str, record: dict[str, Any]) -> None:
-        await self.put(self.k("sampler", sampler_id), record)
+        await self._put(self.k("sampler", sampler_id), record)
 
     async def get_sampler(self, sampler_id: str) -> dict[str, Any] | None:
-        return await self.get(self.k("sampler", sampler_id))
+        return await self._get(self.k("sampler", sampler_id))
 
     # ---- request dedup ----------------------------------------------------------------------------------------
     async def claim_request(self, scope: str, seq_id: int, request_id: str) -> str:

@@ -107,15 +107,14 @@ class TinkerService:
         return f"{self.tenant()}/{session}-train-{n}"
 
     def tenant(self) -> str:
-        """Whose namespace the caller's models live in: a tenant key's tenant, else (open mode, admin keys) the
-        configured default tenant."""
-        caller = auth.current_caller()
-        return caller.tenant if caller.role == auth.ROLE_TENANT else self.settings.default_tenant
+        """Whose namespace the caller's models live in (the same tenant the store keys its records by)."""
+        return self.store.tenant()
 
     @staticmethod
     def _visible(record: dict[str, Any] | None) -> bool:
-        """Whether the caller may know of a model, checkpoint or sampling session (by the adapter it names): the
-        gateway's records answer NOT_FOUND outside the caller's namespace, as the services do PERMISSION_DENIED."""
+        """Whether the caller may know of a model, checkpoint or sampling session. The store already keys every
+        record by the caller's tenant (another tenant's record is simply absent); this second check, by the adapter
+        the record names, keeps an admin-made record of a tenant's adapter out of other tenants' answers too."""
         return record is not None and (not record.get("adapter") or auth.current_caller().may_see(record["adapter"]))
 
     async def base_names(self) -> list[str]:
@@ -549,8 +548,8 @@ class TinkerService:
                 "user_metadata": {str(k): str(v) for k, v in metadata.items()} if metadata else None}
 
     async def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+        # The store lists (and counts) the caller's tenant's runs only.
         ids, total = await self.store.list_models(offset, limit)
-        # Paging counts every tenant's runs; a page shows only the caller's.
         ids = [i for i in ids if self._visible(await self.store.get_model(i))]
         return {"training_runs": [await self.training_run(i) for i in ids],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total}}

@@ -30,6 +30,10 @@ from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2,
 
 log = logging.getLogger(__name__)
 _TRANSIENT = (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted)
+# Statuses grpc itself produces for a connection that failed (their details name the peer's address) or that the
+# caller cannot act on; their details stay in the gateway's log.
+_TRANSPORT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 _FINISH = {sampler_pb2.FINISH_REASON_STOP: "stop", sampler_pb2.FINISH_REASON_LENGTH: "length"}
 
 
@@ -110,7 +114,21 @@ class Upstream:
         try:
             return await attempt()
         except grpc.RpcError as exc:
-            raise domain_error_from_rpc(exc, f"{service} {self.addresses[service]}: {what}") from None
+            raise self._caller_error(exc, service, what) from None
+
+    def _caller_error(self, exc: grpc.RpcError, service: str, what: str) -> errors.LoraplaneError:
+        """The domain error a tenant is shown: the service's own status and message, but never the cluster's
+        internals. A service's address (and grpc's transport details, which carry it: `ipv4:10.0.0.5:50053: Failed
+        to connect`) is logged here for the operator and left out of the answer, as GetStatus keeps it from
+        tenants."""
+        error = domain_error_from_rpc(exc, f"{service}: {what}")
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        if code in _TRANSPORT_CODES:
+            log.warning("%s %s: %s: %s %s", service, self.addresses[service], what, code.name,
+                        exc.details() if hasattr(exc, "details") else exc)
+            error = type(error)(f"{service}: {what}: the {service} is unavailable; try again shortly",
+                                field=error.field)
+        return error
 
     async def _retrying(self, what: str, attempt):
         deadline = time.monotonic() + self.retry_s
@@ -120,10 +138,23 @@ class Upstream:
                 return await attempt()
             except _TRANSIENT as exc:
                 if time.monotonic() + delay > deadline:
-                    raise
+                    raise self._hidden(exc) from None
                 log.info("%s: %s; retrying in %.1f s", what, type(exc).__name__, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+            except errors.LoraplaneError as exc:
+                raise self._hidden(exc) from None
+
+    def _hidden(self, exc: errors.LoraplaneError) -> errors.LoraplaneError:
+        """`exc` without the services' addresses (the registry client names its own in every message)."""
+        message = exc.message
+        for service, address in self.addresses.items():
+            message = message.replace(f"{service} {address}", service).replace(address, service)
+        if message == exc.message:
+            return exc
+        hidden = type(exc)(message, field=exc.field)
+        hidden.reason = exc.reason
+        return hidden
 
     # ---- trainer -------------------------------------------------------------------------------------------
     async def info(self) -> ServerInfo:
@@ -243,7 +274,7 @@ class Upstream:
                 yield StreamDelta(index=msg.sequence_index, tokens=list(msg.tokens), logprobs=list(msg.logprobs),
                                   finish_reason=_FINISH.get(msg.finish_reason))
         except grpc.RpcError as exc:
-            raise domain_error_from_rpc(exc, f"sampler {self.addresses['sampler']}: SampleStream") from None
+            raise self._caller_error(exc, "sampler", "SampleStream") from None
         finally:
             call.cancel()
 
