@@ -2,9 +2,11 @@
 under torchrun (rank 0 serves gRPC, the other ranks follow), a client that trains and publishes, then SIGTERM and a
 clean exit of every rank.
 
-    python scripts/gpu/launch_check.py --nproc 2 --tp 2 [--cpu-dev]
+    python scripts/gpu/launch_check.py --nproc 2 --tp 2 [--nnodes 2] [--cpu-dev]
 
 --cpu-dev runs the ranks on CPU (gloo) through scripts/gpu/cpu_shims.py; PYTHONPATH must reach megatron-core.
+--nnodes N splits the ranks over N torchrun agents that meet through a c10d rendezvous, as N machines would (each
+"node" sees only its own GPUs), so one job spans nodes: whichever agent holds global rank 0 serves gRPC.
 """
 
 from __future__ import annotations
@@ -50,17 +52,36 @@ def rank_zero_pid(launcher: int) -> int | None:
             env = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == launcher and b"RANK=0" in env:
+        if ppid == launcher and b"RANK=0" in env:  # the exact variable, not LOCAL_RANK=0 or GROUP_RANK=0
             return int(entry.name)
     return None
+
+
+def launchers(args, entry: list[str], env: dict) -> list[tuple[list[str], dict]]:
+    """One torchrun agent per node: standalone for one node, else a c10d rendezvous on loopback."""
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if args.nnodes == 1:
+        return [(run + ["--standalone", "--nproc-per-node", str(args.nproc)] + entry, env)]
+    per_node, rdzv = args.nproc // args.nnodes, f"127.0.0.1:{free_port()}"
+    out = []
+    for node in range(args.nnodes):
+        node_env = dict(env)
+        if not args.cpu_dev:
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * per_node + i) for i in range(per_node))
+        out.append((run + ["--nnodes", str(args.nnodes), "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", rdzv, "--rdzv-id", "launch-check"] + entry, node_env))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--cpu-dev", action="store_true")
     args = ap.parse_args()
+    if args.nproc % args.nnodes:
+        raise SystemExit("--nproc must be a multiple of --nnodes")
     root = Path(tempfile.mkdtemp(prefix="launch-check-"))
     base_model = "tiny" if args.tp == 1 else str(tp_friendly_model(root / "model"))
     valkey, seaweed = valkey_server(root / "valkey"), seaweed_s3_server(root / "seaweed")
@@ -71,28 +92,26 @@ def main() -> None:
                         s3_secret_key=seaweed.secret_key, s3_bucket="launch-check")
     registry = loop.run(start_registry_server(settings, host="127.0.0.1", port=0), timeout=60)
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
-    cmd += ["--no-python", sys.executable, "-c", CPU_ENTRY] if args.cpu_dev else [
+    entry = ["--no-python", sys.executable, "-c", CPU_ENTRY] if args.cpu_dev else [
         "-m", "trainer_svc.backends.megatron.launch"]
-    cmd += ["--base-model", base_model, "--tensor-parallel-size", str(args.tp), "--device-slots", "2",
-            "--registry-address", registry.address, "--host", "127.0.0.1", "--port", str(port)]
+    entry += ["--base-model", base_model, "--tensor-parallel-size", str(args.tp), "--device-slots", "2",
+              "--registry-address", registry.address, "--host", "127.0.0.1", "--port", str(port)]
     if args.cpu_dev:
-        cmd += ["--dtype", "float32"]
+        entry += ["--dtype", "float32"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    log_path = root / "trainer.log"
+    log = open(log_path, "w")
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=node_env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True) for cmd, node_env in launchers(args, entry, env)]
     try:
         deadline = time.time() + 300
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "TRAINER_READY" in line:
-                break
+        while "TRAINER_READY" not in log_path.read_text(errors="replace"):
+            if any(p.poll() is not None for p in procs):
+                sys.stdout.write("".join(l for l in log_path.read_text().splitlines(True) if "arn" not in l)[-6000:])
+                raise RuntimeError(f"trainer exited with {[p.poll() for p in procs]}")
             if time.time() > deadline:
                 raise TimeoutError("trainer did not start")
-        else:
-            sys.stdout.write("".join(l for l in lines if "arn" not in l)[-6000:])
-            raise RuntimeError(f"trainer exited with {proc.wait()}")
+            time.sleep(0.5)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
         assert stub.GetInfo(trainer_pb2.GetInfoRequest()).backend == "megatron"
@@ -120,21 +139,29 @@ def main() -> None:
 
         params, spec, _ = parse_adapter(loop.run(blob(), timeout=60))
         assert spec.rank == 4 and any(v.abs().max() > 0 for k, v in params.items() if "lora_B" in k)
-        print(f"OK: {args.nproc} ranks, TP={args.tp}: trained 3 adapters on 2 slots, published v{version.version}")
+        nodes = f" on {args.nnodes} nodes" if args.nnodes > 1 else ""
+        print(f"OK: {args.nproc} ranks{nodes}, TP={args.tp}: trained 3 adapters on 2 slots, published v{version.version}")
         channel.close()
     finally:
-        if proc.poll() is None:
+        if all(p.poll() is None for p in procs):
             # SIGTERM to rank 0 only: it stops serving and releases the followers; every rank must exit 0.
-            rank0 = rank_zero_pid(proc.pid)
-            os.kill(rank0, signal.SIGTERM) if rank0 else os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=60)
-            print("trainer exit code", rc)
-            if rc != 0:
-                sys.stdout.write(proc.stdout.read()[-3000:])
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            print("trainer did not exit on SIGTERM; killed")
+            rank0 = next((pid for p in procs if (pid := rank_zero_pid(p.pid))), None)
+            if rank0:
+                os.kill(rank0, signal.SIGTERM)
+            else:
+                for p in procs:
+                    os.killpg(p.pid, signal.SIGTERM)
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                codes.append("killed: did not exit on SIGTERM")
+        print("trainer exit code", codes[0] if len(codes) == 1 else codes)
+        if any(c != 0 for c in codes):
+            sys.stdout.write(log_path.read_text(errors="replace")[-3000:])
+        log.close()
         loop.run(registry.stop(), timeout=30)
         loop.close()
         seaweed.stop()

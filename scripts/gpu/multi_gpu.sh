@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The megatron trainer on several GPUs (bench/trainer_multigpu.py; numbers go to docs/benchmarks.md).
+#   bash scripts/gpu/multi_gpu.sh [CASE ...]
+#   on nvidia-h100-x2:  8b     Llama-3-8B 16 x 2048: one GPU, DP=2, TP=2, one GPU again (drift check), in one call
+#                       nodes  DP=2 as two single-GPU "nodes" (c10d rendezvous) + the launcher across them (gRPC)
+#   on nvidia-h100-x4:  70b    Llama-3-70B 8 x 2048 with TP=4; 70b-tp2dp2 (TP=2 x DP=2, if it fits)
+#                       8b-x4  Llama-3-8B 16 x 2048: DP=4 and TP=2 x DP=2
+# Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh). A case that runs past
+# CASE_TIMEOUT (default 420 s) is stopped; what the others measured still returns. Logs and JSON land in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTHONPATH=.:/tmp/site
+WH=${WH:-.gpuwh}
+install_parts() {  # DIR with parts/p* -> /tmp/site
+  local work; work=$(mktemp -d)
+  cat "$1"/parts/p* | tar xf - -C "$work" && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site "$work"/*.whl || { echo "install of $1 failed"; exit 3; }
+}
+[ -d /tmp/site/megatron ] || { install_parts "$WH/megatron"; install_parts "$WH/tvp_extra"; }
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null | head -6
+  python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.device_count(), 'GPUs')"
+  git log -1 --format='%h %s' 2>/dev/null || true
+} 2>&1 | tee -a "$OUT/env.log"
+summary() { tee -a "$OUT/summary.log"; }
+bench() {  # label nproc tp [bench args]: one torchrun job on the first nproc GPUs
+  local label=$1 nproc=$2 tp=$3; shift 3
+  echo "== $label: $nproc GPU(s), TP=$tp $*" | summary
+  timeout -k 10 "${CASE_TIMEOUT:-420}" torchrun --standalone --nproc-per-node "$nproc" bench/trainer_multigpu.py \
+    --tp "$tp" --label "$label" --out "$OUT/$label.json" "$@" > "$OUT/$label.log" 2>&1
+  local rc=$?
+  grep -E "tok/s|Error|error:" "$OUT/$label.log" | grep -v -i warn | tail -4 | summary
+  [ $rc -eq 0 ] || echo "exit code $rc" | summary
+}
+two_nodes() {  # label [bench args]: DP=2 as two torchrun agents of one GPU each, meeting through c10d
+  local label=$1; shift
+  local rdzv="127.0.0.1:$((29000 + RANDOM % 1000))"
+  echo "== $label: 2 nodes x 1 GPU (c10d $rdzv) $*" | summary
+  for node in 0 1; do
+    CUDA_VISIBLE_DEVICES=$node timeout -k 10 "${CASE_TIMEOUT:-420}" torchrun --nnodes 2 --nproc-per-node 1 \
+      --rdzv-backend c10d --rdzv-endpoint "$rdzv" --rdzv-id "$label" bench/trainer_multigpu.py --label "$label" \
+      --out "$OUT/$label.json" "$@" > "$OUT/${label}_node$node.log" 2>&1 &
+  done
+  wait
+  cat "$OUT/${label}"_node*.log | grep -E "tok/s|Error|error:" | grep -v -i warn | tail -4 | summary
+}
+long8b=(--shape llama8b --datums 16 --seq-len 2048 --rounds ${ROUNDS:-4} --warmup 1)
+for c in ${*:-8b nodes}; do
+  case "$c" in
+    8b) bench llama8b_16x2048_1gpu 1 1 "${long8b[@]}"
+        bench llama8b_16x2048_dp2 2 1 "${long8b[@]}"
+        bench llama8b_16x2048_tp2 2 2 "${long8b[@]}"
+        bench llama8b_16x2048_1gpu_again 1 1 "${long8b[@]}" ;;
+    nodes) two_nodes llama8b_16x2048_dp2_2nodes "${long8b[@]}"
+           timeout 300 python3 scripts/gpu/launch_check.py --nproc 2 --tp 2 --nnodes 2 2>&1 | grep -v -i warn \
+             | tail -3 | tee "$OUT/launch_check_2nodes.log" | summary ;;
+    8b-x4) bench llama8b_16x2048_dp4 4 1 "${long8b[@]}"
+           bench llama8b_16x2048_tp2dp2 4 2 "${long8b[@]}" ;;
+    70b) bench llama70b_8x2048_tp4 4 4 --shape llama70b --datums 8 --seq-len 2048 --rounds ${ROUNDS:-3} --warmup 1 ;;
+    70b-tp2dp2) bench llama70b_8x2048_tp2dp2 4 2 --shape llama70b --datums 8 --seq-len 2048 --rounds ${ROUNDS:-3} --warmup 1 ;;
+    *) echo "unknown case $c" ;;
+  esac
+done
+(cd "$OUT" && tar czf multi_gpu_logs.tgz --exclude multi_gpu_logs.tgz *.log *.json 2>/dev/null)
