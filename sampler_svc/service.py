@@ -17,7 +17,14 @@ from loraplane import errors
 from loraplane.auth import OPEN, Identity, TenantCounter
 from loraplane.fields import validate_name
 from sampler_svc.adapter_manager import AdapterManager, LoadedVersion
-from sampler_svc.engines.base import DEFAULT_MAX_TOKENS, Engine, GenerationRequest, GenerationUpdate, SamplingOptions
+from sampler_svc.engines.base import (
+    DEFAULT_MAX_TOKENS,
+    Engine,
+    GenerationRequest,
+    GenerationUpdate,
+    SamplingOptions,
+    TopkRows,
+)
 
 ALIAS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MAX_TOKENS_LIMIT = 4096
@@ -25,6 +32,8 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# Top-k prompt logprobs: k per position (what SGLang and OpenAI-style servers allow).
+MAX_TOPK_PROMPT_LOGPROBS = 20
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 
@@ -63,6 +72,7 @@ class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float]
     served_version: int
+    topk_prompt: TopkRows | None = None
 
 
 @dataclass
@@ -172,24 +182,42 @@ class SamplerService:
                                stop_strings=tuple(params.stop_strings), seed=params.seed)
 
     def _generation_request(self, selector: AdapterSelector, prompt: Sequence[int], num_samples: int,
-                            params: SamplingInput, include_prompt_logprobs: bool) -> GenerationRequest:
+                            params: SamplingInput, include_prompt_logprobs: bool, topk_prompt_logprobs: int = 0,
+                            prompt_logprobs_last_n: int = 0) -> GenerationRequest:
         self._check_adapter(selector)
         num_samples = num_samples or 1
         if num_samples < 1 or num_samples > self.max_num_samples:
             raise errors.InvalidArgument(f"num_samples must be in [1, {self.max_num_samples}], got {num_samples}",
                                          field="num_samples")
         self._check_tokens(prompt, "prompt_tokens", reserve=1)
+        if not 0 <= topk_prompt_logprobs <= MAX_TOPK_PROMPT_LOGPROBS:
+            raise errors.InvalidArgument(
+                f"topk_prompt_logprobs must be in [0, {MAX_TOPK_PROMPT_LOGPROBS}] (0 = none), got "
+                f"{topk_prompt_logprobs}", field="topk_prompt_logprobs")
+        if prompt_logprobs_last_n:
+            if not include_prompt_logprobs and not topk_prompt_logprobs:
+                raise errors.InvalidArgument("prompt_logprobs_last_n applies to prompt logprobs: set "
+                                             "include_prompt_logprobs or topk_prompt_logprobs",
+                                             field="prompt_logprobs_last_n")
+            if not 1 <= prompt_logprobs_last_n <= len(prompt) - 1:
+                raise errors.InvalidArgument(
+                    f"prompt_logprobs_last_n must be in [1, {len(prompt) - 1}] (the prompt's length - 1; 0 = the "
+                    f"whole prompt), got {prompt_logprobs_last_n}", field="prompt_logprobs_last_n")
         options = self._options(params, len(prompt))
         return GenerationRequest(prompt_tokens=tuple(int(t) for t in prompt), options=options,
-                                 num_samples=num_samples, include_prompt_logprobs=include_prompt_logprobs)
+                                 num_samples=num_samples, include_prompt_logprobs=include_prompt_logprobs,
+                                 topk_prompt_logprobs=topk_prompt_logprobs,
+                                 prompt_logprobs_last_n=prompt_logprobs_last_n)
 
     # ------------------------------------------------------------------ RPCs
 
     async def sample(self, selector: AdapterSelector, prompt: Sequence[int], num_samples: int,
                      params: SamplingInput, include_prompt_logprobs: bool = False, *,
+                     topk_prompt_logprobs: int = 0, prompt_logprobs_last_n: int = 0,
                      caller: Identity = OPEN) -> SampleResult:
         _authorize(caller, selector)
-        request = self._generation_request(selector, prompt, num_samples, params, include_prompt_logprobs)
+        request = self._generation_request(selector, prompt, num_samples, params, include_prompt_logprobs,
+                                           topk_prompt_logprobs, prompt_logprobs_last_n)
         with self._samples.hold(caller):
             return await self._sample(selector, request)
 
@@ -198,15 +226,19 @@ class SamplerService:
             request = dataclasses.replace(request, adapter_key=lease.adapter_key)
             sequences = [SampledSequence() for _ in range(request.num_samples)]
             prompt_logprobs: list[float] = []
+            topk_prompt: TopkRows | None = None
             stream = self.engine.generate(request)
             try:
                 async for update in stream:
                     _merge(sequences, update)
                     if update.prompt_logprobs is not None:
                         prompt_logprobs = update.prompt_logprobs
+                    if update.topk_prompt is not None:
+                        topk_prompt = update.topk_prompt
             finally:
                 await stream.aclose()
-            return SampleResult(sequences=sequences, prompt_logprobs=prompt_logprobs, served_version=lease.version)
+            return SampleResult(sequences=sequences, prompt_logprobs=prompt_logprobs, served_version=lease.version,
+                                topk_prompt=topk_prompt)
 
     async def sample_stream(self, selector: AdapterSelector, prompt: Sequence[int], num_samples: int,
                             params: SamplingInput, *, caller: Identity = OPEN) -> AsyncIterator[StreamChunk]:

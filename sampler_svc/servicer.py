@@ -74,14 +74,21 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     async def Sample(self, request: sampler_pb2.SampleRequest, context) -> sampler_pb2.SampleResponse:
         result = await self.service.sample(_selector(request.adapter), request.prompt_tokens, request.num_samples,
                                            _sampling(request.sampling_params), request.include_prompt_logprobs,
+                                           topk_prompt_logprobs=request.topk_prompt_logprobs,
+                                           prompt_logprobs_last_n=request.prompt_logprobs_last_n,
                                            caller=current_caller())
         metrics.SAMPLED_TOKENS.labels(metrics.tenant_of(request.adapter.name)).inc(
             sum(len(s.tokens) for s in result.sequences))
-        return sampler_pb2.SampleResponse(
+        reply = sampler_pb2.SampleResponse(
             sequences=[sampler_pb2.SampledSequence(tokens=s.tokens, logprobs=s.logprobs,
                                                    finish_reason=_FINISH[s.finish_reason])
                        for s in result.sequences],
             prompt_logprobs=result.prompt_logprobs, served_version=result.served_version)
+        if result.topk_prompt is not None:
+            reply.topk_prompt_k = request.topk_prompt_logprobs
+            reply.topk_prompt_token_ids.extend(t for row in result.topk_prompt.token_ids for t in row)
+            reply.topk_prompt_logprobs.extend(v for row in result.topk_prompt.logprobs for v in row)
+        return reply
 
     async def SampleStream(self, request: sampler_pb2.SampleStreamRequest, context):
         async for chunk in self.service.sample_stream(_selector(request.adapter), request.prompt_tokens,

@@ -61,13 +61,21 @@ class SamplingClient:
     # ---- sample ---------------------------------------------------------------------------------------------
 
     def _sample_request(self, prompt, num_samples: int, sampling_params: SamplingParams | None,
-                        include_prompt_logprobs: bool) -> sampler_pb2.SampleRequest:
+                        include_prompt_logprobs: bool, topk_prompt_logprobs: int = 0,
+                        prompt_logprobs_last_n: int | None = None) -> sampler_pb2.SampleRequest:
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if topk_prompt_logprobs < 0:
+            raise ValueError(f"topk_prompt_logprobs must be >= 0, got {topk_prompt_logprobs}")
+        if prompt_logprobs_last_n is not None and prompt_logprobs_last_n < 1:
+            raise ValueError(f"prompt_logprobs_last_n must be >= 1 (None = the whole prompt), got "
+                             f"{prompt_logprobs_last_n}")
         params = sampling_params or SamplingParams()
         return sampler_pb2.SampleRequest(adapter=self._ref(), prompt_tokens=as_model_input(prompt).tokens,
                                          num_samples=num_samples, sampling_params=params.to_proto(),
-                                         include_prompt_logprobs=include_prompt_logprobs)
+                                         include_prompt_logprobs=include_prompt_logprobs,
+                                         topk_prompt_logprobs=topk_prompt_logprobs,
+                                         prompt_logprobs_last_n=prompt_logprobs_last_n or 0)
 
     async def _sample(self, request: sampler_pb2.SampleRequest) -> SampleResponse:
         stub = self._stub()
@@ -76,13 +84,20 @@ class SamplingClient:
         return SampleResponse.from_proto(reply)
 
     def sample(self, prompt, num_samples: int = 1, sampling_params: SamplingParams | None = None,
-               include_prompt_logprobs: bool = False) -> APIFuture[SampleResponse]:
-        request = self._sample_request(prompt, num_samples, sampling_params, include_prompt_logprobs)
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *,
+               prompt_logprobs_last_n: int | None = None) -> APIFuture[SampleResponse]:
+        """As Tinker's: `topk_prompt_logprobs=k` adds the k most likely tokens at every prompt position
+        (`SampleResponse.topk_prompt_logprobs_np`, dense (len, k)); `prompt_logprobs_last_n=n` scores only the last
+        n prompt tokens."""
+        request = self._sample_request(prompt, num_samples, sampling_params, include_prompt_logprobs,
+                                       topk_prompt_logprobs, prompt_logprobs_last_n)
         return APIFuture(runtime().submit(self._sample(request)))
 
     async def sample_async(self, prompt, num_samples: int = 1, sampling_params: SamplingParams | None = None,
-                           include_prompt_logprobs: bool = False) -> SampleResponse:
-        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs)
+                           include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *,
+                           prompt_logprobs_last_n: int | None = None) -> SampleResponse:
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs,
+                                 prompt_logprobs_last_n=prompt_logprobs_last_n)
 
     # ---- logprobs -------------------------------------------------------------------------------------------
 

@@ -276,18 +276,50 @@ def _prompt_logprobs(values: Iterable[float]) -> list[float | None]:
     return [None if math.isnan(v) else float(v) for v in values]
 
 
+# An empty top-k cell (position 0, positions not scored), as the Tinker SDK writes it.
+TOPK_EMPTY_LOGPROB = -99999.0
+
+
+@dataclass(frozen=True)
+class TopkLogprobs:
+    """The k most likely tokens at each prompt position, as Tinker's SDK returns them: two dense (length, k)
+    matrices, most likely first; empty cells are token 0 with logprob -99999."""
+
+    token_ids: np.ndarray  # int32 (length, k)
+    logprobs: np.ndarray  # float32 (length, k)
+
+    def to_lists(self) -> list[list[tuple[int, float]] | None]:
+        """Per position, its (token_id, logprob) pairs without the empty cells; None for an empty row."""
+        rows: list[list[tuple[int, float]] | None] = []
+        for ids, values in zip(self.token_ids.tolist(), self.logprobs.tolist()):
+            pairs = [(int(t), float(v)) for t, v in zip(ids, values) if not (t == 0 and v == TOPK_EMPTY_LOGPROB)]
+            rows.append(pairs or None)
+        return rows
+
+
 @dataclass
 class SampleResponse:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None
     # The adapter version that served the request; 0 = the base model.
     served_version: int = 0
+    # Set when the request asked for topk_prompt_logprobs.
+    topk_prompt_logprobs_np: TopkLogprobs | None = None
+
+    @property
+    def topk_prompt_logprobs(self) -> list[list[tuple[int, float]] | None] | None:
+        return None if self.topk_prompt_logprobs_np is None else self.topk_prompt_logprobs_np.to_lists()
 
     @classmethod
     def from_proto(cls, proto: sampler_pb2.SampleResponse) -> SampleResponse:
+        topk = None
+        if proto.topk_prompt_k:
+            k = proto.topk_prompt_k
+            topk = TopkLogprobs(np.asarray(proto.topk_prompt_token_ids, dtype=np.int32).reshape(-1, k),
+                                np.asarray(proto.topk_prompt_logprobs, dtype=np.float32).reshape(-1, k))
         return cls(sequences=[SampledSequence.from_proto(s) for s in proto.sequences],
                    prompt_logprobs=_prompt_logprobs(proto.prompt_logprobs) if len(proto.prompt_logprobs) else None,
-                   served_version=proto.served_version)
+                   served_version=proto.served_version, topk_prompt_logprobs_np=topk)
 
 
 @dataclass

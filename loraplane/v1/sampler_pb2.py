@@ -26,47 +26,47 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from loraplane.v1 import common_pb2 as loraplane_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloraplane/v1/sampler.proto\x12\x0cloraplane.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19loraplane/v1/common.proto\"f\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.loraplane.v1.FinishReason\"\xbe\x01\n\rSampleRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x03 \x01(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.loraplane.v1.SamplingParams\x12\x1f\n\x17include_prompt_logprobs\x18\x05 \x01(\x08\"s\n\x0eSampleResponse\x12\x30\n\tsequences\x18\x01 \x03(\x0b\x32\x1d.loraplane.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x02 \x03(\x02\x12\x16\n\x0eserved_version\x18\x03 \x01(\x04\"\xa3\x01\n\x13SampleStreamRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x03 \x01(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.loraplane.v1.SamplingParams\"\x9b\x01\n\x14SampleStreamResponse\x12\x16\n\x0esequence_index\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.loraplane.v1.FinishReason\x12\x16\n\x0eserved_version\x18\x05 \x01(\x04\"S\n\x16\x43omputeLogprobsRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\"C\n\x17\x43omputeLogprobsResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eserved_version\x18\x02 \x01(\x04\"\xdb\x01\n\rLoadedAdapter\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12-\n\tload_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_used_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"S\n\x19ListLoadedAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\"d\n\x1aListLoadedAdaptersResponse\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.loraplane.v1.LoadedAdapter\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"L\n\x12LoadAdapterRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"C\n\x13LoadAdapterResponse\x12,\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1b.loraplane.v1.LoadedAdapter\"8\n\x14UnloadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x17\n\x15UnloadAdapterResponse\"\x12\n\x10GetStatusRequest\"\x88\x02\n\x11GetStatusResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12+\n\x06loaded\x18\x03 \x03(\x0b\x32\x1b.loraplane.v1.LoadedAdapter\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x14\n\x0cwatch_cursor\x18\x06 \x01(\t\x12\x1a\n\x12registry_connected\x18\x07 \x01(\x08\x12\x15\n\rkeep_versions\x18\x08 \x01(\r\x12\x12\n\nmax_loaded\x18\t \x01(\r\x12\x16\n\x0e\x65ngine_servers\x18\n \x03(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xf3\x04\n\x0eSamplerService\x12\x43\n\x06Sample\x12\x1b.loraplane.v1.SampleRequest\x1a\x1c.loraplane.v1.SampleResponse\x12W\n\x0cSampleStream\x12!.loraplane.v1.SampleStreamRequest\x1a\".loraplane.v1.SampleStreamResponse0\x01\x12^\n\x0f\x43omputeLogprobs\x12$.loraplane.v1.ComputeLogprobsRequest\x1a%.loraplane.v1.ComputeLogprobsResponse\x12g\n\x12ListLoadedAdapters\x12\'.loraplane.v1.ListLoadedAdaptersRequest\x1a(.loraplane.v1.ListLoadedAdaptersResponse\x12R\n\x0bLoadAdapter\x12 .loraplane.v1.LoadAdapterRequest\x1a!.loraplane.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".loraplane.v1.UnloadAdapterRequest\x1a#.loraplane.v1.UnloadAdapterResponse\x12L\n\tGetStatus\x12\x1e.loraplane.v1.GetStatusRequest\x1a\x1f.loraplane.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloraplane/v1/sampler.proto\x12\x0cloraplane.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19loraplane/v1/common.proto\"f\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.loraplane.v1.FinishReason\"\xfc\x01\n\rSampleRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x03 \x01(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.loraplane.v1.SamplingParams\x12\x1f\n\x17include_prompt_logprobs\x18\x05 \x01(\x08\x12\x1c\n\x14topk_prompt_logprobs\x18\x06 \x01(\r\x12\x1e\n\x16prompt_logprobs_last_n\x18\x07 \x01(\r\"\xc7\x01\n\x0eSampleResponse\x12\x30\n\tsequences\x18\x01 \x03(\x0b\x32\x1d.loraplane.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x02 \x03(\x02\x12\x16\n\x0eserved_version\x18\x03 \x01(\x04\x12\x15\n\rtopk_prompt_k\x18\x04 \x01(\r\x12\x1d\n\x15topk_prompt_token_ids\x18\x05 \x03(\x05\x12\x1c\n\x14topk_prompt_logprobs\x18\x06 \x03(\x02\"\xa3\x01\n\x13SampleStreamRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x03 \x01(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.loraplane.v1.SamplingParams\"\x9b\x01\n\x14SampleStreamResponse\x12\x16\n\x0esequence_index\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.loraplane.v1.FinishReason\x12\x16\n\x0eserved_version\x18\x05 \x01(\x04\"S\n\x16\x43omputeLogprobsRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\"C\n\x17\x43omputeLogprobsResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eserved_version\x18\x02 \x01(\x04\"\xdb\x01\n\rLoadedAdapter\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12-\n\tload_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_used_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"S\n\x19ListLoadedAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\"d\n\x1aListLoadedAdaptersResponse\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.loraplane.v1.LoadedAdapter\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"L\n\x12LoadAdapterRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"C\n\x13LoadAdapterResponse\x12,\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1b.loraplane.v1.LoadedAdapter\"8\n\x14UnloadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x17\n\x15UnloadAdapterResponse\"\x12\n\x10GetStatusRequest\"\x88\x02\n\x11GetStatusResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12+\n\x06loaded\x18\x03 \x03(\x0b\x32\x1b.loraplane.v1.LoadedAdapter\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x14\n\x0cwatch_cursor\x18\x06 \x01(\t\x12\x1a\n\x12registry_connected\x18\x07 \x01(\x08\x12\x15\n\rkeep_versions\x18\x08 \x01(\r\x12\x12\n\nmax_loaded\x18\t \x01(\r\x12\x16\n\x0e\x65ngine_servers\x18\n \x03(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xf3\x04\n\x0eSamplerService\x12\x43\n\x06Sample\x12\x1b.loraplane.v1.SampleRequest\x1a\x1c.loraplane.v1.SampleResponse\x12W\n\x0cSampleStream\x12!.loraplane.v1.SampleStreamRequest\x1a\".loraplane.v1.SampleStreamResponse0\x01\x12^\n\x0f\x43omputeLogprobs\x12$.loraplane.v1.ComputeLogprobsRequest\x1a%.loraplane.v1.ComputeLogprobsResponse\x12g\n\x12ListLoadedAdapters\x12\'.loraplane.v1.ListLoadedAdaptersRequest\x1a(.loraplane.v1.ListLoadedAdaptersResponse\x12R\n\x0bLoadAdapter\x12 .loraplane.v1.LoadAdapterRequest\x1a!.loraplane.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".loraplane.v1.UnloadAdapterRequest\x1a#.loraplane.v1.UnloadAdapterResponse\x12L\n\tGetStatus\x12\x1e.loraplane.v1.GetStatusRequest\x1a\x1f.loraplane.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraplane.v1.sampler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1922
-  _globals['_FINISHREASON']._serialized_end=2017
+  _globals['_FINISHREASON']._serialized_start=2069
+  _globals['_FINISHREASON']._serialized_end=2164
   _globals['_SAMPLEDSEQUENCE']._serialized_start=104
   _globals['_SAMPLEDSEQUENCE']._serialized_end=206
   _globals['_SAMPLEREQUEST']._serialized_start=209
-  _globals['_SAMPLEREQUEST']._serialized_end=399
-  _globals['_SAMPLERESPONSE']._serialized_start=401
-  _globals['_SAMPLERESPONSE']._serialized_end=516
-  _globals['_SAMPLESTREAMREQUEST']._serialized_start=519
-  _globals['_SAMPLESTREAMREQUEST']._serialized_end=682
-  _globals['_SAMPLESTREAMRESPONSE']._serialized_start=685
-  _globals['_SAMPLESTREAMRESPONSE']._serialized_end=840
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=842
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=925
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=927
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=994
-  _globals['_LOADEDADAPTER']._serialized_start=997
-  _globals['_LOADEDADAPTER']._serialized_end=1216
-  _globals['_LISTLOADEDADAPTERSREQUEST']._serialized_start=1218
-  _globals['_LISTLOADEDADAPTERSREQUEST']._serialized_end=1301
-  _globals['_LISTLOADEDADAPTERSRESPONSE']._serialized_start=1303
-  _globals['_LISTLOADEDADAPTERSRESPONSE']._serialized_end=1403
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1405
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1481
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1483
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1550
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1552
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1608
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1610
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1633
-  _globals['_GETSTATUSREQUEST']._serialized_start=1635
-  _globals['_GETSTATUSREQUEST']._serialized_end=1653
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1656
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1920
-  _globals['_SAMPLERSERVICE']._serialized_start=2020
-  _globals['_SAMPLERSERVICE']._serialized_end=2647
+  _globals['_SAMPLEREQUEST']._serialized_end=461
+  _globals['_SAMPLERESPONSE']._serialized_start=464
+  _globals['_SAMPLERESPONSE']._serialized_end=663
+  _globals['_SAMPLESTREAMREQUEST']._serialized_start=666
+  _globals['_SAMPLESTREAMREQUEST']._serialized_end=829
+  _globals['_SAMPLESTREAMRESPONSE']._serialized_start=832
+  _globals['_SAMPLESTREAMRESPONSE']._serialized_end=987
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=989
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1072
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1074
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1141
+  _globals['_LOADEDADAPTER']._serialized_start=1144
+  _globals['_LOADEDADAPTER']._serialized_end=1363
+  _globals['_LISTLOADEDADAPTERSREQUEST']._serialized_start=1365
+  _globals['_LISTLOADEDADAPTERSREQUEST']._serialized_end=1448
+  _globals['_LISTLOADEDADAPTERSRESPONSE']._serialized_start=1450
+  _globals['_LISTLOADEDADAPTERSRESPONSE']._serialized_end=1550
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1552
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1628
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1630
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1697
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1699
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1755
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1757
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1780
+  _globals['_GETSTATUSREQUEST']._serialized_start=1782
+  _globals['_GETSTATUSREQUEST']._serialized_end=1800
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1803
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2067
+  _globals['_SAMPLERSERVICE']._serialized_start=2167
+  _globals['_SAMPLERSERVICE']._serialized_end=2794
 # @@protoc_insertion_point(module_scope)

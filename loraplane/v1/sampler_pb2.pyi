@@ -76,9 +76,19 @@ class SampleRequest(google.protobuf.message.Message):
     NUM_SAMPLES_FIELD_NUMBER: builtins.int
     SAMPLING_PARAMS_FIELD_NUMBER: builtins.int
     INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: builtins.int
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: builtins.int
+    PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: builtins.int
     num_samples: builtins.int
     """0 = 1."""
     include_prompt_logprobs: builtins.bool
+    topk_prompt_logprobs: builtins.int
+    """k > 0 (at most 20): the k most likely tokens, with their logprobs under the unmodified model distribution, at
+    every prompt position (SampleResponse.topk_prompt_*). Independent of include_prompt_logprobs.
+    """
+    prompt_logprobs_last_n: builtins.int
+    """n > 0: score only the last n prompt tokens (1 <= n <= len(prompt_tokens) - 1; needs include_prompt_logprobs
+    or topk_prompt_logprobs): prompt_logprobs are NaN and top-k rows empty before them. 0 = the whole prompt.
+    """
     @property
     def adapter(self) -> loraplane.v1.common_pb2.AdapterRef:
         """Empty name = the base model. No version or alias = latest loaded weights."""
@@ -95,9 +105,11 @@ class SampleRequest(google.protobuf.message.Message):
         num_samples: builtins.int = ...,
         sampling_params: loraplane.v1.common_pb2.SamplingParams | None = ...,
         include_prompt_logprobs: builtins.bool = ...,
+        topk_prompt_logprobs: builtins.int = ...,
+        prompt_logprobs_last_n: builtins.int = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["adapter", b"adapter", "sampling_params", b"sampling_params"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["adapter", b"adapter", "include_prompt_logprobs", b"include_prompt_logprobs", "num_samples", b"num_samples", "prompt_tokens", b"prompt_tokens", "sampling_params", b"sampling_params"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["adapter", b"adapter", "include_prompt_logprobs", b"include_prompt_logprobs", "num_samples", b"num_samples", "prompt_logprobs_last_n", b"prompt_logprobs_last_n", "prompt_tokens", b"prompt_tokens", "sampling_params", b"sampling_params", "topk_prompt_logprobs", b"topk_prompt_logprobs"]) -> None: ...
 
 global___SampleRequest = SampleRequest
 
@@ -108,22 +120,37 @@ class SampleResponse(google.protobuf.message.Message):
     SEQUENCES_FIELD_NUMBER: builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: builtins.int
     SERVED_VERSION_FIELD_NUMBER: builtins.int
+    TOPK_PROMPT_K_FIELD_NUMBER: builtins.int
+    TOPK_PROMPT_TOKEN_IDS_FIELD_NUMBER: builtins.int
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: builtins.int
     served_version: builtins.int
     """The version that served the request; 0 = base model."""
+    topk_prompt_k: builtins.int
+    """Top-k prompt logprobs as dense row-major (len(prompt_tokens), topk_prompt_k) matrices, most likely first: cell
+    [i, j] is entry i * k + j. Row 0 (no context), rows before prompt_logprobs_last_n and cells beyond the
+    vocabulary are empty: token 0 with logprob -99999 (the Tinker SDK's TopkLogprobs convention).
+    """
     @property
     def sequences(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___SampledSequence]: ...
     @property
     def prompt_logprobs(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.float]:
         """Logprob of each prompt token given the ones before it; entry 0 is NaN (no context)."""
 
+    @property
+    def topk_prompt_token_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]: ...
+    @property
+    def topk_prompt_logprobs(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.float]: ...
     def __init__(
         self,
         *,
         sequences: collections.abc.Iterable[global___SampledSequence] | None = ...,
         prompt_logprobs: collections.abc.Iterable[builtins.float] | None = ...,
         served_version: builtins.int = ...,
+        topk_prompt_k: builtins.int = ...,
+        topk_prompt_token_ids: collections.abc.Iterable[builtins.int] | None = ...,
+        topk_prompt_logprobs: collections.abc.Iterable[builtins.float] | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["prompt_logprobs", b"prompt_logprobs", "sequences", b"sequences", "served_version", b"served_version"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["prompt_logprobs", b"prompt_logprobs", "sequences", b"sequences", "served_version", b"served_version", "topk_prompt_k", b"topk_prompt_k", "topk_prompt_logprobs", b"topk_prompt_logprobs", "topk_prompt_token_ids", b"topk_prompt_token_ids"]) -> None: ...
 
 global___SampleResponse = SampleResponse
 

@@ -51,9 +51,42 @@ class GenerationRequest:
     # Engine-level adapter name (`<adapter>@v<N>`) or None for the base model.
     adapter_key: str | None = None
     include_prompt_logprobs: bool = False
+    # k > 0: the k most likely tokens and their logprobs at every scored prompt position (TopkRows).
+    topk_prompt_logprobs: int = 0
+    # n > 0: score only the last n prompt tokens (prompt logprobs and top-k); earlier positions are NaN / empty.
+    prompt_logprobs_last_n: int = 0
     # The caller forwards tokens as they are produced (SampleStream); otherwise it only wants the whole result,
     # which an engine may fetch in one piece.
     stream: bool = False
+
+
+    @property
+    def wants_prompt_scores(self) -> bool:
+        return self.include_prompt_logprobs or self.topk_prompt_logprobs > 0
+
+    @property
+    def first_scored_position(self) -> int:
+        """Prompt position of the first scored token (position 0 has no context, so never scored)."""
+        n = len(self.prompt_tokens)
+        return max(1, n - self.prompt_logprobs_last_n) if self.prompt_logprobs_last_n else 1
+
+
+# An empty top-k cell, as the Tinker SDK writes it (tinker.types.topk_logprobs).
+TOPK_EMPTY_TOKEN = 0
+TOPK_EMPTY_LOGPROB = -99999.0
+
+
+@dataclass
+class TopkRows:
+    """Top-k prompt logprobs, one row of k per prompt position (len(prompt) rows), most likely first. Rows of
+    positions that were not scored (position 0, those before prompt_logprobs_last_n) hold empty cells."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+    @classmethod
+    def empty(cls, length: int, k: int) -> TopkRows:
+        return cls([[TOPK_EMPTY_TOKEN] * k for _ in range(length)], [[TOPK_EMPTY_LOGPROB] * k for _ in range(length)])
 
 
 FINISH_LENGTH = "length"
@@ -63,13 +96,15 @@ FINISH_STOP = "stop"
 @dataclass
 class GenerationUpdate:
     """New tokens of one sequence since its previous update; `finish_reason` is set on its last update.
-    `prompt_logprobs` is set (once, on some update) when the request asked for it; entry 0 is NaN."""
+    `prompt_logprobs` / `topk_prompt` are set (once, on some update) when the request asked for them; entry 0 is
+    NaN / an empty row, as are the positions before prompt_logprobs_last_n."""
 
     sequence_index: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[float] | None = None
+    topk_prompt: TopkRows | None = None
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from sampler_svc.engines.base import (
     GenerationRequest,
     GenerationUpdate,
     LoadedAdapterInfo,
+    TopkRows,
 )
 
 log = logging.getLogger(__name__)
@@ -480,14 +481,18 @@ class SGLangEngine(Engine):
         # A Sample sends its samples as one batch; a streamed sample goes alone (SGLang streams single requests).
         batch = not request.stream
         params = [self._sampling_params(request, i) for i in indices]
-        return {
+        payload = {
             "input_ids": [list(request.prompt_tokens)] * len(indices) if batch else list(request.prompt_tokens),
             "sampling_params": params if batch else params[0],
             "return_logprob": True,
-            # Prompt logprobs cost a prefill-length logprob pass: only when asked.
-            "logprob_start_len": 0 if request.include_prompt_logprobs else -1,
+            # Prompt logprobs cost a prefill-length logprob pass: only when asked, and only from the first scored
+            # position (prompt_logprobs_last_n lets SGLang serve the prefix before it from its cache).
+            "logprob_start_len": _logprob_start_len(request),
             "lora_path": [request.adapter_key] * len(indices) if batch else request.adapter_key,
         }
+        if request.topk_prompt_logprobs:
+            payload["top_logprobs_num"] = request.topk_prompt_logprobs
+        return payload
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         server = self._server_for(request.adapter_key)
@@ -503,7 +508,9 @@ class SGLangEngine(Engine):
             update = GenerationUpdate(sequence_index=index, tokens=tokens, logprobs=_logprob_values(pairs),
                                       finish_reason=_finish_reason(meta))
             if index == 0 and request.include_prompt_logprobs:
-                update.prompt_logprobs = _input_logprobs(meta)
+                update.prompt_logprobs = _input_logprobs(meta, request)
+            if index == 0 and request.topk_prompt_logprobs:
+                update.topk_prompt = _input_top_logprobs(meta, request)
             yield update
 
     async def _generate_streaming(self, server: SGLangServer, request: GenerationRequest
@@ -589,6 +596,8 @@ def _coalesced(items: list) -> list:
         merged.finish_reason = item.finish_reason
         if item.prompt_logprobs is not None:
             merged.prompt_logprobs = item.prompt_logprobs
+        if item.topk_prompt is not None:
+            merged.topk_prompt = item.topk_prompt
         if item.finish_reason is not None:
             del open_updates[item.sequence_index]
     return out
@@ -646,9 +655,35 @@ def _finish_reason(meta: dict) -> str:
     return FINISH_LENGTH if (meta.get("finish_reason") or {}).get("type") == "length" else FINISH_STOP
 
 
-def _input_logprobs(meta: dict) -> list[float]:
-    pairs = meta.get("input_token_logprobs") or []
-    values = _logprob_values(pairs)
-    if values:
-        values[0] = math.nan
-    return values
+def _logprob_start_len(request: GenerationRequest) -> int:
+    if not request.wants_prompt_scores:
+        return -1
+    return request.first_scored_position if request.prompt_logprobs_last_n else 0
+
+
+def _input_logprobs(meta: dict, request: GenerationRequest) -> list[float]:
+    """SGLang's input_token_logprobs ([logprob, token_id, text] from logprob_start_len on; None where it has no
+    value) as one entry per prompt token: NaN at position 0 and before the first scored position."""
+    n, start = len(request.prompt_tokens), request.first_scored_position
+    values = _logprob_values((meta.get("input_token_logprobs") or [])[-n:])
+    out = [math.nan] * (n - len(values)) + values
+    for i in range(min(start, n)):
+        out[i] = math.nan
+    return out
+
+
+def _input_top_logprobs(meta: dict, request: GenerationRequest) -> TopkRows:
+    """SGLang's input_top_logprobs (per position from logprob_start_len: a list of [logprob, token_id, text], most
+    likely first, or None) as dense rows of k per prompt position."""
+    n, k, start = len(request.prompt_tokens), request.topk_prompt_logprobs, request.first_scored_position
+    rows = TopkRows.empty(n, k)
+    entries = (meta.get("input_top_logprobs") or [])[-n:]
+    first = n - len(entries)
+    for offset, entry in enumerate(entries):
+        position = first + offset
+        if position < start or not entry:
+            continue
+        cells = [c for c in entry if c is not None and c[0] is not None][:k]
+        rows.token_ids[position][:len(cells)] = [int(c[1]) for c in cells]
+        rows.logprobs[position][:len(cells)] = [float(c[0]) for c in cells]
+    return rows

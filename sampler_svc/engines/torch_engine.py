@@ -41,6 +41,7 @@ from sampler_svc.engines.base import (
     GenerationRequest,
     GenerationUpdate,
     LoadedAdapterInfo,
+    TopkRows,
 )
 
 log = logging.getLogger(__name__)
@@ -270,9 +271,15 @@ class TorchEngine(Engine):
     def _admit(self, state: _Request) -> None:
         request = state.request
         prompt = list(request.prompt_tokens)
-        logits, keys, values = self._prefill(prompt, state.adapter, all_logits=request.include_prompt_logprobs)
-        if request.include_prompt_logprobs:
-            state.emit(GenerationUpdate(sequence_index=0, prompt_logprobs=_prompt_logprobs(logits, prompt)))
+        logits, keys, values = self._prefill(prompt, state.adapter, all_logits=request.wants_prompt_scores)
+        if request.wants_prompt_scores:
+            start = request.first_scored_position
+            update = GenerationUpdate(sequence_index=0)
+            if request.include_prompt_logprobs:
+                update.prompt_logprobs = _prompt_logprobs(logits, prompt, start)
+            if request.topk_prompt_logprobs:
+                update.topk_prompt = _topk_prompt(logits, len(prompt), start, request.topk_prompt_logprobs)
+            state.emit(update)
         capacity = len(prompt) + request.options.max_tokens
         last_logits = logits[-1]
         for sample_index in range(request.num_samples):
@@ -416,12 +423,26 @@ def _project_qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return q, k, v.transpose(1, 2)
 
 
-def _prompt_logprobs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
-    if len(tokens) < 2:
-        return [math.nan]
-    logprobs = torch.log_softmax(logits[:-1], dim=-1)
-    picked = logprobs.gather(1, torch.tensor(tokens[1:], device=logits.device)[:, None])[:, 0]
-    return [math.nan, *picked.tolist()]
+def _prompt_logprobs(logits: torch.Tensor, tokens: list[int], start: int = 1) -> list[float]:
+    """logprob of tokens[i] given tokens[:i] for i >= start; NaN before. Row i - 1 of logits predicts token i."""
+    if len(tokens) <= start:
+        return [math.nan] * len(tokens)
+    logprobs = torch.log_softmax(logits[start - 1:-1], dim=-1)
+    picked = logprobs.gather(1, torch.tensor(tokens[start:], device=logits.device)[:, None])[:, 0]
+    return [math.nan] * start + picked.tolist()
+
+
+def _topk_prompt(logits: torch.Tensor, length: int, start: int, k: int) -> TopkRows:
+    """The k most likely tokens (unmodified distribution) at prompt positions start..length-1."""
+    rows = TopkRows.empty(length, k)
+    if length <= start:
+        return rows
+    k_here = min(k, logits.shape[-1])
+    top = torch.topk(torch.log_softmax(logits[start - 1:length - 1], dim=-1), k_here, dim=-1)
+    for offset, (ids, values) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
+        rows.token_ids[start + offset][:k_here] = ids
+        rows.logprobs[start + offset][:k_here] = values
+    return rows
 
 
 def _row_generator(seed: int | None, sample_index: int) -> torch.Generator:
