@@ -37,6 +37,8 @@ ROLE_SERVICE = "service"
 ROLES = (ROLE_ADMIN, ROLE_TENANT, ROLE_SERVICE)
 
 KEY_PREFIX = "lpk_"
+# The Tinker SDK refuses a key that does not start with this; `tml-lpk_...` is the same key as `lpk_...`.
+TINKER_KEY_PREFIX = "tml-"
 TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}\Z")
 _KEY_RE = re.compile(r"^lpk_([0-9a-f]{16})_([A-Za-z0-9_-]{20,100})\Z")
 # Revocation and quota changes reach every server within this many seconds.
@@ -351,6 +353,18 @@ def _operator() -> str:
         return "cli"
 
 
+def tinker_api_key(token: str) -> str:
+    """The form of a key the Tinker SDK accepts (TINKER_API_KEY)."""
+    return TINKER_KEY_PREFIX + token
+
+
+def strip_tinker_prefix(token: str) -> str:
+    """`tml-lpk_...` -> `lpk_...`; anything else unchanged."""
+    if token.startswith(TINKER_KEY_PREFIX) and token[len(TINKER_KEY_PREFIX):].startswith(KEY_PREFIX):
+        return token[len(TINKER_KEY_PREFIX):]
+    return token
+
+
 class Authenticator:
     """Turns the `authorization` metadata of a call into an Identity. Lookups are cached for CACHE_TTL_S, so a
     revocation takes effect within a second while a busy server asks Redis about each key only twice a second."""
@@ -400,6 +414,7 @@ class Authenticator:
         token = (authorization or "").strip()
         if token.lower().startswith("bearer "):
             token = token[7:].strip()
+        token = strip_tinker_prefix(token)
         if not token:
             raise errors.Unauthenticated("missing API key: send `authorization: Bearer <key>` (LORAPLANE_API_KEY)")
         record = await self._record(token)

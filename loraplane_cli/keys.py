@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loraplane import errors
-from loraplane.auth import ROLE_TENANT, KeyStore, Quotas
+from loraplane.auth import ROLE_TENANT, KeyStore, Quotas, tinker_api_key
 from loraplane.config import Settings
 from loraplane.local.state import read_cluster_state
 from loraplane_cli import app
@@ -65,11 +65,17 @@ def create(tenant: str = typer.Option(..., "--tenant", help="The tenant the key 
            role: str = typer.Option(ROLE_TENANT, "--role", help="tenant | admin | service"),
            description: str = typer.Option("", "--description", help="A note shown by `keys ls`."),
            data_dir: Path = DataDirOption) -> None:
-    """Issue a key. It is printed once and stored only as a hash: keep it."""
+    """Issue a key. It is printed once and stored only as a hash: keep it. The last two lines are ready to paste
+    into a .env file (or after `export` in a shell): the Tinker SDK insists on a `tml-` prefix, loraplane accepts
+    the key with or without it."""
     record, token = _run(data_dir, lambda store: store.create_key(tenant, role, description))
     console.print(f"key id: {record.key_id}  tenant: {record.tenant}  role: {record.role}")
     console.print("[bold]This key is shown once; only its hash is stored:[/bold]")
+    # Plain print: no wrapping or markup may touch the key.
     print(token, flush=True)
+    console.print("For the loraplane client and the OpenAI/Anthropic endpoints, and for the Tinker SDK:")
+    print(f"LORAPLANE_API_KEY={token}", flush=True)
+    print(f"TINKER_API_KEY={tinker_api_key(token)}", flush=True)
 
 
 @keys_app.command("ls")
