@@ -24,7 +24,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
 from loraplane.errors import DataLoss, InvalidArgument, LoraplaneError, clip
-from loraplane.lora import TARGET_MODULES, LoraSpec, parse_peft_key
+from loraplane.lora import (
+    EXPERT_TARGETS,
+    PEFT_PREFIX,
+    PER_EXPERT,
+    SHARED_OUTER,
+    TARGET_MODULES,
+    LoraSpec,
+    parse_peft_key,
+    peft_key,
+)
 
 ADAPTER_CONFIG_KEY = "adapter_config"
 TRAINING_STATE_KEY = "loraplane_training_state"
@@ -33,15 +42,20 @@ EXP_AVG = "optimizer.exp_avg."
 EXP_AVG_SQ = "optimizer.exp_avg_sq."
 
 
+# PEFT target_parameters names of the expert targets (transformers' fused 3-D expert parameters).
+PEFT_TARGET_PARAMETERS = {"experts.gate_up_proj": "mlp.experts.gate_up_proj", "experts.down_proj": "mlp.experts.down_proj"}
+EXPERT_LAYOUT_KEY = "loraplane_expert_layout"
+
+
 def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
-    return {
+    config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name,
         "r": spec.rank,
         "lora_alpha": spec.effective_alpha,
         "lora_dropout": 0.0,
-        "target_modules": list(spec.target_modules),
+        "target_modules": [t for t in spec.target_modules if t not in EXPERT_TARGETS],
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -55,6 +69,12 @@ def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
         "revision": None,
         "loraplane_seed": spec.seed,
     }
+    if spec.has_experts:
+        # HF PEFT's LoRA on transformers' fused 3-D experts; the per-expert tensors are in the file whatever the
+        # layout (shared factors repeated per expert), the layout is recorded so a reader can fold them back.
+        config["target_parameters"] = [PEFT_TARGET_PARAMETERS[t] for t in spec.target_modules if t in EXPERT_TARGETS]
+        config[EXPERT_LAYOUT_KEY] = spec.expert_layout
+    return config
 
 
 # The dtypes an adapter's weights blob may be written in, under the names LoraConfig.weights_dtype uses, with the
@@ -139,8 +159,10 @@ def weights_dtype(name: str, field: str = "weights_dtype") -> torch.dtype:
 
 def adapter_writer(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_model_name: str,
                    dtype: str = "float32") -> SafetensorsWriter:
-    """The PEFT weights file of `params` in `dtype` (a WEIGHTS_DTYPES name), after checking the params."""
-    _check_params(params, spec, field="params")
+    """The PEFT weights file of `params` in `dtype` (a WEIGHTS_DTYPES name), after checking the params. A
+    shared-outer adapter's shared factors are written once per expert (PEFT's per-expert shapes)."""
+    _check_params(params, spec, field="params", compact=True)
+    params = expand_shared_outer(params, spec)
     metadata = {
         FORMAT_KEY: "pt",
         ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name), sort_keys=True),
@@ -188,16 +210,24 @@ def _spec_from_peft_config(config: dict) -> LoraSpec:
             raise InvalidArgument(f"adapter_config.{flag} is not supported", field=f"adapter_config.{flag}")
     if config.get("bias", "none") != "none":
         raise InvalidArgument("adapter_config.bias must be 'none'", field="adapter_config.bias")
-    targets = config.get("target_modules") or list(TARGET_MODULES)
-    if isinstance(targets, str):
+    targets = config.get("target_modules")
+    parameters = config.get("target_parameters") or []
+    if isinstance(targets, str) or isinstance(parameters, str):
         raise InvalidArgument("adapter_config.target_modules must be a list", field="adapter_config.target_modules")
+    by_parameter = {v: k for k, v in PEFT_TARGET_PARAMETERS.items()}
+    unknown = [p for p in parameters if p not in by_parameter]
+    if unknown:
+        raise InvalidArgument(f"adapter_config.target_parameters: unknown {unknown[:3]}; allowed "
+                              f"{list(by_parameter)}", field="adapter_config.target_parameters")
+    targets = list(targets or ([] if parameters else TARGET_MODULES)) + [by_parameter[p] for p in parameters]
     try:
         rank = int(config["r"])
         alpha = float(config.get("lora_alpha", rank))
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"adapter_config lacks a valid r / lora_alpha: {exc}", field="adapter_config.r") from exc
     return LoraSpec.create(rank, alpha, targets, int(config.get("loraplane_seed", 0) or 0),
-                           max_rank=1 << 20, field_prefix="adapter_config")
+                           max_rank=1 << 20, field_prefix="adapter_config",
+                           expert_layout=str(config.get(EXPERT_LAYOUT_KEY) or PER_EXPERT))
 
 
 def parse_adapter(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
@@ -206,7 +236,7 @@ def parse_adapter(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
     spec, base_name = _adapter_config(metadata)
     params = {k: v.to(torch.float32) for k, v in tensors.items()}
     _check_params(params, spec, field="blob")
-    return params, spec, base_name
+    return fold_shared_outer(params, spec), spec, base_name
 
 
 def adapter_header(blob: bytes) -> tuple[LoraSpec, str, dict[str, str]]:
@@ -248,16 +278,20 @@ def _non_finite_key(params: Mapping[str, torch.Tensor]) -> str | None:
     return next((k for k, t in zip(params, tensors) if not bool(torch.isfinite(t).all())), None)
 
 
-def _check_params(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, field: str) -> None:
+def _check_params(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, field: str, compact: bool = False) -> None:
     """Keys must form complete A/B pairs of the spec's target modules over layers 0..L-1 with rank-consistent
     shapes and finite values."""
-    _check_shapes({key: tuple(tensor.shape) for key, tensor in params.items()}, spec, field=field)
+    _check_shapes({key: tuple(tensor.shape) for key, tensor in params.items()}, spec, field=field, compact=compact)
     bad = _non_finite_key(params)
     if bad is not None:
         raise InvalidArgument(f"{field}: {bad} has non-finite values", field=field)
 
 
-def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: str) -> None:
+def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: str, compact: bool = False) -> None:
+    """Dense targets: an A/B pair in every layer 0..L-1. Expert targets: an A/B pair in the layers that have them
+    (a MoE model's dense layers do not), PEFT's per-expert shapes A [r E, in] / B [out, r E] with one E for the
+    whole adapter; `compact`: a shared-outer adapter's own tensors (gate_up A [r, in], down B [out, r]), as the
+    trainer and its training state keep them."""
     layers: set[int] = set()
     pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     for key, shape in shapes.items():
@@ -269,30 +303,230 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: 
             raise InvalidArgument(f"{field}: {key} targets {module}, not in target_modules", field=field)
         if len(shape) != 2 or min(shape) < 1:
             raise InvalidArgument(f"{field}: {key} must be 2-D and non-empty, got shape {shape}", field=field)
-        layers.add(layer)
+        if module not in EXPERT_TARGETS:
+            layers.add(layer)
         pairs.setdefault((layer, module), {})[which] = shape
     if not shapes:
         raise InvalidArgument(f"{field}: no LoRA tensors", field=field)
     if layers != set(range(len(layers))):
         raise InvalidArgument(f"{field}: layers {sorted(layers)} are not 0..{len(layers) - 1}", field=field)
+    dense = [m for m in spec.target_modules if m not in EXPERT_TARGETS]
     for layer in layers:
-        for module in spec.target_modules:
-            shapes = pairs.get((layer, module), {})
-            if "A" not in shapes or "B" not in shapes:
+        for module in dense:
+            got = pairs.get((layer, module), {})
+            if "A" not in got or "B" not in got:
                 raise InvalidArgument(f"{field}: layer {layer} {module} lacks lora_A or lora_B", field=field)
-            if shapes["A"][0] != spec.rank or shapes["B"][1] != spec.rank:
+            if got["A"][0] != spec.rank or got["B"][1] != spec.rank:
                 raise InvalidArgument(
-                    f"{field}: layer {layer} {module} shapes {shapes['A']}/{shapes['B']} disagree with rank "
+                    f"{field}: layer {layer} {module} shapes {got['A']}/{got['B']} disagree with rank "
                     f"{spec.rank}", field=field)
+    experts_seen: set[int] = set()
+    for (layer, module), got in pairs.items():
+        if module not in EXPERT_TARGETS:
+            continue
+        if "A" not in got or "B" not in got:
+            raise InvalidArgument(f"{field}: layer {layer} {module} lacks lora_A or lora_B", field=field)
+        rows, cols = got["A"][0], got["B"][1]
+        shared_a = compact and spec.expert_layout == SHARED_OUTER and module == "experts.gate_up_proj"
+        shared_b = compact and spec.expert_layout == SHARED_OUTER and module == "experts.down_proj"
+        counts = {rows // spec.rank if not shared_a else None, cols // spec.rank if not shared_b else None} - {None}
+        if ((shared_a and rows != spec.rank) or (shared_b and cols != spec.rank) or rows % spec.rank
+                or cols % spec.rank or len(counts) != 1):
+            raise InvalidArgument(
+                f"{field}: layer {layer} {module} shapes {got['A']}/{got['B']} are not rank-{spec.rank} "
+                f"{'compact ' if compact else ''}{spec.expert_layout} expert factors", field=field)
+        experts_seen |= counts
+    if len(experts_seen) > 1:
+        raise InvalidArgument(f"{field}: expert factors disagree on the number of experts {sorted(experts_seen)}",
+                              field=field)
+    if spec.has_experts and not any(m in EXPERT_TARGETS for _, m in pairs):
+        raise InvalidArgument(f"{field}: expert targets {[m for m in spec.target_modules if m in EXPERT_TARGETS]} "
+                              "have no tensors", field=field)
+
+
+def _shared_keys(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> Iterator[tuple[str, str]]:
+    """(key, "A" | "B") of each shared-outer factor: every gate_up lora_A and every down lora_B."""
+    if spec.expert_layout != SHARED_OUTER:
+        return
+    for key in params:
+        layer, module, which = parse_peft_key(key)
+        if (module, which) in (("experts.gate_up_proj", "A"), ("experts.down_proj", "B")):
+            yield key, which
+
+
+def _experts_of(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> int:
+    for key, tensor in params.items():
+        _, module, which = parse_peft_key(key)
+        if (module, which) == ("experts.gate_up_proj", "B"):
+            return tensor.shape[1] // spec.rank
+        if (module, which) == ("experts.down_proj", "A"):
+            return tensor.shape[0] // spec.rank
+    return 0
+
+
+def expand_shared_outer(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """A shared-outer adapter's tensors in PEFT's per-expert shapes: the shared gate_up A [r, in] repeated as every
+    expert's rows ([r E, in]), the shared down B [out, r] as every expert's columns ([out, r E], column j*E + e).
+    The same function of the params, so HF PEFT computes exactly the shared-outer adapter. Other adapters: as
+    they are."""
+    shared = dict(_shared_keys(params, spec))
+    if not shared:
+        return dict(params)
+    experts = _experts_of(params, spec)
+    out = dict(params)
+    for key, which in shared.items():
+        tensor = params[key].detach()
+        if which == "A" and tensor.shape[0] == spec.rank:
+            out[key] = tensor.repeat(experts, 1)
+        elif which == "B" and tensor.shape[1] == spec.rank:
+            out[key] = tensor.repeat_interleave(experts, dim=1)
+    return out
+
+
+def fold_shared_outer(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """The inverse of expand_shared_outer: every expert's copy of a shared factor must be the same (bit for bit),
+    else InvalidArgument (such a file is a per-expert adapter, not shared-outer)."""
+    shared = dict(_shared_keys(params, spec))
+    if not shared:
+        return dict(params)
+    experts = _experts_of(params, spec)
+    out = dict(params)
+    for key, which in shared.items():
+        tensor = params[key]
+        if which == "A" and tensor.shape[0] == spec.rank * experts:
+            copies = tensor.view(experts, spec.rank, tensor.shape[1])
+            folded = copies[0]
+        elif which == "B" and tensor.shape[1] == spec.rank * experts:
+            copies = tensor.view(tensor.shape[0], spec.rank, experts).permute(2, 0, 1)
+            folded = copies[0]
+        else:
+            continue
+        if not bool((copies == folded.unsqueeze(0)).all()):
+            raise InvalidArgument(f"blob: {key} differs between experts, so the adapter is not shared-outer",
+                                  field="blob")
+        out[key] = folded.contiguous()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ SGLang layout
+
+_SGLANG_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def sglang_expert_key(layer: int, expert: int, proj: str, which: str) -> str:
+    return f"{PEFT_PREFIX}.{layer}.mlp.experts.{expert}.{proj}.lora_{which}.weight"
+
+
+def to_sglang(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapter in the layout SGLang 0.5.17 serves: dense keys as they are, each expert's LoRA under per-expert
+    keys ``...layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight`` (PEFT's transformers-4
+    names) with the PEFT config's target_modules naming gate_proj/up_proj/down_proj. Lossless: gate and up get
+    the expert's one gate_up A each, B is split at its gate|up rows; a shared-outer factor is every expert's.
+    `params`: the trainer's tensors (either layout, compact or expanded)."""
+    params = expand_shared_outer(params, spec)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in params.items():
+        layer, module, which = parse_peft_key(key)
+        if module not in EXPERT_TARGETS:
+            out[key] = tensor
+            continue
+        experts = tensor.shape[0] // spec.rank if which == "A" else tensor.shape[1] // spec.rank
+        if which == "A":
+            per = tensor.view(experts, spec.rank, tensor.shape[1])
+        else:
+            per = tensor.view(tensor.shape[0], spec.rank, experts).permute(2, 0, 1)
+        for e in range(experts):
+            factor = per[e].contiguous()
+            if module == "experts.down_proj":
+                out[sglang_expert_key(layer, e, "down_proj", which)] = factor
+            elif which == "A":
+                out[sglang_expert_key(layer, e, "gate_proj", "A")] = factor
+                out[sglang_expert_key(layer, e, "up_proj", "A")] = factor.clone()
+            else:
+                half = factor.shape[0] // 2
+                out[sglang_expert_key(layer, e, "gate_proj", "B")] = factor[:half].contiguous()
+                out[sglang_expert_key(layer, e, "up_proj", "B")] = factor[half:].contiguous()
+    config = {k: v for k, v in peft_adapter_config(spec, "").items() if k != "target_parameters"}
+    targets = [t for t in spec.target_modules if t not in EXPERT_TARGETS]
+    if spec.has_experts:
+        targets += [p for p in _SGLANG_EXPERT_PROJ if p not in targets]
+    config["target_modules"] = targets
+    return out, config
+
+
+def from_sglang(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_sglang`: per-expert keys back to PEFT's fused-expert tensors (folded to the compact
+    shared-outer form when `spec` says so). gate and up must share their A in every expert (what PEFT's fused
+    gate_up LoRA is); an adapter trained with separate gate and up A does not fit it: InvalidArgument."""
+    dense: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        parts = key.split(".")
+        if len(parts) == 11 and parts[5:7] == ["mlp", "experts"] and parts[7].isdigit():
+            layer, expert, proj, which = int(parts[4]), int(parts[7]), parts[8], parts[9][-1]
+            if proj not in _SGLANG_EXPERT_PROJ or parts[9] not in ("lora_A", "lora_B"):
+                raise InvalidArgument(f"not an expert LoRA key: {key!r}", field="tensors")
+            experts.setdefault((layer, proj, which), {})[expert] = tensor
+        else:
+            parse_peft_key(key)
+            dense[key] = tensor
+    out = dict(dense)
+    layers = sorted({layer for layer, _, _ in experts})
+    for layer in layers:
+        def stack(proj: str, which: str) -> list[torch.Tensor]:
+            got = experts.get((layer, proj, which), {})
+            if sorted(got) != list(range(len(got))) or not got:
+                raise InvalidArgument(f"layer {layer} {proj}.lora_{which}: experts {sorted(got)[:4]}... are not "
+                                      "0..E-1", field="tensors")
+            return [got[e] for e in range(len(got))]
+
+        if (layer, "gate_proj", "A") in experts:
+            gate_a, up_a = stack("gate_proj", "A"), stack("up_proj", "A")
+            if any(not torch.equal(g, u) for g, u in zip(gate_a, up_a)):
+                raise InvalidArgument(f"layer {layer}: gate_proj and up_proj have different lora_A; PEFT's fused "
+                                      "gate_up LoRA shares one A", field="tensors")
+            gate_b, up_b = stack("gate_proj", "B"), stack("up_proj", "B")
+            out[peft_key(layer, "experts.gate_up_proj", "A")] = torch.cat(gate_a)
+            b = torch.stack([torch.cat([g, u]) for g, u in zip(gate_b, up_b)])  # [E, out, r]
+            out[peft_key(layer, "experts.gate_up_proj", "B")] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
+        if (layer, "down_proj", "A") in experts:
+            out[peft_key(layer, "experts.down_proj", "A")] = torch.cat(stack("down_proj", "A"))
+            b = torch.stack(stack("down_proj", "B"))
+            out[peft_key(layer, "experts.down_proj", "B")] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
+    _check_params(out, spec, field="tensors")
+    return fold_shared_outer(out, spec)
+
+
+def materialize_sglang_dir(blob: bytes, directory: str | Path) -> Path:
+    """adapter_model.safetensors + adapter_config.json in the layout SGLang serves (see :func:`to_sglang`): for a
+    dense adapter the PEFT directory itself."""
+    params, spec, base_name = parse_adapter(blob)
+    if not spec.has_experts:
+        return materialize_peft_dir(blob, directory)
+    tensors, config = to_sglang(params, spec)
+    config["base_model_name_or_path"] = base_name
+    for key in ("loraplane_seed", EXPERT_LAYOUT_KEY):
+        config.pop(key, None)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp_weights = directory / ".adapter_model.safetensors.tmp"
+    tmp_weights.write_bytes(_save(tensors, {FORMAT_KEY: "pt"}))
+    tmp_weights.replace(directory / "adapter_model.safetensors")
+    tmp_config = directory / ".adapter_config.json.tmp"
+    tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
+    tmp_config.replace(directory / "adapter_config.json")
+    return directory
 
 
 def materialize_peft_dir(blob: bytes, directory: str | Path) -> Path:
     """Writes adapter_model.safetensors + adapter_config.json so HF PEFT / SGLang / vLLM can load the adapter."""
     params, spec, base_name = parse_adapter(blob)
+    params = expand_shared_outer(params, spec)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = peft_adapter_config(spec, base_name)
     config.pop("loraplane_seed", None)
+    config.pop(EXPERT_LAYOUT_KEY, None)
     tmp_weights = directory / ".adapter_model.safetensors.tmp"
     tmp_weights.write_bytes(_save(params, {FORMAT_KEY: "pt"}))
     tmp_weights.replace(directory / "adapter_model.safetensors")
@@ -313,7 +547,8 @@ class TrainingState:
 
 
 def serialize_training_state(state: TrainingState) -> bytes:
-    _check_params(state.params, state.spec, field="params")
+    # The trainer's own tensors: a shared-outer adapter's shared factors once per layer (compact).
+    _check_params(state.params, state.spec, field="params", compact=True)
     tensors = dict(state.params)
     for key in state.params:
         tensors[EXP_AVG + key] = state.exp_avg[key]
@@ -325,6 +560,7 @@ def serialize_training_state(state: TrainingState) -> bytes:
         "target_modules": list(state.spec.target_modules),
         "seed": state.spec.seed,
         "base_model": state.base_model_name,
+        "expert_layout": state.spec.expert_layout,
     }
     metadata = {
         FORMAT_KEY: "pt",
@@ -343,14 +579,15 @@ def parse_training_state(blob: bytes) -> TrainingState:
     try:
         info = json.loads(raw)
         spec = LoraSpec.create(int(info["rank"]), float(info["alpha"]), info["target_modules"], int(info["seed"]),
-                               max_rank=1 << 20, field_prefix="training_state")
+                               max_rank=1 << 20, field_prefix="training_state",
+                               expert_layout=str(info.get("expert_layout") or PER_EXPERT))
         step = int(info["step"])
     except (KeyError, TypeError, ValueError) as exc:
         raise DataLoss(f"training-state metadata is malformed: {exc}", field="blob") from exc
     if step < 0 or not math.isfinite(step):
         raise DataLoss("training-state step is negative", field="blob")
     params = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
-    _check_params(params, spec, field="blob")
+    _check_params(params, spec, field="blob", compact=True)
     exp_avg, exp_avg_sq = {}, {}
     for key, tensor in params.items():
         m = tensors.get(EXP_AVG + key)
@@ -524,7 +761,8 @@ class BlobCheck:
         try:
             info = json.loads(raw)
             self.spec = LoraSpec.create(int(info["rank"]), float(info["alpha"]), info["target_modules"],
-                                        int(info["seed"]), max_rank=1 << 20, field_prefix="training_state")
+                                        int(info["seed"]), max_rank=1 << 20, field_prefix="training_state",
+                                        expert_layout=str(info.get("expert_layout") or PER_EXPERT))
             step = int(info["step"])
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"loraplane_training_state is malformed ({exc})") from None
@@ -532,7 +770,7 @@ class BlobCheck:
             raise InvalidArgument(f"training-state step {step} is negative")
         self.base_model = str(info.get("base_model", ""))
         params = {k: v for k, v in shapes.items() if not k.startswith("optimizer.")}
-        _check_shapes(params, self.spec, field="tensors")
+        _check_shapes(params, self.spec, field="tensors", compact=True)
         for key, shape in params.items():
             if shapes.get(EXP_AVG + key) != shape or shapes.get(EXP_AVG_SQ + key) != shape:
                 raise InvalidArgument(f"no AdamW moments of shape {shape} for {key}")

@@ -30,12 +30,20 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplane.errors import InvalidArgument
+from loraplane.models.families import ALL_TARGETS, EXPERT_TARGETS
 from loraplane.threads import one_thread, share_work
 
+# The default targets of a dense model (every decoder projection); a MoE model's defaults come from its family
+# (`LoraSpec.create(available=...)`).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
 PEFT_PREFIX = "base_model.model.model.layers"
 DEFAULT_MAX_RANK = 256
+# How an adapter's expert targets hold their factors (LoraConfig.expert_layout): PEFT's per-expert A and B, or
+# SGLang's shared-outer layout (gate_up A and down B shared by a layer's experts). See "Routed experts" below.
+PER_EXPERT = "per_expert"
+SHARED_OUTER = "shared_outer"
+EXPERT_LAYOUTS = (PER_EXPERT, SHARED_OUTER)
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,11 @@ class LoraSpec:
     alpha: float = 0.0
     target_modules: tuple[str, ...] = TARGET_MODULES
     seed: int = 0
+    expert_layout: str = PER_EXPERT
+
+    @property
+    def has_experts(self) -> bool:
+        return any(t in EXPERT_TARGETS for t in self.target_modules)
 
     @property
     def effective_alpha(self) -> float:
@@ -55,8 +68,10 @@ class LoraSpec:
 
     @classmethod
     def create(cls, rank: int, alpha: float = 0.0, target_modules: Iterable[str] = (), seed: int = 0,
-               *, max_rank: int = DEFAULT_MAX_RANK, field_prefix: str = "lora_config") -> LoraSpec:
-        """Validates and canonicalizes (targets in TARGET_MODULES order, empty = all)."""
+               *, max_rank: int = DEFAULT_MAX_RANK, field_prefix: str = "lora_config",
+               expert_layout: str = "", available: Sequence[str] | None = None) -> LoraSpec:
+        """Validates and canonicalizes (targets in ALL_TARGETS order; empty = every target in `available`, the
+        base model's targets, or TARGET_MODULES when not given)."""
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise InvalidArgument(f"{field_prefix}.rank must be >= 1, got {rank!r}", field=f"{field_prefix}.rank")
         if rank > max_rank:
@@ -67,33 +82,74 @@ class LoraSpec:
             raise InvalidArgument(f"{field_prefix}.alpha must be finite and >= 0, got {alpha}",
                                   field=f"{field_prefix}.alpha")
         targets = list(target_modules)
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
+        allowed = [t for t in ALL_TARGETS if available is None or t in available]
+        unknown = sorted(set(targets) - set(allowed))
         if unknown:
             raise InvalidArgument(
-                f"{field_prefix}.target_modules: unknown {unknown}; allowed {list(TARGET_MODULES)}",
+                f"{field_prefix}.target_modules: unknown {unknown}; allowed {allowed}",
                 field=f"{field_prefix}.target_modules",
             )
         if len(set(targets)) != len(targets):
             raise InvalidArgument(f"{field_prefix}.target_modules has duplicates: {targets}",
                                   field=f"{field_prefix}.target_modules")
-        chosen = tuple(m for m in TARGET_MODULES if m in targets) if targets else TARGET_MODULES
+        if targets:
+            chosen = tuple(m for m in ALL_TARGETS if m in targets)
+        else:
+            chosen = tuple(allowed) if available is not None else TARGET_MODULES
         if not isinstance(seed, int) or seed < 0 or seed >= 2**64:
             raise InvalidArgument(f"{field_prefix}.seed must be in [0, 2^64), got {seed!r}",
                                   field=f"{field_prefix}.seed")
-        return cls(rank=rank, alpha=alpha if alpha else float(rank), target_modules=chosen, seed=seed)
+        layout = expert_layout or PER_EXPERT
+        if layout not in EXPERT_LAYOUTS:
+            raise InvalidArgument(f"{field_prefix}.expert_layout must be one of {list(EXPERT_LAYOUTS)}, got "
+                                  f"{str(expert_layout)[:40]!r}", field=f"{field_prefix}.expert_layout")
+        return cls(rank=rank, alpha=alpha if alpha else float(rank), target_modules=chosen, seed=seed,
+                   expert_layout=layout)
+
+
+# HF PEFT's `target_parameters` wraps a MoE layer's `mlp.experts` twice: gate_up_proj innermost (its LoRA under
+# `experts.base_layer.`), down_proj outside it (under `experts.`).
+_EXPERT_KEY_OWNER = {"experts.gate_up_proj": "mlp.experts.base_layer", "experts.down_proj": "mlp.experts"}
 
 
 def peft_key(layer: int, module: str, which: str) -> str:
-    """PEFT state-dict key, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    """PEFT state-dict key, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight; for the expert
+    targets base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight (gate_up_proj) and
+    ...mlp.experts.lora_A.weight (down_proj)."""
+    expert_owner = _EXPERT_KEY_OWNER.get(module)
+    if expert_owner is not None:
+        return f"{PEFT_PREFIX}.{layer}.{expert_owner}.lora_{which}.weight"
     owner = "self_attn" if module in _ATTENTION else "mlp"
     return f"{PEFT_PREFIX}.{layer}.{owner}.{module}.lora_{which}.weight"
 
 
+def expert_shapes(module: str, dims: tuple[int, int], rank: int, experts: int,
+                  layout: str = PER_EXPERT) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(A shape, B shape) of an expert target in PEFT's ParamWrapper layout: A [rank * E, in] with expert e's rows
+    at [e*rank, (e+1)*rank), B [out, rank * E] with expert e's column j at j*E + e. In the shared-outer layout
+    (the trainer's own tensors and training state) the shared factor is one expert's: gate_up A [rank, in], down B
+    [out, rank]."""
+    in_features, out_features = dims
+    shared_a = layout == SHARED_OUTER and module == "experts.gate_up_proj"
+    shared_b = layout == SHARED_OUTER and module == "experts.down_proj"
+    return ((rank if shared_a else rank * experts, in_features), (out_features, rank if shared_b else rank * experts))
+
+
 def expected_shapes(base, spec: LoraSpec) -> dict[str, tuple[int, int]]:
-    """PEFT key -> shape for this base model (a `loraplane.models.BaseModel`) and spec, in canonical order."""
+    """PEFT key -> shape for this base model (a `loraplane.models.BaseModel`) and spec, in canonical order. A
+    target a layer does not have (the experts of a dense layer) has no keys in that layer."""
     shapes: dict[str, tuple[int, int]] = {}
     for layer in range(base.num_layers):
+        offered = base.layer_targets(layer) if hasattr(base, "layer_targets") else TARGET_MODULES
         for module in spec.target_modules:
+            if module not in offered:
+                continue
+            if module in EXPERT_TARGETS:
+                a_shape, b_shape = expert_shapes(module, base.module_dims[module], spec.rank, base.num_experts,
+                                                 spec.expert_layout)
+                shapes[peft_key(layer, module, "A")] = a_shape
+                shapes[peft_key(layer, module, "B")] = b_shape
+                continue
             in_features, out_features = base.module_dims[module]
             shapes[peft_key(layer, module, "A")] = (spec.rank, in_features)
             shapes[peft_key(layer, module, "B")] = (out_features, spec.rank)
@@ -128,6 +184,8 @@ class AdapterTensors:
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     scale: float
     name: str = ""
+    expert_layout: str = PER_EXPERT
+    rank: int = 0
 
     @classmethod
     def from_params(cls, params: dict[str, torch.Tensor], spec: LoraSpec, name: str = "") -> AdapterTensors:
@@ -136,11 +194,16 @@ class AdapterTensors:
             layer, module, which = parse_peft_key(key)
             a, b = modules.get((layer, module), (None, None))
             modules[(layer, module)] = (tensor, b) if which == "A" else (a, tensor)
-        return cls(modules=modules, scale=spec.scale, name=name)
+        return cls(modules=modules, scale=spec.scale, name=name, expert_layout=spec.expert_layout, rank=spec.rank)
 
 
 def parse_peft_key(key: str) -> tuple[int, str, str]:
     parts = key.split(".")
+    # base_model.model.model.layers.{i}.mlp.experts[.base_layer].lora_{A|B}.weight
+    if (len(parts) in (9, 10) and ".".join(parts[:4]) == PEFT_PREFIX and parts[4].isdigit()
+            and parts[5:7] == ["mlp", "experts"] and parts[-2] in ("lora_A", "lora_B") and parts[-1] == "weight"
+            and (len(parts) == 9 or parts[7] == "base_layer")):
+        return int(parts[4]), "experts.gate_up_proj" if len(parts) == 10 else "experts.down_proj", parts[-2][-1]
     # base_model.model.model.layers.{i}.{owner}.{module}.lora_{A|B}.weight
     if (len(parts) != 9 or ".".join(parts[:4]) != PEFT_PREFIX or not parts[4].isdigit()
             or parts[6] not in TARGET_MODULES or parts[7] not in ("lora_A", "lora_B") or parts[8] != "weight"
@@ -175,11 +238,14 @@ def attach_multi_lora(model, target_modules: Sequence[str] = TARGET_MODULES) -> 
     handles = []
     for layer_index, block in enumerate(model.model.layers):
         for module_name in target_modules:
+            if module_name in EXPERT_TARGETS:
+                continue  # the experts' LoRA runs inside the experts implementation (attach_experts)
             owner = block.self_attn if module_name in _ATTENTION else block.mlp
             linear = getattr(owner, module_name, None)
             if linear is None:
                 continue
             handles.append(linear.register_forward_hook(_make_hook(model, layer_index, module_name)))
+    handles.extend(attach_experts(model))
     setattr(model, _HOOKS_ATTR, handles)
 
 
@@ -187,6 +253,9 @@ def detach_multi_lora(model) -> None:
     for handle in getattr(model, _HOOKS_ATTR, None) or []:
         handle.remove()
     setattr(model, _HOOKS_ATTR, None)
+    previous = getattr(model, "_loraplane_experts_previous", None)
+    if previous is not None:
+        model.config._experts_implementation = previous
 
 
 def _make_hook(model, layer_index: int, module_name: str):
@@ -451,3 +520,167 @@ def lora_row_windows(model, slices: Sequence[tuple[AdapterTensors, int, int]], r
             stop = min(chunk + bucket, end)
             windows.append((adapter, window, window + bucket, chunk - window, stop - window, chunk, stop))
     return _routing_scope(model, _Routing(windows=windows))
+
+
+# ------------------------------------------------------------------------------------------------ routed experts
+#
+# transformers keeps a Qwen3-MoE layer's experts fused: `mlp.experts.gate_up_proj` [E, 2 ffn, hidden] (gate rows
+# first) and `mlp.experts.down_proj` [E, hidden, ffn]; the router `mlp.gate` picks top-k experts per token. HF's
+# experts module dispatches its forward through transformers' ExpertsInterface by `config._experts_implementation`;
+# `attach_multi_lora` registers ours ("loraplane") and selects it, so the model object, its router and its weights
+# stay transformers' own. Ours computes, for each token range of the current routing (a tenant's tokens, or one
+# batch row), the routed experts with grouped matmuls over the range's tokens sorted by expert:
+#
+#   gate_up = x W_gu[e]^T + scale * (x A_gu[e]^T) B_gu[e]^T      (one A per expert shared by gate and up: PEFT)
+#   y       = a W_d[e]^T  + scale * (a A_d[e]^T)  B_d[e]^T,      a = silu(gate) * up
+#   out[t]  = sum over the token's experts, in expert order, of weight[t, k] * y
+#
+# No loop over experts and no 0/1 mask: one grouped matmul per projection and range (torch._grouped_mm; CPU and
+# CUDA), the LoRA factors as [E, ...] views of the PEFT tensors (or one shared factor in the shared-outer layout).
+# Rows are sorted by expert, then by (k, token) as transformers' eager loop visits them, and summed in expert order
+# with index_add_, so with B = 0 the result is bit for bit transformers' eager experts (fp32, CPU). A range sees
+# only its own tokens, so a tenant's expert outputs and gradients do not depend on what else shares the batch.
+
+EXPERTS_IMPLEMENTATION = "loraplane"
+_MOE_SHAPE_ATTR = "_loraplane_moe_shape"
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # torch._grouped_mm wants 16-byte aligned strides (fp32: every dim a multiple of 4) and matching dtypes.
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    align = 16 // x.element_size()
+    return x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and w.shape[-2] % align == 0
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """x [S, k] rows sorted by group; w [G, k, n]; offsets [G] int32 cumulative ends; experts [S] the group of each
+    row. Returns [S, n] with row i = x[i] @ w[experts[i]]. torch._grouped_mm where its alignment rules hold, else a
+    gathered batched matmul (each row with its own group's matrix: still one op, no loop over groups)."""
+    if _grouped_mm_ok(x, w):
+        return torch._grouped_mm(x, w, offs=offsets)
+    return torch.bmm(x.unsqueeze(1), w.index_select(0, experts)).squeeze(1)
+
+
+def _a_operand(a: torch.Tensor, experts: int, rank: int) -> torch.Tensor:
+    if a.shape[0] == rank * experts and experts > 1:
+        return a.view(experts, rank, a.shape[1]).transpose(1, 2)  # [E, in, r]
+    return a.t()  # shared: [in, r]
+
+
+def _b_operand(b: torch.Tensor, experts: int, rank: int) -> torch.Tensor:
+    if b.shape[1] == rank * experts and experts > 1:
+        # PEFT: column j*E + e is expert e's column j.
+        return b.view(b.shape[0], rank, experts).permute(2, 1, 0).contiguous()  # [E, r, out]
+    return b.t()  # shared: [r, out]
+
+
+def _lora_through(x, pair, rank: int, experts: int, offsets, expert_of_row, scale: float) -> torch.Tensor:
+    a, b = pair
+    xa = x if x.dtype == a.dtype else x.to(a.dtype)
+    a_op = _a_operand(a, experts, rank)
+    h = grouped_mm(xa, a_op, offsets, expert_of_row) if a_op.dim() == 3 else xa.mm(a_op)
+    b_op = _b_operand(b, experts, rank)
+    delta = grouped_mm(h, b_op, offsets, expert_of_row) if b_op.dim() == 3 else h.mm(b_op)
+    return (delta * scale).to(x.dtype)
+
+
+def _experts_range(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   adapter: AdapterTensors | None, layer: int) -> torch.Tensor:
+    tokens, top_k = top_k_index.shape
+    experts = module.num_experts
+    # (k, token) order, stably sorted by expert: transformers' eager loop visits each expert's rows this way.
+    flat = top_k_index.t().reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    expert_of_row = flat.index_select(0, order)
+    token_of_row = order % tokens
+    weight_of_row = top_k_weights.t().reshape(-1).index_select(0, order)
+    offsets = torch.cumsum(torch.bincount(expert_of_row, minlength=experts), 0).to(torch.int32)
+    rows = x.index_select(0, token_of_row)
+    gate_up = grouped_mm(rows, module.gate_up_proj.transpose(1, 2), offsets, expert_of_row)
+    pair = None if adapter is None else _module_tensors(adapter, (layer, "experts.gate_up_proj"))
+    if pair is not None:
+        gate_up = gate_up + _lora_through(rows, pair, adapter.rank, experts, offsets, expert_of_row, adapter.scale)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = module.act_fn(gate) * up
+    out = grouped_mm(hidden, module.down_proj.transpose(1, 2), offsets, expert_of_row)
+    pair = None if adapter is None else _module_tensors(adapter, (layer, "experts.down_proj"))
+    if pair is not None:
+        out = out + _lora_through(hidden, pair, adapter.rank, experts, offsets, expert_of_row, adapter.scale)
+    out = out * weight_of_row.unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token_of_row, out.to(x.dtype))
+
+
+def _token_ranges(routing: _Routing | None, tokens: int, shape) -> list[tuple[int, int, AdapterTensors | None]]:
+    """The routing as ranges of the flattened tokens: a trainer segment per adapter run, or one batch row each."""
+    if routing is None:
+        rows = shape[0] if shape is not None and shape[0] * shape[1] == tokens else 1
+        per_row = tokens // rows
+        return [(r * per_row, (r + 1) * per_row, None) for r in range(rows)]
+    if routing.segments is not None:
+        ranges: list[tuple[int, int, AdapterTensors | None]] = []
+        cursor = 0
+        for start, end, adapter in routing.segments:
+            if start > cursor:
+                ranges.append((cursor, start, None))
+            if end > start:
+                ranges.append((start, end, adapter))
+            cursor = max(cursor, end)
+        if cursor < tokens:
+            ranges.append((cursor, tokens, None))
+        return ranges
+    if routing.rows is not None:
+        row_adapters = list(routing.rows)
+    else:
+        count = shape[0] if shape is not None else 1
+        row_adapters = [None] * count
+        for adapter, _window, _window_end, _first, _last, chunk, stop in routing.windows or ():
+            for row in range(chunk, stop):
+                row_adapters[row] = adapter
+    per_row = tokens // max(1, len(row_adapters))
+    return [(r * per_row, (r + 1) * per_row, adapter) for r, adapter in enumerate(row_adapters)]
+
+
+def _loraplane_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                               top_k_weights: torch.Tensor) -> torch.Tensor:
+    model_id = getattr(module, "_loraplane_model_id", None)
+    table = getattr(_local, "routing", None)
+    routing = None if table is None or model_id is None else table.get(model_id)
+    shape = getattr(_local, "moe_shape", None)
+    ranges = _token_ranges(routing, hidden_states.shape[0], shape)
+    layer = getattr(module, "_loraplane_layer", -1)
+    outputs = [_experts_range(module, hidden_states[start:end], top_k_index[start:end], top_k_weights[start:end],
+                              adapter, layer) for start, end, adapter in ranges if end > start]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _register_experts_implementation() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, _loraplane_experts_forward)
+
+
+def _record_moe_shape(_module, args, kwargs):
+    # The experts see flattened tokens; a row routing needs the (batch, seq) shape of the block's input.
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    _local.moe_shape = tuple(hidden.shape[:2]) if hidden is not None and hidden.dim() == 3 else None
+
+
+def attach_experts(model) -> list:
+    """Routes every MoE layer's experts through `_loraplane_experts_forward` (returns the hook handles)."""
+    handles = []
+    moe_blocks = [(i, block.mlp) for i, block in enumerate(model.model.layers)
+                  if getattr(block.mlp, "experts", None) is not None]
+    if not moe_blocks:
+        return handles
+    _register_experts_implementation()
+    for index, mlp in moe_blocks:
+        mlp.experts._loraplane_layer = index
+        mlp.experts._loraplane_model_id = id(model)
+        handles.append(mlp.register_forward_pre_hook(_record_moe_shape, with_kwargs=True))
+    # The config object is shared by every experts module of the model (and its sub-configs).
+    if model.config._experts_implementation != EXPERTS_IMPLEMENTATION:
+        model._loraplane_experts_previous = model.config._experts_implementation
+    model.config._experts_implementation = EXPERTS_IMPLEMENTATION
+    return handles

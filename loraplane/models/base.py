@@ -87,9 +87,9 @@ class BaseModel:
 
     def layer_targets(self, layer: int) -> tuple[str, ...]:
         """The LoRA targets decoder layer `layer` offers (attention, then its dense MLP or its experts)."""
-        mlp = families.EXPERT_TARGETS if self.layer_kinds and self.layer_kinds[layer] == "moe" else (
-            families.DENSE_MLP_TARGETS)
-        return families.ATTENTION_TARGETS + mlp
+        if self.layer_kinds and self.layer_kinds[layer] == "moe":
+            return families.ATTENTION_TARGETS + families.EXPERT_TARGETS
+        return tuple(t for t in families.ATTENTION_TARGETS + families.DENSE_MLP_TARGETS if t in self.module_dims)
 
 
 def model_cache_dir() -> Path:
@@ -194,7 +194,7 @@ def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dt
         dtype=dtype,
         num_layers=len(layers),
         hidden_size=int(config.hidden_size),
-        module_dims={t: dims[t] for t in families.ALL_TARGETS if t in dims},
+        module_dims={t: dims[t] for t in families.lora_targets(config) if t in dims},
         layer_kinds=kinds,
         num_experts=families.num_experts(config),
     )

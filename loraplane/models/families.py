@@ -185,11 +185,13 @@ def layer_kinds(config) -> list[str]:
 
 
 def lora_targets(config) -> tuple[str, ...]:
-    """The LoRA targets this model offers (canonical order): attention always, the dense MLP projections when a
-    layer is dense, the expert targets when a layer is MoE."""
+    """The LoRA targets this model offers (canonical order): attention always; the dense MLP projections of a
+    dense model; the expert targets of a MoE model. A MoE model's dense layers (mlp_only_layers) offer no MLP
+    target: HF PEFT (0.21 on transformers 5) rewrites target_modules gate_proj/up_proj/down_proj of a Qwen3-MoE
+    into the experts' target_parameters, so such an adapter would not load there as trained."""
     kinds = set(layer_kinds(config))
     targets = list(ATTENTION_TARGETS)
-    if "dense" in kinds:
+    if kinds == {"dense"}:
         targets += DENSE_MLP_TARGETS
     if "moe" in kinds:
         targets += EXPERT_TARGETS

@@ -20,6 +20,34 @@ else:
 
 DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
 
+class _ExpertLoraLayout:
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
+
+class _ExpertLoraLayoutEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_ExpertLoraLayout.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
+    EXPERT_LORA_LAYOUT_UNSPECIFIED: _ExpertLoraLayout.ValueType  # 0
+    EXPERT_LORA_LAYOUT_PER_EXPERT: _ExpertLoraLayout.ValueType  # 1
+    """Every expert has its own A and B for gate_up and for down (HF PEFT's target_parameters layout)."""
+    EXPERT_LORA_LAYOUT_SHARED_OUTER: _ExpertLoraLayout.ValueType  # 2
+    """SGLang's shared-outer layout: one gate_up lora_A and one down lora_B shared by all experts of a layer; the
+    gate_up lora_B and down lora_A per expert. Fewer parameters; the published PEFT file repeats the shared
+    factors per expert (lossless), so it loads unchanged wherever a per-expert adapter does.
+    """
+
+class ExpertLoraLayout(_ExpertLoraLayout, metaclass=_ExpertLoraLayoutEnumTypeWrapper):
+    """The layout of an adapter's routed-expert LoRA (docs/architecture.md, "Expert adapters")."""
+
+EXPERT_LORA_LAYOUT_UNSPECIFIED: ExpertLoraLayout.ValueType  # 0
+EXPERT_LORA_LAYOUT_PER_EXPERT: ExpertLoraLayout.ValueType  # 1
+"""Every expert has its own A and B for gate_up and for down (HF PEFT's target_parameters layout)."""
+EXPERT_LORA_LAYOUT_SHARED_OUTER: ExpertLoraLayout.ValueType  # 2
+"""SGLang's shared-outer layout: one gate_up lora_A and one down lora_B shared by all experts of a layer; the
+gate_up lora_B and down lora_A per expert. Fewer parameters; the published PEFT file repeats the shared
+factors per expert (lossless), so it loads unchanged wherever a per-expert adapter does.
+"""
+global___ExpertLoraLayout = ExpertLoraLayout
+
 class _WeightsDtype:
     ValueType = typing.NewType("ValueType", builtins.int)
     V: typing_extensions.TypeAlias = ValueType
@@ -91,6 +119,7 @@ class LoraConfig(google.protobuf.message.Message):
     TARGET_MODULES_FIELD_NUMBER: builtins.int
     SEED_FIELD_NUMBER: builtins.int
     WEIGHTS_DTYPE_FIELD_NUMBER: builtins.int
+    EXPERT_LAYOUT_FIELD_NUMBER: builtins.int
     rank: builtins.int
     """Rank r of every A (r x in) / B (out x r) pair. Must be >= 1 and <= the server's max_lora_rank."""
     alpha: builtins.float
@@ -99,9 +128,15 @@ class LoraConfig(google.protobuf.message.Message):
     """Seed of the A initialisation; the same seed gives the same initial adapter on every machine."""
     weights_dtype: global___WeightsDtype.ValueType
     """The dtype of the tensors in the adapter's published WEIGHTS versions. Unspecified = float32."""
+    expert_layout: global___ExpertLoraLayout.ValueType
+    """How the expert targets hold their LoRA factors (ignored without expert targets). Unspecified = PER_EXPERT."""
     @property
     def target_modules(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
-        """Projection names among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj. Empty = all of them."""
+        """LoRA targets: the dense projections q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj and, on a
+        mixture-of-experts model (Qwen3-MoE), the routed experts' fused projections experts.gate_up_proj (one A per
+        expert shared by gate and up, as HF PEFT's target_parameters) and experts.down_proj. Empty = every target the
+        base model offers (GetInfo.supported_target_modules); attention only = q_proj,k_proj,v_proj,o_proj.
+        """
 
     def __init__(
         self,
@@ -111,8 +146,9 @@ class LoraConfig(google.protobuf.message.Message):
         target_modules: collections.abc.Iterable[builtins.str] | None = ...,
         seed: builtins.int = ...,
         weights_dtype: global___WeightsDtype.ValueType = ...,
+        expert_layout: global___ExpertLoraLayout.ValueType = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["alpha", b"alpha", "rank", b"rank", "seed", b"seed", "target_modules", b"target_modules", "weights_dtype", b"weights_dtype"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["alpha", b"alpha", "expert_layout", b"expert_layout", "rank", b"rank", "seed", b"seed", "target_modules", b"target_modules", "weights_dtype", b"weights_dtype"]) -> None: ...
 
 global___LoraConfig = LoraConfig
 

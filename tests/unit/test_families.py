@@ -50,7 +50,8 @@ def test_o_bias_is_a_backend_difference():
 def test_layer_kinds_and_targets_follow_mlp_only_layers():
     config = AutoConfig.for_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[0, 2])
     assert families.layer_kinds(config) == ["dense", "moe", "dense", "moe"]
-    assert families.lora_targets(config) == families.ALL_TARGETS
+    # No dense-MLP targets on a MoE model: PEFT would read them as expert targets.
+    assert families.lora_targets(config) == families.ATTENTION_TARGETS + families.EXPERT_TARGETS
     only_moe = AutoConfig.for_model("qwen3_moe", num_hidden_layers=2)
     assert families.lora_targets(only_moe) == families.ATTENTION_TARGETS + families.EXPERT_TARGETS
     assert families.lora_targets(AutoConfig.for_model("llama")) == (
@@ -77,3 +78,5 @@ def test_tiny_moe_loads_as_a_qwen3_moe():
     assert base.module_dims["experts.gate_up_proj"] == (64, 64)
     assert base.module_dims["experts.down_proj"] == (32, 64)
     assert base.layer_targets(1) == families.ATTENTION_TARGETS + families.EXPERT_TARGETS
+    assert base.layer_targets(0) == families.ATTENTION_TARGETS
+    assert "gate_proj" not in base.module_dims
