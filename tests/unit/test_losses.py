@@ -382,3 +382,55 @@ def test_sequence_loss_config_and_mask_are_validated():
         with pytest.raises(InvalidArgument) as info:
             validate_data([payload], loss, {}, **limits)
         assert info.value.field == field, (loss, payload)
+
+
+def test_stable_reinforce_improves_on_stale_samples_where_importance_sampling_collapses(backend):
+    """Off-policy training, deterministic: one batch sampled from the initial policy (q recorded then) is trained on
+    for 30 optimizer steps, so by the end the data is 30 steps stale. The task: the next token after a fixed prompt,
+    reward 1 for a "good" token (every 7th id). One sample is an unlucky one a noisy reward would produce: the
+    least likely bad token, rewarded. Its importance weight p/q is unbounded, so importance_sampling ends up putting
+    almost all mass on it (the expected reward collapses); stable_reinforce caps and then masks its weight and
+    keeps improving the expected reward."""
+    prompt = [17, 42, 99, 7, 120, 64]
+    vocab = backend.description.vocab_size
+    good = torch.zeros(vocab, dtype=torch.bool)
+    good[torch.arange(0, vocab, 7)] = True
+
+    def next_token_probs(state) -> torch.Tensor:
+        adapter = AdapterTensors.from_params(state.params, state.spec)
+        with torch.no_grad(), lora_routing(backend.base.model, [adapter]):
+            return torch.softmax(backend.base.model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+
+    def train(loss: str):
+        state = make_state(backend, 5)
+        p0 = next_token_probs(state)
+        actions = torch.multinomial(p0.float(), 24, replacement=True,
+                                    generator=torch.Generator().manual_seed(0)).tolist()
+        unlucky = min((a for a in range(vocab) if not good[a]), key=lambda a: float(p0[a]))
+        actions.append(unlucky)
+        rewards = [float(good[a]) for a in actions[:-1]] + [1.0]
+        baseline = sum(rewards) / len(rewards)
+        data = []
+        for action, reward in zip(actions, rewards):
+            advantages, q = torch.zeros(len(prompt)), torch.zeros(len(prompt))
+            advantages[-1], q[-1] = reward - baseline, float(torch.log(p0[action]))
+            data.append(DatumInput(torch.tensor(prompt), torch.tensor(prompt[1:] + [action]), None, q, advantages))
+        name, config = resolve_loss(loss, {})
+        optimizer = torch.optim.Adam(list(state.params.values()), lr=0.02)
+        for _ in range(30):
+            (result,) = backend.run([BatchItem(state, data, name, config)], backward=True)
+            assert all(torch.isfinite(p.grad).all() for p in state.params.values())
+            optimizer.step()
+            optimizer.zero_grad()
+        p = next_token_probs(state)
+        return float(p0[good].sum()), float(p[good].sum()), float(p[unlucky] / p0[unlucky]), result
+
+    start, is_end, is_ratio, _ = train("importance_sampling")
+    assert is_end < start / 5, (start, is_end)
+    assert is_ratio > 1000  # the stale sample's importance weight ran away
+
+    start, sr_end, sr_ratio, result = train("stable_reinforce")
+    assert sr_end > 2 * start, (start, sr_end)
+    assert math.isfinite(result.metrics["loss:sum"])
+    # The unlucky sample left the trust band and contributes nothing any more.
+    assert sr_ratio > 5 and result.outputs[-1].elementwise_loss[-1] == 0.0
