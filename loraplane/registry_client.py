@@ -149,10 +149,34 @@ def weights_dtype_value(name: str) -> int:
 
 
 def lora_config(rank: int, alpha: float = 0.0, target_modules: Iterable[str] = (), seed: int = 0,
-                weights_dtype: str = "float32") -> common_pb2.LoraConfig:
+                weights_dtype: str = "float32", expert_layout: str = "") -> common_pb2.LoraConfig:
     """The `lora_config` argument of `RegistryClient.create_adapter`, from plain values."""
     return common_pb2.LoraConfig(rank=rank, alpha=alpha, target_modules=list(target_modules), seed=seed,
-                                 weights_dtype=weights_dtype_value(weights_dtype))
+                                 weights_dtype=weights_dtype_value(weights_dtype),
+                                 expert_layout=expert_layout_value(expert_layout))
+
+
+# LoraConfig.expert_layout names (loraplane.lora.EXPERT_LAYOUTS) <-> values.
+_EXPERT_LAYOUT_VALUES = {"": common_pb2.EXPERT_LORA_LAYOUT_UNSPECIFIED,
+                         "per_expert": common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT,
+                         "shared_outer": common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER}
+_EXPERT_LAYOUT_NAMES = {common_pb2.EXPERT_LORA_LAYOUT_UNSPECIFIED: "",
+                        common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT: "per_expert",
+                        common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER: "shared_outer"}
+
+
+def expert_layout_name(value: int) -> str:
+    """The name of a LoraConfig.expert_layout value ("" = unspecified); an unknown value comes back as its number,
+    for the domain's validation to reject by name."""
+    return _EXPERT_LAYOUT_NAMES.get(value, str(value))
+
+
+def expert_layout_value(name: str) -> int:
+    try:
+        return _EXPERT_LAYOUT_VALUES[name]
+    except KeyError:
+        raise errors.InvalidArgument(f"lora_config.expert_layout: {name[:40]!r} is not one of per_expert, "
+                                     "shared_outer", field="lora_config.expert_layout") from None
 
 
 def adapter_ref(name: str, version: int = 0, alias: str = "") -> common_pb2.AdapterRef:

@@ -35,7 +35,8 @@ def adapter_pb(record: AdapterRecord) -> registry_pb2.Adapter:
         name=record.name,
         lora_config=common_pb2.LoraConfig(rank=record.lora.rank, alpha=record.lora.alpha,
                                           target_modules=record.lora.target_modules, seed=record.lora.seed,
-                                          weights_dtype=record.lora.weights_dtype),
+                                          weights_dtype=record.lora.weights_dtype,
+                                          expert_layout=record.lora.expert_layout),
         base_model=record.base_model, keep_last=record.keep_last, metadata=record.metadata, aliases=record.aliases,
         latest_version=record.latest_version, create_time=_timestamp(record.create_time_ms))
 
@@ -69,7 +70,8 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
         adapter = request.adapter
         lora = adapter.lora_config
         record = await self.store.create_adapter(
-            adapter.name, LoraSpec(lora.rank, lora.alpha, list(lora.target_modules), lora.seed, lora.weights_dtype),
+            adapter.name, LoraSpec(lora.rank, lora.alpha, list(lora.target_modules), lora.seed, lora.weights_dtype,
+                                   lora.expert_layout),
             adapter.base_model,
             adapter.keep_last, dict(adapter.metadata), caller=current_caller())
         return registry_pb2.CreateAdapterResponse(adapter=adapter_pb(record))

@@ -34,6 +34,7 @@ from loraplane.auth import OPEN, Identity, append_audit, audit_entry, quota_exce
 from loraplane.config import Settings
 from loraplane.errors import shown
 from loraplane.fields import validate_alias, validate_name
+from loraplane.models.families import ALL_TARGETS
 from registry_svc import lua
 from registry_svc.blobs import BlobStore
 
@@ -45,7 +46,8 @@ CURSOR_RE = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}\Z")
 # How long a presigned download URL stays valid: long enough to start the GET, short enough that a leaked one
 # soon opens nothing.
 DIRECT_URL_SECONDS = 60
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Every LoRA target a model family offers (dense projections and the routed experts' fused projections).
+PROJECTIONS = ALL_TARGETS
 
 KIND_WEIGHTS = 1
 KIND_TRAINING_STATE = 2
@@ -109,6 +111,8 @@ class LoraSpec:
     seed: int = 0
     # One of WEIGHTS_DTYPES: how trainers write the adapter's weights versions (the registry accepts any float blob).
     weights_dtype: int = 0
+    # LoraConfig.expert_layout value, kept as the trainer gave it.
+    expert_layout: int = 0
 
 
 @dataclass
@@ -207,6 +211,10 @@ def validate_lora(spec: LoraSpec, limits: RegistryLimits, field_name: str = "ada
         raise errors.InvalidArgument(
             f"{field_name}.weights_dtype: {spec.weights_dtype} is not a WeightsDtype (unspecified, float32, bfloat16)",
             field=f"{field_name}.weights_dtype")
+    if spec.expert_layout not in (0, 1, 2):
+        raise errors.InvalidArgument(
+            f"{field_name}.expert_layout: {spec.expert_layout} is not an ExpertLoraLayout (unspecified, per_expert, "
+            "shared_outer)", field=f"{field_name}.expert_layout")
     return spec
 
 

@@ -70,6 +70,8 @@ class AdapterRecord:
     uid: str
     # The dtype of its published weights versions; records written before the option existed are float32.
     weights_dtype: str = "float32"
+    # loraplane.lora.EXPERT_LAYOUTS; records written before expert LoRA existed are per_expert.
+    expert_layout: str = "per_expert"
     metadata: dict[str, str] = field(default_factory=dict)
     checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first
 

@@ -36,6 +36,7 @@ from loraplane.registry_client import (
     AdapterVersion,
     RegistryClient,
     StreamedBlob,
+    expert_layout_name,
     lora_config,
     weights_dtype_name,
 )
@@ -130,6 +131,8 @@ class LoraConfig:
     # The dtype of published weights versions (adapter_format.WEIGHTS_DTYPES); params and optimizer state stay
     # float32 whatever it is.
     weights_dtype: str = "float32"
+    # loraplane.lora.EXPERT_LAYOUTS; "" = per_expert. Only meaningful with expert targets.
+    expert_layout: str = ""
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,9 @@ class TrainerService:
             raise InvalidArgument(f"base_model {shown(base_model)} differs from this trainer's {self.base_model!r}",
                                   field="base_model")
         spec = LoraSpec.create(int(config.rank), float(config.alpha), list(config.target_modules),
-                               int(config.seed), max_rank=self.limits.max_lora_rank)
+                               int(config.seed), max_rank=self.limits.max_lora_rank,
+                               expert_layout=config.expert_layout,
+                               available=tuple(self.backend.description.module_dims))
         weights_dtype = validate_weights_dtype(config.weights_dtype)
         if name in self.pool or name in self._creating:
             raise AlreadyExists(f"adapter {name!r} already exists on this trainer", field="name")
@@ -223,13 +228,14 @@ class TrainerService:
         try:
             registered = await self.registry.create_adapter(
                 name, lora_config=lora_config(spec.rank, spec.effective_alpha, spec.target_modules, spec.seed,
-                                              weights_dtype),
+                                              weights_dtype, spec.expert_layout if spec.has_experts else ""),
                 base_model=self.base_model, keep_last=keep_last, metadata=dict(metadata or {}), exist_ok=True)
             self._check_registry_match(name, registered, spec, weights_dtype)
 
             uid = uuid.uuid4().hex
             record = AdapterRecord(name=name, rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules),
                                    seed=spec.seed, base_model=self.base_model, uid=uid, weights_dtype=weights_dtype,
+                                   expert_layout=spec.expert_layout,
                                    metadata=dict(metadata or {}))
             if self.journal is not None:
                 # Durable before it is acknowledged: a restarted trainer rebuilds the adapter from this record.
@@ -271,6 +277,8 @@ class TrainerService:
         same = (got.rank == spec.rank and abs(got.alpha - spec.effective_alpha) < 1e-6
                 and (list(got.target_modules) or list(spec.target_modules)) == list(spec.target_modules)
                 and weights_dtype_name(got.weights_dtype) == weights_dtype
+                and (expert_layout_name(got.expert_layout) or "per_expert") == (
+                    spec.expert_layout if spec.has_experts else "per_expert")
                 and (not registered.base_model or registered.base_model == self.base_model))
         if not same:
             raise AlreadyExists(
@@ -712,7 +720,8 @@ class TrainerService:
             raise FailedPrecondition(f"adapter {record.name!r} was trained on {record.base_model!r}, this trainer "
                                      f"serves {self.base_model!r}")
         spec = LoraSpec.create(record.rank, record.alpha, record.target_modules, record.seed,
-                               max_rank=max(record.rank, self.limits.max_lora_rank))
+                               max_rank=max(record.rank, self.limits.max_lora_rank),
+                               expert_layout=record.expert_layout)
         checkpoint = record.checkpoint
         loaded = None
         if checkpoint is not None:

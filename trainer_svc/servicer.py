@@ -6,7 +6,7 @@ import hashlib
 
 from loraplane import metrics
 from loraplane.auth import current_caller
-from loraplane.registry_client import weights_dtype_name, weights_dtype_value
+from loraplane.registry_client import expert_layout_name, expert_layout_value, weights_dtype_name, weights_dtype_value
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import ItemResult
@@ -22,7 +22,8 @@ def payload_hash(request) -> bytes:
 
 def lora_config(message: common_pb2.LoraConfig) -> LoraConfig:
     return LoraConfig(rank=message.rank, alpha=message.alpha, target_modules=tuple(message.target_modules),
-                      seed=message.seed, weights_dtype=weights_dtype_name(message.weights_dtype))
+                      seed=message.seed, weights_dtype=weights_dtype_name(message.weights_dtype),
+                      expert_layout=expert_layout_name(message.expert_layout))
 
 
 def source_ref(message: common_pb2.AdapterRef) -> SourceRef:
@@ -42,7 +43,9 @@ def adapter_message(info: AdapterInfo) -> trainer_pb2.TrainerAdapter:
         name=info.name,
         lora_config=common_pb2.LoraConfig(rank=info.spec.rank, alpha=info.spec.effective_alpha,
                                           target_modules=list(info.spec.target_modules), seed=info.spec.seed,
-                                          weights_dtype=weights_dtype_value(info.weights_dtype)),
+                                          weights_dtype=weights_dtype_value(info.weights_dtype),
+                                          expert_layout=expert_layout_value(
+                                              info.spec.expert_layout if info.spec.has_experts else "")),
         base_model=info.base_model, step=info.step, last_seq_id=info.last_seq_id, resident=info.resident,
         parameter_count=info.parameter_count)
 

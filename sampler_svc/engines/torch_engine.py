@@ -168,7 +168,7 @@ class TorchEngine(Engine):
         base = self._require_base()
         adapter = await asyncio.to_thread(self._prepare_adapter, base, key, blob)
         self._adapters[key] = adapter
-        return LoadedAdapterInfo(key=key, rank=next(iter(adapter.modules.values()))[0].shape[0])
+        return LoadedAdapterInfo(key=key, rank=adapter.rank or next(iter(adapter.modules.values()))[0].shape[0])
 
     def _prepare_adapter(self, base: BaseModel, key: str, blob: bytes) -> AdapterTensors:
         params, spec, base_name = parse_adapter(blob)
