@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
 
     _init_parallel = _model.init_parallel
 
-    def _init_parallel_cpu(tensor_parallel_size: int = 1, seed: int = 1234) -> None:
-        _init_parallel(tensor_parallel_size, seed)
+    def _init_parallel_cpu(tensor_parallel_size: int = 1, seed: int = 1234, **kwargs) -> None:
+        _init_parallel(tensor_parallel_size, seed, **kwargs)
         from megatron.core import tensor_parallel
 
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()

@@ -59,7 +59,7 @@ _COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "
 
 def family_config(family: str, vocab_size: int):
     """The transformers config of a tiny checkpoint of ``family`` (or of an unsupported variant, for refusals)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config
 
     common = {**_COMMON, "vocab_size": vocab_size}
     if family == "llama3":
@@ -76,7 +76,8 @@ def family_config(family: str, vocab_size: int):
         return Qwen3Config(**common, head_dim=24, tie_word_embeddings=False, attention_bias=False,
                            rope_theta=1000000.0)
     if family == "refuse:moe":
-        return Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        # Qwen3-MoE runs (tests/e2e/test_megatron_moe_cpu.py); other families' experts do not.
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     if family == "refuse:sliding_window":
         return Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     if family == "refuse:mlp_bias":
@@ -91,7 +92,7 @@ def family_config(family: str, vocab_size: int):
 
 # What each refused config must be refused for: a phrase of the error message.
 REFUSALS = {
-    "refuse:moe": "mixture-of-experts MLP",
+    "refuse:moe": "model_type 'mixtral'",
     "refuse:sliding_window": "sliding-window attention",
     "refuse:mlp_bias": "MLP biases",
     "refuse:rope_yarn": "rope_scaling type 'yarn'",

@@ -132,14 +132,14 @@ class MegatronBackend(TrainerBackend):
     name = "megatron"
 
     def __init__(self, base_model: str | BaseModel = "smollm2-135m-instruct", *, tensor_parallel_size: int = 1,
-                 device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
+                 expert_parallel_size: int = 1, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
                  lora_compute_dtype: torch.dtype | None = None, attention: str = "sdpa", recompute: str = "auto",
                  engine: Engine | None = None,
                  driver: Driver | None = None):
         if engine is None:
             from .model import init_parallel
 
-            init_parallel(tensor_parallel_size)
+            init_parallel(tensor_parallel_size, expert_parallel_size=expert_parallel_size)
             # The HF model only feeds the weight conversion (and the tokenizer/description); keep it on the host.
             base = base_model if isinstance(base_model, BaseModel) else load_base_model(
                 base_model, device="cpu", dtype=torch.float32)

@@ -72,6 +72,8 @@ def flat_layout(shape: LlamaShape, rank: int, tp: int) -> FlatLayout:
         groups = len(c.targets)
         for layer in range(layers):
             for g, target in enumerate(c.targets):
+                if not shape.has_target(layer, target):
+                    continue  # an MoE layer's dense-MLP storage stays zero and is never exported
                 at = offset + (layer * groups + g) * rank * c.dim
                 entries.append(FlatEntry(peft_key(layer, target, c.which), layer, target, c.which, (rank, c.dim),
                                          at, c.sharded))
@@ -131,6 +133,9 @@ class Engine:
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
+        # Expert parallelism: the EP ranks are data-parallel ranks whose MoE layers exchange tokens, so every one of
+        # them runs every forward and backward, with or without datums of its own (:meth:`run_batch`).
+        self.ep = ps.get_expert_model_parallel_world_size()
         if data_parallel_size is not None and data_parallel_size != self.dp:
             raise ValueError(f"data_parallel_size={data_parallel_size} but the job has {self.dp} data-parallel ranks")
         self.model, self.spec = build_from_hf(base.model, dtype, self.device, attention)
@@ -150,6 +155,8 @@ class Engine:
         shapes = {}
         for layer in range(self.shape.num_layers):
             for target in spec.target_modules:
+                if not self.shape.has_target(layer, target):
+                    continue
                 i, o = self.shape.in_features(target), self.shape.out_features(target)
                 shapes[peft_key(layer, target, "A")] = (spec.rank, i)
                 shapes[peft_key(layer, target, "B")] = (o, spec.rank)
@@ -324,18 +331,33 @@ class Engine:
                              device=self.device)
         out_loss = torch.zeros_like(out_lp)
         loss_by_adapter = torch.zeros(len(slots), dtype=torch.float64, device=self.device)
-        if tokens:
+        placeholder = not tokens and self.ep > 1 and n > 0
+        if tokens or placeholder:
             ids = torch.tensor([t for i in order for t in datums[i].input_tokens], dtype=torch.long)
             tgt = torch.tensor([t for i in order for t in datums[i].target_tokens], dtype=torch.long)
+            if placeholder:
+                # No datum here, but the other EP ranks' MoE layers exchange tokens with this one in the forward
+                # and the backward: run one token through the first adapter with a loss of exactly zero (its
+                # gradients are zeros, added by the all-reduce below).
+                ids = tgt = torch.zeros(1, dtype=torch.long)
+                lengths, offsets, tokens = [1], [0, 1], 1
             ids = ids.to(self.device, non_blocking=True)
             tgt = tgt.to(self.device, non_blocking=True)
             segments, row = [], 0
             for name, s in slots.items():
                 count = sum(len(datums[i].input_tokens) for i in order if datums[i].adapter == name)
+                if placeholder and not segments:
+                    count = 1
                 if count:
                     segments.append(RowSegment(row, row + count, self.tensors(s)))
                     row += count
-            self.stats["recomputed_layers"] = self.recompute.plan(tokens, backward, self.device)
+            planned = tokens
+            if self.ep > 1:
+                # Every EP rank must recompute the same layers: a recomputed MoE layer exchanges tokens again.
+                most = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+                dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
+                planned = int(most.item())
+            self.stats["recomputed_layers"] = self.recompute.plan(planned, backward, self.device)
             with torch.set_grad_enabled(backward), self.lora.route(segments, tokens) as routing:
                 self.stats[f"lora_{routing.mode}"] = self.stats.get(f"lora_{routing.mode}", 0) + 1
                 logits = forward_logits(self.model, ids, lengths)  # [1, T, V/TP]
@@ -358,6 +380,8 @@ class Engine:
                     out_loss[i, :length] = per_token.detach()
                     loss_by_adapter[list(slots).index(name)] += per_token.detach().double().sum()
                     total = total + per_token.sum()
+                if placeholder:
+                    total = lp_all.sum() * 0.0
             if backward and total.requires_grad:
                 total.backward()
                 routing.accumulate_grads()

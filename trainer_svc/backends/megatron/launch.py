@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node 2 -m trainer_svc.backends.megatron.launch \
         --base-model smollm2-135m-instruct --tensor-parallel-size 2 --registry-address HOST:PORT --port 50052
 
-World size = tensor_parallel_size x data_parallel_size. Every rank loads the base model and builds its shard of
-the GPTModel; rank 0 then builds the service and the gRPC server, and every engine call is broadcast to the other
+World size = tensor_parallel_size x data_parallel_size; a mixture-of-experts model may spread its experts over
+``--expert-parallel-size`` of the data-parallel ranks (EP must divide the data-parallel size and the expert
+count). Every rank loads the base model and builds its shard of the GPTModel; rank 0 then builds the service and the gRPC server, and every engine call is broadcast to the other
 ranks (:class:`.backend.Driver`), which loop in :meth:`Driver.follow` until rank 0 shuts down.
 """
 
@@ -31,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=settings.trainer_port)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=0, help="0 = world size / tensor parallel size")
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="MoE models: experts spread over this many data-parallel ranks (tokens exchanged all-to-all)")
     p.add_argument("--device-slots", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=128)
     p.add_argument("--max-fused-adapters", type=int, default=8)
@@ -47,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size: int, device_slots: int,
                  dtype: torch.dtype, lora_dtype: torch.dtype | None, attention: str = "sdpa",
-                 recompute: str = "auto"):
+                 recompute: str = "auto", expert_parallel_size: int = 1):
     from loraplane.models import load_base_model
 
     from .engine import Engine
@@ -58,7 +61,10 @@ def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size:
         raise SystemExit(f"world size {world} is not a multiple of --tensor-parallel-size {tensor_parallel_size}")
     if data_parallel_size and data_parallel_size * tensor_parallel_size != world:
         raise SystemExit(f"tensor x data parallel = {tensor_parallel_size * data_parallel_size} != world {world}")
-    init_parallel(tensor_parallel_size)
+    if (world // tensor_parallel_size) % expert_parallel_size:
+        raise SystemExit(f"--expert-parallel-size {expert_parallel_size} must divide the data-parallel size "
+                         f"{world // tensor_parallel_size}")
+    init_parallel(tensor_parallel_size, expert_parallel_size=expert_parallel_size)
     base = load_base_model(base_model, device="cpu", dtype=torch.float32)
     return Engine(base, device_slots=device_slots, dtype=dtype, lora_compute_dtype=lora_dtype,
                   data_parallel_size=data_parallel_size or None, attention=attention, recompute=recompute)
@@ -97,7 +103,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(args.base_model, args.tensor_parallel_size, args.data_parallel_size, args.device_slots,
-                          DTYPES[args.dtype], DTYPES.get(args.lora_dtype), args.attention, args.recompute)
+                          DTYPES[args.dtype], DTYPES.get(args.lora_dtype), args.attention, args.recompute,
+                          args.expert_parallel_size)
     import torch.distributed as dist
 
     from .backend import Driver

@@ -63,6 +63,28 @@ class LlamaShape:
     head_dim: int
     ffn_hidden_size: int
     vocab_size: int
+    # Mixture of experts (Qwen3-MoE): the routed experts of the layers in ``moe_layers`` (the others are dense
+    # SwiGLU MLPs of ``ffn_hidden_size``); each expert is a SwiGLU MLP of ``moe_ffn_hidden_size``.
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def has_target(self, layer: int, target: str) -> bool:
+        """Whether ``layer`` has the dense projection ``target`` (an MoE layer's MLP is its experts instead)."""
+        return target in ATTENTION_TARGETS or layer not in self.moe_layers
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
+
+    def check_expert_parallel(self, ep: int) -> None:
+        if self.moe_layers and self.num_experts % ep:
+            raise ValueError(f"expert_parallel_size={ep} must divide num_experts={self.num_experts}")
+        if not self.moe_layers and ep > 1:
+            raise ValueError(f"expert_parallel_size={ep} needs a mixture-of-experts model")
 
     @property
     def heads_per_group(self) -> int:
@@ -73,7 +95,7 @@ class LlamaShape:
         problems = []
         if self.num_kv_heads % tp:
             problems.append(f"num_key_value_heads={self.num_kv_heads}")
-        if self.ffn_hidden_size % tp:
+        if self.dense_layers and self.ffn_hidden_size % tp:
             problems.append(f"intermediate_size={self.ffn_hidden_size}")
         if self.vocab_size % tp:
             problems.append(f"vocab_size={self.vocab_size}")
@@ -98,11 +120,16 @@ class LlamaShape:
         }.get(target, self.hidden_size)
 
 
-def shape_from_hf_config(config) -> LlamaShape:
-    """LlamaShape of a transformers Llama/Qwen-style config object."""
+def shape_from_hf_config(config, moe_layers: tuple[int, ...] = ()) -> LlamaShape:
+    """LlamaShape of a transformers Llama/Qwen-style config object; ``moe_layers``: the layers whose MLP is the
+    routed experts (the model family says which: :func:`.model.spec_from_hf_config`)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return LlamaShape(
+    moe = {}
+    if moe_layers:
+        moe = {"num_experts": int(config.num_experts), "moe_ffn_hidden_size": int(config.moe_intermediate_size),
+               "moe_layers": tuple(moe_layers)}
+    return LlamaShape(**moe,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_heads=heads,
@@ -176,8 +203,22 @@ def chunk_for_rank(t: torch.Tensor, tp: int, rank: int, dim: int) -> torch.Tenso
     return torch.chunk(t, tp, dim=dim)[rank]
 
 
+def hf_moe_to_mcore(router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ep: int = 1,
+                    ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """One MoE layer's HF weights (transformers 5's fused 3-D experts: ``gate_up_proj[E, 2F, h]`` whose rows are
+    ``[gate; up]``, ``down_proj[E, h, F]``; router ``mlp.gate.weight[E, h]``) → this expert-parallel rank's
+    weights of :class:`.moe.GroupedExperts` (its contiguous block of E/EP experts, in the same layouts: gate|up
+    is already megatron's fc1 order) and megatron's ``TopKRouter`` (replicated). Experts are never split by
+    tensor parallelism (expert_tensor_parallel_size = 1)."""
+    return {
+        "mlp.router.weight": router,
+        "mlp.experts.weight1": chunk_for_rank(gate_up, ep, ep_rank, 0),
+        "mlp.experts.weight2": chunk_for_rank(down, ep, ep_rank, 0),
+    }
+
+
 def hf_layer_to_mcore_shards(
-    hf_layer: dict[str, torch.Tensor], shape: LlamaShape, tp: int, rank: int
+    hf_layer: dict[str, torch.Tensor], shape: LlamaShape, tp: int, rank: int, ep: int = 1, ep_rank: int = 0
 ) -> dict[str, torch.Tensor]:
     """One decoder layer: HF weights (keys relative to ``model.layers.N.``) → this rank's mcore weights.
 
@@ -194,16 +235,20 @@ def hf_layer_to_mcore_shards(
         q, k, v = (chunk_for_rank(take(f"self_attn.{p}_proj.{kind}"), tp, rank, 0) for p in "qkv")
         return interleave_qkv(q, k, v, groups_local, shape.head_dim, dim=0)
 
-    gate = chunk_for_rank(take("mlp.gate_proj.weight"), tp, rank, 0)
-    up = chunk_for_rank(take("mlp.up_proj.weight"), tp, rank, 0)
     out = {
         "input_layernorm.weight": take("input_layernorm.weight"),
         "self_attention.linear_qkv.weight": fused_qkv("weight"),
         "self_attention.linear_proj.weight": chunk_for_rank(take("self_attn.o_proj.weight"), tp, rank, 1),
         "pre_mlp_layernorm.weight": take("post_attention_layernorm.weight"),
-        "mlp.linear_fc1.weight": fuse_gate_up(gate, up, dim=0),
-        "mlp.linear_fc2.weight": chunk_for_rank(take("mlp.down_proj.weight"), tp, rank, 1),
     }
+    if "mlp.experts.gate_up_proj" in hf_layer:
+        out.update(hf_moe_to_mcore(take("mlp.gate.weight"), take("mlp.experts.gate_up_proj"),
+                                   take("mlp.experts.down_proj"), ep, ep_rank))
+    else:
+        gate = chunk_for_rank(take("mlp.gate_proj.weight"), tp, rank, 0)
+        up = chunk_for_rank(take("mlp.up_proj.weight"), tp, rank, 0)
+        out["mlp.linear_fc1.weight"] = fuse_gate_up(gate, up, dim=0)
+        out["mlp.linear_fc2.weight"] = chunk_for_rank(take("mlp.down_proj.weight"), tp, rank, 1)
     if "self_attn.q_proj.bias" in hf_layer:
         out["self_attention.linear_qkv.bias"] = fused_qkv("bias")
     if "self_attn.q_norm.weight" in hf_layer:
@@ -216,9 +261,10 @@ def hf_layer_to_mcore_shards(
 
 
 def hf_to_mcore_state_dict(
-    hf_sd: dict[str, torch.Tensor], shape: LlamaShape, tp: int = 1, rank: int = 0
+    hf_sd: dict[str, torch.Tensor], shape: LlamaShape, tp: int = 1, rank: int = 0, ep: int = 1, ep_rank: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Full HF state dict (``model.…`` keys, tied or untied head) → this rank's GPTModel state dict."""
+    """Full HF state dict (``model.…`` keys, tied or untied head) → this rank's GPTModel state dict (TP rank
+    ``rank``, expert-parallel rank ``ep_rank``)."""
     out: dict[str, torch.Tensor] = {
         "embedding.word_embeddings.weight": chunk_for_rank(hf_sd["model.embed_tokens.weight"], tp, rank, 0),
         "decoder.final_layernorm.weight": hf_sd["model.norm.weight"],
@@ -232,15 +278,17 @@ def hf_to_mcore_state_dict(
     for i in range(shape.num_layers):
         prefix = f"model.layers.{i}."
         layer = {k[len(prefix) :]: v for k, v in hf_sd.items() if k.startswith(prefix)}
-        for k, v in hf_layer_to_mcore_shards(layer, shape, tp, rank).items():
+        for k, v in hf_layer_to_mcore_shards(layer, shape, tp, rank, ep, ep_rank).items():
             out[f"decoder.layers.{i}.{k}"] = v
     return out
 
 
 def mcore_to_hf_state_dict(
-    rank_sds: list[dict[str, torch.Tensor]], shape: LlamaShape, tied: bool = True
+    rank_sds: list[dict[str, torch.Tensor]], shape: LlamaShape, tied: bool = True,
+    ep_sds: list[dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`hf_to_mcore_state_dict` given every rank's state dict (index = TP rank)."""
+    """Inverse of :func:`hf_to_mcore_state_dict` given every TP rank's state dict (index = TP rank) and, for MoE
+    layers under expert parallelism, every EP rank's (index = EP rank; default: the TP ranks' first)."""
     tp = len(rank_sds)
     groups_local = shape.num_kv_heads // tp
     hpg = shape.heads_per_group
@@ -261,7 +309,6 @@ def mcore_to_hf_state_dict(
     for i in range(shape.num_layers):
         p = f"decoder.layers.{i}."
         h = f"model.layers.{i}."
-        gates, ups = zip(*(split_gate_up(sd[p + "mlp.linear_fc1.weight"], 0) for sd in rank_sds))
         hf[h + "input_layernorm.weight"] = first[p + "input_layernorm.weight"]
         hf[h + "post_attention_layernorm.weight"] = first[p + "pre_mlp_layernorm.weight"]
         for kind in ("weight", "bias"):
@@ -274,6 +321,13 @@ def mcore_to_hf_state_dict(
         hf[h + "self_attn.o_proj.weight"] = torch.cat(
             [sd[p + "self_attention.linear_proj.weight"] for sd in rank_sds], 1
         )
+        if p + "mlp.router.weight" in first:
+            experts = ep_sds or rank_sds[:1]
+            hf[h + "mlp.gate.weight"] = first[p + "mlp.router.weight"]
+            hf[h + "mlp.experts.gate_up_proj"] = torch.cat([sd[p + "mlp.experts.weight1"] for sd in experts], 0)
+            hf[h + "mlp.experts.down_proj"] = torch.cat([sd[p + "mlp.experts.weight2"] for sd in experts], 0)
+            continue
+        gates, ups = zip(*(split_gate_up(sd[p + "mlp.linear_fc1.weight"], 0) for sd in rank_sds))
         hf[h + "mlp.gate_proj.weight"] = torch.cat(gates, 0)
         hf[h + "mlp.up_proj.weight"] = torch.cat(ups, 0)
         hf[h + "mlp.down_proj.weight"] = torch.cat([sd[p + "mlp.linear_fc2.weight"] for sd in rank_sds], 1)

@@ -143,6 +143,8 @@ class MegatronLora:
             attn, mlp = layer.self_attention, layer.mlp
             attn.linear_qkv.register_forward_hook(self._hook(i, "qkv"))
             attn.linear_proj.register_forward_hook(self._hook(i, "o_proj"))
+            if shape.is_moe(i):
+                continue  # no dense MLP: the experts (.moe.GroupedExperts)
             mlp.linear_fc1.register_forward_hook(self._hook(i, "fc1"))
             mlp.linear_fc2.register_forward_hook(self._hook(i, "down_proj"))
 

@@ -31,10 +31,31 @@ from loraplane.models.base import sliding_window_in_use
 from .fusion import CompiledOrEager, compiles
 from .layout import LlamaShape, hf_to_mcore_state_dict, shape_from_hf_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# Model types whose MLPs may be routed experts the megatron backend implements (Qwen3-MoE's layout and router).
+MOE_MODEL_TYPES = ("qwen3_moe",)
 # Config fields that, set to a positive count, mean mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, DeepSeek).
 _EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+# Features a family always has, with no config switch (the weights or the modeling code carry them).
+_MODEL_TYPE_FEATURES = {
+    "gpt_oss": ("attention sinks",),
+    "deepseek_v3": ("sigmoid expert routing with a score-correction bias",),
+    "glm4_moe": ("sigmoid expert routing with a score-correction bias",),
+}
+# Features other MoE / attention families carry, by the config fields that switch them on: (field, phrase).
+_FEATURE_FIELDS = (
+    ("shared_expert_intermediate_size", "shared experts"),
+    ("n_shared_experts", "shared experts"),
+    ("num_shared_experts", "shared experts"),
+    ("moe_shared_expert_intermediate_size", "shared experts"),
+    ("kv_lora_rank", "multi-head latent attention (MLA)"),
+    ("q_lora_rank", "multi-head latent attention (MLA)"),
+    ("linear_num_value_heads", "linear-attention layers"),
+    ("linear_conv_kernel_dim", "linear-attention layers"),
+    ("n_group", "grouped (device-limited) expert routing"),
+    ("topk_group", "grouped (device-limited) expert routing"),
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +79,10 @@ class MegatronModelSpec:
     qkv_bias: bool = False
     qk_layernorm: bool = False
     rope_scaling: Llama3RopeScaling | None = None
+    # Mixture of experts (the layers are shape.moe_layers): top-k routing, renormalized over the k chosen experts
+    # when norm_topk_prob.
+    moe_top_k: int = 0
+    norm_topk_prob: bool = False
 
 
 def spec_from_hf_config(config) -> MegatronModelSpec:
@@ -70,8 +95,9 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
         name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "?")
         raise FailedPrecondition(
             f"base model {name!r} cannot run on the megatron backend: {'; '.join(problems)} "
-            f"(supported: model_type {', '.join(SUPPORTED_MODEL_TYPES)}; dense SwiGLU MLP without biases; full "
-            f"causal attention; rope_scaling {' or '.join(SUPPORTED_ROPE_TYPES)})",
+            f"(supported: model_type {', '.join(SUPPORTED_MODEL_TYPES)}; SwiGLU MLPs without biases, dense or "
+            f"Qwen3-MoE's softmax top-k routed experts without shared experts; full causal attention; rope_scaling "
+            f"{' or '.join(SUPPORTED_ROPE_TYPES)})",
             reason="UNSUPPORTED_MODEL", field="base_model")
     model_type = config.model_type
     scaling = None
@@ -80,17 +106,38 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
             factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    moe_layers = moe_layer_indices(config)
     return MegatronModelSpec(
-        shape=shape_from_hf_config(config),
+        shape=shape_from_hf_config(config, moe_layers),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
         # Qwen2's attention biases q, k and v unconditionally (its config has no switch); o never.
         qkv_bias=model_type == "qwen2",
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         rope_scaling=scaling,
+        moe_top_k=int(config.num_experts_per_tok) if moe_layers else 0,
+        norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)) if moe_layers else False,
     )
+
+
+def moe_layer_indices(config) -> tuple[int, ...]:
+    """The decoder layers whose MLP is the routed experts (Qwen3-MoE: every ``decoder_sparse_step``-th layer not in
+    ``mlp_only_layers``, as transformers builds them)."""
+    if getattr(config, "model_type", None) not in MOE_MODEL_TYPES or not _expert_count(config):
+        return ()
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return tuple(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def _expert_count(config) -> int:
+    for field in _EXPERT_COUNT_FIELDS:
+        experts = getattr(config, field, None)
+        if isinstance(experts, int) and experts > 0:
+            return experts
+    return 0
 
 
 def unsupported_features(config, rope: dict | None = None) -> list[str]:
@@ -100,12 +147,33 @@ def unsupported_features(config, rope: dict | None = None) -> list[str]:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(f"model_type {model_type!r}")
-    for field in _EXPERT_COUNT_FIELDS:
-        experts = getattr(config, field, None)
-        if isinstance(experts, int) and experts > 0:
-            problems.append(f"mixture-of-experts MLP ({field}={experts})")
-            break
+    experts = _expert_count(config)
+    if experts and model_type not in MOE_MODEL_TYPES:
+        problems.append(f"mixture-of-experts MLP of model_type {model_type!r} (num_experts={experts}; only "
+                        f"{', '.join(MOE_MODEL_TYPES)} experts)")
+    problems.extend(_MODEL_TYPE_FEATURES.get(model_type, ()))
+    switched: dict[str, list[str]] = {}
+    for field, phrase in _FEATURE_FIELDS:
+        value = getattr(config, field, None)
+        if value not in (None, 0, False, [], ()):
+            switched.setdefault(phrase, []).append(f"{field}={value!r}")
+    layer_types = [str(t) for t in getattr(config, "layer_types", None) or ()]
+    linear = sorted({t for t in layer_types if "linear" in t})
+    if linear:
+        switched.setdefault("linear-attention layers", []).append(f"layer_types {linear}")
+    problems.extend(f"{phrase} ({', '.join(fields)})" for phrase, fields in switched.items())
+    scoring = getattr(config, "scoring_func", None) or getattr(config, "router_score_function", None)
+    if scoring not in (None, "softmax"):
+        problems.append(f"{scoring!r} expert routing (only softmax top-k)")
+    if getattr(config, "topk_method", None) not in (None, "greedy"):
+        problems.append(f"topk_method={config.topk_method!r} expert routing")
+    if getattr(config, "routed_scaling_factor", None) not in (None, 1, 1.0):
+        problems.append(f"scaled expert routing (routed_scaling_factor={config.routed_scaling_factor})")
+    if getattr(config, "router_bias", False) or getattr(config, "moe_router_bias", False):
+        problems.append("a router bias")
     sliding = sliding_window_in_use(config)
+    if layer_types and not set(layer_types) - {"full_attention", *linear}:
+        sliding = ""  # the only other layers are the linear-attention ones, named above
     if sliding:
         problems.append(f"sliding-window attention ({sliding})")
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -154,9 +222,11 @@ def rope_inv_freq(spec: MegatronModelSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def init_parallel(tensor_parallel_size: int = 1, seed: int = 1234) -> None:
+def init_parallel(tensor_parallel_size: int = 1, seed: int = 1234, expert_parallel_size: int = 1) -> None:
     """Process group + megatron parallel state. Under torchrun the env vars come from the launcher; a single
-    process without them gets a private one-rank group (NCCL on CUDA, gloo on CPU)."""
+    process without them gets a private one-rank group (NCCL on CUDA, gloo on CPU). Expert parallelism spreads
+    the experts over ``expert_parallel_size`` ranks, taken from the data-parallel ones (megatron's layout: the
+    world is TP x DP for attention and EP x expert-DP for the experts, experts unsplit by TP)."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
@@ -173,7 +243,9 @@ def init_parallel(tensor_parallel_size: int = 1, seed: int = 1234) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                                 expert_model_parallel_size=expert_parallel_size,
+                                                 expert_tensor_parallel_size=1)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -187,8 +259,15 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from .moe import finish_moe_layers, moe_config_fields, moe_layer_spec, prepare_megatron_moe
+
     s = spec.shape
+    moe = {}
+    if s.moe_layers:
+        moe = moe_config_fields(s.num_experts, spec.moe_top_k, s.moe_ffn_hidden_size, spec.norm_topk_prob,
+                                _ep_size())
     config = TransformerConfig(
+        **moe,
         num_layers=s.num_layers,
         hidden_size=s.hidden_size,
         num_attention_heads=s.num_heads,
@@ -226,6 +305,16 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         from .attention import SDPACoreAttention
 
         layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if s.moe_layers:
+        from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+        prepare_megatron_moe()
+
+        # Per layer: Qwen3-MoE may keep dense MLPs in some layers (mlp_only_layers, decoder_sparse_step).
+        sparse = moe_layer_spec(layer_spec, s.num_experts)
+        layer_spec = TransformerBlockSubmodules(
+            layer_specs=[sparse if s.is_moe(i) else layer_spec for i in range(s.num_layers)],
+            layer_norm=LayerNormImpl)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -241,6 +330,7 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
     )
     # Always ours, not megatron's: one code path for default and llama3 RoPE, equal to transformers' by
     # construction, at each token's position within its datum of the packed row.
+    finish_moe_layers(model, s.moe_layers)
     model.packed_attention = attention == "sdpa"
     model.rotary_pos_emb = PackedRotaryEmbedding(rope_inv_freq(spec).to(device), model.packed_attention)
     return model.to(device=device, dtype=dtype)
@@ -252,6 +342,18 @@ def _tp_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
+def _ep_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def _ep_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
+
+
 def _tp_rank() -> int:
     from megatron.core import parallel_state
 
@@ -261,7 +363,8 @@ def _tp_rank() -> int:
 @torch.no_grad()
 def load_hf_weights(model, hf_state_dict: dict[str, torch.Tensor], spec: MegatronModelSpec) -> None:
     """Copies HF weights into this rank's shards; every parameter must be covered (nothing silently random)."""
-    shards = hf_to_mcore_state_dict(hf_state_dict, spec.shape, tp=_tp_size(), rank=_tp_rank())
+    shards = hf_to_mcore_state_dict(hf_state_dict, spec.shape, tp=_tp_size(), rank=_tp_rank(), ep=_ep_size(),
+                                    ep_rank=_ep_rank())
     params = dict(model.named_parameters())
     missing = [n for n in params if n not in shards]
     unexpected = [n for n in shards if n not in params]
@@ -279,6 +382,7 @@ def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device, attention:
     """(GPTModel with the HF model's weights, spec)."""
     spec = spec_from_hf_config(hf_model.config)
     spec.shape.check_tensor_parallel(_tp_size())
+    spec.shape.check_expert_parallel(_ep_size())
     model = build_gpt_model(spec, dtype, device, attention)
     load_hf_weights(model, {k: v.detach() for k, v in hf_model.state_dict().items()}, spec)
     model.eval()  # dropout is 0 anyway; eval keeps any train-only paths off
