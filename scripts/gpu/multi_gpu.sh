@@ -15,6 +15,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export PYTHONPATH=.:/tmp/site
 WH=${WH:-.gpuwh}
+[ -d "$WH" ] || WH=../.gpuwh   # run from a copy of the tree inside the carried checkout
 install_parts() {  # DIR with parts/p* -> /tmp/site
   local work; work=$(mktemp -d)
   cat "$1"/parts/p* | tar xf - -C "$work" && python3 -m pip install -q --no-index --no-deps --no-compile \
