@@ -5,11 +5,18 @@
 #                       nodes  DP=2 as two single-GPU "nodes" (c10d rendezvous) + the launcher across them (gRPC)
 #   on nvidia-h100-x4:  70b    Llama-3-70B 8 x 2048 with TP=4; 70b-tp2dp2 (TP=2 x DP=2, if it fits)
 #                       8b-x4  Llama-3-8B 16 x 2048: DP=4 and TP=2 x DP=2
+#                       fleet4 8 tenants of 2 x 2048 tokens each: one single-GPU trainer holding all 8 (fused) against
+#                              four single-GPU trainers side by side holding 2 each (what the fleet's placement does)
 # Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh). A case that runs past
 # CASE_TIMEOUT (default 420 s) is stopped; what the others measured still returns. Logs and JSON land in $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+# Everything is written to a work folder and comes back as one tar (the device tool returns at most 8 files), with
+# the summary beside it.
+FINAL=${OUT:-/tmp/out}
+OUT=$(mktemp -d /tmp/mg.XXXX)
+mkdir -p "$FINAL"
+finish() { (cd "$OUT" && tar czf "$FINAL/multi_gpu_logs.tgz" .); cp "$OUT/summary.log" "$OUT/env.log" "$FINAL/" 2>/dev/null; }
+trap finish EXIT
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -61,9 +68,25 @@ for c in ${*:-8b nodes}; do
              | tail -3 | tee "$OUT/launch_check_2nodes.log" | summary ;;
     8b-x4) bench llama8b_16x2048_dp4 4 1 "${long8b[@]}"
            bench llama8b_16x2048_tp2dp2 4 2 "${long8b[@]}" ;;
+    fleet4) bench llama8b_8tenants_1trainer 1 1 --shape llama8b --datums 16 --seq-len 2048 --tenants 8 --rounds 4 --warmup 1
+            echo "== llama8b_8tenants_4trainers: 4 single-GPU trainers at once, 2 tenants each" | summary
+            for g in 0 1 2 3; do
+              CUDA_VISIBLE_DEVICES=$g timeout -k 10 "${CASE_TIMEOUT:-420}" torchrun --standalone --nproc-per-node 1 \
+                bench/trainer_multigpu.py --shape llama8b --datums 4 --seq-len 2048 --tenants 2 --rounds 4 --warmup 1 \
+                --label "llama8b_2tenants_trainer$g" --out "$OUT/llama8b_2tenants_trainer$g.json" \
+                > "$OUT/llama8b_2tenants_trainer$g.log" 2>&1 &
+            done
+            wait
+            python3 -c "
+import json, glob
+r = [json.load(open(f)) for f in sorted(glob.glob('$OUT/llama8b_2tenants_trainer*.json'))]
+one = json.load(open('$OUT/llama8b_8tenants_1trainer.json'))
+agg = sum(x['tokens_per_s'] for x in r)
+print(f'4 trainers x 2 tenants: {agg:.0f} tok/s aggregate ({[round(x[\"tokens_per_s\"]) for x in r]}), '
+      f'1 trainer x 8 tenants: {one[\"tokens_per_s\"]:.0f} tok/s -> {agg / one[\"tokens_per_s\"]:.2f}x')
+" 2>&1 | summary ;;
     70b) bench llama70b_8x2048_tp4 4 4 --shape llama70b --datums 8 --seq-len 2048 --rounds ${ROUNDS:-3} --warmup 1 ;;
     70b-tp2dp2) bench llama70b_8x2048_tp2dp2 4 2 --shape llama70b --datums 8 --seq-len 2048 --rounds ${ROUNDS:-3} --warmup 1 ;;
     *) echo "unknown case $c" ;;
   esac
 done
-(cd "$OUT" && tar czf multi_gpu_logs.tgz --exclude multi_gpu_logs.tgz *.log *.json 2>/dev/null)
