@@ -3,6 +3,11 @@
 K adapters are resident "on the device" (their tensors live there); the rest are spilled to host memory (pinned when
 the device is CUDA) and brought back on demand, evicting the least recently used resident adapter. Activating a
 resident adapter copies nothing. Only the scheduler's worker thread touches the pool's tensors.
+
+Residency is bounded by a slot count and, optionally, by device bytes: an expert adapter is large (Qwen3-30B-A3B
+rank 32 per expert: ~20 GB of fp32 params, grads and AdamW moments) and adapters of different ranks, targets and
+expert layouts differ by orders of magnitude, so a byte budget sized from each tenant's measured tensors is what
+says how many fit (docs/architecture.md, "Expert adapters").
 """
 
 from __future__ import annotations
@@ -47,13 +52,31 @@ class AdapterState:
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.params.values())
 
+    @property
+    def device_bytes(self) -> int:
+        """Measured bytes this adapter holds while resident and training: its params, their gradients (allocated
+        by the first backward, counted whether or not they exist yet) and both AdamW moments."""
+        return sum(t.numel() * t.element_size() for group in (self.params, self.params, self.exp_avg,
+                                                              self.exp_avg_sq) for t in group.values())
+
+
+def slots_for_budget(per_tenant_bytes: int, budget_bytes: int) -> int:
+    """How many adapters of `per_tenant_bytes` fit in `budget_bytes` of device memory (at least 0)."""
+    return max(0, budget_bytes // max(1, per_tenant_bytes))
+
 
 class AdapterPool:
-    def __init__(self, device: torch.device, device_slots: int, max_adapters: int = 1024):
+    def __init__(self, device: torch.device, device_slots: int, max_adapters: int = 1024,
+                 device_memory_bytes: int = 0):
         if device_slots < 1:
             raise InvalidArgument(f"device_slots must be >= 1, got {device_slots}", field="device_slots")
+        if device_memory_bytes < 0:
+            raise InvalidArgument(f"device_memory_bytes must be >= 0, got {device_memory_bytes}",
+                                  field="device_memory_bytes")
         self.device = torch.device(device)
         self.device_slots = device_slots
+        # 0 = slots only; else resident adapters' measured bytes (AdapterState.device_bytes) stay within it.
+        self.device_memory_bytes = device_memory_bytes
         self.max_adapters = max_adapters
         self._adapters: dict[str, AdapterState] = {}
         # Resident adapters, least recently used first.
@@ -102,17 +125,29 @@ class AdapterPool:
             raise InvalidArgument(f"{len(set(names))} adapters in one batch exceed {self.device_slots} device slots",
                                   field="batch")
         states = [self.get(n) for n in names]
+        if self.device_memory_bytes:
+            need = sum({s.name: s.device_bytes for s in states}.values())
+            if need > self.device_memory_bytes:
+                raise ResourceExhausted(
+                    f"the {len(set(names))} adapters of this batch need {need} bytes of device memory; the trainer's "
+                    f"adapter budget is {self.device_memory_bytes}", field="batch")
         for state in states:
             self.activations += 1
             if state.resident:
                 self._resident.move_to_end(state.name)
                 continue
             self.misses += 1
-            while len(self._resident) >= self.device_slots:
+            while len(self._resident) >= self.device_slots or (
+                    self.device_memory_bytes
+                    and self.resident_bytes + state.device_bytes > self.device_memory_bytes):
                 victim = next(n for n in self._resident if n not in names)
                 self._spill(self._adapters[victim])
             self._load(state)
         return states
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self._adapters[n].device_bytes for n in self._resident)
 
     def replace_tensors(self, state: AdapterState, params, exp_avg, exp_avg_sq) -> None:
         """Swaps in new tensors (LoadState) wherever the adapter lives now."""

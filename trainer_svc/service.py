@@ -81,6 +81,8 @@ ANSWERED_FROM_JOURNAL = frozenset({"forward", REJECTED, "publish", "save_state"}
 class TrainerLimits:
     max_lora_rank: int = 128
     device_slots: int = 8
+    # 0 = off; else resident adapters' measured bytes (params, grads, AdamW moments) stay within it (pool.py).
+    device_memory_bytes: int = 0
     max_adapters: int = 1024
     max_batch_datums: int = 1024
     # 0 = the base model's own limit.
@@ -178,7 +180,8 @@ class TrainerService:
         description = backend.description
         self.max_context_length = (min(self.limits.max_context_length, description.max_context_length)
                                    if self.limits.max_context_length else description.max_context_length)
-        self.pool = AdapterPool(backend.device, self.limits.device_slots, self.limits.max_adapters)
+        self.pool = AdapterPool(backend.device, self.limits.device_slots, self.limits.max_adapters,
+                                self.limits.device_memory_bytes)
         self.scheduler = Scheduler(
             self._execute,
             gap_timeout_s=self.limits.gap_timeout_s,
