@@ -492,12 +492,12 @@ def test_selectors_budgets_scrapes_and_resources(variant, rendered):
     for (kind, name), obj in objects.items():
         if kind in ("Deployment", "StatefulSet"):
             assert obj["spec"]["selector"]["matchLabels"].items() <= templates[(kind, name)].items()
+            if kind == "StatefulSet":
+                assert ("Service", obj["spec"]["serviceName"]) in objects
         elif kind == "Service":
             assert selected(obj["spec"]["selector"]), f"Service {name} selects no pods"
         elif kind == "PodDisruptionBudget":
             assert selected(obj["spec"]["selector"]["matchLabels"]), f"PDB {name} selects no pods"
-        elif kind == "StatefulSet":
-            assert ("Service", obj["spec"]["serviceName"]) in objects
     for component in ("registry", "trainer", "sampler", "gateway", "redis", "minio"):
         assert any(o["kind"] == "PodDisruptionBudget"
                    and o["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/component") == component
