@@ -167,8 +167,8 @@ def test_an_unsupported_loss_fails_as_a_user_error_and_the_client_goes_on(servic
     q = target_logprobs(training, seqs)[0]
     rl = [datum(seqs[0], logprobs=q.tolist(), advantages=[1.0] * len(q))]
     with pytest.raises(tinker.RequestFailedError) as failed:
-        training.forward_backward(rl, "gspo").result()
-    assert "gspo" in str(failed.value) and "not supported" in str(failed.value)
+        training.forward_backward(rl, "custom").result()
+    assert "custom" in str(failed.value) and "not supported" in str(failed.value)
     # The refused request still consumed its seq_id on the trainer: the next one runs at once, no gap wait.
     started = time.monotonic()
     training.forward_backward([datum(seqs[0])], "cross_entropy").result()
