@@ -76,9 +76,9 @@ def _dro(lp, *, q, advantages, beta, **_):
 
 
 def _gspo(lp, *, q, advantages, weights, clip_low_threshold, clip_high_threshold, **_):
-    in_ratio = (weights != 0) if weights is not None else (advantages != 0)
-    log_ratio = lp.detach() - q
-    seq_log_ratio = log_ratio[in_ratio].mean() if bool(in_ratio.any()) else log_ratio.new_zeros(())
+    in_ratio = ((weights != 0) if weights is not None else (advantages != 0)).to(lp.dtype)
+    # The mean over M without a host sync (the megatron engine calls this per datum on the device); 0 if M is empty.
+    seq_log_ratio = ((lp.detach() - q) * in_ratio).sum() / in_ratio.sum().clamp(min=1)
     ratio = torch.exp(seq_log_ratio + lp - lp.detach())
     clipped = torch.clamp(ratio, clip_low_threshold, clip_high_threshold)
     return -torch.minimum(ratio * advantages, clipped * advantages)
