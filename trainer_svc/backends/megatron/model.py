@@ -25,37 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loraplane.errors import FailedPrecondition
-from loraplane.models.base import sliding_window_in_use
+from loraplane.models import families
 
 from .fusion import CompiledOrEager, compiles
 from .layout import LlamaShape, hf_to_mcore_state_dict, shape_from_hf_config
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-# Model types whose MLPs may be routed experts the megatron backend implements (Qwen3-MoE's layout and router).
-MOE_MODEL_TYPES = ("qwen3_moe",)
-# Config fields that, set to a positive count, mean mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, DeepSeek).
-_EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
-# Features a family always has, with no config switch (the weights or the modeling code carry them).
-_MODEL_TYPE_FEATURES = {
-    "gpt_oss": ("attention sinks",),
-    "deepseek_v3": ("sigmoid expert routing with a score-correction bias",),
-    "glm4_moe": ("sigmoid expert routing with a score-correction bias",),
-}
-# Features other MoE / attention families carry, by the config fields that switch them on: (field, phrase).
-_FEATURE_FIELDS = (
-    ("shared_expert_intermediate_size", "shared experts"),
-    ("n_shared_experts", "shared experts"),
-    ("num_shared_experts", "shared experts"),
-    ("moe_shared_expert_intermediate_size", "shared experts"),
-    ("kv_lora_rank", "multi-head latent attention (MLA)"),
-    ("q_lora_rank", "multi-head latent attention (MLA)"),
-    ("linear_num_value_heads", "linear-attention layers"),
-    ("linear_conv_kernel_dim", "linear-attention layers"),
-    ("n_group", "grouped (device-limited) expert routing"),
-    ("topk_group", "grouped (device-limited) expert routing"),
-)
 
 
 @dataclass(frozen=True)
@@ -88,20 +61,13 @@ class MegatronModelSpec:
 def spec_from_hf_config(config) -> MegatronModelSpec:
     """The megatron model of a transformers config; :class:`FailedPrecondition` naming every feature of the config
     that the megatron backend does not implement (so a checkpoint never loads into a model that computes something
-    else)."""
-    rope = _rope_parameters(config)
-    problems = unsupported_features(config, rope)
-    if problems:
-        name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "?")
-        raise FailedPrecondition(
-            f"base model {name!r} cannot run on the megatron backend: {'; '.join(problems)} "
-            f"(supported: model_type {', '.join(SUPPORTED_MODEL_TYPES)}; SwiGLU MLPs without biases, dense or "
-            f"Qwen3-MoE's softmax top-k routed experts without shared experts; full causal attention; rope_scaling "
-            f"{' or '.join(SUPPORTED_ROPE_TYPES)})",
-            reason="UNSUPPORTED_MODEL", field="base_model")
-    model_type = config.model_type
+    else). What a family is and which features it uses is :mod:`loraplane.models.families`' data, shared with the
+    torch backend; this function only maps those features onto megatron-core."""
+    families.check_supported(config, "megatron")
+    features = families.detect_features(config)
+    rope = families.rope_parameters(config)
     scaling = None
-    if rope.get("rope_type", rope.get("type", "default")) == "llama3":
+    if families.ROPE_LLAMA3 in features:
         scaling = Llama3RopeScaling(
             factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
             high_freq_factor=float(rope["high_freq_factor"]),
@@ -113,9 +79,8 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
-        # Qwen2's attention biases q, k and v unconditionally (its config has no switch); o never.
-        qkv_bias=model_type == "qwen2",
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        qkv_bias=families.QKV_BIAS in features,
+        qk_layernorm=families.QK_NORM in features,
         rope_scaling=scaling,
         moe_top_k=int(config.num_experts_per_tok) if moe_layers else 0,
         norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)) if moe_layers else False,
@@ -125,81 +90,12 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
 def moe_layer_indices(config) -> tuple[int, ...]:
     """The decoder layers whose MLP is the routed experts (Qwen3-MoE: every ``decoder_sparse_step``-th layer not in
     ``mlp_only_layers``, as transformers builds them)."""
-    if getattr(config, "model_type", None) not in MOE_MODEL_TYPES or not _expert_count(config):
-        return ()
-    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    dense = set(getattr(config, "mlp_only_layers", None) or ())
-    return tuple(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return tuple(i for i, kind in enumerate(families.layer_kinds(config)) if kind == "moe")
 
 
-def _expert_count(config) -> int:
-    for field in _EXPERT_COUNT_FIELDS:
-        experts = getattr(config, field, None)
-        if isinstance(experts, int) and experts > 0:
-            return experts
-    return 0
-
-
-def unsupported_features(config, rope: dict | None = None) -> list[str]:
+def unsupported_features(config) -> list[str]:
     """What of this config the megatron backend cannot compute, one phrase per feature (empty = supported)."""
-    rope = _rope_parameters(config) if rope is None else rope
-    problems = []
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        problems.append(f"model_type {model_type!r}")
-    experts = _expert_count(config)
-    if experts and model_type not in MOE_MODEL_TYPES:
-        problems.append(f"mixture-of-experts MLP of model_type {model_type!r} (num_experts={experts}; only "
-                        f"{', '.join(MOE_MODEL_TYPES)} experts)")
-    problems.extend(_MODEL_TYPE_FEATURES.get(model_type, ()))
-    switched: dict[str, list[str]] = {}
-    for field, phrase in _FEATURE_FIELDS:
-        value = getattr(config, field, None)
-        if value not in (None, 0, False, [], ()):
-            switched.setdefault(phrase, []).append(f"{field}={value!r}")
-    layer_types = [str(t) for t in getattr(config, "layer_types", None) or ()]
-    linear = sorted({t for t in layer_types if "linear" in t})
-    if linear:
-        switched.setdefault("linear-attention layers", []).append(f"layer_types {linear}")
-    problems.extend(f"{phrase} ({', '.join(fields)})" for phrase, fields in switched.items())
-    scoring = getattr(config, "scoring_func", None) or getattr(config, "router_score_function", None)
-    if scoring not in (None, "softmax"):
-        problems.append(f"{scoring!r} expert routing (only softmax top-k)")
-    if getattr(config, "topk_method", None) not in (None, "greedy"):
-        problems.append(f"topk_method={config.topk_method!r} expert routing")
-    if getattr(config, "routed_scaling_factor", None) not in (None, 1, 1.0):
-        problems.append(f"scaled expert routing (routed_scaling_factor={config.routed_scaling_factor})")
-    if getattr(config, "router_bias", False) or getattr(config, "moe_router_bias", False):
-        problems.append("a router bias")
-    sliding = sliding_window_in_use(config)
-    if layer_types and not set(layer_types) - {"full_attention", *linear}:
-        sliding = ""  # the only other layers are the linear-attention ones, named above
-    if sliding:
-        problems.append(f"sliding-window attention ({sliding})")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={config.hidden_act!r} (only SiLU-gated MLPs)")
-    if getattr(config, "mlp_bias", False):
-        problems.append("MLP biases (mlp_bias=True)")
-    if getattr(config, "attention_bias", False):
-        # Llama/Qwen3 attention_bias biases o_proj too; megatron's local spec has no o-only bias.
-        problems.append("an o_proj bias (attention_bias=True)")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        problems.append(f"rope_scaling type {rope_type!r}")
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        problems.append(f"partial rotary embeddings (partial_rotary_factor={partial})")
-    return problems
-
-
-def _rope_parameters(config) -> dict:
-    """One dict of the RoPE settings: transformers 5 keeps them (theta included) in ``rope_parameters``,
-    transformers 4 in ``rope_theta`` plus an optional ``rope_scaling`` dict."""
-    merged = dict(getattr(config, "rope_scaling", None) or {})
-    merged.update(getattr(config, "rope_parameters", None) or {})
-    if "rope_theta" not in merged and getattr(config, "rope_theta", None) is not None:
-        merged["rope_theta"] = config.rope_theta
-    return merged
+    return families.unsupported_features(config, "megatron")
 
 
 def rope_inv_freq(spec: MegatronModelSpec) -> torch.Tensor:
