@@ -45,7 +45,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loraplane import errors
-from loraplane.adapter_format import adapter_header, materialize_peft_dir, parse_adapter, peft_adapter_config
+from loraplane.adapter_format import (
+    adapter_header,
+    materialize_peft_dir,
+    materialize_sglang_dir,
+    parse_adapter,
+    peft_adapter_config,
+    to_sglang,
+)
 from sampler_svc.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -419,11 +426,17 @@ class SGLangEngine(Engine):
         with their bytes inline (plain pickle: the server may be on another host, so no shared-memory handles;
         every class it names is torch's, which SGLang's restricted unpickler admits), once per TP rank."""
         dtype = self._transfer_dtype(spec, server)
+        config = peft_adapter_config(spec, base_name)
+        if spec.has_experts:
+            # SGLang serves expert LoRA from per-expert keys; PEFT's target_parameters layout would be accepted
+            # with its experts silently dropped (adapter_format.to_sglang).
+            params, config = to_sglang(params, spec)
+            config["base_model_name_or_path"] = base_name
         tensors = {name: tensor.to(dtype).contiguous() for name, tensor in params.items()}
         encoded = base64.b64encode(pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL))
         del tensors
-        config = peft_adapter_config(spec, base_name)
         config.pop("loraplane_seed", None)
+        config.pop("loraplane_expert_layout", None)
         head = json.dumps({"lora_name": key, "config_dict": config}).encode()[:-1]
         copies = b",".join([b'"' + encoded + b'"'] * server.tp_size)
         return head + b', "serialized_named_tensors": [' + copies + b"]}"
@@ -611,6 +624,8 @@ def _write_peft_dir(blob: bytes, directory: Path, header: tuple | None = None) -
     dtypes go through materialize_peft_dir, which writes float32. ``header``: the blob's ``adapter_header`` where the
     caller already read it."""
     spec, base_name, dtypes = header or adapter_header(blob)
+    if spec.has_experts:
+        return materialize_sglang_dir(blob, directory)  # per-expert keys: the expert layout SGLang serves
     if any(dtype not in ("F32", "BF16") for dtype in dtypes.values()):
         return materialize_peft_dir(blob, directory)
     directory.mkdir(parents=True, exist_ok=True)
