@@ -259,10 +259,11 @@ def _tokenizer(service: ServiceClient, sampler_address: str):
 
 
 def base_model_tokenizer(base_model: str):
-    """The tokenizer of a base model, loaded locally (no hub): tiny, smollm2-135m-instruct or an HF directory."""
+    """The tokenizer of a base model, loaded locally (no hub): tiny, tiny-moe, smollm2-135m-instruct or an HF
+    directory."""
     from loraplane.models import base
 
-    if base_model == base.TINY_NAME:
+    if base_model in (base.TINY_NAME, base.TINY_MOE_NAME):
         from loraplane.models.tiny import build_tiny_tokenizer
 
         return build_tiny_tokenizer()
