@@ -64,40 +64,60 @@ def _client_channel_options() -> list[tuple[str, Any]]:
     ]
 
 
+class Endpoint(str):
+    """A service address bound to the identity (API key, TLS) that calls it. It is the address string itself
+    (printed, compared and hashed as one), so every client object that is handed its Session's address (training
+    and sampling clients, the tokenizer fetch) calls as that Session's identity, and two ServiceClients with
+    different keys in one process never borrow each other's key. A plain `str` address calls as the process's
+    default identity (LORAPLANE_API_KEY, else the data dir's admin key)."""
+
+    security: ClientSecurity
+
+    def __new__(cls, address: str, security: ClientSecurity) -> Endpoint:
+        endpoint = super().__new__(cls, address)
+        endpoint.security = security
+        return endpoint
+
+    def __reduce__(self):
+        # A pickled client (e.g. a SamplingClient sent to a worker process) keeps calling as the same identity.
+        return (Endpoint, (str(self), self.security))
+
+    def __repr__(self) -> str:
+        return repr(str(self))  # never the key
+
+
 class ClientRuntime:
     def __init__(self) -> None:
         self._loop = BackgroundLoop("loraplane-client")
         self.pid = os.getpid()
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        # Per address: the API key and TLS its channel uses (set by the Session that resolved the address).
-        self._security: dict[str, ClientSecurity] = {}
+        # One channel per (address, identity): channels are shared by every client object that calls one service
+        # as one identity, and never across identities (the key rides on the channel's interceptor).
+        self._channels: dict[tuple[str, ClientSecurity | None], grpc.aio.Channel] = {}
         self._default_security: ClientSecurity | None = None
-
-    def secure(self, address: str, security: ClientSecurity) -> None:
-        """Uses `security` for every later call to `address` (one identity per address per process)."""
-        if self._security.get(address) != security:
-            self._security[address] = security
-            old = self._channels.pop(address, None)
-            if old is not None and not self.loop.is_closed():
-                asyncio.run_coroutine_threadsafe(old.close(grace=5), self.loop)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop.loop
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        """Only on the runtime's loop: a grpc.aio channel belongs to the loop that creates it."""
-        channel = self._channels.get(address)
-        if channel is None:
-            security = self._security.get(address)
-            if security is None:
-                if self._default_security is None:
-                    from loraplane.client.addresses import client_security
+    def _security_of(self, address: str) -> ClientSecurity:
+        security = getattr(address, "security", None)
+        if security is not None:
+            return security
+        if self._default_security is None:
+            from loraplane.client.addresses import client_security
 
-                    self._default_security = client_security()
-                security = self._default_security
-            channel = aio_channel(address, security, options=_client_channel_options())
-            self._channels[address] = channel
+            self._default_security = client_security()
+        return self._default_security
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """Only on the runtime's loop: a grpc.aio channel belongs to the loop that creates it. `address` an
+        Endpoint calls as its identity, a plain string as the process default."""
+        security = self._security_of(address)
+        key = (str(address), security)
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = aio_channel(str(address), security, options=_client_channel_options())
+            self._channels[key] = channel
         return channel
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future:
@@ -107,8 +127,9 @@ class ClientRuntime:
         return self.submit(coro).result(timeout)
 
     async def _close_channels(self, addresses: list[str] | None) -> None:
-        for address in list(self._channels) if addresses is None else addresses:
-            channel = self._channels.pop(address, None)
+        wanted = None if addresses is None else {str(a) for a in addresses}
+        for key in [k for k in self._channels if wanted is None or k[0] in wanted]:
+            channel = self._channels.pop(key, None)
             if channel is not None:
                 await channel.close()
 
@@ -167,4 +188,4 @@ async def call_with_retry(attempt: Callable[[float | None], Awaitable[T]], retry
         backoff *= retry.multiplier
 
 
-__all__ = ["NO_RETRY", "APIError", "ClientRuntime", "RetryConfig", "call_with_retry", "runtime"]
+__all__ = ["NO_RETRY", "APIError", "ClientRuntime", "Endpoint", "RetryConfig", "call_with_retry", "runtime"]

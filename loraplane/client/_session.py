@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from loraplane.client._runtime import RetryConfig, call_with_retry, runtime
+from loraplane.client._runtime import Endpoint, RetryConfig, call_with_retry, runtime
 from loraplane.client.addresses import client_security, resolve_address
 from loraplane.client.chunking import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNK_DATUMS
 from loraplane.client.errors import NotFoundError
@@ -24,18 +24,20 @@ class Session:
                  max_chunk_datums: int = DEFAULT_MAX_CHUNK_DATUMS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  api_key: str | None = None):
         """`api_key`: default LORAPLANE_API_KEY, else the admin key `loraplane up` left in the data dir."""
-        self._trainer = resolve_address("trainer", trainer, data_dir)
-        self._sampler = resolve_address("sampler", sampler, data_dir)
-        self._registry = resolve_address("registry", registry, data_dir)
         self.security = client_security(data_dir, api_key)
-        for address in (self._trainer, self._sampler, self._registry):
-            if address:
-                runtime().secure(address, self.security)
+        # Each address carries this client's identity to every call made with it (see Endpoint): several clients
+        # with different keys in one process each act as their own.
+        self._trainer = self._endpoint(resolve_address("trainer", trainer, data_dir))
+        self._sampler = self._endpoint(resolve_address("sampler", sampler, data_dir))
+        self._registry = self._endpoint(resolve_address("registry", registry, data_dir))
         self.retry = retry or RetryConfig()
         self.max_chunk_datums = max_chunk_datums
         self.max_chunk_bytes = max_chunk_bytes
         self._info: trainer_pb2.GetInfoResponse | None = None
         self._registry_client: RegistryClient | None = None
+
+    def _endpoint(self, address: str | None) -> Endpoint | None:
+        return Endpoint(address, self.security) if address else address
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(trainer={self._trainer}, sampler={self._sampler}, registry={self._registry})"

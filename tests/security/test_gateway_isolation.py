@@ -1,0 +1,314 @@
+"""Every gateway route, tried by tenant B (globex) against tenant A's (acme's) Tinker sessions, models, sampling
+sessions, checkpoints, futures and adapters, with A's real ids and with never-issued ids of the same shape.
+
+The route list is read from the app's own route table: a route added to the gateway without a case here fails
+`test_every_route_has_a_case`, so no new route can escape the suite.
+
+Holes of issue 21 these cases catch, and why each failed before the fix (records were keyed by bare id in a Redis
+namespace shared by all tenants, and most lookups checked only that the id existed):
+- hole 2: `create_sampling_session` with A's session_id answered 200 and overwrote A's sampler record; `asample` on
+  `<A's session>:sample:0` with seq_id 0 answered 200 with A's own request id (the shared dedup key); both now 404,
+  as a never-issued session does;
+- hole 3: `retrieve_future` with A's request id answered 200 with A's sampled tokens (futures were keyed by id
+  only); now 404;
+- hole 4: `create_model` / `load_weights` with A's session_id answered 200 (squatting A's model ids) and
+  `create_model` with an existing model_seq_id returned A's request id; now 404;
+- hole 5: `session_heartbeat` and `sessions/{id}/finish` on A's session answered 200; now 404;
+- hole 6: the streaming completions / chat / messages routes answered 200 and put the permission error inside the
+  event stream; now 403 before the stream starts (and, via the official clients, PermissionDeniedError);
+- counts: `total_count` of /training_runs and /checkpoints counted every tenant's items; B's now counts its own.
+The snapshot check (A's state unchanged) failed for holes 2 and 4 before the fix: B's writes landed in A's records."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anthropic
+import openai
+import pytest
+
+from gateway_svc.app import create_app
+from gateway_svc.config import GatewaySettings
+from gateway_svc.wire import tinker_wire_pb2 as wire
+from tests.security.conftest import A, B, Secured
+from tests.security.isolation import leaked, missing_like, normalize
+
+Request = tuple[str, str, dict]  # method, path, httpx keyword arguments
+PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
+
+
+@dataclass
+class Case:
+    """`make(ids, c)` builds the request from an id map (A's or missing ones). kind:
+    - scoped: B gets `status` for A's ids and for missing ones, indistinguishably; A's key gets a 2xx (`owner` may
+      build A's own request, e.g. with a fresh seq_id, when repeating B's exact request would not be a fresh call);
+    - own: the route touches no resource of A's (B works on its own, or on nothing); checked for leaks only;
+    - refused: served to nobody (unsupported): every caller gets `status`, A and B alike;
+    - listing: B lists its own things; `check(c, body)` asserts nothing of A's is counted or shown."""
+
+    make: Callable[[dict, Secured], Request]
+    kind: str = "scoped"
+    status: int = 404
+    owner: Callable[[dict, Secured], Request] | None = None
+    check: Callable[[Secured, dict], None] | None = None
+
+
+def post(path: str, body: Callable[[dict, Secured], dict]) -> Callable[[dict, Secured], Request]:
+    return lambda x, c: ("POST", path, {"json": body(x, c)})
+
+
+def fwdbwd(x: dict, c: Secured, seq: int = 1) -> Request:
+    body = wire.ForwardBackwardRequest(model_id=x["model"], seq_id=seq, loss_fn="cross_entropy", forward_only=True)
+    return ("POST", "/api/v1/forward_backward",
+            {"content": body.SerializeToString(), "headers": {"content-type": "application/x-protobuf"}})
+
+
+def openai_body(stream: bool, kind: str) -> Callable[[dict, Secured], Request]:
+    def make(x, c):
+        body = {"model": x["reg"], "max_tokens": 2, "stream": stream}
+        if kind == "completions":
+            body["prompt"] = "hello"
+        else:
+            body["messages"] = [{"role": "user", "content": "hello"}]
+        return ("POST", {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+                         "messages": "/v1/messages"}[kind], {"json": body})
+    return make
+
+
+def ckpt_parts(path: str) -> str:
+    return path.split("/", 3)[3]  # tinker://<model>/<kind>/<name> -> <kind>/<name>
+
+
+def no_runs(c: Secured, body: dict) -> None:
+    assert body["training_runs"] == [] and body["cursor"]["total_count"] == 0, body
+
+
+def no_checkpoints(c: Secured, body: dict) -> None:
+    assert body["checkpoints"] == [] and body["cursor"]["total_count"] == 0, body
+
+
+def no_a_models(c: Secured, body: dict) -> None:
+    assert not [m for m in body["data"] if m["id"].startswith("acme/")], body
+
+
+def seq(c: Secured) -> int:
+    return c.next_model_seq()
+
+
+CASES: dict[tuple[str, str], list[Case]] = {
+    ("POST", "/api/v1/client/config"): [Case(post("/api/v1/client/config", lambda x, c: {}), "own")],
+    ("POST", "/api/v1/client/dynamic_config"): [Case(post("/api/v1/client/dynamic_config", lambda x, c: {}), "own")],
+    ("GET", "/api/v1/healthz"): [Case(lambda x, c: ("GET", "/api/v1/healthz", {}), "own")],
+    ("POST", "/api/v1/telemetry"): [Case(post("/api/v1/telemetry", lambda x, c: {}), "own")],
+    ("POST", "/api/v1/create_session"): [Case(post("/api/v1/create_session", lambda x, c: {"tags": []}), "own")],
+    ("GET", "/api/v1/get_server_capabilities"): [
+        Case(lambda x, c: ("GET", "/api/v1/get_server_capabilities", {}), "own")],
+    ("POST", "/api/v1/session_heartbeat"): [
+        Case(post("/api/v1/session_heartbeat", lambda x, c: {"session_id": x["session"]}))],
+    ("POST", "/api/v1/sessions/{session_id}/finish"): [
+        Case(lambda x, c: ("POST", f"/api/v1/sessions/{x['session']}/finish", {"json": {"reason": "b"}}))],
+    ("POST", "/api/v1/create_model"): [
+        # An existing model_seq_id (B would get A's create_model request id before the fix) and the next one.
+        *(Case(post("/api/v1/create_model", lambda x, c, n=n: {
+            "session_id": x["session"], "model_seq_id": n, "base_model": "tiny", "lora_config": {"rank": 4}}),
+            owner=post("/api/v1/create_model", lambda x, c: {
+                "session_id": x["session"], "model_seq_id": 50 + seq(c), "base_model": "tiny",
+                "lora_config": {"rank": 4}})) for n in (0, 1))],
+    ("POST", "/api/v1/get_info"): [Case(post("/api/v1/get_info", lambda x, c: {"model_id": x["model"]}))],
+    ("POST", "/api/v1/forward_backward"): [Case(fwdbwd, owner=lambda x, c: fwdbwd(x, c, seq(c)))],
+    ("POST", "/api/v1/forward"): [Case(post("/api/v1/forward", lambda x, c: {"model_id": x["model"]}), "refused",
+                                       400)],
+    ("POST", "/api/v1/optim_step"): [Case(post("/api/v1/optim_step", lambda x, c: {
+        "model_id": x["model"], "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}),
+        owner=post("/api/v1/optim_step", lambda x, c: {
+            "model_id": x["model"], "seq_id": seq(c), "adam_params": {"learning_rate": 1e-3}}))],
+    ("POST", "/api/v1/save_weights"): [Case(post("/api/v1/save_weights", lambda x, c: {
+        "model_id": x["model"], "seq_id": 1, "path": "b-ckpt"}),
+        owner=post("/api/v1/save_weights", lambda x, c: {"model_id": x["model"], "seq_id": seq(c), "path": "a2"}))],
+    ("POST", "/api/v1/save_weights_for_sampler"): [
+        Case(post("/api/v1/save_weights_for_sampler", lambda x, c: {"model_id": x["model"], "seq_id": 1}),
+             owner=post("/api/v1/save_weights_for_sampler", lambda x, c: {"model_id": x["model"], "seq_id": seq(c)})),
+        Case(post("/api/v1/save_weights_for_sampler", lambda x, c: {
+            "model_id": x["model"], "seq_id": 1, "path": "b-s"}),
+            owner=post("/api/v1/save_weights_for_sampler", lambda x, c: {
+                "model_id": x["model"], "seq_id": seq(c), "path": "a-s2"}))],
+    ("POST", "/api/v1/load_weights"): [
+        # Into A's model; into a new model squatting A's session (the id the SDK computes itself); from A's
+        # checkpoint into a model of B's own session.
+        Case(post("/api/v1/load_weights", lambda x, c: {"model_id": x["model"], "seq_id": 1, "path": x["ckpt_w"]}),
+             owner=post("/api/v1/load_weights", lambda x, c: {
+                 "model_id": x["model"], "seq_id": seq(c), "path": x["ckpt_w"]})),
+        Case(post("/api/v1/load_weights", lambda x, c: {
+            "session_id": x["session"], "model_seq_id": 7, "path": x["ckpt_w"]}),
+            owner=post("/api/v1/load_weights", lambda x, c: {
+                "session_id": x["session"], "model_seq_id": 50 + seq(c), "path": x["ckpt_w"]})),
+        Case(post("/api/v1/load_weights", lambda x, c: {
+            "session_id": x["b_session"], "model_seq_id": 7, "path": x["ckpt_w"]}),
+            owner=post("/api/v1/load_weights", lambda x, c: {
+                "session_id": x["session"], "model_seq_id": 50 + seq(c), "path": x["ckpt_w"]}))],
+    ("POST", "/api/v1/create_sampling_session"): [
+        # Hijacking A's sampling session id (hole 2), and sampling A's weights from B's own session.
+        Case(post("/api/v1/create_sampling_session", lambda x, c: {
+            "session_id": x["session"], "sampling_session_seq_id": 0, "base_model": "tiny"}),
+            owner=post("/api/v1/create_sampling_session", lambda x, c: {
+                "session_id": x["session"], "sampling_session_seq_id": 50 + seq(c), "model_path": x["ckpt_s"]})),
+        Case(post("/api/v1/create_sampling_session", lambda x, c: {
+            "session_id": x["b_session"], "sampling_session_seq_id": 0, "model_path": x["ckpt_s"]}),
+            owner=post("/api/v1/create_sampling_session", lambda x, c: {
+                "session_id": x["session"], "sampling_session_seq_id": 50 + seq(c), "model_path": x["ckpt_s"]}))],
+    ("GET", "/api/v1/samplers/{sampler_id}"): [
+        Case(lambda x, c: ("GET", f"/api/v1/samplers/{x['sampler']}", {}))],
+    ("POST", "/api/v1/asample"): [Case(post("/api/v1/asample", lambda x, c: {
+        "sampling_session_id": x["sampler"], "seq_id": 0, "num_samples": 1, "prompt": PROMPT,
+        "sampling_params": {"max_tokens": 2}}))],
+    ("POST", "/api/v1/retrieve_future"): [
+        Case(post("/api/v1/retrieve_future", lambda x, c: {"request_id": x["request"]})),
+        Case(post("/api/v1/retrieve_future", lambda x, c: {"request_id": x["create_request"]}))],
+    ("GET", "/api/v1/training_runs"): [
+        Case(lambda x, c: ("GET", "/api/v1/training_runs", {}), "listing", check=no_runs)],
+    ("GET", "/api/v1/training_runs/{model_id}"): [
+        Case(lambda x, c: ("GET", f"/api/v1/training_runs/{x['model']}", {}))],
+    ("GET", "/api/v1/training_runs/{model_id}/checkpoints"): [
+        Case(lambda x, c: ("GET", f"/api/v1/training_runs/{x['model']}/checkpoints", {}))],
+    ("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}"): [
+        Case(lambda x, c: ("DELETE", f"/api/v1/training_runs/{x['model']}/checkpoints/{ckpt_parts(x['ckpt_del'])}",
+                           {}))],
+    ("GET", "/api/v1/checkpoints"): [
+        Case(lambda x, c: ("GET", "/api/v1/checkpoints", {}), "listing", check=no_checkpoints)],
+    ("POST", "/api/v1/weights_info"): [Case(post("/api/v1/weights_info", lambda x, c: {"tinker_path": x["ckpt_w"]}))],
+    ("GET", "/v1/models"): [Case(lambda x, c: ("GET", "/v1/models", {}), "listing", check=no_a_models)],
+    **{("POST", path): [Case(openai_body(stream, kind), status=403) for stream in (False, True)]
+       for kind, path in (("completions", "/v1/completions"), ("chat", "/v1/chat/completions"),
+                          ("messages", "/v1/messages"))},
+    # FastAPI's own documentation routes: the same static schema for everyone.
+    **{("GET", path): [Case(lambda x, c, path=path: ("GET", path, {}), "own")]
+       for path in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")},
+    **{("POST", f"/api/v1{path}"): [Case(post(f"/api/v1{path}", lambda x, c: {"model_id": x["model"],
+                                                                               "request_id": x["request"]}),
+                                         "refused", 400)]
+       for path in ("/cancel_future", "/retrieve_futures", "/join_sampling_session", "/create_custom_loss",
+                    "/auth/token", "/save_weights_external", "/copy_weights", "/unload_model")},
+}
+
+
+def _walk(routes, prefix: str = ""):
+    for route in routes:
+        included = getattr(route, "original_router", None)  # FastAPI >= 0.165 keeps included routers as branches
+        if included is not None:
+            yield from _walk(included.routes, prefix + getattr(route.include_context, "prefix", ""))
+        elif getattr(route, "methods", None):
+            yield from ((method, prefix + route.path) for method in route.methods if method != "HEAD")
+        elif getattr(route, "routes", None):  # a mounted sub-application or router
+            yield from _walk(route.routes, prefix + getattr(route, "path", ""))
+
+
+def route_table() -> set[tuple[str, str]]:
+    """Every (method, path) the gateway app serves, from its route table."""
+    app = create_app(GatewaySettings())
+    routes = set(_walk(app.routes))
+    # A cross-check of the walk itself: everything the OpenAPI schema lists must be in it.
+    schema = {(m.upper(), path) for path, item in app.openapi()["paths"].items() for m in item}
+    assert schema <= routes, sorted(schema - routes)
+    return routes
+
+
+def test_every_route_has_a_case():
+    """A route added to the gateway without an isolation case (or a case for a route that is gone) fails here."""
+    routes = route_table()
+    assert routes, "the app has no routes?"
+    assert routes - set(CASES) == set(), f"routes without an isolation case: {sorted(routes - set(CASES))}"
+    assert set(CASES) - routes == set(), f"cases for routes that do not exist: {sorted(set(CASES) - routes)}"
+
+
+@pytest.fixture(scope="module")
+def b_ids(secured: Secured) -> dict[str, str]:
+    """B's own Tinker session (B may name its own things; only A's must be out of reach)."""
+    return {"b_session": secured.ok("POST", "/api/v1/create_session", B, json={"tags": []})["session_id"]}
+
+
+def _send(c: Secured, label: str, request: Request):
+    method, path, kwargs = request
+    reply = c.http(label, method, path, **dict(kwargs))
+    sent = path.encode() + json.dumps(kwargs.get("json")).encode() + (kwargs.get("content") or b"")
+    return reply, sent
+
+
+@pytest.mark.parametrize("route", sorted(CASES), ids=lambda r: f"{r[0]} {r[1]}")
+def test_tenant_b_cannot_reach_tenant_a_through_the_gateway(secured: Secured, b_ids, route):
+    c = secured
+    for case in CASES[route]:
+        a_ids = {**c.a, **b_ids}
+        gone = {**missing_like(c.a), **b_ids}
+        before = c.snapshot()
+        answers = []
+        for ids in (a_ids, gone):
+            reply, sent = _send(c, B, case.make(ids, c))
+            assert reply.status_code < 500, (route, reply.status_code, reply.text)
+            assert not leaked(reply.content, sent, c.secrets, c.addresses), (route, leaked(
+                reply.content, sent, c.secrets, c.addresses), reply.text)
+            answers.append((reply.status_code, normalize(reply.text, a_ids if ids is a_ids else gone)))
+            if case.kind == "listing":
+                case.check(c, reply.json())
+                break
+        assert c.snapshot() == before, f"{route}: B's request changed A's state"
+        if case.kind in ("scoped", "refused"):
+            (status, text), (gone_status, gone_text) = answers
+            assert status == case.status, (route, status, text)
+            assert (status, text) == (gone_status, gone_text), (route, text, gone_text)
+        if case.kind == "scoped":
+            reply, _ = _send(c, A, (case.owner or case.make)(a_ids, c))
+            assert 200 <= reply.status_code < 300, ("the owner's own call fails", route, reply.text)
+            accepted = reply.json() if reply.headers.get("content-type", "").startswith("application/json") else {}
+            if isinstance(accepted, dict) and accepted.get("request_id") and route[1] != "/api/v1/retrieve_future":
+                c.future(accepted["request_id"], may_fail=True)  # settled before the next case's snapshot
+        elif case.kind == "refused":
+            reply, _ = _send(c, A, case.make(a_ids, c))
+            assert reply.status_code == case.status, (route, reply.text)
+        elif case.kind == "listing":
+            owner = c.http(A, *case.make(a_ids, c)[:2]).text
+            assert any(s in owner for s in (a_ids["model"], a_ids["reg"])), ("the owner sees its own", owner)
+
+
+def test_streaming_refusals_reach_the_official_clients_as_their_own_errors(secured: Secured):
+    """Hole 6: before the fix the stream answered HTTP 200 and carried the error as an event, so openai/anthropic
+    raised a generic APIError (or none) instead of PermissionDeniedError; and no message may carry an address."""
+    c = secured
+    oai = openai.OpenAI(base_url=c.gateway.base_url + "/v1", api_key=c.keys.tokens[B], max_retries=0)
+    ant = anthropic.Anthropic(base_url=c.gateway.base_url, api_key=c.keys.tokens[B], max_retries=0)
+    for model in (c.a["reg"], missing_like(c.a)["reg"]):
+        with pytest.raises(openai.PermissionDeniedError):
+            list(oai.completions.create(model=model, prompt="hi", max_tokens=2, stream=True))
+        with pytest.raises(openai.PermissionDeniedError):
+            list(oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2, stream=True))
+        with pytest.raises(anthropic.PermissionDeniedError):
+            with ant.messages.stream(model=model, max_tokens=2, messages=[{"role": "user", "content": "hi"}]) as s:
+                list(s)
+    # B's own missing adapter: NotFoundError, before the stream, and the message names no sampler address.
+    with pytest.raises(openai.NotFoundError) as info:
+        list(oai.completions.create(model="globex/never-made", prompt="hi", max_tokens=2, stream=True))
+    assert not [a for a in c.addresses if a in str(info.value)], str(info.value)
+    # The owner streams its adapter.
+    mine = openai.OpenAI(base_url=c.gateway.base_url + "/v1", api_key=c.keys.tokens[A], max_retries=0)
+    chunks = list(mine.chat.completions.create(model=c.a["reg"], messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2, stream=True))
+    assert chunks and chunks[0].choices
+
+
+def test_forged_ids_never_reach_another_tenants_records(secured: Secured, b_ids):
+    """Ids crafted to walk out of B's namespace in the store's key layout (`<prefix>t:<tenant>:<kind>:<id>`): a
+    separator, another tenant's segment, wildcards. Each is only ever a key inside B's own namespace: 404."""
+    c = secured
+    sid = c.a["session"]
+    for forged in (f"../t:acme:session:{sid}", f":t:acme:session:{sid}", f"t:acme:session:{sid}", "*", f"{sid}*",
+                   f"acme/{sid}", f"acme:{sid}"):
+        reply = c.http(B, "POST", "/api/v1/session_heartbeat", json={"session_id": forged})
+        assert reply.status_code == 404, (forged, reply.text)
+        reply = c.http(B, "POST", "/api/v1/retrieve_future", json={"request_id": forged.replace(sid, c.a["request"])})
+        assert reply.status_code == 404, (forged, reply.text)
+    for offset, limit in ((0, 1000), (1, 1), (10**6, 5)):
+        body = c.ok("GET", f"/api/v1/training_runs?offset={offset}&limit={limit}", B)
+        assert body["training_runs"] == [] and body["cursor"]["total_count"] == 0, body
+    assert c.ok("GET", "/api/v1/training_runs", A)["cursor"]["total_count"] >= 1
