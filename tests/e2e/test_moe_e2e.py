@@ -157,3 +157,29 @@ def test_train_publish_sample_through_the_client(registry, moe_trainer, moe_samp
     assert sampled[1:] == pytest.approx(learned, abs=1e-4)
     base = service.create_sampling_client().compute_logprobs(tokens).result(60)
     assert base[1:] != pytest.approx(sampled[1:], abs=1e-3)
+
+
+def test_a_restarted_trainer_brings_a_shared_outer_adapter_back_bit_for_bit(registry, background_loop):
+    limits = {"gap_timeout_s": 5.0, "checkpoint_every_steps": 2, "base_model": "tiny-moe"}
+    live = start_live_trainer(registry.settings, background_loop, registry.address, **limits)
+    try:
+        stub = live.stub()
+        create(stub, "ten/so", 4, 8, 9, [], SHARED_OUTER)
+        data = rounds(3, [9, 6], count=3)
+        seq = 0
+        for batch in data:  # 3 steps: a checkpoint at step 2 (compact training state) plus the journal
+            seq += 1
+            stub.ForwardBackward(fb("ten/so", seq, batch))
+            seq += 1
+            stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="ten/so", seq_id=seq, adam_params=ADAM))
+        before = saved_state(live, stub, "ten/so", seq + 1)
+        live.close()
+        live = start_live_trainer(registry.settings, background_loop, registry.address, **limits)
+        stub = live.stub()
+        listed = stub.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest()).adapters
+        assert [a.lora_config.expert_layout for a in listed if a.name == "ten/so"] == [SHARED_OUTER]
+        after = saved_state(live, stub, "ten/so", seq + 2)
+        assert after.spec.expert_layout == "shared_outer" and after.step == 3
+        assert_states_identical(after, before)
+    finally:
+        live.close()
