@@ -349,7 +349,7 @@ def _shared_keys(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> Iterator
     if spec.expert_layout != SHARED_OUTER:
         return
     for key in params:
-        layer, module, which = parse_peft_key(key)
+        _, module, which = parse_peft_key(key)
         if (module, which) in (("experts.gate_up_proj", "A"), ("experts.down_proj", "B")):
             yield key, which
 
@@ -473,7 +473,7 @@ def from_sglang(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str
     out = dict(dense)
     layers = sorted({layer for layer, _, _ in experts})
     for layer in layers:
-        def stack(proj: str, which: str) -> list[torch.Tensor]:
+        def stack(proj: str, which: str, layer: int = layer) -> list[torch.Tensor]:
             got = experts.get((layer, proj, which), {})
             if sorted(got) != list(range(len(got))) or not got:
                 raise InvalidArgument(f"layer {layer} {proj}.lora_{which}: experts {sorted(got)[:4]}... are not "

@@ -587,7 +587,7 @@ def _lora_through(x, pair, rank: int, experts: int, offsets, expert_of_row, scal
 
 def _experts_range(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    adapter: AdapterTensors | None, layer: int) -> torch.Tensor:
-    tokens, top_k = top_k_index.shape
+    tokens = top_k_index.shape[0]
     experts = module.num_experts
     # (k, token) order, stably sorted by expert: transformers' eager loop visits each expert's rows this way.
     flat = top_k_index.t().reshape(-1)

@@ -172,7 +172,7 @@ def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dt
         experts = getattr(block.mlp, "experts", None)
         if experts is not None and "experts.gate_up_proj" not in dims:
             # transformers' fused experts: gate_up_proj [E, 2 ffn, hidden], down_proj [E, hidden, ffn].
-            count, two_ffn, hidden = experts.gate_up_proj.shape
+            _, two_ffn, hidden = experts.gate_up_proj.shape
             dims["experts.gate_up_proj"] = (int(hidden), int(two_ffn))
             dims["experts.down_proj"] = (int(two_ffn) // 2, int(hidden))
     eos: list[int] = []

@@ -86,7 +86,7 @@ def test_expert_keys_and_shapes_are_peft_target_parameters(moe):
     assert params[f"{prefix}.lora_A.weight"].shape == (4 * 8, 32)  # down_proj
     assert params[f"{prefix}.lora_B.weight"].shape == (64, 4 * 8)
     assert not any("layers.0.mlp" in k for k in params)  # layer 0 is dense: attention only
-    shared_spec, shared = trained(base, "shared_outer")
+    _, shared = trained(base, "shared_outer")
     assert shared[f"{prefix}.base_layer.lora_A.weight"].shape == (4, 64)
     assert shared[f"{prefix}.lora_B.weight"].shape == (64, 4)
 
