@@ -17,6 +17,9 @@ routed adapter's delta to the rows/tokens routed to it; outside it the model is 
 Each adapter's delta is computed only from its own rows (gather, two small matmuls, scatter), so autograd sends
 gradient only into that adapter's A and B, and an adapter's weight-gradient matmuls see exactly the same operands
 whether or not other adapters share the batch.
+
+Mixture-of-experts layers (Qwen3-MoE) take LoRA on the routed experts (`experts.gate_up_proj`, `experts.down_proj`)
+inside an experts implementation of our own that the same routings drive: see "routed experts" below.
 """
 
 from __future__ import annotations
