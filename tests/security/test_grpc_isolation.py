@@ -186,6 +186,10 @@ CASES: dict[str, list[Case]] = {
     S + "GetStatus": [Case(lambda x, c: sampler_pb2.GetStatusRequest(), "own")],
 }
 
+if hasattr(trainer_pb2, "ResolveAdapterRequest"):  # the trainer fleet's lookup, as its proto lands
+    # Where A's adapter lives is A's business: B learns neither the placement nor whether the adapter exists.
+    CASES[T + "ResolveAdapter"] = [Case(lambda x, c: trainer_pb2.ResolveAdapterRequest(name=x["train"]))]
+
 
 def rpc_table() -> dict[str, tuple[str, object]]:
     """Every RPC of the three services, from the protos: full method path -> (service, method descriptor)."""
