@@ -46,8 +46,12 @@ class Futures:
             self._start(request_id, spec)
         return request_id
 
+    def _local_key(self, request_id: str) -> str:
+        # Request ids are unique per tenant only as far as the store is concerned: key local waits like the store.
+        return self.store.k("future", request_id)
+
     def _start(self, request_id: str, spec: dict[str, Any]) -> None:
-        self._local[request_id] = asyncio.Event()
+        self._local[self._local_key(request_id)] = asyncio.Event()
         task = asyncio.create_task(self._run(request_id, spec))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -66,7 +70,7 @@ class Futures:
             await self.store.finish_future(request_id, state, content_type, body)
         finally:
             renew.cancel()
-            event = self._local.pop(request_id, None)
+            event = self._local.pop(self._local_key(request_id), None)
             if event:
                 event.set()
 
@@ -86,13 +90,14 @@ class Futures:
             if state != "pending":
                 return FutureReply(state, record.get("content_type", b"application/json").decode(),
                                    record.get("body", b""))
-            if request_id not in self._local and await self.store.take_lease(request_id, self.owner, self.lease_s):
+            if self._local_key(request_id) not in self._local and await self.store.take_lease(
+                    request_id, self.owner, self.lease_s):
                 log.info("taking over future %s (its owner is gone)", request_id)
                 self._start(request_id, json.loads(record["spec"]))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return FutureReply("pending")
-            event = self._local.get(request_id)
+            event = self._local.get(self._local_key(request_id))
             if event is not None:
                 try:
                     await asyncio.wait_for(event.wait(), timeout=remaining)
