@@ -48,6 +48,13 @@ class Settings(BaseSettings):
     # ids; a trainer restarted under the same id takes over its adapters.
     trainer_id: str = "trainer"
     trainer_journal: bool = True
+    # A trainer fleet (docs/architecture.md, "Trainer fleet"): trainers with the same fleet name share one journal
+    # and serve one base model, each adapter on one of them; trainer_id then names the member (distinct per
+    # trainer). Needs redis_url. A member whose heartbeat is older than the TTL is presumed dead: its adapters move.
+    trainer_fleet: str = ""
+    trainer_heartbeat_ttl_s: float = 10.0
+    # The address clients reach this trainer at, when it is not the one it listens on (containers, NAT).
+    trainer_advertise_address: str = ""
     checkpoint_every_steps: int = 50
     checkpoint_every_s: float = 300.0
 

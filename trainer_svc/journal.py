@@ -13,6 +13,11 @@ Layout under `<key_prefix>trainer:<trainer_id>:`
                     t=out   its outcome, written after it ran (answers a retry after a restart)
                     t=void  it failed transiently and did not take effect (a retry runs it again)
 
+In a trainer fleet (trainer_svc/fleet.py) every member writes under the fleet's name, and each write is fenced: one
+Lua script checks that the adapter's placement still names this trainer with the epoch it adopted the adapter under
+and only then writes, so a trainer that was presumed dead and comes back can no longer change an adapter another
+trainer took over (its writes are refused and it answers "moved").
+
 Payloads and outcomes are plain containers of tensors, numbers, strings and bytes, encoded with `torch.save` and
 read back with `weights_only=True` (no arbitrary objects are ever unpickled).
 """
@@ -26,12 +31,14 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import redis
 import torch
 
 from loraplane import errors
 from loraplane.errors import Unavailable
+from loraplane.fleet import moved
 from trainer_svc.backends.base import DatumInput, DatumResult, ItemResult
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 
@@ -100,12 +107,70 @@ class JournalEntry:
     has_outcome: bool = False
 
 
-class TrainingJournal:
-    """Synchronous on purpose: the worker thread writes the journal between batches, in the order it runs jobs."""
+class Fence(Protocol):
+    """What fences a fleet member's journal writes (trainer_svc.fleet.FleetMember)."""
 
-    def __init__(self, url: str, *, key_prefix: str = "lp:", trainer_id: str = "trainer", timeout_s: float = 5.0):
+    member_id: str
+
+    def epoch_of(self, adapter: str) -> int | None:
+        """The epoch this trainer serves the adapter under; None when it does not serve it."""
+
+    def placement_key(self, adapter: str) -> str: ...
+
+    def lost(self, adapter: str) -> None:
+        """A write found the adapter placed elsewhere (called from any thread)."""
+
+
+# KEYS: the placement hash of each adapter the write touches. ARGV: member id, one epoch per KEY, the number of
+# commands, then per command: its adapter's KEYS index, 1 if it must not be skipped, its argument count, the
+# arguments. A required command of a fenced adapter refuses the whole write ({0, fenced indexes}); the optional ones
+# (outcomes, which only answer retries) of fenced adapters are skipped and the rest written ({1, replies}).
+_FENCED_WRITE = """
+local me = ARGV[1]
+local fenced = {}
+for i = 1, #KEYS do
+  local current = redis.call('HMGET', KEYS[i], 'trainer', 'epoch')
+  if current[1] ~= me or current[2] ~= ARGV[i + 1] then fenced[i] = true end
+end
+local pos = #KEYS + 2
+local count = tonumber(ARGV[pos])
+pos = pos + 1
+local commands = {}
+local refused = {}
+for c = 1, count do
+  local index, required, argc = tonumber(ARGV[pos]), ARGV[pos + 1], tonumber(ARGV[pos + 2])
+  local args = {}
+  for k = 1, argc do args[k] = ARGV[pos + 2 + k] end
+  pos = pos + 3 + argc
+  commands[c] = {index, args}
+  if fenced[index] and required == '1' then table.insert(refused, index) end
+end
+if #refused > 0 then return {0, refused} end
+local replies = {}
+for c = 1, count do
+  if fenced[commands[c][1]] then replies[c] = '' else replies[c] = redis.call(unpack(commands[c][2])) end
+end
+return {1, replies}
+"""
+
+
+@dataclass(frozen=True)
+class _Op:
+    adapter: str
+    required: bool
+    command: tuple
+
+
+class TrainingJournal:
+    """Synchronous on purpose: the worker thread writes the journal between batches, in the order it runs jobs.
+    `trainer_id` names the journal's namespace: a trainer's own id, or its fleet's name (shared by the members)."""
+
+    def __init__(self, url: str, *, key_prefix: str = "lp:", trainer_id: str = "trainer", timeout_s: float = 5.0,
+                 fence: Fence | None = None):
         self.prefix = f"{key_prefix}trainer:{trainer_id}:"
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.fence = fence
+        self._fenced_write = self.redis.register_script(_FENCED_WRITE)
 
     def close(self) -> None:
         self.redis.close()
@@ -119,18 +184,52 @@ class TrainingJournal:
         except redis.RedisError as exc:
             raise Unavailable(f"the training journal is unavailable ({what}: {exc}); retry") from exc
 
+    def _write(self, what: str, ops: list[_Op], transaction: bool = False) -> list:
+        """Runs the commands in one round trip (fenced in a fleet); their replies in order ('' = skipped)."""
+        if self.fence is None:
+            def plain():
+                pipe = self.redis.pipeline(transaction=transaction)
+                for op in ops:
+                    pipe.execute_command(*op.command)
+                return pipe.execute()
+            return self._call(what, plain)
+        epochs: dict[str, int | None] = {}
+        for op in ops:
+            if op.adapter not in epochs:
+                epochs[op.adapter] = self.fence.epoch_of(op.adapter)
+        gone = [op.adapter for op in ops if op.required and epochs[op.adapter] is None]
+        if gone:
+            raise moved(gone[0])
+        kept = [op for op in ops if epochs[op.adapter] is not None]
+        adapters = list(dict.fromkeys(op.adapter for op in kept))
+        if not kept:
+            return [""] * len(ops)
+        index = {adapter: i + 1 for i, adapter in enumerate(adapters)}
+        args: list = [self.fence.member_id, *(epochs[a] for a in adapters), len(kept)]
+        for op in kept:
+            args += [index[op.adapter], 1 if op.required else 0, len(op.command), *op.command]
+        ok, replies = self._call(what, lambda: self._fenced_write(
+            keys=[self.fence.placement_key(a) for a in adapters], args=args))
+        if not ok:
+            lost = [adapters[int(i) - 1] for i in replies]
+            for adapter in lost:
+                self.fence.lost(adapter)
+            raise moved(lost[0])
+        by_op = iter(replies)
+        return [next(by_op) if epochs[op.adapter] is not None else "" for op in ops]
+
     # ---- the adapter index
     def put_adapter(self, record: AdapterRecord) -> None:
-        self._call("record the adapter", lambda: self.redis.hset(f"{self.prefix}adapters", record.name,
-                                                                 record.to_json()))
+        self._write("record the adapter", [_Op(record.name, True, ("HSET", f"{self.prefix}adapters", record.name,
+                                                                     record.to_json()))])
 
     def drop_adapter(self, name: str) -> None:
-        def drop():
-            pipe = self.redis.pipeline()
-            pipe.hdel(f"{self.prefix}adapters", name)
-            pipe.delete(self._stream(name))
-            pipe.execute()
-        self._call("forget the adapter", drop)
+        self._write("forget the adapter", [_Op(name, True, ("HDEL", f"{self.prefix}adapters", name)),
+                                           _Op(name, True, ("DEL", self._stream(name)))], transaction=True)
+
+    def record(self, name: str) -> AdapterRecord | None:
+        raw = self._call("read the adapter index", lambda: self.redis.hget(f"{self.prefix}adapters", name))
+        return None if raw is None else AdapterRecord.from_json(raw)
 
     def adapters(self) -> list[AdapterRecord]:
         raw = self._call("read the adapter index", lambda: self.redis.hgetall(f"{self.prefix}adapters"))
@@ -141,27 +240,24 @@ class TrainingJournal:
                         outcomes: list[tuple[str, int, bytes, object]] = ()) -> list[str]:
         """(adapter, seq_id, kind, payload_hash, payload) each -> the entry ids, in one round trip; `outcomes`
         (as for append_outcomes) of earlier requests ride along ahead of them, under the same fsync."""
-        def write():
-            pipe = self.redis.pipeline(transaction=False)
-            self._add_outcomes(pipe, outcomes)
-            for adapter, seq_id, kind, payload_hash, payload in requests:
-                pipe.xadd(self._stream(adapter), {"t": REQUEST, "seq": seq_id, "kind": kind, "hash": payload_hash,
-                                                  "body": encode(payload)})
-            return [entry_id.decode() for entry_id in pipe.execute()[len(outcomes):]]
-        return self._call("journal the request", write)
+        ops = self._outcome_ops(outcomes) + [
+            _Op(adapter, True, ("XADD", self._stream(adapter), "*", "t", REQUEST, "seq", seq_id, "kind", kind,
+                                "hash", payload_hash, "body", encode(payload)))
+            for adapter, seq_id, kind, payload_hash, payload in requests]
+        replies = self._write("journal the request", ops)
+        return [entry_id.decode() for entry_id in replies[len(outcomes):]]
 
-    def _add_outcomes(self, pipe, outcomes) -> None:
-        for adapter, seq_id, kind, value in outcomes:
-            pipe.xadd(self._stream(adapter), {"t": kind, "seq": seq_id, "body": encode(value)})
+    def _outcome_ops(self, outcomes) -> list[_Op]:
+        return [_Op(adapter, False, ("XADD", self._stream(adapter), "*", "t", kind, "seq", seq_id,
+                                     "body", encode(value)))
+                for adapter, seq_id, kind, value in outcomes]
 
     def append_outcomes(self, outcomes: list[tuple[str, int, bytes, object]]) -> None:
         """(adapter, seq_id, type, value) each. Best effort: a lost outcome only means a retry of that seq_id
         after a restart cannot be answered if a checkpoint already covers it; replay regenerates the rest."""
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            self._add_outcomes(pipe, outcomes)
-            pipe.execute()
-        except redis.RedisError:
+            self._write("journal outcomes", self._outcome_ops(outcomes))
+        except Unavailable:
             log.warning("could not journal %d outcomes", len(outcomes), exc_info=True)
 
     def entries(self, adapter: str) -> list[JournalEntry]:
@@ -195,8 +291,9 @@ class TrainingJournal:
     def trim(self, adapter: str, keep_from_entry: str) -> None:
         """Drops the entries before `keep_from_entry` (a checkpoint covers them)."""
         try:
-            self.redis.xtrim(self._stream(adapter), minid=keep_from_entry, approximate=False)
-        except redis.RedisError:
+            self._write("trim the journal", [_Op(adapter, True, ("XTRIM", self._stream(adapter), "MINID",
+                                                                 keep_from_entry))])
+        except Unavailable:
             log.warning("could not trim the journal of %s", adapter, exc_info=True)
 
     def length(self, adapter: str) -> int:

@@ -115,7 +115,8 @@ class Scheduler:
             self._lanes[adapter] = _Lane(next_seq=next_seq)
             self._rotation.append(adapter)
 
-    def close_lane(self, adapter: str, reason: str) -> None:
+    def close_lane(self, adapter: str, reason: str, error: Exception | None = None) -> None:
+        """Queued requests fail with NOT_FOUND(reason), or with `error` (a fleet moved the adapter away)."""
         with self._cond:
             lane = self._lanes.pop(adapter, None)
             if adapter in self._rotation:
@@ -125,7 +126,7 @@ class Scheduler:
             for job in lane.pending.values():
                 self._queued -= 1
                 if not job.future.done():
-                    job.future.set_exception(NotFound(reason, field="adapter"))
+                    job.future.set_exception(error or NotFound(reason, field="adapter"))
 
     def remember(self, adapter: str, seq_id: int, payload_hash: bytes, outcome) -> None:
         """Records the outcome of a seq_id that ran before a restart (from the journal), so a retry of it is

@@ -15,9 +15,11 @@ from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
 from loraplane.tracing import setup_tracing
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import TrainerBackend
+from trainer_svc.fleet import FleetMember
+from trainer_svc.fleet_servicer import FleetTrainerServicer
+from trainer_svc.fleet_store import FleetStore
 from trainer_svc.journal import TrainingJournal
 from trainer_svc.service import TrainerLimits, TrainerService
-from trainer_svc.servicer import TrainerServicer
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class RunningTrainer:
     settings: Settings
     registry_address: str
     metrics_source: int | None = None
+    fleet: FleetMember | None = None
 
     @property
     def address(self) -> str:
@@ -39,6 +42,8 @@ class RunningTrainer:
     async def stop(self, grace: float = 1.0) -> None:
         unregister_source(self.metrics_source)
         try:
+            if self.fleet is not None:
+                await self.fleet.stop()
             await self.server.stop(grace)
         finally:
             await self.service.close()
@@ -78,7 +83,8 @@ async def start_trainer_server(
     """Loads the base model (in a thread: it takes a while for real models) and serves TrainerService.
     `service_class` lets a backend that owns its adapter tensors (megatron) bring its TrainerService subclass.
     With a journal (the default whenever `settings.redis_url` is set) the trainer first recovers every adapter it
-    had before a crash, and only then starts serving."""
+    had before a crash, and only then starts serving. With `settings.trainer_fleet` it is one member of that fleet
+    (trainer_svc/fleet.py): it recovers the adapters still placed on it and takes part in placement and failover."""
     if not registry_address:
         raise errors.InvalidArgument("registry_address is required", field="registry_address")
     setup_tracing(settings, "trainer")
@@ -91,29 +97,54 @@ async def start_trainer_server(
     registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s,
                               security=ClientSecurity.from_settings(settings))
     use_journal = settings.trainer_journal and bool(settings.redis_url) if journal is None else journal
+    fleet_name = settings.trainer_fleet
+    if fleet_name and not (use_journal and settings.redis_url):
+        await registry.close()
+        raise errors.FailedPrecondition("a trainer fleet needs the training journal: set LORAPLANE_REDIS_URL and "
+                                        "leave LORAPLANE_TRAINER_JOURNAL on", field="trainer_fleet")
     training_journal = None
     if use_journal:
+        # A fleet's members share one journal (any of them can take over any adapter); a lone trainer has its own.
         training_journal = TrainingJournal(settings.redis_url, key_prefix=settings.key_prefix,
-                                           trainer_id=settings.trainer_id)
+                                           trainer_id=fleet_name or settings.trainer_id)
     else:
         log.warning("NO TRAINING JOURNAL: set LORAPLANE_REDIS_URL to make training durable; a crash of this trainer "
                     "loses every adapter's state since its last SaveState")
     service = service_class(backend_impl, registry, trainer_limits, journal=training_journal)
     server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "trainer"),
                         security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
-    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), server.server)
+    servicer = FleetTrainerServicer(service, trainer_id=settings.trainer_id)
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server.server)
     server.add_service(SERVICE_NAME)
+    member = None
     try:
-        failed = await service.recover()
+        names = None
+        if fleet_name:
+            member = FleetMember(service, FleetStore(settings.redis_url, key_prefix=settings.key_prefix,
+                                                     fleet=fleet_name),
+                                 settings.trainer_id, ttl_s=settings.trainer_heartbeat_ttl_s)
+            training_journal.fence = member
+            service.fleet = member
+            # Alive (without an address yet) before it takes its adapters back, so nobody else takes them meanwhile.
+            await asyncio.to_thread(member.store.heartbeat, member.report(), member.ttl_s)
+            names = await member.claim_own()
+            member.start("")
+        failed = await service.recover(names=names)
         if failed:
             log.error("serving without %d unrecoverable adapters: %s", len(failed), failed)
         await server.start()
     except BaseException:
+        if member is not None:
+            await member.stop()
         await service.close()
         await registry.close()
         raise
+    servicer.address = settings.trainer_advertise_address or server.address
+    if member is not None:
+        member.address = servicer.address
+        await asyncio.to_thread(member.store.heartbeat, member.report(), member.ttl_s)
     running = RunningTrainer(server=server, service=service, registry=registry, settings=settings,
-                             registry_address=registry_address)
+                             registry_address=registry_address, fleet=member)
     running.metrics_source = register_source("trainer", server.address, {
         # Read from the metrics thread while the worker changes them: a failed read is skipped (metrics.py).
         "loraplane_trainer_queue_depth": ("Sequenced requests queued or running", lambda: service.scheduler._queued),

@@ -196,6 +196,8 @@ class TrainerService:
         self._creating: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued = TenantCounter("max_queued_requests")
+        # A trainer_svc.fleet.FleetMember when this trainer is one of a fleet (it decides which adapters it serves).
+        self.fleet = None
 
     @property
     def base_model(self) -> str:
@@ -227,6 +229,7 @@ class TrainerService:
         weights_dtype = validate_weights_dtype(config.weights_dtype)
         if name in self.pool or name in self._creating:
             raise AlreadyExists(f"adapter {name!r} already exists on this trainer", field="name")
+        placed = self.fleet is not None and await self.fleet.place_new(name, spec)  # ADAPTER_MOVED if elsewhere
         self._creating.add(name)
         try:
             registered = await self.registry.create_adapter(
@@ -252,6 +255,10 @@ class TrainerService:
             self._adopt(record)
             self.scheduler.open_lane(name)
             return self._info(state)
+        except BaseException:
+            if placed:
+                await self.fleet.abandon(name)
+            raise
         finally:
             self._creating.discard(name)
 
@@ -293,6 +300,8 @@ class TrainerService:
         validate_adapter_name(name)
         caller.authorize(name)
         local = name in self.pool
+        if self.fleet is not None:
+            self.fleet.require(name)
         if not local and not delete_from_registry:
             raise NotFound(f"name: adapter {shown(name)} does not exist on this trainer", field="name")
         if local:
@@ -306,6 +315,8 @@ class TrainerService:
                 await asyncio.to_thread(self.journal.drop_adapter, name)
                 if record is not None and not delete_from_registry:
                     await self._delete_checkpoints(name, record.checkpoints)
+            if self.fleet is not None:
+                await self.fleet.deleted(name)
         if delete_from_registry:
             try:
                 await self.registry.delete_adapter(name)
@@ -346,6 +357,8 @@ class TrainerService:
 
     # ---------------------------------------------------------------- sequenced requests
     def _require(self, adapter: str) -> None:
+        if self.fleet is not None:
+            self.fleet.require(adapter)
         if adapter not in self.pool:
             raise NotFound(f"adapter {shown(adapter)} does not exist on this trainer", field="adapter")
 
@@ -448,6 +461,15 @@ class TrainerService:
 
     # ---------------------------------------------------------------- worker side
     def _execute(self, jobs: list[Job]) -> list:
+        if self.fleet is not None:
+            refused = self.fleet.refusals(jobs)  # adapters this fleet member stopped serving: ADAPTER_MOVED
+            if any(refused):
+                kept = [job for job, error in zip(jobs, refused) if error is None]
+                outcomes = iter(self._execute_here(kept) if kept else ())
+                return [error if error is not None else next(outcomes) for error in refused]
+        return self._execute_here(jobs)
+
+    def _execute_here(self, jobs: list[Job]) -> list:
         """Runs on the worker thread. Returns one outcome (value or exception) per job. With a journal, each new
         request is journaled before it runs (LoadState once its source is resolved, in its runner) and its outcome
         after; a journal that cannot be written fails the jobs as UNAVAILABLE before they change anything."""
@@ -698,7 +720,16 @@ class TrainerService:
                     log.warning("could not delete checkpoint v%d of %s: %s", checkpoint.version, adapter, exc)
 
     # ---------------------------------------------------------------- durability: recovery
-    async def recover(self) -> list[str]:
+    async def forget_local(self, name: str, error: LoraplaneError | None = None) -> None:
+        """Drops the adapter from this trainer only (a fleet moved it away): its journal and checkpoints stay for
+        the trainer that serves it now; queued requests fail with `error` (ADAPTER_MOVED: retried there)."""
+        self.scheduler.close_lane(name, f"adapter {name!r} left this trainer", error=error)
+        if name in self.pool:
+            await self._on_worker(lambda: self.pool.remove(name))
+        for table in (self._uids, self._recent_entries, self._checkpoint_marks, self._records):
+            table.pop(name, None)
+
+    async def recover(self, names: Sequence[str] | None = None) -> list[str]:
         """Rebuilds every adapter the journal's index names: its latest checkpoint, then its journal replayed in
         order, so params, moments, step and last_seq_id equal those before the crash and a client's retry of a
         journaled request is answered with its outcome. Returns the adapters that could not be recovered (a
@@ -707,6 +738,8 @@ class TrainerService:
             return []
         self._loop = asyncio.get_running_loop()
         records = await asyncio.to_thread(self.journal.adapters)
+        if names is not None:  # a fleet member: only what is placed on it
+            records = [r for r in records if r.name in names]
         results = await asyncio.gather(*(self._recover_adapter(r) for r in records), return_exceptions=True)
         failed = []
         for record, result in zip(records, results):

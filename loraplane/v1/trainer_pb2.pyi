@@ -824,3 +824,47 @@ class GetInfoResponse(google.protobuf.message.Message):
     def ClearField(self, field_name: typing.Literal["backend", b"backend", "base_model", b"base_model", "device", b"device", "device_slots", b"device_slots", "hidden_size", b"hidden_size", "max_batch_datums", b"max_batch_datums", "max_context_length", b"max_context_length", "max_lora_rank", b"max_lora_rank", "num_hidden_layers", b"num_hidden_layers", "supported_losses", b"supported_losses", "supported_target_modules", b"supported_target_modules", "tokenizer", b"tokenizer"]) -> None: ...
 
 global___GetInfoResponse = GetInfoResponse
+
+@typing.final
+class ResolveAdapterRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: builtins.int
+    name: builtins.str
+    def __init__(
+        self,
+        *,
+        name: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["name", b"name"]) -> None: ...
+
+global___ResolveAdapterRequest = ResolveAdapterRequest
+
+@typing.final
+class ResolveAdapterResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: builtins.int
+    TRAINER_ID_FIELD_NUMBER: builtins.int
+    EPOCH_FIELD_NUMBER: builtins.int
+    TRAINER_ADDRESSES_FIELD_NUMBER: builtins.int
+    address: builtins.str
+    """host:port of the trainer serving the adapter."""
+    trainer_id: builtins.str
+    epoch: builtins.int
+    """The placement's fencing epoch: it grows with every move, so a client keeps the answer with the larger epoch."""
+    @property
+    def trainer_addresses(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
+        """Every live trainer of the fleet, so a client whose trainer died knows where else to ask."""
+
+    def __init__(
+        self,
+        *,
+        address: builtins.str = ...,
+        trainer_id: builtins.str = ...,
+        epoch: builtins.int = ...,
+        trainer_addresses: collections.abc.Iterable[builtins.str] | None = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["address", b"address", "epoch", b"epoch", "trainer_addresses", b"trainer_addresses", "trainer_id", b"trainer_id"]) -> None: ...
+
+global___ResolveAdapterResponse = ResolveAdapterResponse

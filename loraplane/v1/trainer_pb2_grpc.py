@@ -95,6 +95,11 @@ class TrainerServiceStub(object):
                 request_serializer=loraplane_dot_v1_dot_trainer__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=loraplane_dot_v1_dot_trainer__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.ResolveAdapter = channel.unary_unary(
+                '/loraplane.v1.TrainerService/ResolveAdapter',
+                request_serializer=loraplane_dot_v1_dot_trainer__pb2.ResolveAdapterRequest.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_trainer__pb2.ResolveAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer(object):
@@ -176,6 +181,15 @@ class TrainerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveAdapter(self, request, context):
+        """Which trainer serves the adapter. Any trainer answers for its whole fleet (a trainer outside a fleet names
+        itself). A request to a trainer that does not serve the adapter is answered UNAVAILABLE with ErrorInfo reason
+        ADAPTER_MOVED: resolve again and retry the same seq_id at the new address. NOT_FOUND if it is placed nowhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +242,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=loraplane_dot_v1_dot_trainer__pb2.GetInfoRequest.FromString,
                     response_serializer=loraplane_dot_v1_dot_trainer__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'ResolveAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveAdapter,
+                    request_deserializer=loraplane_dot_v1_dot_trainer__pb2.ResolveAdapterRequest.FromString,
+                    response_serializer=loraplane_dot_v1_dot_trainer__pb2.ResolveAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -511,6 +530,33 @@ class TrainerService(object):
             '/loraplane.v1.TrainerService/GetInfo',
             loraplane_dot_v1_dot_trainer__pb2.GetInfoRequest.SerializeToString,
             loraplane_dot_v1_dot_trainer__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.TrainerService/ResolveAdapter',
+            loraplane_dot_v1_dot_trainer__pb2.ResolveAdapterRequest.SerializeToString,
+            loraplane_dot_v1_dot_trainer__pb2.ResolveAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,6 +87,15 @@ class TrainerServiceStub:
         loraplane.v1.trainer_pb2.GetInfoResponse,
     ]
 
+    ResolveAdapter: grpc.UnaryUnaryMultiCallable[
+        loraplane.v1.trainer_pb2.ResolveAdapterRequest,
+        loraplane.v1.trainer_pb2.ResolveAdapterResponse,
+    ]
+    """Which trainer serves the adapter. Any trainer answers for its whole fleet (a trainer outside a fleet names
+    itself). A request to a trainer that does not serve the adapter is answered UNAVAILABLE with ErrorInfo reason
+    ADAPTER_MOVED: resolve again and retry the same seq_id at the new address. NOT_FOUND if it is placed nowhere.
+    """
+
 class TrainerServiceAsyncStub:
     """Forward/backward and AdamW steps for many LoRA adapters on one base model. Requests of one adapter run in
     seq_id order; a retried seq_id with the same payload returns the first result without re-applying it.
@@ -155,6 +164,15 @@ class TrainerServiceAsyncStub:
         loraplane.v1.trainer_pb2.GetInfoRequest,
         loraplane.v1.trainer_pb2.GetInfoResponse,
     ]
+
+    ResolveAdapter: grpc.aio.UnaryUnaryMultiCallable[
+        loraplane.v1.trainer_pb2.ResolveAdapterRequest,
+        loraplane.v1.trainer_pb2.ResolveAdapterResponse,
+    ]
+    """Which trainer serves the adapter. Any trainer answers for its whole fleet (a trainer outside a fleet names
+    itself). A request to a trainer that does not serve the adapter is answered UNAVAILABLE with ErrorInfo reason
+    ADAPTER_MOVED: resolve again and retry the same seq_id at the new address. NOT_FOUND if it is placed nowhere.
+    """
 
 class TrainerServiceServicer(metaclass=abc.ABCMeta):
     """Forward/backward and AdamW steps for many LoRA adapters on one base model. Requests of one adapter run in
@@ -244,5 +262,16 @@ class TrainerServiceServicer(metaclass=abc.ABCMeta):
         request: loraplane.v1.trainer_pb2.GetInfoRequest,
         context: _ServicerContext,
     ) -> typing.Union[loraplane.v1.trainer_pb2.GetInfoResponse, collections.abc.Awaitable[loraplane.v1.trainer_pb2.GetInfoResponse]]: ...
+
+    @abc.abstractmethod
+    def ResolveAdapter(
+        self,
+        request: loraplane.v1.trainer_pb2.ResolveAdapterRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[loraplane.v1.trainer_pb2.ResolveAdapterResponse, collections.abc.Awaitable[loraplane.v1.trainer_pb2.ResolveAdapterResponse]]:
+        """Which trainer serves the adapter. Any trainer answers for its whole fleet (a trainer outside a fleet names
+        itself). A request to a trainer that does not serve the adapter is answered UNAVAILABLE with ErrorInfo reason
+        ADAPTER_MOVED: resolve again and retry the same seq_id at the new address. NOT_FOUND if it is placed nowhere.
+        """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

@@ -1,0 +1,29 @@
+"""The trainer's servicer with the fleet's lookup (ResolveAdapter): protobuf <-> domain conversion only."""
+
+from __future__ import annotations
+
+from loraplane.auth import current_caller
+from loraplane.rpc import map_servicer_errors
+from loraplane.v1 import trainer_pb2
+from trainer_svc.servicer import TrainerServicer
+from trainer_svc.validation import validate_adapter_name
+
+
+@map_servicer_errors
+class FleetTrainerServicer(TrainerServicer):
+    def __init__(self, service, *, trainer_id: str, address: str = ""):
+        super().__init__(service)
+        self.trainer_id = trainer_id
+        # The address clients reach this trainer at (set once the server listens).
+        self.address = address
+
+    async def ResolveAdapter(self, request, context):
+        validate_adapter_name(request.name)
+        current_caller().authorize(request.name)
+        fleet = self.service.fleet
+        if fleet is None:  # a lone trainer serves every adapter it has
+            return trainer_pb2.ResolveAdapterResponse(address=self.address, trainer_id=self.trainer_id,
+                                                      trainer_addresses=[self.address])
+        address, trainer_id, epoch, live = await fleet.resolve(request.name)
+        return trainer_pb2.ResolveAdapterResponse(address=address, trainer_id=trainer_id, epoch=epoch,
+                                                  trainer_addresses=live)
