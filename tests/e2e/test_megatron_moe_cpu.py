@@ -102,16 +102,17 @@ def single_rank(name: str, root: Path) -> dict:
 
     from loraplane.adapter_format import materialize_peft_dir, serialize_adapter
     from loraplane.lora import LoraSpec
-    from loraplane.models import load_base_model
+    from loraplane.models import families, load_base_model
     from tests.e2e.test_megatron_families_cpu import target_logprobs
     from tests.gpu.test_megatron import datums, flat, logprobs_of, make_state, random_adapter
+    from trainer_svc.backends.base import BatchItem
     from trainer_svc.backends.megatron.backend import MegatronBackend
     from trainer_svc.backends.megatron.model import forward_logits
     from trainer_svc.backends.torch_backend import TorchBackend
     from trainer_svc.optimizer import AdamHyper
 
     directory = write_moe_checkpoint(name, root / name)
-    backend = MegatronBackend(str(directory), dtype=torch.float32, device_slots=2)
+    backend = MegatronBackend(str(directory), dtype=torch.float32, device_slots=4)
     engine = backend.engine
     reference = load_base_model(str(directory), device="cpu", dtype=torch.float32)
     shape = engine.spec.shape
@@ -150,6 +151,56 @@ def single_rank(name: str, root: Path) -> dict:
     peft_lp = target_logprobs(PeftModel.from_pretrained(reference.model, str(peft_dir)).eval(), data, "cpu")
     report["peft_max_abs"] = _max_abs(flat(trained_lp), flat(peft_lp))
     report["adapter_effect_max_abs"] = _max_abs(flat(peft_lp), flat(base_lp))
+
+    # LoRA on the routed experts too, in both layouts: the torch backend's logprobs and gradients, the export in
+    # peft; then both fused in one batch with an attention-only adapter, each tenant as it is alone.
+    available = families.lora_targets(reference.model.config)
+    expert_specs = {layout: LoraSpec.create(4, 8.0, [], seed=3, expert_layout=layout, available=available)
+                    for layout in ("per_expert", "shared_outer")}
+    expert_specs["attention"] = LoraSpec.create(2, 4.0, list(ATTENTION), seed=4, available=available)
+    alone = {}
+    for i, (layout, xspec) in enumerate(expert_specs.items()):
+        xparams = random_adapter(reference, xspec, seed=6 + i)
+        xstate = make_state(layout, xspec, xparams, "cpu")
+        lp, _ = logprobs_of(backend, xstate, data, backward=True)
+        (grads,) = backend.driver.call("gather", {"name": layout, "rows": [1]})
+        # For the fused batch at the end: the same parameters with fresh gradients.
+        fresh = make_state(layout, xspec, xparams, "cpu")
+        alone[layout] = (fresh, lp, grads)
+        if layout == "attention":
+            backend.load_training_state(fresh, {k: v.detach() for k, v in fresh.params.items()}, None, None, 0)
+            continue
+        tstate = make_state(layout, xspec, xparams, "cpu")
+        tlp, _ = logprobs_of(torch_backend, tstate, data, backward=True)
+        expert_keys = [k for k in xparams if "experts" in k]
+        tg = flat(tstate.params[k].grad for k in xparams)
+        report[f"{layout}_keys"] = sorted(grads) == sorted(xparams) and len(expert_keys) == 4 * len(
+            engine.spec.shape.moe_layers)
+        report[f"{layout}_lp_max_abs"] = _max_abs(flat(tlp), flat(lp))
+        report[f"{layout}_grad_rel"] = ((flat(grads[k] for k in xparams) - tg).norm() / tg.norm()).item()
+        report[f"{layout}_expert_grad_rel"] = max(
+            ((grads[k] - tstate.params[k].grad).norm() / tstate.params[k].grad.norm()).item() for k in expert_keys)
+        backend.optim_step(xstate, AdamHyper(learning_rate=1e-2))
+        xtrained = backend.export_params(xstate)
+        xlp, _ = logprobs_of(backend, xstate, data)
+        xdir = materialize_peft_dir(serialize_adapter(xtrained, xspec, str(directory)), root / f"{name}-{layout}")
+        # A fresh HF model: peft wraps the model it is given in place.
+        fresh_hf = load_base_model(str(directory), device="cpu", dtype=torch.float32).model
+        xpeft = target_logprobs(PeftModel.from_pretrained(fresh_hf, str(xdir)).eval(), data, "cpu")
+        report[f"{layout}_peft_max_abs"] = _max_abs(flat(xlp), flat(xpeft))
+        report[f"{layout}_expert_effect"] = _max_abs(flat(xlp), flat(base_lp))
+        backend.load_training_state(fresh, {k: v.detach() for k, v in fresh.params.items()}, None, None, 0)
+    items = [BatchItem(st, datums(reference.vocab_size, SEQUENCE_LENGTHS, seed=11), "cross_entropy", {})
+             for st, _, _ in alone.values()]
+    fused = backend.run(items, backward=True)
+    report["fused_modes"] = dict(engine.stats)
+    worst_lp = worst_grad = 0.0
+    for (layout, (st, lp, grads)), result in zip(alone.items(), fused, strict=True):
+        worst_lp = max(worst_lp, _max_abs(flat(torch.tensor(o.logprobs) for o in result.outputs), flat(lp)))
+        (fgrads,) = backend.driver.call("gather", {"name": layout, "rows": [1]})
+        want = flat(grads[k] for k in sorted(grads))
+        worst_grad = max(worst_grad, ((flat(fgrads[k] for k in sorted(grads)) - want).norm() / want.norm()).item())
+    report["fused_lp_max_abs"], report["fused_grad_rel"] = worst_lp, worst_grad
     return report
 
 
@@ -173,7 +224,7 @@ def multi_rank(name: str, root: Path, tp: int, ep: int) -> dict:
     import torch.distributed as dist
 
     from loraplane.lora import LoraSpec
-    from loraplane.models import load_base_model
+    from loraplane.models import families, load_base_model
     from tests.gpu.test_megatron import datums, make_state, random_adapter
     from trainer_svc.backends.base import BatchItem
     from trainer_svc.backends.megatron.backend import MegatronBackend
@@ -207,7 +258,12 @@ def multi_rank(name: str, root: Path, tp: int, ep: int) -> dict:
     if rank != 0:
         driver.follow()
         return report
-    specs = {"a": LoraSpec.create(4, 8.0, list(ATTENTION), seed=1), "b": LoraSpec.create(4, 4.0, ["q_proj"], 2)}
+    # A per-expert adapter on every target and a shared-outer one of another rank on the experts only: per-expert
+    # factors are summed over the ranks holding the same experts, shared ones over every rank.
+    available = families.lora_targets(base.model.config)
+    specs = {"a": LoraSpec.create(4, 8.0, [], seed=1, available=available),
+             "b": LoraSpec.create(2, 4.0, ["q_proj", *families.EXPERT_TARGETS], 2, expert_layout="shared_outer",
+                                  available=available)}
     states = {n: make_state(n, s, random_adapter(base, s, seed=5 + i), "cpu") for i, (n, s) in enumerate(specs.items())}
     results = []
     for batch in ((("a", (11, 7, 5)), ("b", (9, 6))), (("a", (13,)),)):  # the second: one datum, a rank idle
@@ -283,6 +339,32 @@ def test_attention_lora_on_moe_matches_torch_backend_and_peft(measured, name):
     assert m["torch_backend_grad_rel"] <= GRAD_RTOL
     assert m["adapter_effect_max_abs"] > 1e-2
     assert m["peft_max_abs"] <= LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+def test_expert_lora_matches_torch_backend_and_peft(measured, name, layout):
+    """LoRA on the routed experts (and attention) in either layout: the torch backend's logprobs and gradients
+    (every expert factor), the canonical blob's keys, and the exported adapter in peft gives the trained logprobs."""
+    m = measured[name]
+    assert "failed" not in m, m.get("failed")
+    assert m[f"{layout}_keys"] is True
+    assert m[f"{layout}_lp_max_abs"] <= LOGPROB_ATOL
+    assert m[f"{layout}_grad_rel"] <= GRAD_RTOL
+    assert m[f"{layout}_expert_grad_rel"] <= GRAD_RTOL
+    assert m[f"{layout}_expert_effect"] > 1e-2
+    assert m[f"{layout}_peft_max_abs"] <= LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_expert_tenants_each_get_what_they_get_alone(measured, name):
+    """A per-expert, a shared-outer (different rank) and an attention-only adapter in one batch: the expert rows
+    of each tenant x expert run as their own segment of the grouped GEMMs, so each tenant's logprobs and
+    gradients are those of its batch alone."""
+    m = measured[name]
+    assert "failed" not in m, m.get("failed")
+    assert m["fused_lp_max_abs"] <= 1e-5
+    assert m["fused_grad_rel"] <= 1e-5
 
 
 @pytest.mark.parametrize("tp", [1, 2])

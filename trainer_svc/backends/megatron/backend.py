@@ -33,12 +33,13 @@ CONTROL_TIMEOUT = timedelta(days=365)  # follower ranks wait for work indefinite
 
 
 def _spec_json(spec: LoraSpec) -> dict:
-    return {"rank": spec.rank, "alpha": spec.effective_alpha, "targets": list(spec.target_modules), "seed": spec.seed}
+    return {"rank": spec.rank, "alpha": spec.effective_alpha, "targets": list(spec.target_modules), "seed": spec.seed,
+            "expert_layout": spec.expert_layout}
 
 
 def _spec_from(d: dict) -> LoraSpec:
     return LoraSpec(rank=int(d["rank"]), alpha=float(d["alpha"]), target_modules=tuple(d["targets"]),
-                    seed=int(d["seed"]))
+                    seed=int(d["seed"]), expert_layout=d["expert_layout"])
 
 
 class Driver:

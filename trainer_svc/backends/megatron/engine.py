@@ -10,8 +10,12 @@ to ``device_slots`` adapters also have a device copy (resident). Activating a re
 spilled one is one host→device copy of the whole buffer on a side stream (``prefetch`` starts it early, the compute
 stream waits on its event), and the least recently used resident adapter is copied back and dropped.
 
-Within the flat buffer the tensors that are sharded over tensor-parallel ranks come first, so the global gradient
-norm is ``all_reduce(Σ sharded²) + Σ replicated²``.
+Within the flat buffer the tensors that are sharded over tensor-parallel ranks come first, then the dense
+replicated ones, then (adapters that train the routed experts of an MoE model) the per-expert factors, sharded over
+expert-parallel ranks, then the expert factors shared by a layer's experts; so the global gradient norm is
+``all_reduce_TP(Σ tp-sharded²) + Σ dense replicated² + all_reduce_EP(Σ per-expert²) + Σ shared²``, and the
+gradients of a data-parallel batch are summed over the data-parallel group (dense part), over the ranks holding
+the same experts (per-expert part) and over every rank (shared expert factors).
 """
 
 from __future__ import annotations
@@ -26,12 +30,19 @@ import torch.distributed as dist
 from torch.optim.adamw import adamw as adamw_update
 
 from loraplane.errors import InvalidArgument, NotFound
-from loraplane.lora import LoraSpec, init_lora_params, peft_key
+from loraplane.lora import LoraSpec, expected_shapes, init_lora_params, peft_key
 from trainer_svc import losses as loss_lib
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 
-from .layout import LlamaShape, chunk_for_rank
-from .lora import AdapterTensors, LoraClass, MegatronLora, RowSegment, lora_classes
+from .layout import (
+    EXPERT_TARGETS,
+    LlamaShape,
+    chunk_for_rank,
+    expert_factor_shared,
+    expert_lora_from_stacked,
+    expert_lora_to_stacked,
+)
+from .lora import AdapterTensors, LoraClass, MegatronLora, RowSegment, expert_lora_classes, lora_classes
 from .model import build_from_hf, forward_logits, target_logprobs
 from .recompute import LayerRecompute
 
@@ -44,13 +55,15 @@ class FlatEntry:
     layer: int
     target: str
     which: str  # "A" | "B"
-    shape: tuple[int, int]  # as stored on this rank: A's shard [r, in], or B's shard transposed [r, out]
+    shape: tuple[int, ...]  # as stored on this rank: A's shard [r, in], or B's shard transposed [r, out]; experts:
+    # [G, r, dim] (this rank's experts, or 1 shared)
     offset: int
     sharded: bool
+    ep_sharded: bool = False
 
     @property
     def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
+        return math.prod(self.shape)
 
 
 @dataclass
@@ -60,11 +73,14 @@ class FlatLayout:
     rank: int
     numel: int
     sharded_numel: int  # the sharded classes come first and occupy [0, sharded_numel)
+    dense_numel: int = 0  # [0, dense_numel): the dense classes; then the expert classes
+    ep_numel: int = 0  # [dense_numel, ep_numel): per-expert factors (EP-sharded); [ep_numel, numel): shared
 
 
-def flat_layout(shape: LlamaShape, rank: int, tp: int) -> FlatLayout:
+def flat_layout(shape: LlamaShape, rank: int, tp: int, experts: str | None = None, ep: int = 1) -> FlatLayout:
     """This rank's flat layout of a rank-``rank`` adapter: every class of :func:`.lora.lora_classes` (all seven
-    projections, so adapters with different targets stack in one batch; untargeted ones stay zero), in order."""
+    projections, so adapters with different targets stack in one batch; untargeted ones stay zero), in order;
+    with ``experts`` (an expert layout) the expert classes of :func:`.lora.expert_lora_classes` after them."""
     classes, entries, offset, sharded_numel = [], [], 0, 0
     layers = shape.num_layers
     for c in lora_classes(shape, tp):
@@ -80,7 +96,18 @@ def flat_layout(shape: LlamaShape, rank: int, tp: int) -> FlatLayout:
         offset += layers * groups * rank * c.dim
         if c.sharded:
             sharded_numel = offset
-    return FlatLayout(classes, entries, rank, offset, sharded_numel)
+    dense_numel = ep_numel = offset
+    for c in expert_lora_classes(shape, experts, ep) if experts else ():
+        classes.append((c, offset))
+        target = c.targets[0]
+        for k, layer in enumerate(shape.moe_layers):
+            at = offset + k * c.groups * rank * c.dim
+            entries.append(FlatEntry(peft_key(layer, target, c.which), layer, target, c.which,
+                                     (c.groups, rank, c.dim), at, False, c.ep_sharded))
+        offset += c.layers * c.groups * rank * c.dim
+        if c.groups > 1:
+            ep_numel = offset
+    return FlatLayout(classes, entries, rank, offset, sharded_numel, dense_numel, ep_numel)
 
 
 @dataclass
@@ -117,7 +144,7 @@ class BatchResult:
 class Engine:
     def __init__(self, base, *, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
                  lora_compute_dtype: torch.dtype | None = None, data_parallel_size: int | None = None,
-                 attention: str = "sdpa", recompute: str = "auto"):
+                 attention: str = "sdpa", recompute: str = "auto", expert_lora_slots: int = 8):
         """``lora_compute_dtype``: dtype of the LoRA matmuls (None = the model's dtype, as megatron's own adapters
         do; the fp32 masters and their gradients stay fp32 either way). ``attention``: ``sdpa`` (fused, no s^2
         scores; :mod:`.attention`) or ``unfused`` (megatron's DotProductAttention). ``recompute``: ``auto`` (as
@@ -136,9 +163,17 @@ class Engine:
         # Expert parallelism: the EP ranks are data-parallel ranks whose MoE layers exchange tokens, so every one of
         # them runs every forward and backward, with or without datums of its own (:meth:`run_batch`).
         self.ep = ps.get_expert_model_parallel_world_size()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group() if self.ep > 1 else None
+        # The ranks that hold the same experts (their per-expert LoRA gradients are summed over them).
+        self.edp = ps.get_expert_data_parallel_world_size()
+        self.edp_rank = ps.get_expert_data_parallel_rank()
+        self.edp_group = ps.get_expert_data_parallel_group() if self.edp > 1 else None
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
         if data_parallel_size is not None and data_parallel_size != self.dp:
             raise ValueError(f"data_parallel_size={data_parallel_size} but the job has {self.dp} data-parallel ranks")
-        self.model, self.spec = build_from_hf(base.model, dtype, self.device, attention)
+        self.model, self.spec = build_from_hf(base.model, dtype, self.device, attention,
+                                              expert_lora_slots=expert_lora_slots)
         self.shape = self.spec.shape
         self.lora = MegatronLora(self.model, self.shape, compute_dtype=lora_compute_dtype or dtype)
         self.recompute = LayerRecompute(self.model, self.lora, self.shape, self.tp, dtype, recompute)
@@ -152,15 +187,12 @@ class Engine:
     # -- adapters -------------------------------------------------------------------------------------------------
 
     def full_shapes(self, spec: LoraSpec) -> dict[str, tuple[int, int]]:
-        shapes = {}
-        for layer in range(self.shape.num_layers):
-            for target in spec.target_modules:
-                if not self.shape.has_target(layer, target):
-                    continue
-                i, o = self.shape.in_features(target), self.shape.out_features(target)
-                shapes[peft_key(layer, target, "A")] = (spec.rank, i)
-                shapes[peft_key(layer, target, "B")] = (o, spec.rank)
-        return shapes
+        """PEFT key -> full shape of the adapter's tensors (the canonical blob's, shared with every backend)."""
+        return expected_shapes(self.base, spec)
+
+    def _layout(self, spec: LoraSpec) -> FlatLayout:
+        experts = spec.expert_layout if spec.has_experts and self.shape.moe_layers else None
+        return flat_layout(self.shape, spec.rank, self.tp, experts, self.ep)
 
     def create(self, name: str, spec: LoraSpec) -> int:
         """Fresh adapter from its seed (the same A as every backend draws); returns the full parameter count."""
@@ -169,7 +201,7 @@ class Engine:
         return sum(t.numel() for t in params.values())
 
     def _install(self, name, spec, params, exp_avg, exp_avg_sq, step) -> None:
-        layout = flat_layout(self.shape, spec.rank, self.tp)
+        layout = self._layout(spec)
         host = torch.zeros(ROWS, layout.numel, dtype=torch.float32, pin_memory=self.pin)
         for e in layout.entries:
             if e.target not in spec.target_modules:
@@ -177,15 +209,19 @@ class Engine:
             for row, source in ((0, params), (2, exp_avg), (3, exp_avg_sq)):
                 if source is None:
                     continue
-                host[row, e.offset : e.offset + e.numel].view(e.shape).copy_(self._stored(e, source[e.key]))
+                host[row, e.offset : e.offset + e.numel].view(e.shape).copy_(self._stored(e, source[e.key], spec))
         old = self.slots.pop(name, None)
         if old is not None:
             self.resident.pop(name, None)
         self.slots[name] = Slot(name=name, spec=spec, layout=layout, host=host, step=int(step))
 
-    def _stored(self, e: FlatEntry, full: torch.Tensor) -> torch.Tensor:
+    def _stored(self, e: FlatEntry, full: torch.Tensor, spec: LoraSpec) -> torch.Tensor:
         """A full PEFT tensor → this rank's stored form (its shard; B transposed)."""
         full = full.detach().to("cpu", torch.float32)
+        if e.target in EXPERT_TARGETS:
+            shared = expert_factor_shared(e.target, e.which, spec.expert_layout)
+            stacked = expert_lora_to_stacked(e.which, full, e.shape[1], shared)
+            return chunk_for_rank(stacked, self.ep, self.ep_rank, 0) if e.ep_sharded else stacked
         if e.sharded:
             # Column-parallel B keeps a row chunk; row-parallel A keeps a column chunk (layout.lora_shard).
             full = chunk_for_rank(full, self.tp, self.tp_rank, 0 if e.which == "B" else 1)
@@ -280,10 +316,12 @@ class Engine:
             params, grads, layers, r = s.device[0], s.device[1], self.shape.num_layers, s.layout.rank
             p, g = {}, {}
             for c, offset in s.layout.classes:
-                size = layers * len(c.targets) * r * c.dim
-                p[c.name] = params[offset : offset + size].view(layers, len(c.targets), r, c.dim)
-                g[c.name] = grads[offset : offset + size].view(layers, len(c.targets), r, c.dim)
-            s.tensors = AdapterTensors(p, g, r, s.spec.scale)
+                block = c.block_shape(layers, r)
+                size = math.prod(block)
+                p[c.name] = params[offset : offset + size].view(block)
+                g[c.name] = grads[offset : offset + size].view(block)
+            experts = s.spec.expert_layout if s.layout.numel > s.layout.dense_numel else None
+            s.tensors = AdapterTensors(p, g, r, s.spec.scale, experts)
         return s.tensors
 
     def sync_host(self, s: Slot) -> torch.Tensor:
@@ -311,12 +349,14 @@ class Engine:
         """
         names = [d.adapter for d in datums]
         slots = {s.name: s for s in self.activate(names)}
-        if backward and self.dp > 1 and self.dp_rank != 0:
-            # Every DP rank holds the same already-reduced sum of earlier batches; keep it on DP rank 0 only, so
-            # the all-reduce below adds this batch's gradients to it exactly once.
+        if backward:
+            # Every rank of a reduction group holds the same already-reduced sum of earlier batches; keep it on one
+            # rank of the group only, so the all-reduce below adds this batch's gradients to it exactly once.
             for s in slots.values():
                 if s.has_grads:
-                    s.device[1].zero_()
+                    for part, group_rank in self._grad_parts(s):
+                        if group_rank != 0:
+                            part.zero_()
         n = len(datums)
         mine = list(range(self.dp_rank, n, self.dp))
         # My datums back to back in one packed row, grouped by adapter so that each adapter's tokens are one
@@ -387,8 +427,8 @@ class Engine:
                 routing.accumulate_grads()
         if backward:
             for name, s in slots.items():
-                if self.dp > 1:
-                    dist.all_reduce(s.device[1], group=self.dp_group)
+                for part, group in self._grad_groups(s):
+                    dist.all_reduce(part, group=group)
                 s.host_valid = False
                 s.has_grads = True
         if self.dp > 1:
@@ -401,16 +441,40 @@ class Engine:
             loss_sum_by_adapter={name: float(v) for name, v in zip(slots, loss_by_adapter.cpu().tolist())},
         )
 
+    def _grad_regions(self, s: Slot) -> list[tuple[torch.Tensor, int, object, int]]:
+        """(gradient region, reduction group size, group, this rank's index in it): the dense classes over the
+        data-parallel group, per-expert factors over the ranks holding the same experts, shared expert factors
+        over every rank (each holds a partial sum over its experts and tokens)."""
+        g, lay = s.device[1], s.layout
+        regions = [(g[: lay.dense_numel], self.dp, self.dp_group, self.dp_rank)]
+        if lay.numel > lay.dense_numel:
+            regions.append((g[lay.dense_numel : lay.ep_numel], self.edp, self.edp_group, self.edp_rank))
+            regions.append((g[lay.ep_numel :], self.world, None, dist.get_rank() if self.world > 1 else 0))
+        return [r for r in regions if r[0].numel()]
+
+    def _grad_parts(self, s: Slot):
+        return [(part, index) for part, size, _, index in self._grad_regions(s) if size > 1]
+
+    def _grad_groups(self, s: Slot):
+        return [(part, group) for part, size, group, _ in self._grad_regions(s) if size > 1]
+
     # -- optimizer -----------------------------------------------------------------------------------------------
 
     def grad_norm(self, s: Slot) -> torch.Tensor:
         g = s.device[1]
-        k = s.layout.sharded_numel
-        # Accumulated in float64 inside the reduction (no float64 copy of the gradients).
-        sharded = torch.linalg.vector_norm(g[:k], dtype=torch.float64) ** 2
+        lay = s.layout
+        k = lay.sharded_numel
+
+        def sq(t):  # accumulated in float64 inside the reduction (no float64 copy of the gradients)
+            return torch.linalg.vector_norm(t, dtype=torch.float64) ** 2
+
+        sharded = sq(g[:k])
         if self.tp > 1:
             dist.all_reduce(sharded, group=self.tp_group)
-        return torch.sqrt(sharded + torch.linalg.vector_norm(g[k:], dtype=torch.float64) ** 2)
+        experts = sq(g[lay.dense_numel : lay.ep_numel])
+        if self.ep > 1 and lay.ep_numel > lay.dense_numel:
+            dist.all_reduce(experts, group=self.ep_group)
+        return torch.sqrt(sharded + sq(g[k : lay.dense_numel]) + experts + sq(g[lay.ep_numel :]))
 
     def optim_step(self, name: str, hyper: AdamHyper) -> StepOutcome:
         """``torch.optim.AdamW`` on this rank's flat shard with the request's hyper-parameters; the clip uses the
@@ -456,14 +520,25 @@ class Engine:
             dist.all_gather(parts, local.contiguous(), group=self.tp_group)
         else:
             parts = [local]
+        ep_parts = [local]
+        if self.ep > 1 and s.layout.ep_numel > s.layout.dense_numel:
+            ep_parts = [torch.empty_like(local) for _ in range(self.ep)]
+            dist.all_gather(ep_parts, local.contiguous(), group=self.ep_group)
         if self.tp_rank != 0:
             return None
         parts = [p.cpu() for p in parts]
+        ep_parts = [p.cpu() for p in ep_parts]
         out = []
         for r in range(len(rows)):
             full = {}
             for e in s.layout.entries:
                 if e.target not in s.spec.target_modules:
+                    continue
+                if e.target in EXPERT_TARGETS:
+                    blocks = [p[r, e.offset : e.offset + e.numel].view(e.shape)
+                              for p in (ep_parts if e.ep_sharded else ep_parts[:1])]
+                    full[e.key] = expert_lora_from_stacked(e.which, torch.cat(blocks, 0),
+                                                           expert_factor_shared(e.target, e.which, s.spec.expert_layout))
                     continue
                 shards = [p[r, e.offset : e.offset + e.numel].view(e.shape) for p in parts]
                 if e.which == "B":

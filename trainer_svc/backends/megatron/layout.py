@@ -73,8 +73,10 @@ class LlamaShape:
         return layer in self.moe_layers
 
     def has_target(self, layer: int, target: str) -> bool:
-        """Whether ``layer`` has the dense projection ``target`` (an MoE layer's MLP is its experts instead)."""
-        return target in ATTENTION_TARGETS or layer not in self.moe_layers
+        """Whether ``layer`` offers the dense projection ``target`` as a LoRA target: an MoE model's MLP targets
+        are its experts (loraplane.models.families.lora_targets: not even its dense layers offer gate/up/down,
+        which HF PEFT would rewrite into the experts' target_parameters)."""
+        return target in ATTENTION_TARGETS or not self.moe_layers
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
@@ -395,3 +397,41 @@ def place_gate_up_delta(
     dgate = dgate if dgate is not None else like.new_zeros(*lead, ffn_local)
     dup = dup if dup is not None else like.new_zeros(*lead, ffn_local)
     return fuse_gate_up(dgate, dup, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Expert LoRA (Qwen3-MoE routed experts)
+# --------------------------------------------------------------------------------------------------------------
+#
+# The canonical blob holds an expert target in HF PEFT's ``target_parameters`` layout (loraplane.lora
+# .expert_shapes): A ``[r * E, in]`` with expert e's rows at ``[e r, (e + 1) r)``, B ``[out, r * E]`` with expert
+# e's column j at ``j E + e``; in the shared-outer layout gate_up's A is one ``[r, in]`` and down's B one
+# ``[out, r]``, shared by the layer's experts. The megatron backend stores each as ``[G, r, dim]`` (G = experts, or
+# 1 for a shared factor; B transposed, as the dense classes store B^T), and under expert parallelism a rank keeps
+# its contiguous block of E / EP experts (shared factors are replicated).
+
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def expert_factor_shared(target: str, which: str, layout: str) -> bool:
+    """Whether ``target``'s ``which`` factor is one tensor shared by a layer's experts (the shared-outer layout)."""
+    return layout == "shared_outer" and (target, which) in (("experts.gate_up_proj", "A"),
+                                                            ("experts.down_proj", "B"))
+
+
+def expert_lora_to_stacked(which: str, full: torch.Tensor, rank: int, shared: bool) -> torch.Tensor:
+    """A PEFT expert factor → ``[G, r, dim]`` (A as it is per expert, B transposed)."""
+    if which == "A":
+        return full.reshape(-1, rank, full.shape[1])
+    if shared:
+        return full.t().unsqueeze(0)
+    return full.view(full.shape[0], rank, -1).permute(2, 1, 0)
+
+
+def expert_lora_from_stacked(which: str, stacked: torch.Tensor, shared: bool) -> torch.Tensor:
+    """Inverse of :func:`expert_lora_to_stacked`."""
+    if which == "A":
+        return stacked.reshape(-1, stacked.shape[2])
+    if shared:
+        return stacked[0].t()
+    return stacked.permute(2, 1, 0).reshape(stacked.shape[2], -1)

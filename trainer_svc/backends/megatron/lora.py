@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .layout import LlamaShape, fuse_gate_up, interleave_qkv, split_gate_up, split_qkv
+from .layout import LlamaShape, expert_factor_shared, fuse_gate_up, interleave_qkv, split_gate_up, split_qkv
 
 HOOK_TARGETS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -75,6 +75,15 @@ class LoraClass:
     which: str  # "A" (rows = rank, cols = in features) or "B" (stored as B^T: rows = rank, cols = out features)
     dim: int  # this rank's share of the feature dimension
     sharded: bool  # differs between TP ranks (counted once per rank in the global gradient norm)
+    # Expert classes (Qwen3-MoE): one [L_moe, G, r, dim] block over the MoE layers only, G = this rank's experts
+    # (ep_sharded: a different block of experts on every EP rank) or 1 (a factor the layer's experts share).
+    layers: int = 0  # 0: every decoder layer
+    groups: int = 0  # 0: len(targets)
+    ep_sharded: bool = False
+    expert: bool = False
+
+    def block_shape(self, num_layers: int, rank: int) -> tuple[int, int, int, int]:
+        return (self.layers or num_layers, self.groups or len(self.targets), rank, self.dim)
 
 
 def a_class_name(hook: str) -> str:
@@ -99,15 +108,31 @@ def lora_classes(shape: LlamaShape, tp: int) -> list[LoraClass]:
     return sorted(out, key=lambda c: not c.sharded)  # stable
 
 
+def expert_lora_classes(shape: LlamaShape, layout: str, ep: int) -> list[LoraClass]:
+    """The expert classes of an adapter that trains the routed experts in ``layout`` (per_expert or
+    shared_outer): per-expert factors first (EP-sharded), then the shared ones (replicated)."""
+    local = shape.num_experts // ep
+    ffn, hidden = shape.moe_ffn_hidden_size, shape.hidden_size
+    dims = {("experts.gate_up_proj", "A"): hidden, ("experts.gate_up_proj", "B"): 2 * ffn,
+            ("experts.down_proj", "A"): ffn, ("experts.down_proj", "B"): hidden}
+    out = []
+    for (target, which), dim in dims.items():
+        shared = expert_factor_shared(target, which, layout)
+        out.append(LoraClass(f"{target}.{which}", target, (target,), which, dim, False, layers=len(shape.moe_layers),
+                             groups=1 if shared else local, ep_sharded=ep > 1 and not shared, expert=True))
+    return sorted(out, key=lambda c: c.groups == 1 and local > 1)  # stable: per-expert first
+
+
 @dataclass(eq=False)
 class AdapterTensors:
     """One resident adapter on this rank: per class, its params and grads ``[L, G, r, dim]`` (views of its
-    buffer), its rank and scale."""
+    buffer), its rank and scale; ``experts``: its expert layout when it trains the routed experts."""
 
     params: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
     rank: int
     scale: float
+    experts: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,12 +164,26 @@ class MegatronLora:
         self.compute_dtype = compute_dtype
         self.groups_local = shape.num_kv_heads // self.tp
         self.classes = lora_classes(shape, self.tp)
+        # Expert LoRA (MoE models): how many adapters with expert targets one batch may fuse, this rank's experts,
+        # and each MoE layer's index among the MoE layers (the expert classes' first dimension).
+        self.expert_slots = 0
+        self.ep = 1
+        if model is not None and shape.moe_layers:
+            from megatron.core import parallel_state
+
+            self.ep = parallel_state.get_expert_model_parallel_world_size()
+        self.local_experts = shape.num_experts // self.ep if shape.moe_layers else 0
+        self.moe_position = {layer: k for k, layer in enumerate(shape.moe_layers)}
         for i, layer in enumerate(model.decoder.layers if model is not None else ()):
             attn, mlp = layer.self_attention, layer.mlp
             attn.linear_qkv.register_forward_hook(self._hook(i, "qkv"))
             attn.linear_proj.register_forward_hook(self._hook(i, "o_proj"))
             if shape.is_moe(i):
-                continue  # no dense MLP: the experts (.moe.GroupedExperts)
+                # No dense MLP: the experts call expert_hook, the router asks which adapter slot each token is in.
+                mlp.experts.lora = self
+                mlp.router.token_slots = self._token_slots
+                self.expert_slots = mlp.router.slots - 1
+                continue
             mlp.linear_fc1.register_forward_hook(self._hook(i, "fc1"))
             mlp.linear_fc2.register_forward_hook(self._hook(i, "down_proj"))
 
@@ -190,6 +229,21 @@ class MegatronLora:
             return _HookAddInPlace.apply(inputs[0], out, routing.anchor, (routing, layer, hook)), bias
 
         return run
+
+    def _token_slots(self) -> torch.Tensor | None:
+        routing = getattr(_local, "routing", None)
+        return None if routing is None or not routing.expert_members else routing.token_slots()
+
+    def expert_hook(self, target: str, layer: int, x: torch.Tensor, out: torch.Tensor, route) -> torch.Tensor:
+        """Adds the routed adapters' expert LoRA to the output ``out`` of the expert GEMM of ``target`` (rows sorted
+        by expert, then adapter slot: :class:`.moe.ExpertRoute`)."""
+        routing = getattr(_local, "routing", None)
+        if routing is None or not routing.expert_members:
+            return out
+        return _ExpertLoraAdd.apply(x, out, routing.anchor, (routing, self.moe_position[layer], target, route))
+
+    def expert_classes(self, layout: str) -> list[LoraClass]:
+        return expert_lora_classes(self.shape, layout, self.ep)
 
     def grouped_layout_ok(self, rank: int, dtype: torch.dtype) -> bool:
         """Whether every operand of the grouped products has 16-byte aligned strides and column offsets (what
@@ -251,6 +305,15 @@ class BatchRouting:
         self.grouped = False
         self.end = rows  # rows [end, rows) get no adapter (grouped mode only: elsewhere the mask zeroes them)
         self._masks: dict[int, torch.Tensor] = {}
+        # The adapters that train the routed experts, in batch slot order (slot j: the j-th of them).
+        self.expert_members = [s for s in members if s.adapter.experts]
+        if len(self.expert_members) > lora.expert_slots:
+            raise ValueError(f"{len(self.expert_members)} adapters with expert LoRA in one batch; the model has "
+                             f"{lora.expert_slots} expert adapter slots")
+        self._token_slots: torch.Tensor | None = None
+        # Every TP rank dispatches the same tokens to the experts (experts are not split by TP), so each expert
+        # row is computed once per TP rank: each copy contributes 1/TP of the expert LoRA gradients.
+        self.expert_grad_scale = 1.0 / lora.tp
         if not members:
             return
         cd = lora.compute_dtype
@@ -305,6 +368,49 @@ class BatchRouting:
                 stacked = stacked * scales.view(n, 1, 1, 1, 1)
             self.weights[c.name] = stacked if stacked.dtype == cd else stacked.to(cd)
             self.grads[c.name] = torch.zeros(stacked.shape, dtype=torch.float32, device=device)
+
+    # -- expert LoRA: tenant x expert segments ------------------------------------------------------------------
+
+    def token_slots(self) -> torch.Tensor:
+        """``[rows]`` adapter slot of each token row (the expert adapters' order; ``expert_slots``: none)."""
+        if self._token_slots is None:
+            slots = torch.full((self.rows,), self.lora.expert_slots, dtype=torch.int64)
+            for j, seg in enumerate(self.expert_members):
+                slots[seg.start : seg.end] = j
+            self._token_slots = slots.to(self._device, non_blocking=True)
+        return self._token_slots
+
+    def expert_stack(self, target: str, which: str, position: int) -> torch.Tensor:
+        """``[local experts * slots, r_max, dim]`` in the compute dtype: group ``e * slots + j`` holds expert
+        ``e``'s factor of the adapter in slot ``j`` (a shared factor repeated per expert; B transposed and times
+        the adapter's scale; ranks below ``r_max`` zero-padded, which adds exact zeros), the no-adapter slot
+        zeros. Built per use rather than kept for the backward: a rank-32 per-expert adapter of Qwen3-30B-A3B is
+        ~26M values per layer."""
+        name = f"{target}.{which}"
+        slots = self.lora.expert_slots + 1
+        r_max = max(s.adapter.rank for s in self.expert_members)
+        first = self.expert_members[0].adapter.params[name]
+        stack = torch.zeros((self.lora.local_experts, slots, r_max, first.shape[-1]), dtype=self.lora.compute_dtype,
+                            device=first.device)
+        for j, seg in enumerate(self.expert_members):
+            a = seg.adapter
+            t = a.params[name][position]  # [G, r, dim]
+            stack[:, j, : a.rank].copy_(t * a.scale if which == "B" else t)
+        return stack.view(-1, r_max, stack.shape[-1])
+
+    def add_expert_grad(self, target: str, which: str, position: int, grad: torch.Tensor) -> None:
+        """Adds the gradient of :meth:`expert_stack`'s tensor into each expert adapter's own (unscaled B; a
+        shared factor gets the sum over this rank's experts)."""
+        name = f"{target}.{which}"
+        grad = grad.view(self.lora.local_experts, self.lora.expert_slots + 1, grad.shape[-2], grad.shape[-1])
+        for j, seg in enumerate(self.expert_members):
+            a = seg.adapter
+            g = grad[:, j, : a.rank].float()
+            factor = self.expert_grad_scale * (a.scale if which == "B" else 1.0)
+            sink = a.grads[name][position]
+            if sink.shape[0] == 1 and g.shape[0] > 1:
+                g = g.sum(0, keepdim=True)
+            sink.add_(g, alpha=factor) if factor != 1.0 else sink.add_(g)
 
     @property
     def mode(self) -> str:
@@ -520,3 +626,58 @@ class _HookAddInPlace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _lora_backward(ctx, g), g, None, None
+
+
+class _ExpertLoraAdd(torch.autograd.Function):
+    """Adds ``scale * B_e (A_e x)`` of each row's adapter and expert into the expert GEMM's output in place: rows
+    sorted by expert then adapter slot, so each tenant x expert segment is one group of two grouped GEMMs
+    (:func:`.moe.segment_mm`), forward and backward, whatever mix of tenants the batch fuses. The output's gradient
+    passes through; the A and B gradients land in each adapter's sinks (:meth:`BatchRouting.add_expert_grad`)."""
+
+    @staticmethod
+    def forward(ctx, x, out, anchor, plan):
+        from .moe import segment_mm
+
+        routing, position, target, route = plan
+        cd = routing.lora.compute_dtype
+        xc = x if x.dtype == cd else x.to(cd)
+        offs, counts = route.slot_offs, _lora_counts(route, routing, target)
+        mid = segment_mm(xc, routing.expert_stack(target, "A", position).transpose(1, 2), offs, counts)
+        out.add_(segment_mm(mid, routing.expert_stack(target, "B", position), offs, counts).to(out.dtype))
+        ctx.save_for_backward(xc, mid)
+        ctx.plan = plan
+        ctx.counts = counts
+        ctx.x_dtype = x.dtype
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        from .moe import segment_mm, segment_outer
+
+        routing, position, target, route = ctx.plan
+        xc, mid = ctx.saved_tensors
+        cd = routing.lora.compute_dtype
+        gc = (g if g.dtype == cd else g.to(cd)).contiguous()
+        offs, counts = route.slot_offs, ctx.counts
+        bt = routing.expert_stack(target, "B", position)
+        routing.add_expert_grad(target, "B", position, segment_outer(mid, gc, offs, counts))
+        g_mid = segment_mm(gc, bt.transpose(1, 2), offs, counts)
+        routing.add_expert_grad(target, "A", position, segment_outer(g_mid, xc, offs, counts))
+        g_x = None
+        if ctx.needs_input_grad[0]:
+            g_x = segment_mm(g_mid, routing.expert_stack(target, "A", position), offs, counts).to(ctx.x_dtype)
+        return g_x, g, None, None
+
+
+def _lora_counts(route, routing, target: str) -> list[int] | None:
+    """Host counts of the tenant x expert segments, or None where the grouped kernel runs the LoRA GEMMs (its
+    16-byte stride alignment holds for the rank and feature dims)."""
+    lora = routing.lora
+    unit = max(1, 16 // torch.empty((), dtype=lora.compute_dtype).element_size())
+    r_max = max(s.adapter.rank for s in routing.expert_members)
+    dims = (lora.shape.hidden_size, 2 * lora.shape.moe_ffn_hidden_size, lora.shape.moe_ffn_hidden_size, r_max)
+    if (route.slot_counts is None and grouped_mm_supported(routing._device, lora.compute_dtype)
+            and all(d % unit == 0 for d in dims)):
+        return None
+    return route.host_slot_counts()

@@ -149,8 +149,11 @@ def init_parallel(tensor_parallel_size: int = 1, seed: int = 1234, expert_parall
 ATTENTION_KINDS = ("sdpa", "unfused")
 
 
-def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.device, attention: str = "sdpa"):
-    """An empty megatron GPTModel of this shape (weights come from :func:`load_hf_weights`)."""
+def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.device, attention: str = "sdpa",
+                    expert_lora_slots: int = 0):
+    """An empty megatron GPTModel of this shape (weights come from :func:`load_hf_weights`). An MoE model routes
+    through ``expert_lora_slots + 1`` adapter slots per expert (:class:`.moe.SlotRouter`): how many adapters with
+    expert LoRA one batch may fuse."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -161,7 +164,7 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
     moe = {}
     if s.moe_layers:
         moe = moe_config_fields(s.num_experts, spec.moe_top_k, s.moe_ffn_hidden_size, spec.norm_topk_prob,
-                                _ep_size())
+                                _ep_size(), slots=expert_lora_slots + 1)
     config = TransformerConfig(
         **moe,
         num_layers=s.num_layers,
@@ -194,6 +197,7 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         gradient_accumulation_fusion=False,
         sequence_parallel=False,
     )
+    config.loraplane_expert_slots = expert_lora_slots + 1 if s.moe_layers else 1
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: one of {ATTENTION_KINDS}")
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
@@ -274,12 +278,13 @@ def load_hf_weights(model, hf_state_dict: dict[str, torch.Tensor], spec: Megatro
         p.requires_grad_(False)
 
 
-def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device, attention: str = "sdpa"):
+def build_from_hf(hf_model, dtype: torch.dtype, device: torch.device, attention: str = "sdpa",
+                  expert_lora_slots: int = 0):
     """(GPTModel with the HF model's weights, spec)."""
     spec = spec_from_hf_config(hf_model.config)
     spec.shape.check_tensor_parallel(_tp_size())
     spec.shape.check_expert_parallel(_ep_size())
-    model = build_gpt_model(spec, dtype, device, attention)
+    model = build_gpt_model(spec, dtype, device, attention, expert_lora_slots)
     load_hf_weights(model, {k: v.detach() for k, v in hf_model.state_dict().items()}, spec)
     model.eval()  # dropout is 0 anyway; eval keeps any train-only paths off
     return model, spec

@@ -29,77 +29,103 @@ import torch.nn.functional as F
 from .lora import grouped_mm_supported
 
 
-def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
-    """``x[rows of expert e] @ w[e]^T`` for every expert: ``x[N, in]`` sorted by expert, ``w[E, out, in]``,
-    ``offs`` the int32 cumulative row ends; ``counts`` (host) for the loop path, None on the grouped one."""
+def segment_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """``x[rows of group g] @ w[g]`` for ``x[N, k]`` sorted by group, ``w[G, k, n]``: one grouped GEMM, or a loop
+    over the groups' host ``counts`` where the kernel does not run."""
     if x.shape[0] == 0:
-        return x.new_zeros(0, w.shape[1])
+        return x.new_zeros(0, w.shape[2])
     if counts is None:
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-    return torch.cat([part @ w[e].t() for e, part in enumerate(x.split(counts))])
+        return torch._grouped_mm(x, w, offs=offs)
+    return torch.cat([part @ w[g] for g, part in enumerate(x.split(counts))])
 
 
-def expert_mm_t(g: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
-    """``g[rows of expert e] @ w[e]``: the input gradient of :func:`expert_mm`."""
-    if g.shape[0] == 0:
-        return g.new_zeros(0, w.shape[2])
+def segment_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """``a[rows of g]^T @ b[rows of g]`` per group: ``[G, a_cols, b_cols]`` (the weight gradients of
+    :func:`segment_mm`; a group without rows gets zeros)."""
+    groups = offs.shape[0]
+    if a.shape[0] == 0:
+        return a.new_zeros(groups, a.shape[1], b.shape[1])
     if counts is None:
-        return torch._grouped_mm(g, w, offs=offs)
-    return torch.cat([part @ w[e] for e, part in enumerate(g.split(counts))])
+        return torch._grouped_mm(a.t(), b, offs=offs)
+    return torch.stack([pa.t() @ pb for pa, pb in zip(a.split(counts), b.split(counts))])
 
 
 class _ExpertLinear(torch.autograd.Function):
-    """:func:`expert_mm` with a frozen weight: the backward computes only the input gradient (the base experts
-    never get weight gradients; torch's own ``_grouped_mm`` backward also fails on CPU for broadcast gradients)."""
+    """``x[rows of expert e] @ w[e]^T`` (``w[E, out, in]``) with a frozen weight: the backward computes only the
+    input gradient (the base experts never get weight gradients; torch's own ``_grouped_mm`` backward also fails on
+    CPU for broadcast gradients)."""
 
     @staticmethod
     def forward(ctx, x, w, offs, counts):
         ctx.save_for_backward(w, offs)
         ctx.counts = counts
-        return expert_mm(x, w, offs, counts)
+        return segment_mm(x, w.transpose(1, 2), offs, counts)
 
     @staticmethod
     def backward(ctx, g):
         w, offs = ctx.saved_tensors
-        return expert_mm_t(g.contiguous(), w, offs, ctx.counts), None, None, None
+        return segment_mm(g.contiguous(), w, offs, ctx.counts), None, None, None
+
+
+class ExpertRoute:
+    """Where a batch's expert rows are on this rank. The dispatcher sorts rows by *virtual* expert ``v = e * slots
+    + s``: local expert ``e``, adapter slot ``s`` (:class:`SlotRouter`), so each expert's rows are contiguous
+    (``offs``: the base GEMMs' groups) and within them each adapter slot's (``slot_offs``: the LoRA GEMMs' groups,
+    tenant x expert segments). ``counts`` / ``slot_counts`` are host counts, None where the grouped kernel runs."""
+
+    __slots__ = ("counts", "experts", "offs", "per_virtual", "slot_counts", "slot_offs", "slots")
+
+    def __init__(self, tokens_per_virtual: torch.Tensor, experts: int, slots: int, device, grouped: bool):
+        per_virtual = tokens_per_virtual.to(torch.int64)
+        per_expert = per_virtual.view(experts, slots).sum(1)
+        self.experts, self.slots = experts, slots
+        self.offs = per_expert.cumsum(0).to(device=device, dtype=torch.int32)
+        self.slot_offs = per_virtual.cumsum(0).to(device=device, dtype=torch.int32)
+        self.per_virtual = per_virtual
+        self.counts = None if grouped else per_expert.tolist()
+        self.slot_counts = None if grouped else per_virtual.tolist()
+
+    def host_slot_counts(self) -> list[int]:
+        if self.slot_counts is None:
+            self.slot_counts = self.per_virtual.tolist()
+        return self.slot_counts
 
 
 class GroupedExperts(torch.nn.Module):
     """The local experts of one MoE layer (megatron's experts interface: ``forward(tokens sorted by expert,
-    tokens_per_expert, probs) -> (output, None)``).
+    tokens_per_expert, probs) -> (output, None)``). The dispatcher hands it ``experts x slots`` virtual experts
+    (:class:`SlotRouter`); the base weights are the real experts'.
 
-    ``lora`` (set by :class:`.lora.MegatronLora` when adapters train the experts) is called on the two expert
-    GEMMs' inputs and outputs to add the routed adapters' expert deltas."""
+    ``lora`` (:class:`.lora.MegatronLora`, when the model trains expert adapters) adds the routed adapters' expert
+    deltas to the outputs of the two expert GEMMs, per tenant x expert segment."""
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, **_kwargs):
         super().__init__()
         self.config = config
-        self.num_local_experts = num_local_experts
+        self.slots = getattr(config, "loraplane_expert_slots", 1)
+        if num_local_experts % self.slots:
+            raise ValueError(f"{num_local_experts} local virtual experts for {self.slots} adapter slots")
+        self.num_local_experts = num_local_experts // self.slots
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         dtype = config.params_dtype
-        self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * ffn, hidden, dtype=dtype),
+        self.weight1 = torch.nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn, hidden, dtype=dtype),
                                           requires_grad=False)
-        self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden, ffn, dtype=dtype),
+        self.weight2 = torch.nn.Parameter(torch.empty(self.num_local_experts, hidden, ffn, dtype=dtype),
                                           requires_grad=False)
-        self.ep_rank = pg_collection.ep.rank() if pg_collection is not None and pg_collection.ep is not None else 0
-        self.lora = None  # (hook, layer) while MegatronLora trains expert adapters
+        self.lora = None
         self.layer_index = -1
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
-        device = x.device
-        grouped = grouped_mm_supported(device, x.dtype) and self._aligned(x)
-        counts = None if grouped else [int(c) for c in tokens_per_expert.tolist()]
-        offs = tokens_per_expert.to(device=device, dtype=torch.int64).cumsum(0).to(torch.int32)
-        route = ExpertRoute(offs, counts, tokens_per_expert)
-        w1, w2 = self.weight1, self.weight2
-        h = _ExpertLinear.apply(x, w1, offs, counts)
+        grouped = grouped_mm_supported(x.device, x.dtype) and self._aligned(x)
+        route = ExpertRoute(tokens_per_expert, self.num_local_experts, self.slots, x.device, grouped)
+        h = _ExpertLinear.apply(x, self.weight1, route.offs, route.counts)
         if self.lora is not None:
-            h = self.lora.expert_hook("fc1", self.layer_index, x, h, route)
+            h = self.lora.expert_hook("experts.gate_up_proj", self.layer_index, x, h, route)
         gate, up = h.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        out = _ExpertLinear.apply(act, w2, offs, counts)
+        out = _ExpertLinear.apply(act, self.weight2, route.offs, route.counts)
         if self.lora is not None:
-            out = self.lora.expert_hook("fc2", self.layer_index, act, out, route)
+            out = self.lora.expert_hook("experts.down_proj", self.layer_index, act, out, route)
         # As transformers: each expert's output times its routing weight (the dispatcher sums a token's k copies).
         out = out * probs.unsqueeze(-1).to(out.dtype)
         return out, None
@@ -114,23 +140,57 @@ class GroupedExperts(torch.nn.Module):
         return None
 
 
-class ExpertRoute:
-    """Where a batch's expert rows are: ``offs`` (int32 cumulative row ends on the device), ``counts`` (host
-    counts, None when the grouped kernel runs) and the per-expert counts as the dispatcher gave them."""
+class SlotRouter(torch.nn.Module):
+    """The router of an MoE layer (megatron's router interface: ``forward(hidden, padding_mask) -> (probs,
+    routing_map)`` over the dispatcher's experts; ``weight`` = HF ``mlp.gate.weight``, frozen).
 
-    __slots__ = ("counts", "offs", "tokens_per_expert")
+    The logits, softmax and top-k are megatron's (``topk_routing_with_score_function``, fp32): Qwen3-MoE's
+    ``norm_topk_prob`` is the softmax over the k chosen logits (``use_pre_softmax=False``; the renormalized full
+    softmax), without it the full softmax then top-k. Each choice of expert ``e`` by a token of the adapter in
+    batch slot ``s`` is then sent to virtual expert ``e * slots + s`` (slot ``slots - 1``: no expert adapter), so
+    the dispatcher sorts every expert's rows by tenant and the experts run each tenant's expert LoRA on its own
+    contiguous rows. With one slot (no expert adapters) this is megatron's plain routing."""
 
-    def __init__(self, offs, counts, tokens_per_expert):
-        self.offs = offs
-        self.counts = counts
-        self.tokens_per_expert = tokens_per_expert
+    def __init__(self, config, pg_collection=None, **_kwargs):
+        super().__init__()
+        self.config = config
+        self.slots = getattr(config, "loraplane_expert_slots", 1)
+        self.num_experts = config.num_moe_experts // self.slots
+        self.topk = config.moe_router_topk
+        self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size,
+                                                     dtype=config.params_dtype), requires_grad=False)
+        self.layer_number = None
+        self.token_slots = None  # set by .lora.MegatronLora: () -> [tokens] slot of each token, or None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def forward(self, hidden: torch.Tensor, padding_mask=None):
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        x = hidden.reshape(-1, hidden.shape[-1])
+        logits = x.float() @ self.weight.float().t()
+        probs, routing_map = topk_routing_with_score_function(
+            logits, self.topk, use_pre_softmax=self.config.moe_router_pre_softmax, score_function="softmax")
+        if self.slots == 1:
+            return probs, routing_map
+        tokens = logits.shape[0]
+        slot = self.token_slots() if self.token_slots is not None else None
+        if slot is None:
+            slot = torch.full((tokens,), self.slots - 1, dtype=torch.int64, device=logits.device)
+        index = slot.view(tokens, 1, 1).expand(tokens, self.num_experts, 1)
+        virtual = (tokens, self.num_experts, self.slots)
+        probs = probs.new_zeros(virtual).scatter(2, index, probs.unsqueeze(-1)).view(tokens, -1)
+        routing_map = routing_map.new_zeros(virtual).scatter(2, index, routing_map.unsqueeze(-1)).view(tokens, -1)
+        return probs, routing_map
 
 
 def moe_config_fields(num_experts: int, top_k: int, moe_ffn_hidden_size: int, norm_topk_prob: bool,
-                      expert_parallel_size: int) -> dict:
-    """The TransformerConfig fields of a Qwen3-MoE layer (see the module docstring)."""
+                      expert_parallel_size: int, slots: int = 1) -> dict:
+    """The TransformerConfig fields of a Qwen3-MoE layer (see the module docstring); the dispatcher sees
+    ``num_experts * slots`` virtual experts (:class:`SlotRouter`)."""
     return {
-        "num_moe_experts": num_experts,
+        "num_moe_experts": num_experts * slots,
         "moe_router_topk": top_k,
         "moe_ffn_hidden_size": moe_ffn_hidden_size,
         "moe_router_pre_softmax": not norm_topk_prob,
@@ -206,5 +266,6 @@ def moe_layer_spec(dense_spec, num_experts: int):
     spec = copy.deepcopy(dense_spec)
     mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
     mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+    mlp.submodules.router = SlotRouter
     spec.submodules.mlp = mlp
     return spec

@@ -40,6 +40,7 @@ class LayerRecompute:
         # MLP activations kept per token, in units of ffn: the fc1 output (2), and unfused also silu(a) and the
         # (b + 0) copy that silu(a) * b keeps, against the fused SwiGLU's one saved input (.fusion).
         self.mlp_ffn_kept = 3 if getattr(model.config, "bias_activation_fusion", False) else 4
+        self.model_config = model.config
         self.count = 0  # layers [0, count) are recomputed in the next forward
         for i, layer in enumerate(self.layers):
             layer.forward = self._wrap(i, layer.forward)
@@ -65,7 +66,17 @@ class LayerRecompute:
         s, tp = self.shape, self.tp
         kv = s.num_kv_heads * s.head_dim // tp
         q = s.num_heads * s.head_dim // tp
-        per_token = 4 * s.hidden_size + 2 * q + 2 * kv + self.mlp_ffn_kept * s.ffn_hidden_size // tp
+        attention = 4 * s.hidden_size + 2 * q + 2 * kv
+        per_token = attention + self.mlp_ffn_kept * s.ffn_hidden_size // tp if s.dense_layers else 0
+        if s.moe_layers:
+            # An MoE layer (the largest layer counts): each of a token's k expert rows keeps its dispatched input
+            # and output (h each), the fc1 output (2F) and silu(gate) (F); the router keeps fp32 probabilities over
+            # the dispatcher's virtual experts (experts x adapter slots, .moe.SlotRouter).
+            config = self.model_config
+            virtual = config.num_moe_experts
+            per_token = max(per_token, attention + config.moe_router_topk * (2 * s.hidden_size
+                                                                               + 3 * s.moe_ffn_hidden_size)
+                            + 4 * virtual // self.bytes)
         return tokens * per_token * self.bytes, tokens * s.hidden_size * self.bytes
 
     def plan(self, tokens: int, backward: bool, device: torch.device) -> int:
