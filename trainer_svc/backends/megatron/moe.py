@@ -1,24 +1,26 @@
 """Mixture-of-experts layers (Qwen3-MoE) on megatron-core's ``MoELayer``.
 
-megatron-core splits an MoE layer into three small objects, and we keep that split:
+megatron-core splits an MoE layer into three small objects with narrow interfaces, and we keep that split:
 
-* the router: megatron's ``TopKRouter`` (``mlp.router.weight`` = HF ``mlp.gate.weight``), with fp32 router math
-  (``moe_router_dtype="fp32"``), no load-balancing loss and no token dropping. Qwen3-MoE's ``norm_topk_prob``
-  (softmax over all experts, top-k, renormalize) is megatron's top-k on the logits followed by a softmax over the k
-  chosen ones (``moe_router_pre_softmax=False``): the same probabilities, since a softmax restricted to the chosen
-  experts is the renormalized full softmax. Without ``norm_topk_prob`` it is ``moe_router_pre_softmax=True``
-  (softmax over all, top-k, no renormalization). Its weight is frozen like every base weight, so LoRA training
-  never moves the routing;
-* the token dispatcher: megatron's ``alltoall`` dispatcher (permutes each token's k copies by expert, exchanges
-  them between expert-parallel ranks, and back; nothing is padded, no capacity);
-* the experts: :class:`GroupedExperts` (ours; megatron's grouped experts need TransformerEngine or the
-  ``grouped_gemm`` package): all local experts' weights as two 3-D tensors, in HF's own layout
-  (``weight1[E, 2F, h]`` = ``[gate; up]`` rows per expert, ``weight2[E, h, F]``), and each of the two expert
-  GEMMs one ``torch._grouped_mm`` over the tokens sorted by expert with their cumulative counts as offsets, where
-  the kernel exists (bf16 on sm90; on CPU torch's loop); elsewhere a loop over the experts.
+* the router, :class:`SlotRouter` (megatron's router interface; ``mlp.router.weight`` = HF ``mlp.gate.weight``,
+  frozen): megatron's fp32 top-k routing (``topk_routing_with_score_function``), no load-balancing loss, no token
+  dropping. Qwen3-MoE's ``norm_topk_prob`` (softmax over all experts, top-k, renormalize) is the softmax over the
+  k chosen logits (``moe_router_pre_softmax=False``), the same probabilities; without it, softmax then top-k. Each
+  chosen expert ``e`` of a token of the batch's j-th expert adapter becomes *virtual* expert ``e * slots + j``;
+* the token dispatcher: megatron's ``alltoall`` dispatcher over the virtual experts (it permutes each token's k
+  copies by virtual expert, so every expert's rows arrive sorted by tenant, and exchanges them between
+  expert-parallel ranks; nothing is padded, no capacity). Virtual experts ``e * slots + j`` of one expert are
+  adjacent, so megatron's contiguous assignment of experts to EP ranks keeps a real expert's slots together;
+* the experts, :class:`GroupedExperts` (ours; megatron's grouped experts need TransformerEngine or the
+  ``grouped_gemm`` package): the local experts' weights as two 3-D tensors in HF's own layout (``weight1[E, 2F,
+  h]`` = ``[gate; up]`` rows per expert, ``weight2[E, h, F]``); each base expert GEMM is one ``torch._grouped_mm``
+  over the rows with per-expert offsets, each expert-LoRA GEMM one over the tenant x expert segments
+  (:class:`ExpertRoute`, :class:`.lora._ExpertLoraAdd`), where the kernel exists (bf16 on sm90; on CPU torch's
+  loop); elsewhere a loop over the groups.
 
-Experts are never sharded by tensor parallelism (``expert_tensor_parallel_size = 1``): under TP every rank computes
-the whole MoE layer on the same tokens; expert parallelism (EP) spreads the experts over ranks instead.
+Experts are never sharded by tensor parallelism (``expert_tensor_parallel_size = 1``): under TP every rank
+dispatches the same tokens and computes the whole MoE layer; expert parallelism (EP) spreads the experts over the
+data-parallel ranks instead.
 """
 
 from __future__ import annotations
