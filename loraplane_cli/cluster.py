@@ -70,6 +70,8 @@ def up(
                               "CA (the CLI and SDK present <data dir>/tls/client.pem)."),
     gateway: bool = typer.Option(True, help="Also start the HTTP gateway (Tinker SDK, OpenAI, Anthropic clients)."),
     gateway_port: int = typer.Option(None, help="Fixed gateway port."),
+    trainers: int = typer.Option(1, min=1, max=64, help="Run this many trainers as one fleet: each adapter lives "
+                                 "on one of them, moving to another if it dies or is drained (`loraplane trainers`)."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
     services, wait until each is healthy, and print their endpoints. On a cluster that already runs, starts only
@@ -86,7 +88,8 @@ def up(
         with console.status("starting cluster") as status:
             state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth,
                                            tls=tls or mtls, mtls=mtls,
-                                           gateway=gateway and set(wanted) == set(SERVICE_NAMES))
+                                           gateway=gateway and set(wanted) == set(SERVICE_NAMES),
+                                           trainers=trainers)
     except ProcessStartError as exc:
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc

@@ -23,6 +23,7 @@ from loraplane.config import Settings
 from loraplane.local.processes import (
     LOOPBACK,
     ManagedProcess,
+    ProcessStartError,
     free_port,
     redis_ping,
     s3_ready,
@@ -66,12 +67,16 @@ SECURITY_ENV = ("LORAPLANE_AUTH", "LORAPLANE_API_KEY", "LORAPLANE_TLS_CERT", "LO
                 "LORAPLANE_TLS_CLIENT_CA", "LORAPLANE_TLS_CLIENT_CERT", "LORAPLANE_TLS_CLIENT_KEY")
 # The state file's service names and these specs must agree.
 assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
+# `up --trainers N`: the trainers of a local cluster form this fleet (its journal namespace is a lone trainer's, so a
+# cluster's adapters carry over); the members are the components trainer, trainer-1, ..., trainer-(N-1).
+LOCAL_FLEET = "trainer"
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                   extra_env: dict[str, str] | None = None, on_progress=None, *, auth: bool = False,
                   tls: bool = False, mtls: bool = False, gateway: bool = False,
-                  commands: dict[str, list[str]] | None = None) -> tuple[ClusterState, list[str]]:
+                  commands: dict[str, list[str]] | None = None,
+                  trainers: int = 1) -> tuple[ClusterState, list[str]]:
     """Brings the cluster of this data dir up: starts what was never started, restarts (exactly as first started,
     same ports, data, keys and certificates) what has died, leaves running components alone, then hands the whole
     cluster to a fresh supervisor. Returns the state and the names started. On a failure stops what this call
@@ -79,7 +84,8 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
     local CA and TLS everywhere; both apply when the cluster is created (an existing one keeps its own). With
     `gateway`, the HTTP gateway (gateway_svc) comes last, in front of the three services. `commands` gives a
     service another argv than `python -m <module>` (the megatron trainer under torchrun, a sampler on SGLang); it
-    gets the same environment, health check and supervision."""
+    gets the same environment, health check and supervision. `trainers` > 1 runs that many trainers as one fleet
+    (docs/architecture.md, "Trainer fleet"); clients find each adapter's trainer through any of them."""
     data_dir = Path(settings.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     existing = read_cluster_state(data_dir)
@@ -138,20 +144,30 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
         env["LORAPLANE_S3_ENDPOINT"] = state.component("s3").endpoint
 
         for spec in SERVICES:
-            component = state.component(spec.name)
-            if component is None and spec.name in services:
-                port = getattr(settings, f"{spec.name}_port") or free_port()
-                metrics_port = free_port()
-                env.update({spec.port_env: str(port), "LORAPLANE_HOST": LOOPBACK,
-                            "LORAPLANE_METRICS_PORT": str(metrics_port)})
-                component = ComponentState(spec.name, "service", f"{LOOPBACK}:{port}",
-                                           metrics=f"http://{LOOPBACK}:{metrics_port}/metrics")
-                argv = (commands or {}).get(spec.name) or [sys.executable, "-m", spec.module]
-                add(component, ManagedProcess(spec.name, list(argv),
-                                              data_dir / "logs" / f"{spec.name}.log", env=dict(env)),
-                    functools.partial(component_ready, component, settings))
-            if component is not None:
-                env[spec.address_env] = component.endpoint
+            names = _instance_names(spec.name, state, trainers)
+            fleet = spec.name == "trainer" and len(names) > 1
+            for name in names:
+                component = state.component(name)
+                if component is not None and fleet and component.env.get("LORAPLANE_TRAINER_FLEET") != LOCAL_FLEET:
+                    raise ProcessStartError(f"{name} runs as a lone trainer; to run {len(names)} trainers as a "
+                                            "fleet, `loraplane down` first, then `loraplane up --trainers N`")
+                if component is None and spec.name in services:
+                    port = (getattr(settings, f"{spec.name}_port") if name == spec.name else 0) or free_port()
+                    metrics_port = free_port()
+                    env.update({spec.port_env: str(port), "LORAPLANE_HOST": LOOPBACK,
+                                "LORAPLANE_METRICS_PORT": str(metrics_port)})
+                    instance_env = dict(env)
+                    if fleet:
+                        instance_env.update({"LORAPLANE_TRAINER_FLEET": LOCAL_FLEET, "LORAPLANE_TRAINER_ID": name})
+                    component = ComponentState(name, "service", f"{LOOPBACK}:{port}",
+                                               metrics=f"http://{LOOPBACK}:{metrics_port}/metrics")
+                    argv = (commands or {}).get(spec.name) or [sys.executable, "-m", spec.module]
+                    add(component, ManagedProcess(name, list(argv), data_dir / "logs" / f"{name}.log",
+                                                  env=instance_env),
+                        functools.partial(component_ready, component, settings))
+            first = state.component(spec.name)
+            if first is not None:
+                env[spec.address_env] = first.endpoint
         if gateway and state.component("gateway") is None:
             add(*_gateway_component(settings, state, env, data_dir))
         state.supervisor_pid = start_supervisor(data_dir)
@@ -250,7 +266,15 @@ def _env_overrides(env: dict[str, str] | None) -> dict[str, str]:
 
 
 def _spec(name: str) -> ServiceSpec:
-    return next(s for s in SERVICES if s.name == name)
+    # trainer-1, trainer-2, ... are trainers too.
+    return next(s for s in SERVICES if s.name == name.split("-")[0])
+
+
+def _instance_names(service: str, state: ClusterState, trainers: int) -> list[str]:
+    if service != "trainer":
+        return [service]
+    count = max(trainers, len(state.trainer_components()))
+    return ["trainer", *(f"trainer-{i}" for i in range(1, count))]
 
 
 def _start_timeout(component: ComponentState) -> float:

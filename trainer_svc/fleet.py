@@ -159,6 +159,20 @@ class FleetMember:
         self._own(name, placement.epoch)
         return created
 
+    def _record_sizes(self, names: list[str]) -> dict[str, int]:
+        sizes = {}
+        for name in names:
+            record = self.service.journal.record(name)
+            if record is None:
+                continue
+            try:
+                spec = LoraSpec.create(record.rank, record.alpha, record.target_modules, record.seed,
+                                       max_rank=max(record.rank, 1), expert_layout=record.expert_layout)
+                sizes[name] = adapter_bytes(self.service.backend.description, spec)
+            except (LoraplaneError, KeyError, ValueError):
+                sizes[name] = 0
+        return sizes
+
     def _has_record(self, name: str) -> bool:
         return self.service.journal.record(name) is not None
 
@@ -274,8 +288,25 @@ class FleetMember:
                         log.warning("taking over adapter %s from %s (presumed dead), epoch %d", placement.adapter,
                                     placement.trainer, taken.epoch)
                         mine[placement.adapter] = taken
-        # Adoption: whatever is placed here and not served yet (moved here by a drain or by the failover above).
         indexed = set(await asyncio.to_thread(self.store.adapter_names))
+        # Adapters with no placement at all (journaled by a lone trainer before it joined a fleet, or a placement
+        # lost with an un-persisted Redis): placed by the policy like new ones, each member claiming its share.
+        unplaced = sorted(indexed - set(placements))
+        if unplaced:
+            sizes = await asyncio.to_thread(self._record_sizes, unplaced)
+            plan = assign(list(sizes.items()), [self._self_view(m).load() for m in members])
+            for name, target in plan.items():
+                if target != self.member_id:
+                    continue
+                self._adopting.add(name)
+                placement, created = await asyncio.to_thread(self.store.place_new, name, self.member_id,
+                                                             sizes[name])
+                if created:
+                    orphan_names.add(name)
+                    mine[name] = placement
+                else:
+                    self._adopting.discard(name)
+        # Adoption: whatever is placed here and not served yet (moved here by a drain or by the failover above).
         for name, placement in mine.items():
             if name in self._owned or (name in self._adopting and name not in orphan_names):
                 continue

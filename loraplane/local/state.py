@@ -48,6 +48,10 @@ class ClusterState:
     def component(self, name: str) -> ComponentState | None:
         return next((c for c in self.components if c.name == name), None)
 
+    def trainer_components(self) -> list[ComponentState]:
+        """The trainer and, with `up --trainers N`, the other members of its fleet (trainer-1, trainer-2, ...)."""
+        return [c for c in self.components if c.name == "trainer" or c.name.startswith("trainer-")]
+
     def addresses(self) -> dict[str, str]:
         return {c.name: c.endpoint for c in self.components if c.name in SERVICE_NAMES}
 
