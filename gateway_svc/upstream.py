@@ -128,7 +128,7 @@ class Upstream:
                         exc.details() if hasattr(exc, "details") else exc)
             error = type(error)(f"{service}: {what}: the {service} is unavailable; try again shortly",
                                 field=error.field)
-        return error
+        return self._hidden(error)
 
     async def _retrying(self, what: str, attempt):
         deadline = time.monotonic() + self.retry_s

@@ -339,7 +339,9 @@ class RegistryClient:
         return self._stub
 
     def _error(self, exc: grpc.RpcError, what: str) -> errors.LoraplaneError:
-        return domain_error_from_rpc(exc, f"registry {self.address}: {what}")
+        # Named by role, not address: trainer and sampler pass this message on to tenants, who must not learn
+        # the cluster's internal addresses (the SDK adds the address it called itself).
+        return domain_error_from_rpc(exc, f"registry: {what}")
 
     async def create_adapter(
         self,
@@ -505,7 +507,7 @@ class RegistryClient:
                 described, _, blob, digest = await self._download_stream(request, name)
         if len(blob) != described.size_bytes or digest != described.sha256:
             raise errors.DataLoss(
-                f"registry {self.address}: download of {name!r} v{described.version} is corrupt: got {len(blob)} "
+                f"registry: download of {name!r} v{described.version} is corrupt: got {len(blob)} "
                 f"bytes sha256 {digest}, expected {described.size_bytes} bytes sha256 {described.sha256}")
         return described, blob
 
@@ -537,7 +539,7 @@ class RegistryClient:
         finally:
             hashing.shutdown(wait=False, cancel_futures=True)
         if described is None:
-            raise errors.DataLoss(f"registry {self.address}: download of {name!r} sent no header")
+            raise errors.DataLoss(f"registry: download of {name!r} sent no header")
         return described, direct_url, b"".join(parts), digest.hexdigest()
 
     async def collect_garbage(self, *, dry_run: bool = False) -> registry_pb2.CollectGarbageResponse:
