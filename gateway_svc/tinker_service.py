@@ -113,8 +113,8 @@ class TinkerService:
     @staticmethod
     def _visible(record: dict[str, Any] | None) -> bool:
         """Whether the caller may know of a model, checkpoint or sampling session. The store already keys every
-        record by the caller's tenant (another tenant's record is simply absent); this second check, by the adapter
-        the record names, keeps an admin-made record of a tenant's adapter out of other tenants' answers too."""
+        record by the caller's tenant (another tenant's record is simply absent); this second, independent check by
+        the adapter the record names never shows a record whose adapter lies outside the caller's scope."""
         return record is not None and (not record.get("adapter") or auth.current_caller().may_see(record["adapter"]))
 
     async def base_names(self) -> list[str]:
