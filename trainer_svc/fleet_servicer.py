@@ -21,9 +21,8 @@ class FleetTrainerServicer(TrainerServicer):
         validate_adapter_name(request.name)
         current_caller().authorize(request.name)
         fleet = self.service.fleet
-        if fleet is None:  # a lone trainer serves every adapter it has
-            return trainer_pb2.ResolveAdapterResponse(address=self.address, trainer_id=self.trainer_id,
-                                                      trainer_addresses=[self.address])
+        if fleet is None:  # a lone trainer serves every adapter it has: "" = the address you asked
+            return trainer_pb2.ResolveAdapterResponse(trainer_id=self.trainer_id)
         address, trainer_id, epoch, live = await fleet.resolve(request.name)
         return trainer_pb2.ResolveAdapterResponse(address=address, trainer_id=trainer_id, epoch=epoch,
                                                   trainer_addresses=live)

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from loraplane.client._runtime import RetryConfig, call_with_retry, runtime
+from loraplane.client._runtime import RetryConfig, runtime
 from loraplane.client.chunking import (
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_CHUNK_DATUMS,
@@ -23,6 +23,7 @@ from loraplane.client.chunking import (
     split_into_chunks,
 )
 from loraplane.client.futures import APIFuture
+from loraplane.client.routing import routed_call
 from loraplane.client.sampling_client import SamplingClient
 from loraplane.client.types import (
     AdamParams,
@@ -103,10 +104,8 @@ class TrainingClient:
         return trainer_pb2_grpc.TrainerServiceStub(runtime().channel(self.trainer_address))
 
     async def _call(self, method: str, request) -> Any:
-        stub = self._stub()
-        rpc = getattr(stub, method)
-        return await call_with_retry(lambda timeout: rpc(request, timeout=timeout), self.retry, method=method,
-                                     address=self.trainer_address)
+        # To the trainer that serves this adapter (one of a fleet, or the only one), following it when it moves.
+        return await routed_call(self.trainer_address, self.adapter, method, request, self.retry)
 
     # ---- forward / backward ---------------------------------------------------------------------------------
 

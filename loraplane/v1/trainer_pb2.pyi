@@ -849,7 +849,7 @@ class ResolveAdapterResponse(google.protobuf.message.Message):
     EPOCH_FIELD_NUMBER: builtins.int
     TRAINER_ADDRESSES_FIELD_NUMBER: builtins.int
     address: builtins.str
-    """host:port of the trainer serving the adapter."""
+    """host:port of the trainer serving the adapter; empty = the trainer that answered (a lone trainer)."""
     trainer_id: builtins.str
     epoch: builtins.int
     """The placement's fencing epoch: it grows with every move, so a client keeps the answer with the larger epoch."""

@@ -1,0 +1,120 @@
+"""Adapter -> trainer routing for a trainer fleet (docs/architecture.md, "Trainer fleet").
+
+The client knows one trainer address (any member of the fleet: a seed) and sends an adapter's calls there until told
+otherwise, so a lone trainer costs nothing extra. A call answered UNAVAILABLE (ADAPTER_MOVED from a trainer that does
+not serve the adapter, or a trainer that is gone) makes the next attempt of the same call, with the same seq_id, ask
+a trainer where the adapter lives first (ResolveAdapter, which any member answers for the whole fleet and a lone
+trainer with "here"); the answer is kept for the adapter's later calls. Once the fleet has moved the adapter (a
+drain at once, a dead trainer after its heartbeat expires) the retry lands on the new trainer, which replayed the
+journal and answers it exactly once.
+
+One router per (seed address, identity) in the process, shared by every client object, on the client's loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from loraplane.client._runtime import Endpoint, RetryConfig, call_with_retry, runtime
+from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
+
+T = TypeVar("T")
+
+# Answers of ResolveAdapter that mean "ask the seed itself": nothing placed yet (CreateAdapter places it), a trainer
+# without the RPC, or a refusal the real call will report in its own words.
+_USE_SEED = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
+                       grpc.StatusCode.INVALID_ARGUMENT})
+_RESOLVE_TIMEOUT_S = 10.0
+
+
+class TrainerRouter:
+    def __init__(self, seed: str):
+        self.seed = seed
+        # Every trainer address learnt from the fleet, seed first: where to ask when the seed itself is down.
+        self._known: list[str] = [seed]
+        self._where: dict[str, tuple[str, int]] = {}  # adapter -> (address, epoch)
+        self._stale: set[str] = set()  # adapters whose last call said UNAVAILABLE: resolve before the next one
+
+    def _bind(self, address: str) -> str:
+        # A learnt address calls as the seed's identity (API key, TLS).
+        security = getattr(self.seed, "security", None)
+        return Endpoint(address, security) if security is not None else address
+
+    def forget(self, adapter: str) -> None:
+        self._where.pop(adapter, None)
+        self._stale.add(adapter)
+
+    def cached(self, adapter: str) -> str | None:
+        found = self._where.get(adapter)
+        return found[0] if found else None
+
+    async def address_of(self, adapter: str) -> str:
+        """The trainer to send the adapter's next call to: where it was found, else the seed until a call says
+        UNAVAILABLE, then wherever the fleet says it is now."""
+        found = self._where.get(adapter)
+        if found is not None:
+            return found[0]
+        if adapter not in self._stale:
+            return self.seed
+        last_error: grpc.RpcError | None = None
+        for candidate in list(self._known):
+            stub = trainer_pb2_grpc.TrainerServiceStub(runtime().channel(candidate))
+            try:
+                reply = await stub.ResolveAdapter(trainer_pb2.ResolveAdapterRequest(name=adapter),
+                                                  timeout=_RESOLVE_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if exc.code() in _USE_SEED:
+                    return candidate
+                last_error = exc
+                continue  # that trainer is down or the adapter is moving: ask another
+            address = self._bind(reply.address) if reply.address else candidate
+            for learnt in reply.trainer_addresses:
+                if learnt not in self._known:
+                    self._known.append(self._bind(learnt))
+            self._where[adapter] = (address, reply.epoch)
+            self._stale.discard(adapter)
+            return address
+        if last_error is not None:
+            raise last_error
+        return self.seed
+
+
+_routers: dict[tuple[str, Any], TrainerRouter] = {}
+_routers_lock = threading.Lock()
+
+
+def router_for(seed: str) -> TrainerRouter:
+    key = (str(seed), getattr(seed, "security", None))
+    with _routers_lock:
+        router = _routers.get(key)
+        if router is None:
+            router = _routers[key] = TrainerRouter(seed)
+        return router
+
+
+async def routed_call(seed: str, adapter: str, method: str, request, retry: RetryConfig) -> Any:
+    """Calls TrainerService.`method` for `adapter` on the trainer that serves it, following moves, with the
+    client's retry policy (the same request, so the same seq_id, on every attempt)."""
+    router = router_for(seed)
+    where = {"address": router.cached(adapter) or seed}
+
+    async def attempt(timeout: float | None):
+        address = await router.address_of(adapter)
+        where["address"] = address
+        rpc: Callable[..., Awaitable[T]] = getattr(trainer_pb2_grpc.TrainerServiceStub(runtime().channel(address)),
+                                                   method)
+        try:
+            return await rpc(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                router.forget(adapter)  # moved, or its trainer is gone: resolve again before the retry
+            raise
+
+    return await call_with_retry(attempt, retry, method=method, address=where["address"])
+
+
+__all__ = ["TrainerRouter", "routed_call", "router_for"]
