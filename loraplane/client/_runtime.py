@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 
@@ -73,7 +73,7 @@ class Endpoint(str):
 
     security: ClientSecurity
 
-    def __new__(cls, address: str, security: ClientSecurity) -> Endpoint:
+    def __new__(cls, address: str, security: ClientSecurity) -> Self:
         endpoint = super().__new__(cls, address)
         endpoint.security = security
         return endpoint

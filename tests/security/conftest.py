@@ -17,8 +17,15 @@ import redis
 from gateway_svc.config import GatewaySettings
 from loraplane.config import Settings
 from loraplane.rpc import ClientSecurity, sync_channel
-from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc, trainer_pb2
-from loraplane.v1 import trainer_pb2_grpc
+from loraplane.v1 import (
+    common_pb2,
+    registry_pb2,
+    registry_pb2_grpc,
+    sampler_pb2,
+    sampler_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 from tests.contract.auth_helpers import Keys, auth_settings, issue_standard_keys
 from tests.fixtures.registry import start_live_registry
 from tests.fixtures.sampler import adapter_blob, start_live_sampler

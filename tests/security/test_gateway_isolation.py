@@ -283,9 +283,9 @@ def test_streaming_refusals_reach_the_official_clients_as_their_own_errors(secur
         with pytest.raises(openai.PermissionDeniedError):
             list(oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=2, stream=True))
-        with pytest.raises(anthropic.PermissionDeniedError):
-            with ant.messages.stream(model=model, max_tokens=2, messages=[{"role": "user", "content": "hi"}]) as s:
-                list(s)
+        with pytest.raises(anthropic.PermissionDeniedError), ant.messages.stream(
+                model=model, max_tokens=2, messages=[{"role": "user", "content": "hi"}]) as events:
+            list(events)
     # B's own missing adapter: NotFoundError, before the stream, and the message names no sampler address.
     with pytest.raises(openai.NotFoundError) as info:
         list(oai.completions.create(model="globex/never-made", prompt="hi", max_tokens=2, stream=True))

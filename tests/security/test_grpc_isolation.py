@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 from loraplane.v1 import common_pb2, registry_pb2, sampler_pb2, trainer_pb2
+from tests.fixtures.sampler import adapter_blob
 from tests.security.conftest import ADAM, LORA, A, B, Secured, datum
 from tests.security.isolation import leaked, missing_like, normalize
-from tests.fixtures.sampler import adapter_blob
 
 SERVICES = {"registry": registry_pb2, "trainer": trainer_pb2, "sampler": sampler_pb2}
 OK, DENIED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED
@@ -216,7 +216,7 @@ def invoke(c: Secured, label: str, service: str, name: str, request, *, stream_s
     path = next(p for p, (s, m) in rpc_table().items() if s == service and m.name == name)
     method = rpc_table()[path][1]
     channel = c.channel(service, label)
-    serialize = lambda m: m.SerializeToString()  # noqa: E731
+    serialize = lambda m: m.SerializeToString()
     payload = b""
     try:
         if method.client_streaming:
