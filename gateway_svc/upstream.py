@@ -32,8 +32,13 @@ log = logging.getLogger(__name__)
 _TRANSIENT = (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted)
 # Statuses grpc itself produces for a connection that failed (their details name the peer's address) or that the
 # caller cannot act on; their details stay in the gateway's log.
-_TRANSPORT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-                              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+_TRANSPORT_CODES = {
+    grpc.StatusCode.UNAVAILABLE: "the service is unavailable; try again shortly",
+    grpc.StatusCode.CANCELLED: "the call was cancelled; try again shortly",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the service did not answer in time",
+    grpc.StatusCode.UNKNOWN: "the service failed (its details are in the gateway's log)",
+    grpc.StatusCode.INTERNAL: "the service failed (its details are in the gateway's log)",
+}
 _FINISH = {sampler_pb2.FINISH_REASON_STOP: "stop", sampler_pb2.FINISH_REASON_LENGTH: "length"}
 
 
@@ -126,8 +131,7 @@ class Upstream:
         if code in _TRANSPORT_CODES:
             log.warning("%s %s: %s: %s %s", service, self.addresses[service], what, code.name,
                         exc.details() if hasattr(exc, "details") else exc)
-            error = type(error)(f"{service}: {what}: the {service} is unavailable; try again shortly",
-                                field=error.field)
+            error = type(error)(f"{service}: {what}: {_TRANSPORT_CODES[code]}", field=error.field)
         return self._hidden(error)
 
     async def _retrying(self, what: str, attempt):

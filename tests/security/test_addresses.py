@@ -6,6 +6,7 @@ the trainer's and sampler's read `registry 127.0.0.1:PORT: ...`; every assertion
 from __future__ import annotations
 
 import grpc
+import httpx
 
 from loraplane.v1 import common_pb2, sampler_pb2, trainer_pb2
 from tests.security.conftest import A, Secured
@@ -46,3 +47,24 @@ def test_gateway_errors_name_no_internal_address(secured: Secured):
         message = reply.json()["error"]["message"]
         assert message.startswith("sampler: "), message
         assert not [a for a in c.addresses if a in reply.text] and "<internal>" not in message, message
+
+
+def test_an_unreachable_service_is_named_by_role(secured: Secured):
+    """grpc's own transport errors name the peer (`ipv4:127.0.0.1:PORT: Failed to connect ...`): a gateway whose
+    sampler is down answers 503 naming the sampler by role only (the details go to the gateway's log)."""
+    from tests.gateway.conftest import LiveGateway, free_port
+
+    c = secured
+    dead = f"127.0.0.1:{free_port()}"
+    gateway = LiveGateway(c.gateway_settings.model_copy(update={
+        "port": free_port(), "sampler_address": dead, "upstream_retry_s": 0.3}), cluster=c.gateway.cluster).start()
+    try:
+        for stream in (False, True):
+            reply = httpx.post(f"{gateway.base_url}/v1/completions",
+                               headers={"Authorization": f"Bearer {c.keys.tokens[A]}"}, timeout=60,
+                               json={"model": c.a["reg"], "prompt": "hi", "max_tokens": 2, "stream": stream})
+            assert reply.status_code == 503, reply.text
+            assert reply.json()["error"]["message"].startswith("sampler: "), reply.text
+            assert dead not in reply.text and not [a for a in c.addresses if a in reply.text], reply.text
+    finally:
+        gateway.stop()
