@@ -8,7 +8,8 @@ trainer with "here"); the answer is kept for the adapter's later calls. Once the
 drain at once, a dead trainer after its heartbeat expires) the retry lands on the new trainer, which replayed the
 journal and answers it exactly once.
 
-One router per (seed address, identity) in the process, shared by every client object, on the client's loop.
+The SDK keeps one router per (seed address, identity) in the process, shared by every client object, on the client's
+loop; the gateway keeps one of its own over its own channels (`channel`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ _RESOLVE_TIMEOUT_S = 10.0
 
 
 class TrainerRouter:
-    def __init__(self, seed: str):
+    def __init__(self, seed: str, channel: Callable[[str], grpc.aio.Channel] | None = None):
+        """`channel(address)`: the grpc.aio channel to a trainer (default: the client runtime's)."""
         self.seed = seed
+        self._channel = channel or (lambda address: runtime().channel(address))
         # Every trainer address learnt from the fleet, seed first: where to ask when the seed itself is down.
         self._known: list[str] = [seed]
         self._where: dict[str, tuple[str, int]] = {}  # adapter -> (address, epoch)
@@ -43,6 +46,17 @@ class TrainerRouter:
         # A learnt address calls as the seed's identity (API key, TLS).
         security = getattr(self.seed, "security", None)
         return Endpoint(address, security) if security is not None else address
+
+    def stub(self, address: str) -> trainer_pb2_grpc.TrainerServiceStub:
+        return trainer_pb2_grpc.TrainerServiceStub(self._channel(address))
+
+    async def resolve(self, adapter: str) -> str:
+        """Where the fleet says the adapter lives now (asking, whatever is cached; the seed if nobody answers)."""
+        self.forget(adapter)
+        try:
+            return await self.address_of(adapter)
+        except grpc.RpcError:
+            return self.seed
 
     def forget(self, adapter: str) -> None:
         self._where.pop(adapter, None)
@@ -62,7 +76,7 @@ class TrainerRouter:
             return self.seed
         last_error: grpc.RpcError | None = None
         for candidate in list(self._known):
-            stub = trainer_pb2_grpc.TrainerServiceStub(runtime().channel(candidate))
+            stub = self.stub(candidate)
             try:
                 reply = await stub.ResolveAdapter(trainer_pb2.ResolveAdapterRequest(name=adapter),
                                                   timeout=_RESOLVE_TIMEOUT_S)
@@ -105,8 +119,7 @@ async def routed_call(seed: str, adapter: str, method: str, request, retry: Retr
     async def attempt(timeout: float | None):
         address = await router.address_of(adapter)
         where["address"] = address
-        rpc: Callable[..., Awaitable[T]] = getattr(trainer_pb2_grpc.TrainerServiceStub(runtime().channel(address)),
-                                                   method)
+        rpc: Callable[..., Awaitable[T]] = getattr(router.stub(address), method)
         try:
             return await rpc(request, timeout=timeout)
         except grpc.RpcError as exc:
