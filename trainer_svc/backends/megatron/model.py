@@ -262,7 +262,10 @@ def _tp_rank() -> int:
 
 @torch.no_grad()
 def load_hf_weights(model, hf_state_dict: dict[str, torch.Tensor], spec: MegatronModelSpec) -> None:
-    """Copies HF weights into this rank's shards; every parameter must be covered (nothing silently random)."""
+    """Copies HF weights into this rank's shards; every parameter must be covered (nothing silently random). A
+    shard that is an HF tensor as it is, already on the parameter's device and in its dtype (the experts, the
+    embeddings and norms when the HF model lives on the training device, as in the benchmarks), is shared rather
+    than copied: the base weights are frozen, and a 30B MoE model then exists once on the device, not twice."""
     shards = hf_to_mcore_state_dict(hf_state_dict, spec.shape, tp=_tp_size(), rank=_tp_rank(), ep=_ep_size(),
                                     ep_rank=_ep_rank())
     params = dict(model.named_parameters())
@@ -274,7 +277,10 @@ def load_hf_weights(model, hf_state_dict: dict[str, torch.Tensor], spec: Megatro
         src = shards[name]
         if tuple(src.shape) != tuple(p.shape):
             raise ValueError(f"{name}: HF shard shape {tuple(src.shape)} != megatron {tuple(p.shape)}")
-        p.copy_(src.to(dtype=p.dtype))
+        if src.device == p.device and src.dtype == p.dtype and src.is_contiguous():
+            p.data = src
+        else:
+            p.copy_(src.to(dtype=p.dtype))
         p.requires_grad_(False)
 
 

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Qwen3-MoE LoRA training on H100s (bench/trainer_moe.py; issue 22's numbers go to docs/benchmarks.md).
+#   bash scripts/gpu/moe_bench.sh [CASE ...]
+#   default on 1 GPU: vs-peft fused          default on 2 GPUs: + ep2          default on 4+ GPUs: + ep2 ep4
+#     vs-peft  the truncated Qwen3-30B-A3B (24 of 48 layers), 8 x 2048 tokens, rank 32 on q,k,v,o and the experts,
+#              gradient checkpointing / full recomputation: transformers 5 experts_implementation="grouped_mm" +
+#              PEFT target_parameters, against the trainer with per-expert and with shared-outer adapters,
+#              alternated in one process on one GPU
+#     fused    the same shape, no PEFT: 8 fused shared-outer tenants (1 datum each) against 1 tenant (8 datums)
+#     ep2/ep4  the full 48 layers, experts over 2 / 4 GPUs (EP = world, TP 1), 8 x 2048 tokens per GPU: one
+#              per-expert tenant, then 8 fused shared-outer tenants (tokens/s per GPU, MFU on active params,
+#              memory per tenant slot, how many more slots fit)
+#     vs-peft-bf16  vs-peft with PEFT's loss on bf16 logits;  peft-alone  the PEFT loop by itself
+# Single-GPU cases run on GPU 0. A case that runs past CASE_TIMEOUT seconds (default 300) is stopped; what the others
+# measured still returns. Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh
+# as for scripts/gpu/trainer_vs_peft.sh). JSON + logs come back in $OUT as one tar, with summary.log beside it.
+set -uo pipefail
+FINAL=${OUT:-/tmp/out}
+OUT=$(mktemp -d /tmp/moe.XXXX)
+mkdir -p "$FINAL"
+finish() { tar czf "$FINAL/moe_bench.tgz" -C "$OUT" . ; cp "$OUT/summary.log" "$OUT/env.log" "$FINAL/" 2>/dev/null; }
+trap finish EXIT
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTHONPATH=.:/tmp/site
+WH=${WH:-.gpuwh}
+[ -d "$WH" ] || WH=../.gpuwh   # run from a copy of the tree inside the carried checkout
+install_parts() {  # DIR with parts/p* -> /tmp/site
+  local work; work=$(mktemp -d)
+  cat "$1"/parts/p* | tar xf - -C "$work" && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site "$work"/*.whl || { echo "install of $1 failed"; exit 3; }
+}
+[ -d /tmp/site/megatron ] || { install_parts "$WH/megatron"; install_parts "$WH/tvp_extra"; }
+GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, transformers, peft; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+  git log -1 --format='%h %s' 2>/dev/null || true
+} 2>&1 | tee -a "$OUT/env.log"
+summary() { tee -a "$OUT/summary.log"; }
+single() {  # label, then bench args: one process on GPU 0
+  local label=$1; shift
+  echo "== $label: $*" | summary
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "${CASE_TIMEOUT:-300}" python3 bench/trainer_moe.py --out "$OUT/$label.json" \
+    "$@" > "$OUT/$label.log" 2>&1
+  local rc=$?
+  grep -v -i -E "warn|^\s*$|^RESULT" "$OUT/$label.log" | tail -10 | summary
+  [ $rc -eq 0 ] || echo "exit code $rc" | summary
+  finish
+}
+ep() {  # label nproc, then bench args: one torchrun job on the first nproc GPUs
+  local label=$1 nproc=$2; shift 2
+  echo "== $label: $nproc GPUs, EP=$nproc $*" | summary
+  timeout -k 10 "${CASE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$nproc" bench/trainer_moe.py --mode ep \
+    --out "$OUT/$label.json" "$@" > "$OUT/$label.log" 2>&1
+  local rc=$?
+  grep -v -i -E "warn|^\s*$|^RESULT" "$OUT/$label.log" | grep -v "^\[rank" | tail -8 | summary
+  [ $rc -eq 0 ] || echo "exit code $rc" | summary
+  finish
+}
+default="vs-peft fused"
+[ "$GPUS" -ge 2 ] && default="$default ep2"
+[ "$GPUS" -ge 4 ] && default="$default ep4"
+for c in ${*:-$default}; do
+  case "$c" in
+    vs-peft) single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1,shared_outer:1 \
+               --rounds ${ROUNDS:-4} --warmup 1 ;;
+    # PEFT's own loss on bf16 logits (if its fp32 upcast of 16k x 152k logits runs out of memory beside the trainer).
+    vs-peft-bf16) single qwen3moe24_8x2048_vs_peft_bf16loss --shape qwen3-30b-a3b-24l \
+               --contenders per_expert:1,shared_outer:1 --peft-loss bf16 --rounds ${ROUNDS:-4} --warmup 1 ;;
+    peft-alone) single qwen3moe24_8x2048_peft_alone --shape qwen3-30b-a3b-24l --contenders "" --rounds 3 --warmup 1 ;;
+    fused) single qwen3moe24_8x2048_fused --shape qwen3-30b-a3b-24l --contenders shared_outer:1,shared_outer:8 \
+             --no-peft --rounds ${ROUNDS:-4} --warmup 1 ;;
+    ep2|ep4) n=${c#ep}
+             [ "$GPUS" -ge "$n" ] || { echo "== $c: needs $n GPUs, this machine has $GPUS" | summary; continue; }
+             ep qwen3moe48_ep${n}_per_expert_1t "$n" --shape qwen3-30b-a3b --contenders per_expert:1 \
+               --rounds ${ROUNDS:-3} --warmup 1
+             ep qwen3moe48_ep${n}_shared_outer_8t "$n" --shape qwen3-30b-a3b --contenders shared_outer:8 \
+               --rounds ${ROUNDS:-3} --warmup 1 ;;
+    *) echo "unknown case $c" | summary ;;
+  esac
+done
