@@ -138,7 +138,6 @@ def peft_contender(hf, ids, targets, rank: int, checkpointing: bool, lr: float, 
                                           target_parameters=[f"mlp.{t}" for t in EXPERTS]))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
     model.train()  # checkpointing applies in training mode only; every dropout of the config is 0
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,

@@ -8,9 +8,12 @@
 #              alternated in one process on one GPU
 #     fused    the same shape, no PEFT: 8 fused shared-outer tenants (1 datum each) against 1 tenant (8 datums)
 #     ep2/ep4  the full 48 layers, experts over 2 / 4 GPUs (EP = world, TP 1), 8 x 2048 tokens per GPU: one
-#              per-expert tenant, then 8 fused shared-outer tenants (tokens/s per GPU, MFU on active params,
-#              memory per tenant slot, how many more slots fit)
-#     vs-peft-bf16  vs-peft with PEFT's loss on bf16 logits;  peft-alone  the PEFT loop by itself
+#              per-expert tenant, then fused shared-outer tenants (4 on 2 GPUs, 8 on 4) (tokens/s per GPU, MFU on
+#              active params, memory per tenant slot, how many more slots fit)
+#   if vs-peft runs out of memory (PEFT's fp32 logits beside the trainer's slots):
+#     vs-peft-bf16  vs-peft with PEFT's loss on bf16 logits;  peft-alone  the PEFT loop by itself;
+#     trainer-alone  the trainer's contenders by themselves
+#     gpu-tests  tests/gpu/test_megatron_moe.py (bf16 MoE logits and expert LoRA against fp32 references)
 # Single-GPU cases run on GPU 0. A case that runs past CASE_TIMEOUT seconds (default 300) is stopped; what the others
 # measured still returns. Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh
 # as for scripts/gpu/trainer_vs_peft.sh). JSON + logs come back in $OUT as one tar, with summary.log beside it.
@@ -69,14 +72,19 @@ for c in ${*:-$default}; do
     vs-peft-bf16) single qwen3moe24_8x2048_vs_peft_bf16loss --shape qwen3-30b-a3b-24l \
                --contenders per_expert:1,shared_outer:1 --peft-loss bf16 --rounds ${ROUNDS:-4} --warmup 1 ;;
     peft-alone) single qwen3moe24_8x2048_peft_alone --shape qwen3-30b-a3b-24l --contenders "" --rounds 3 --warmup 1 ;;
+    trainer-alone) single qwen3moe24_8x2048_trainer_alone --shape qwen3-30b-a3b-24l \
+               --contenders per_expert:1,shared_outer:1 --no-peft --rounds ${ROUNDS:-4} --warmup 1 ;;
     fused) single qwen3moe24_8x2048_fused --shape qwen3-30b-a3b-24l --contenders shared_outer:1,shared_outer:8 \
              --no-peft --rounds ${ROUNDS:-4} --warmup 1 ;;
     ep2|ep4) n=${c#ep}
              [ "$GPUS" -ge "$n" ] || { echo "== $c: needs $n GPUs, this machine has $GPUS" | summary; continue; }
              ep qwen3moe48_ep${n}_per_expert_1t "$n" --shape qwen3-30b-a3b --contenders per_expert:1 \
                --rounds ${ROUNDS:-3} --warmup 1
-             ep qwen3moe48_ep${n}_shared_outer_8t "$n" --shape qwen3-30b-a3b --contenders shared_outer:8 \
+             ep qwen3moe48_ep${n}_shared_outer_$((2 * n))t "$n" --shape qwen3-30b-a3b --contenders shared_outer:$((2 * n)) \
                --rounds ${ROUNDS:-3} --warmup 1 ;;
+    gpu-tests) CUDA_VISIBLE_DEVICES=0 timeout -k 10 "${CASE_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_megatron_moe.py -m gpu \
+                 -o addopts="" --noconftest -p no:cacheprovider -q -rA 2>&1 | tee -a "$OUT/gpu_tests.log" \
+                 | grep -E "PASSED|FAILED|ERROR|passed|failed|measured" | summary ;;
     *) echo "unknown case $c" | summary ;;
   esac
 done
