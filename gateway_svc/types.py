@@ -12,6 +12,10 @@ class DatumIn:
     weights: list[float] | None = None
     logprobs: list[float] | None = None
     advantages: list[float] | None = None
+    sequence_ratio_mask: list[float] | None = None
+    # Provenance (Tinker's Datum.model_input_spans / loss_fn_input_spans), gateway_svc.stability.Span runs.
+    input_spans: list | None = None
+    target_spans: list | None = None
 
 
 @dataclass
@@ -67,6 +71,10 @@ class SampleResult:
     sequences: list[SampledSeq]
     prompt_logprobs: list[float] | None
     served_version: int
+    # Top-k prompt logprobs, dense row-major (len(prompt), topk_k); empty cells token 0 / logprob -99999.
+    topk_k: int = 0
+    topk_token_ids: list[int] = field(default_factory=list)
+    topk_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass

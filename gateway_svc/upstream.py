@@ -58,6 +58,8 @@ def _datum(d: DatumIn) -> trainer_pb2.Datum:
         out.logprobs.extend(d.logprobs)
     if d.advantages is not None:
         out.advantages.extend(d.advantages)
+    if d.sequence_ratio_mask is not None:
+        out.sequence_ratio_mask.extend(d.sequence_ratio_mask)
     return out
 
 
@@ -256,17 +258,29 @@ class Upstream:
         return adapter_ref(adapter, version=version, alias=alias) if adapter else common_pb2.AdapterRef()
 
     async def sample(self, adapter: str, version: int, prompt: list[int], num_samples: int, spec: SamplingSpec,
-                     prompt_logprobs: bool, alias: str = "") -> SampleResult:
+                     prompt_logprobs: bool, alias: str = "", topk_prompt_logprobs: int = 0,
+                     prompt_logprobs_last_n: int = 0) -> SampleResult:
         reply = await self._call("sampler", f"Sample {adapter or '<base>'}@{version or alias or 'latest'}",
                                  lambda: self.sampler.Sample(sampler_pb2.SampleRequest(
                                      adapter=self._ref(adapter, version, alias), prompt_tokens=prompt,
                                      num_samples=num_samples, sampling_params=_sampling_params(spec),
-                                     include_prompt_logprobs=prompt_logprobs), timeout=self.timeout))
+                                     include_prompt_logprobs=prompt_logprobs,
+                                     topk_prompt_logprobs=topk_prompt_logprobs,
+                                     prompt_logprobs_last_n=prompt_logprobs_last_n), timeout=self.timeout))
         return SampleResult(
             sequences=[SampledSeq(list(s.tokens), list(s.logprobs), _FINISH.get(s.finish_reason, "length"))
                        for s in reply.sequences],
             prompt_logprobs=list(reply.prompt_logprobs) if prompt_logprobs else None,
-            served_version=reply.served_version)
+            served_version=reply.served_version, topk_k=reply.topk_prompt_k,
+            topk_token_ids=list(reply.topk_prompt_token_ids), topk_logprobs=list(reply.topk_prompt_logprobs))
+
+    async def sampler_engine(self) -> str:
+        """The sampler's engine ("torch" | "sglang"), asked once (recorded with every stability record)."""
+        if not getattr(self, "_engine", ""):
+            reply = await self._call("sampler", "GetStatus", lambda: self.sampler.GetStatus(
+                sampler_pb2.GetStatusRequest(), timeout=60))
+            self._engine = reply.engine
+        return self._engine
 
     async def sample_stream(self, adapter: str, version: int, prompt: list[int], num_samples: int,
                             spec: SamplingSpec, alias: str = "") -> AsyncIterator[StreamDelta]:
