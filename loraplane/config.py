@@ -55,6 +55,15 @@ class Settings(BaseSettings):
     trainer_heartbeat_ttl_s: float = 10.0
     # The address clients reach this trainer at, when it is not the one it listens on (containers, NAT).
     trainer_advertise_address: str = ""
+    # A sampler fleet (docs/architecture.md, "Sampler fleet"): samplers with the same fleet name serve one base model
+    # and clients spread adapters over them by affinity with bounded load; sampler_id names the replica (and its
+    # persisted watch state: keep it across restarts). Needs redis_url. The TTL only bounds how long a dead replica
+    # stays listed: clients route around it at its first failed call.
+    sampler_fleet: str = ""
+    sampler_id: str = "sampler-0"
+    sampler_heartbeat_ttl_s: float = 3.0
+    # The address clients reach this sampler at, when it is not the one it listens on (containers, NAT).
+    sampler_advertise_address: str = ""
     checkpoint_every_steps: int = 50
     checkpoint_every_s: float = 300.0
 
