@@ -81,7 +81,8 @@ async def start_trainer_server(
     **limits,
 ) -> RunningTrainer:
     """Loads the base model (in a thread: it takes a while for real models) and serves TrainerService.
-    `service_class` lets a backend that owns its adapter tensors (megatron) bring its TrainerService subclass.
+    Every backend runs behind the same TrainerService (a backend that owns its adapter tensors says so through
+    the backend interface); `service_class` remains for tests that wrap the service.
     With a journal (the default whenever `settings.redis_url` is set) the trainer first recovers every adapter it
     had before a crash, and only then starts serving. With `settings.trainer_fleet` it is one member of that fleet
     (trainer_svc/fleet.py): it recovers the adapters still placed on it and takes part in placement and failover."""

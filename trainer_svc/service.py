@@ -180,8 +180,12 @@ class TrainerService:
         description = backend.description
         self.max_context_length = (min(self.limits.max_context_length, description.max_context_length)
                                    if self.limits.max_context_length else description.max_context_length)
-        self.pool = AdapterPool(backend.device, self.limits.device_slots, self.limits.max_adapters,
-                                self.limits.device_memory_bytes)
+        if backend.owns_adapter_tensors:
+            # Host bookkeeping only: the backend holds the tensors and its own device residency (base.py).
+            self.pool = AdapterPool(torch.device("cpu"), self.limits.max_adapters, self.limits.max_adapters)
+        else:
+            self.pool = AdapterPool(backend.device, self.limits.device_slots, self.limits.max_adapters,
+                                    self.limits.device_memory_bytes)
         self.scheduler = Scheduler(
             self._execute,
             gap_timeout_s=self.limits.gap_timeout_s,
@@ -307,6 +311,7 @@ class TrainerService:
         if local:
             self.scheduler.close_lane(name, f"adapter {name!r} was deleted")
             await self._on_worker(lambda: self.pool.remove(name))
+            await self._on_worker(lambda: self.backend.delete_adapter(name))
             self._uids.pop(name, None)
             self._recent_entries.pop(name, None)
             self._checkpoint_marks.pop(name, None)
@@ -334,9 +339,11 @@ class TrainerService:
         return infos, next_token
 
     def _info(self, state: AdapterState) -> AdapterInfo:
+        resident = self.backend.is_resident(state.name)
         return AdapterInfo(name=state.name, spec=state.spec, base_model=state.base_model, step=state.step,
                            last_seq_id=self.scheduler.last_seq_id(state.name) if state.name in self._uids else 0,
-                           resident=state.resident, parameter_count=state.parameter_count,
+                           resident=state.resident if resident is None else resident,
+                           parameter_count=state.parameter_count,
                            weights_dtype=self._weights_dtype(state.name))
 
     def info(self) -> dict:
@@ -461,6 +468,7 @@ class TrainerService:
 
     # ---------------------------------------------------------------- worker side
     def _execute(self, jobs: list[Job]) -> list:
+        self._prefetch_next({job.adapter for job in jobs})
         if self.fleet is not None:
             refused = self.fleet.refusals(jobs)  # adapters this fleet member stopped serving: ADAPTER_MOVED
             if any(refused):
@@ -574,13 +582,23 @@ class TrainerService:
         return ExportedBlob(blob=StreamedBlob(writer.size, writer.chunks(CHUNK_BYTES)), step=state.step,
                             idempotency_key=self._idempotency_key(job), seq_id=job.seq_id)
 
+    def _prefetch_next(self, current: set[str]) -> None:
+        """Worker side: asks the backend to start bringing the adapter the scheduler will most likely run next to
+        the device, overlapping this batch (a hint: the batch activates what it needs)."""
+        if not self.backend.owns_adapter_tensors:
+            return  # the pool's own residency: activated per batch
+        following = self.scheduler.peek_next(exclude=current)
+        if following is not None and not self.backend.is_resident(following):
+            try:
+                self.backend.prefetch(following, protect=tuple(current))
+            except Exception:  # only a hint
+                log.debug("prefetch of %s skipped", following, exc_info=True)
+
     def _training_state(self, state: AdapterState) -> TrainingState:
         """Host copies of the adapter's params, moments and step (copies: training goes on while they are saved)."""
-        return TrainingState(
-            params=self.backend.export_params(state),
-            exp_avg={k: v.detach().to("cpu", copy=True) for k, v in state.exp_avg.items()},
-            exp_avg_sq={k: v.detach().to("cpu", copy=True) for k, v in state.exp_avg_sq.items()},
-            step=state.step, spec=state.spec, base_model_name=state.base_model)
+        params, exp_avg, exp_avg_sq, step = self.backend.export_training_state(state)
+        return TrainingState(params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, spec=state.spec,
+                             base_model_name=state.base_model)
 
     def _run_save_state(self, job: Job) -> ExportedBlob:
         training = self._training_state(self.pool.get(job.adapter))
@@ -636,6 +654,7 @@ class TrainerService:
         """Worker side: replaces the adapter's tensors and step (LoadState, recovery from a checkpoint)."""
         self.pool.replace_tensors(state, params, exp_avg, exp_avg_sq)
         state.step = step
+        self.backend.load_training_state(state, state.params, state.exp_avg, state.exp_avg_sq, state.step)
 
     async def _download_state(self, source: SourceRef) -> tuple[int, TrainingState]:
         version = source.version

@@ -117,5 +117,41 @@ class TrainerBackend(ABC):
         """Host fp32 copies of the params in PEFT layout (device -> host, no disk)."""
         return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in state.params.items()}
 
+    # -- adapters whose tensors the backend owns ------------------------------------------------------------------
+    #
+    # The service keeps every adapter in its AdapterPool. By default the pool's AdapterState tensors ARE the
+    # adapter's (the torch backend trains them in place, the pool spills them to pinned host memory). A backend
+    # that keeps the trained tensors itself (megatron: sharded flat device buffers, its own residency over its
+    # device slots) says so with ``owns_adapter_tensors``: the pool then holds host bookkeeping only (names, spec,
+    # step, the fresh params an adapter was created with) and the service reads and writes tensors, residency and
+    # deletion through the methods below, whose defaults are right for a backend that does not own them.
+
+    owns_adapter_tensors: bool = False
+
+    def is_resident(self, name: str) -> bool | None:
+        """Whether the adapter's tensors are on the device now; None: the service's pool knows."""
+        return None
+
+    def prefetch(self, name: str, protect: tuple[str, ...] = ()) -> None:
+        """A hint (worker thread): the adapter is likely in the next batch; start bringing it to the device without
+        evicting ``protect``."""
+        return
+
+    def delete_adapter(self, name: str) -> None:
+        """Worker thread: the adapter is gone; drop whatever the backend holds of it."""
+        return
+
+    def export_training_state(self, state: AdapterState) -> tuple[dict, dict, dict, int]:
+        """Host copies (training goes on while they are saved) of (params, exp_avg, exp_avg_sq, step)."""
+        return (self.export_params(state),
+                {k: v.detach().to("cpu", copy=True) for k, v in state.exp_avg.items()},
+                {k: v.detach().to("cpu", copy=True) for k, v in state.exp_avg_sq.items()},
+                state.step)
+
+    def load_training_state(self, state: AdapterState, params, exp_avg, exp_avg_sq, step: int) -> None:
+        """Worker thread, after the service installed these tensors and step in the pool's state (LoadState,
+        recovery): a backend that owns the tensors takes them over."""
+        return
+
     def close(self) -> None:
         return None

@@ -131,6 +131,9 @@ class Driver:
 
 class MegatronBackend(TrainerBackend):
     name = "megatron"
+    # The adapters' tensors live in the engine's sharded pool: the shared service keeps host bookkeeping only and
+    # goes through export/load_training_state, is_resident, prefetch and delete_adapter (base.TrainerBackend).
+    owns_adapter_tensors = True
 
     def __init__(self, base_model: str | BaseModel = "smollm2-135m-instruct", *, tensor_parallel_size: int = 1,
                  expert_parallel_size: int = 1, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,

@@ -72,14 +72,12 @@ def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size:
 
 async def start_megatron_trainer_server(settings, *, backend, registry_address: str, host: str = "127.0.0.1",
                                        port: int = 0, **limits):
-    """`trainer_svc.server.start_trainer_server` with :class:`.service.MegatronTrainerService` (the adapter tensors
-    live in the backend's engine)."""
+    """`trainer_svc.server.start_trainer_server` for the megatron backend (the one shared service: the backend
+    owns its adapter tensors through the backend interface, trainer_svc/backends/base.py)."""
     from trainer_svc.server import start_trainer_server
 
-    from .service import MegatronTrainerService
-
     return await start_trainer_server(settings, backend=backend, registry_address=registry_address, host=host,
-                                      port=port, service_class=MegatronTrainerService, **limits)
+                                      port=port, **limits)
 
 
 async def serve_rank0(args, engine) -> None:
