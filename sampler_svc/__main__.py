@@ -18,8 +18,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="host:port of the adapter registry (LORAPLANE_REGISTRY_ADDRESS)")
     parser.add_argument("--base-model", default=settings.base_model)
     parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
-    parser.add_argument("--instance-id", default="sampler-0",
-                        help="names this sampler's persisted watch cursor; reuse it across restarts")
+    parser.add_argument("--instance-id", default=settings.sampler_id,
+                        help="names this sampler (its replica id in a fleet) and its persisted watch cursor; reuse it "
+                             "across restarts (LORAPLANE_SAMPLER_ID)")
+    parser.add_argument("--fleet", default=settings.sampler_fleet,
+                        help="join this sampler fleet: replicas serving one base model, chosen per adapter by the "
+                             "clients (LORAPLANE_SAMPLER_FLEET)")
     parser.add_argument("--keep-versions", type=int, default=2)
     parser.add_argument("--max-loaded", type=int, default=DEFAULT_MAX_LOADED)
     parser.add_argument("--max-batch-rows", type=int, default=16)
@@ -48,7 +52,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--registry-address (or LORAPLANE_REGISTRY_ADDRESS) is required")
     sampler = await start_sampler_server(
         settings, registry_address=args.registry_address, base_model=args.base_model, engine=args.engine,
-        instance_id=args.instance_id, keep_versions=args.keep_versions, max_loaded=args.max_loaded,
+        instance_id=args.instance_id, fleet=args.fleet, keep_versions=args.keep_versions, max_loaded=args.max_loaded,
         host=args.host, port=args.port, watch_prefix=args.watch_prefix, sglang_urls=args.sglang_url,
         sglang_launch=args.sglang_launch, max_batch_rows=args.max_batch_rows,
         sglang_options={"max_lora_rank": args.sglang_max_lora_rank,

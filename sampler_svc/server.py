@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraplane import errors
 from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
+from loraplane.membership import Membership
 from loraplane.metrics import register_source, unregister_source
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
@@ -15,6 +17,7 @@ from loraplane.tracing import setup_tracing
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
 from sampler_svc.adapter_manager import AdapterManager
 from sampler_svc.engines.base import Engine
+from sampler_svc.fleet import SamplerFleetMember
 from sampler_svc.service import SamplerService
 from sampler_svc.servicer import SamplerServicer
 
@@ -32,6 +35,7 @@ class RunningSampler:
     settings: Settings
     registry_address: str
     metrics_source: int | None = None
+    fleet: SamplerFleetMember | None = None
 
     @property
     def address(self) -> str:
@@ -39,6 +43,8 @@ class RunningSampler:
 
     async def stop(self) -> None:
         unregister_source(self.metrics_source)
+        if self.fleet is not None:  # out of the replica list first, so clients' next refresh leaves it out
+            await self.fleet.stop()
         await self.server.stop(grace=1.0)
         await self.manager.stop()
         await self.engine.stop()
@@ -65,7 +71,8 @@ async def start_sampler_server(
     registry_address: str,
     base_model: str = "tiny",
     engine: str | Engine = "torch",
-    instance_id: str = "sampler-0",
+    instance_id: str | None = None,
+    fleet: str | None = None,
     keep_versions: int = 2,
     max_loaded: int = DEFAULT_MAX_LOADED,
     host: str = "127.0.0.1",
@@ -77,7 +84,14 @@ async def start_sampler_server(
     sglang_options: dict | None = None,
 ) -> RunningSampler:
     """Starts the engine, the adapter manager (which restores its persisted state and follows the registry) and
-    the gRPC server. `sglang_options` are extra SGLangEngine keyword arguments (max_lora_rank, ...)."""
+    the gRPC server. `sglang_options` are extra SGLangEngine keyword arguments (max_lora_rank, ...). `instance_id`
+    (default settings.sampler_id) names the replica and its persisted state; with `fleet` (default
+    settings.sampler_fleet) it heartbeats into that sampler fleet (sampler_svc/fleet.py)."""
+    instance_id = instance_id or settings.sampler_id
+    fleet_name = settings.sampler_fleet if fleet is None else fleet
+    if fleet_name and not settings.redis_url:
+        raise errors.FailedPrecondition("a sampler fleet needs Redis for its membership: set LORAPLANE_REDIS_URL",
+                                        field="sampler_fleet")
     engine_impl = engine if isinstance(engine, Engine) else build_engine(
         engine, base_model, settings, sglang_urls=sglang_urls, sglang_launch=sglang_launch,
         max_batch_rows=max_batch_rows, sglang_options=sglang_options)
@@ -93,16 +107,31 @@ async def start_sampler_server(
                         security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
     sampler_pb2_grpc.add_SamplerServiceServicer_to_server(SamplerServicer(service), server.server)
     server.add_service(SERVICE_NAME)
+    service.replica_id = instance_id
+    member = None
     try:
         await manager.start()
         await server.start()
+        service.address = settings.sampler_advertise_address or server.address
+        if fleet_name:
+            member = SamplerFleetMember(service, Membership(settings.redis_url, key_prefix=settings.key_prefix,
+                                                            fleet=fleet_name),
+                                        instance_id, ttl_s=settings.sampler_heartbeat_ttl_s)
+            service.fleet = member
+            member.address = service.address
+            await member.tick()  # listed before the first client asks
+            member.start(service.address)
     except BaseException:
+        if member is not None:
+            await member.stop()
+            with contextlib.suppress(Exception):
+                await server.stop(grace=0)
         await manager.stop()
         await engine_impl.stop()
         await registry.close()
         raise
     running = RunningSampler(server=server, engine=engine_impl, manager=manager, service=service,
-                             registry=registry, settings=settings, registry_address=registry_address)
+                             registry=registry, settings=settings, registry_address=registry_address, fleet=member)
     running.metrics_source = register_source("sampler", server.address, {
         "loraplane_sampler_loaded_versions": ("Adapter versions loaded in the engine",
                                               lambda: len(manager.list_loaded())),

@@ -7,16 +7,18 @@ status codes by `loraplane.rpc`.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from loraplane import errors
 from loraplane.auth import OPEN, Identity, TenantCounter
 from loraplane.fields import validate_name
 from sampler_svc.adapter_manager import AdapterManager, LoadedVersion
+from sampler_svc.fleet import Replica
 from sampler_svc.engines.base import (
     DEFAULT_MAX_TOKENS,
     Engine,
@@ -104,6 +106,21 @@ class SamplerService:
         self.manager = manager
         self.max_num_samples = max_num_samples
         self._samples = TenantCounter("max_concurrent_samples")
+        # Requests being served (Sample, SampleStream, ComputeLogprobs): the load a fleet replica reports.
+        self.in_flight = 0
+        # Who this sampler is to clients: its replica id and address, and its fleet (sampler_svc.fleet) if any.
+        self.replica_id = ""
+        self.address = ""
+        self.fleet = None
+
+    @contextlib.contextmanager
+    def _serving(self, caller: Identity) -> Iterator[None]:
+        with self._samples.hold(caller):
+            self.in_flight += 1
+            try:
+                yield
+            finally:
+                self.in_flight -= 1
 
     # ------------------------------------------------------------------ validation
 
@@ -218,7 +235,7 @@ class SamplerService:
         _authorize(caller, selector)
         request = self._generation_request(selector, prompt, num_samples, params, include_prompt_logprobs,
                                            topk_prompt_logprobs, prompt_logprobs_last_n)
-        with self._samples.hold(caller):
+        with self._serving(caller):
             return await self._sample(selector, request)
 
     async def _sample(self, selector: AdapterSelector, request: GenerationRequest) -> SampleResult:
@@ -244,7 +261,7 @@ class SamplerService:
                             params: SamplingInput, *, caller: Identity = OPEN) -> AsyncIterator[StreamChunk]:
         _authorize(caller, selector)
         request = self._generation_request(selector, prompt, num_samples, params, False)
-        with self._samples.hold(caller):
+        with self._serving(caller):
             async for chunk in self._sample_stream(selector, request):
                 yield chunk
 
@@ -266,7 +283,7 @@ class SamplerService:
         self._check_adapter(selector)
         _authorize(caller, selector)
         self._check_tokens(tokens, "tokens")
-        with self._samples.hold(caller):
+        with self._serving(caller):
             async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
                 values = await self.engine.compute_logprobs([int(t) for t in tokens], lease.adapter_key)
                 return values, lease.version
@@ -310,6 +327,33 @@ class SamplerService:
             watch_cursor=self.manager.cursor, registry_connected=self.manager.registry_connected,
             keep_versions=self.manager.keep_versions, max_loaded=self.manager.max_loaded,
             engine_servers=self.engine.server_urls if caller.scope is None else [])
+
+
+    def list_replicas(self, page_size: int, page_token: str, *, caller: Identity = OPEN
+                      ) -> tuple[list[Replica], str]:
+        """The fleet's live replicas (this sampler alone outside a fleet). Replica addresses and loads are the
+        operator's: a caller confined to a tenant's namespace gets an empty list (docs/security.md) and keeps
+        calling the address it was given, which serves every adapter as well."""
+        if page_size < 0:
+            raise errors.InvalidArgument(f"page_size must be >= 0, got {page_size}", field="page_size")
+        page_size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = ""
+        if page_token:
+            try:
+                after = base64.urlsafe_b64decode(page_token.encode()).decode()
+            except (ValueError, UnicodeDecodeError):
+                raise errors.InvalidArgument("page_token is malformed; pass a next_page_token unchanged",
+                                             field="page_token") from None
+        if caller.scope is not None:
+            return [], ""
+        if self.fleet is not None:
+            replicas = self.fleet.replicas()
+        else:
+            replicas = [Replica(self.replica_id, self.address, self.in_flight, len(self.manager.list_loaded()))]
+        replicas = [r for r in replicas if r.replica_id > after]
+        page = replicas[:page_size]
+        token = base64.urlsafe_b64encode(page[-1].replica_id.encode()).decode() if len(replicas) > page_size else ""
+        return page, token
 
 
 def _authorize(caller: Identity, selector: AdapterSelector) -> None:

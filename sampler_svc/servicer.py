@@ -133,3 +133,15 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             queue_depth=status.queue_depth, running_requests=status.running_requests,
             watch_cursor=status.watch_cursor, registry_connected=status.registry_connected,
             keep_versions=status.keep_versions, max_loaded=status.max_loaded, engine_servers=status.engine_servers)
+
+    async def ListReplicas(self, request: sampler_pb2.ListReplicasRequest,
+                           context) -> sampler_pb2.ListReplicasResponse:
+        page, token = self.service.list_replicas(request.page_size, request.page_token, caller=current_caller())
+        shown = bool(page) or current_caller().scope is None
+        return sampler_pb2.ListReplicasResponse(
+            replicas=[sampler_pb2.SamplerReplica(
+                replica_id=r.replica_id, address=r.address, in_flight=max(r.in_flight, 0),
+                loaded_versions=r.loaded_versions, heartbeat_time=_timestamp(r.heartbeat_at) if r.heartbeat_at
+                else None) for r in page],
+            next_page_token=token, fleet=self.service.fleet.fleet if self.service.fleet and shown else "",
+            replica_id=self.service.replica_id if shown else "")

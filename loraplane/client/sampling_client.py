@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplane.client._runtime import RetryConfig, call_with_retry, runtime
+from loraplane.client._runtime import RetryConfig, runtime
 from loraplane.client.futures import APIFuture
+from loraplane.client.sampler_routing import routed_call
 from loraplane.client.tokenizer import fetch_tokenizer
 from loraplane.client.types import (
     SampleResponse,
@@ -15,12 +16,14 @@ from loraplane.client.types import (
     as_model_input,
     format_path,
 )
-from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+from loraplane.v1 import sampler_pb2
 
 
 class SamplingClient:
     """Immutable and picklable: (sampler address, adapter, version or alias). An empty adapter is the base model;
-    version 0 with no alias follows the adapter's latest loaded version.
+    version 0 with no alias follows the adapter's latest loaded version. The address may be any replica of a sampler
+    fleet: calls go to the adapter's replica by affinity with bounded load, and on at once to another if that one
+    is gone (loraplane/client/sampler_routing.py).
 
     `sample` returns an APIFuture; `sample_async` is a coroutine that returns the SampleResponse itself (Tinker's
     sampling convention)."""
@@ -52,9 +55,6 @@ class SamplingClient:
     def path(self) -> str:
         return format_path(self.adapter, self.version, self.alias) if self.adapter else ""
 
-    def _stub(self) -> sampler_pb2_grpc.SamplerServiceStub:
-        return sampler_pb2_grpc.SamplerServiceStub(runtime().channel(self.sampler_address))
-
     def _ref(self):
         return adapter_ref(self.adapter, self.version, self.alias)
 
@@ -78,9 +78,7 @@ class SamplingClient:
                                          prompt_logprobs_last_n=prompt_logprobs_last_n or 0)
 
     async def _sample(self, request: sampler_pb2.SampleRequest) -> SampleResponse:
-        stub = self._stub()
-        reply = await call_with_retry(lambda timeout: stub.Sample(request, timeout=timeout), self.retry,
-                                      method="Sample", address=self.sampler_address)
+        reply = await routed_call(self.sampler_address, self.adapter, "Sample", request, self.retry)
         return SampleResponse.from_proto(reply)
 
     def sample(self, prompt, num_samples: int = 1, sampling_params: SamplingParams | None = None,
@@ -102,9 +100,7 @@ class SamplingClient:
     # ---- logprobs -------------------------------------------------------------------------------------------
 
     async def _compute_logprobs(self, request: sampler_pb2.ComputeLogprobsRequest) -> list[float | None]:
-        stub = self._stub()
-        reply = await call_with_retry(lambda timeout: stub.ComputeLogprobs(request, timeout=timeout), self.retry,
-                                      method="ComputeLogprobs", address=self.sampler_address)
+        reply = await routed_call(self.sampler_address, self.adapter, "ComputeLogprobs", request, self.retry)
         return _prompt_logprobs(reply.logprobs)
 
     def compute_logprobs(self, prompt) -> APIFuture[list[float | None]]:

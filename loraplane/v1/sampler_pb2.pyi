@@ -463,3 +463,81 @@ class GetStatusResponse(google.protobuf.message.Message):
     def ClearField(self, field_name: typing.Literal["base_model", b"base_model", "engine", b"engine", "engine_servers", b"engine_servers", "keep_versions", b"keep_versions", "loaded", b"loaded", "max_loaded", b"max_loaded", "queue_depth", b"queue_depth", "registry_connected", b"registry_connected", "running_requests", b"running_requests", "watch_cursor", b"watch_cursor"]) -> None: ...
 
 global___GetStatusResponse = GetStatusResponse
+
+@typing.final
+class ListReplicasRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: builtins.int
+    page_size: builtins.int
+    page_token: builtins.str
+    def __init__(
+        self,
+        *,
+        page_size: builtins.int = ...,
+        page_token: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["page_size", b"page_size", "page_token", b"page_token"]) -> None: ...
+
+global___ListReplicasRequest = ListReplicasRequest
+
+@typing.final
+class SamplerReplica(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: builtins.int
+    ADDRESS_FIELD_NUMBER: builtins.int
+    IN_FLIGHT_FIELD_NUMBER: builtins.int
+    LOADED_VERSIONS_FIELD_NUMBER: builtins.int
+    HEARTBEAT_TIME_FIELD_NUMBER: builtins.int
+    replica_id: builtins.str
+    address: builtins.str
+    """host:port clients reach it at."""
+    in_flight: builtins.int
+    """Sample / SampleStream / ComputeLogprobs requests it is serving now, as of its last heartbeat."""
+    loaded_versions: builtins.int
+    """Adapter versions loaded in its engine."""
+    @property
+    def heartbeat_time(self) -> google.protobuf.timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        replica_id: builtins.str = ...,
+        address: builtins.str = ...,
+        in_flight: builtins.int = ...,
+        loaded_versions: builtins.int = ...,
+        heartbeat_time: google.protobuf.timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    def HasField(self, field_name: typing.Literal["heartbeat_time", b"heartbeat_time"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["address", b"address", "heartbeat_time", b"heartbeat_time", "in_flight", b"in_flight", "loaded_versions", b"loaded_versions", "replica_id", b"replica_id"]) -> None: ...
+
+global___SamplerReplica = SamplerReplica
+
+@typing.final
+class ListReplicasResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    REPLICAS_FIELD_NUMBER: builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: builtins.int
+    FLEET_FIELD_NUMBER: builtins.int
+    REPLICA_ID_FIELD_NUMBER: builtins.int
+    next_page_token: builtins.str
+    fleet: builtins.str
+    """The fleet's name ("" for a sampler outside a fleet) and the replica that answered."""
+    replica_id: builtins.str
+    @property
+    def replicas(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___SamplerReplica]:
+        """Sorted by replica_id. A sampler outside a fleet lists itself alone."""
+
+    def __init__(
+        self,
+        *,
+        replicas: collections.abc.Iterable[global___SamplerReplica] | None = ...,
+        next_page_token: builtins.str = ...,
+        fleet: builtins.str = ...,
+        replica_id: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["fleet", b"fleet", "next_page_token", b"next_page_token", "replica_id", b"replica_id", "replicas", b"replicas"]) -> None: ...
+
+global___ListReplicasResponse = ListReplicasResponse

@@ -70,6 +70,11 @@ class SamplerServiceStub(object):
                 request_serializer=loraplane_dot_v1_dot_sampler__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=loraplane_dot_v1_dot_sampler__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/loraplane.v1.SamplerService/ListReplicas',
+                request_serializer=loraplane_dot_v1_dot_sampler__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_sampler__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class SamplerServiceServicer(object):
@@ -121,6 +126,16 @@ class SamplerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReplicas(self, request, context):
+        """The live replicas of this sampler's fleet (several samplers serving one base model; docs/architecture.md,
+        "Sampler fleet"), from any replica: clients route each adapter to a replica by bounded-load consistent hashing
+        over this list. Shown only to callers not confined to a tenant's namespace (admin and service keys, or a
+        server without auth); a tenant's key gets an empty list and keeps calling the address it was given.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +173,11 @@ def add_SamplerServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=loraplane_dot_v1_dot_sampler__pb2.GetStatusRequest.FromString,
                     response_serializer=loraplane_dot_v1_dot_sampler__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=loraplane_dot_v1_dot_sampler__pb2.ListReplicasRequest.FromString,
+                    response_serializer=loraplane_dot_v1_dot_sampler__pb2.ListReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +370,33 @@ class SamplerService(object):
             '/loraplane.v1.SamplerService/GetStatus',
             loraplane_dot_v1_dot_sampler__pb2.GetStatusRequest.SerializeToString,
             loraplane_dot_v1_dot_sampler__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.SamplerService/ListReplicas',
+            loraplane_dot_v1_dot_sampler__pb2.ListReplicasRequest.SerializeToString,
+            loraplane_dot_v1_dot_sampler__pb2.ListReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,16 @@ class SamplerServiceStub:
         loraplane.v1.sampler_pb2.GetStatusResponse,
     ]
 
+    ListReplicas: grpc.UnaryUnaryMultiCallable[
+        loraplane.v1.sampler_pb2.ListReplicasRequest,
+        loraplane.v1.sampler_pb2.ListReplicasResponse,
+    ]
+    """The live replicas of this sampler's fleet (several samplers serving one base model; docs/architecture.md,
+    "Sampler fleet"), from any replica: clients route each adapter to a replica by bounded-load consistent hashing
+    over this list. Shown only to callers not confined to a tenant's namespace (admin and service keys, or a
+    server without auth); a tenant's key gets an empty list and keeps calling the address it was given.
+    """
+
 class SamplerServiceAsyncStub:
     """Samples from the base model or any loaded adapter version. Versions arrive from the registry's event stream."""
 
@@ -99,6 +109,16 @@ class SamplerServiceAsyncStub:
         loraplane.v1.sampler_pb2.GetStatusRequest,
         loraplane.v1.sampler_pb2.GetStatusResponse,
     ]
+
+    ListReplicas: grpc.aio.UnaryUnaryMultiCallable[
+        loraplane.v1.sampler_pb2.ListReplicasRequest,
+        loraplane.v1.sampler_pb2.ListReplicasResponse,
+    ]
+    """The live replicas of this sampler's fleet (several samplers serving one base model; docs/architecture.md,
+    "Sampler fleet"), from any replica: clients route each adapter to a replica by bounded-load consistent hashing
+    over this list. Shown only to callers not confined to a tenant's namespace (admin and service keys, or a
+    server without auth); a tenant's key gets an empty list and keeps calling the address it was given.
+    """
 
 class SamplerServiceServicer(metaclass=abc.ABCMeta):
     """Samples from the base model or any loaded adapter version. Versions arrive from the registry's event stream."""
@@ -154,5 +174,17 @@ class SamplerServiceServicer(metaclass=abc.ABCMeta):
         request: loraplane.v1.sampler_pb2.GetStatusRequest,
         context: _ServicerContext,
     ) -> typing.Union[loraplane.v1.sampler_pb2.GetStatusResponse, collections.abc.Awaitable[loraplane.v1.sampler_pb2.GetStatusResponse]]: ...
+
+    @abc.abstractmethod
+    def ListReplicas(
+        self,
+        request: loraplane.v1.sampler_pb2.ListReplicasRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[loraplane.v1.sampler_pb2.ListReplicasResponse, collections.abc.Awaitable[loraplane.v1.sampler_pb2.ListReplicasResponse]]:
+        """The live replicas of this sampler's fleet (several samplers serving one base model; docs/architecture.md,
+        "Sampler fleet"), from any replica: clients route each adapter to a replica by bounded-load consistent hashing
+        over this list. Shown only to callers not confined to a tenant's namespace (admin and service keys, or a
+        server without auth); a tenant's key gets an empty list and keeps calling the address it was given.
+        """
 
 def add_SamplerServiceServicer_to_server(servicer: SamplerServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

@@ -184,6 +184,8 @@ CASES: dict[str, list[Case]] = {
     S + "UnloadAdapter": [Case(lambda x, c: sampler_pb2.UnloadAdapterRequest(adapter=x["reg"], version=1),
                                owner=owner_unload)],
     S + "GetStatus": [Case(lambda x, c: sampler_pb2.GetStatusRequest(), "own")],
+    # Replica addresses and loads are the operator's: a tenant gets an empty list (test_list_replicas_... below).
+    S + "ListReplicas": [Case(lambda x, c: sampler_pb2.ListReplicasRequest(), "own")],
 }
 
 if hasattr(trainer_pb2, "ResolveAdapterRequest"):  # the trainer fleet's lookup, as its proto lands
@@ -288,3 +290,14 @@ def test_tenant_b_cannot_reach_tenant_a_over_grpc(secured: Secured, b_train, pat
             code, details, _ = invoke(c, A, service, method.name,
                                       iter(list(request)) if method.client_streaming else request)
             assert code == OK, ("the owner's own call fails", path, code, details)
+
+
+def test_list_replicas_shows_the_fleet_to_the_operator_and_nothing_to_a_tenant(secured: Secured):
+    """The sampler fleet's replica list: addresses and loads for admin (and service) keys, an empty answer to every
+    tenant, the replicas' own tenant included. The admin's answer carries the address, so the check can fail."""
+    code, _details, payload = invoke(secured, "admin", "sampler", "ListReplicas", sampler_pb2.ListReplicasRequest())
+    assert code == OK and secured.sampler.address.encode() in payload
+    for label in (A, B):
+        code, _details, payload = invoke(secured, label, "sampler", "ListReplicas", sampler_pb2.ListReplicasRequest())
+        assert code == OK
+        assert sampler_pb2.ListReplicasResponse.FromString(payload) == sampler_pb2.ListReplicasResponse()
