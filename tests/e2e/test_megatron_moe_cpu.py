@@ -388,20 +388,21 @@ def test_recomputed_moe_layers_give_the_same_gradients(measured, name):
     assert m["recompute_grad_rel"] <= 1e-6
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_expert_parallel_ranks_equal_one_rank(measured, tmp_path, tp):
-    """EP=2 over the 2 data-parallel ranks (TP=1), and TP=2 x EP=2 on the same 2 ranks: each rank's logits are
-    transformers', and the fused batches give the one-rank logprobs and gradients."""
+@pytest.mark.parametrize(("nproc", "tp"), [(2, 1), (2, 2), (4, 2)])
+def test_expert_parallel_ranks_equal_one_rank(measured, tmp_path, nproc, tp):
+    """EP=2 over the 2 data-parallel ranks (TP=1); TP=2 x EP=2 on the same 2 ranks; TP=2 x DP=2 x EP=2 on 4 ranks
+    (per-expert gradients summed over the 2 ranks holding the same experts): each rank's logits are transformers',
+    and the fused batches give the one-rank logprobs and gradients."""
     one = measured["reference"]
     out = tmp_path / "ep"
-    run(torchrun(2, str(Path(__file__).resolve()), "--tp", str(tp), "--ep", "2", "--root", str(tmp_path),
+    run(torchrun(nproc, str(Path(__file__).resolve()), "--tp", str(tp), "--ep", "2", "--root", str(tmp_path),
                  "--out", str(out)), timeout=280)
-    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(nproc)]
     for r in ranks:
         assert (r["ep"], r["tp"], r["local_experts"]) == (2, tp, 4), r
         assert r["logits_max_abs"] <= LOGITS_ATOL, r
-    if tp == 1:
-        assert ranks[0]["tokens"] != ranks[1]["tokens"]  # uneven all-to-all splits
+    if nproc // tp > 1:
+        assert ranks[0]["tokens"] != ranks[-1]["tokens"]  # uneven all-to-all splits
     lead = ranks[0]
     for got, want in zip(lead["logprobs"], one["logprobs"], strict=True):
         worst = max(abs(a - b) for x, y in zip(got, want, strict=True) for a, b in zip(x, y, strict=True))
