@@ -69,7 +69,10 @@ def test_moe_in_bf16_matches_fp32_references(name, tmp_path):
         m[f"{layout}_effect"] = errors(flat(lp32), flat(logprobs_of(torch32, make_state(
             "zero", LoraSpec.create(16, 32.0, [], seed=3, expert_layout=layout, available=available),
             {k: torch.zeros_like(v) for k, v in params.items()}, "cuda"), data)[0]))[1]
+    m["stats"] = dict(backend.engine.stats)
     print("measured", json.dumps({name: m}))
+    # The expert LoRA ran on the grouped kernel (bf16, sm90, aligned rank 16), never the loop over segments.
+    assert m["stats"]["expert_lora_grouped"] > 0 and m["stats"]["expert_lora_loop"] == 0
     assert within(m["logits"][0], m["hf_bf16_logits"][0], 0.01)
     assert within(m["logits"][1], m["hf_bf16_logits"][1], 0.1)
     for layout in ("per_expert", "shared_outer"):

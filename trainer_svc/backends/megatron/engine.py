@@ -434,6 +434,7 @@ class Engine:
         if self.dp > 1:
             for t in (out_lp, out_loss, loss_by_adapter):
                 dist.all_reduce(t, group=self.dp_group)
+        self.stats.update(self.lora.expert_gemms)
         lp_cpu, loss_cpu = out_lp.cpu(), out_loss.cpu()
         return BatchResult(
             logprobs=[lp_cpu[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)],

@@ -173,6 +173,8 @@ class MegatronLora:
 
             self.ep = parallel_state.get_expert_model_parallel_world_size()
         self.local_experts = shape.num_experts // self.ep if shape.moe_layers else 0
+        # Expert-LoRA GEMM pairs run as grouped kernels / as loops over the segments (the engine reports them).
+        self.expert_gemms = {"expert_lora_grouped": 0, "expert_lora_loop": 0}
         self.moe_position = {layer: k for k, layer in enumerate(shape.moe_layers)}
         for i, layer in enumerate(model.decoder.layers if model is not None else ()):
             attn, mlp = layer.self_attention, layer.mlp
@@ -642,6 +644,7 @@ class _ExpertLoraAdd(torch.autograd.Function):
         cd = routing.lora.compute_dtype
         xc = x if x.dtype == cd else x.to(cd)
         offs, counts = route.slot_offs, _lora_counts(route, routing, target)
+        routing.lora.expert_gemms["expert_lora_loop" if counts is not None else "expert_lora_grouped"] += 1
         mid = segment_mm(xc, routing.expert_stack(target, "A", position).transpose(1, 2), offs, counts)
         out.add_(segment_mm(mid, routing.expert_stack(target, "B", position), offs, counts).to(out.dtype))
         ctx.save_for_backward(xc, mid)
