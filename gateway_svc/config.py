@@ -36,6 +36,11 @@ class GatewaySettings(BaseSettings):
     # chunks sent in parallel, each its own seq_id) and whether to zstd-compress forward_backward bodies.
     fwdbwd_max_chunk_len: int = 1024
     compress_fwdbwd: bool = False
+    # Recorded sampling (record_stability_info): a sequence's record lives this long after its last use (Tinker's
+    # day), and a tenant's records take at most this many bytes of Redis (about 11 bytes per sampled token); past
+    # it the least recently used are evicted.
+    stability_ttl_s: int = 24 * 3600
+    stability_max_bytes_per_tenant: int = 256 * 1024 * 1024
     # max_tokens when a Tinker sample request omits it.
     default_max_tokens: int = 16
     # Upper bound on one gRPC call made on behalf of a caller.

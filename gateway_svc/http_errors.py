@@ -45,10 +45,10 @@ class Unsupported(errors.InvalidArgument):
 
 
 # A network address in a message (grpc's transport errors name their peer: `ipv4:10.1.2.3:50053`, `[::1]:50051`,
-# `localhost:8333`). Upstream replaces the services' configured addresses by name; this catches whatever else
+# `localhost:8333`; a bracketed IPv6 address has a colon, so a field path like `data[0]` stays). Upstream replaces the services' configured addresses by name; this catches whatever else
 # slips through, so no answer to a tenant carries an address of the cluster's.
 _ADDRESS = re.compile(r"(?:\b(?:ipv4|ipv6|dns|unix|unix-abstract):/{0,3})?"
-                      r"(?:\[[0-9A-Fa-f:.]+\](?::\d{1,5})?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?|\blocalhost:\d{1,5})")
+                      r"(?:\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*\](?::\d{1,5})?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?|\blocalhost:\d{1,5})")
 
 
 def scrub(message: str) -> str:

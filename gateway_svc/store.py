@@ -126,6 +126,78 @@ class Store:
     async def get_sampler(self, sampler_id: str) -> dict[str, Any] | None:
         return await self._get(self.k("sampler", sampler_id))
 
+    # ---- recorded sampling (record_stability_info) ---------------------------------------------------------------
+    # One hash of records per tenant (field = sequence_id), a sorted set of their last-use times and a byte counter,
+    # kept consistent by these scripts. A record lives `ttl` seconds after its last use; past the tenant's byte
+    # bound the least recently used records are evicted (an RL run trains on its newest samples: evicting the
+    # oldest keeps a long run going where refusing new samples would stop it).
+    _PUT_SEQUENCES = """
+    local recs, lru, bytes = KEYS[1], KEYS[2], KEYS[3]
+    local now, ttl, bound = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+    local function drop(id)
+      local size = redis.call('HSTRLEN', recs, id)
+      redis.call('HDEL', recs, id)
+      redis.call('ZREM', lru, id)
+      if size > 0 then redis.call('DECRBY', bytes, size) end
+    end
+    for _, id in ipairs(redis.call('ZRANGEBYSCORE', lru, '-inf', now - ttl)) do drop(id) end
+    for i = 4, #ARGV, 2 do
+      local id, rec = ARGV[i], ARGV[i + 1]
+      if redis.call('HEXISTS', recs, id) == 1 then drop(id) end
+      redis.call('HSET', recs, id, rec)
+      redis.call('ZADD', lru, now, id)
+      redis.call('INCRBY', bytes, #rec)
+    end
+    local evicted = 0
+    while tonumber(redis.call('GET', bytes) or '0') > bound do
+      local oldest = redis.call('ZRANGE', lru, 0, 0)
+      if #oldest == 0 then redis.call('SET', bytes, 0) break end
+      drop(oldest[1])
+      evicted = evicted + 1
+    end
+    for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl) end
+    return evicted
+    """
+    _GET_SEQUENCES = """
+    local recs, lru = KEYS[1], KEYS[2]
+    local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+    local out = {}
+    for i = 3, #ARGV do
+      local id = ARGV[i]
+      local last = redis.call('ZSCORE', lru, id)
+      local rec = false
+      if last and tonumber(last) > now - ttl then
+        rec = redis.call('HGET', recs, id)
+        if rec then redis.call('ZADD', lru, now, id) end
+      end
+      out[#out + 1] = rec
+    end
+    for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl) end
+    return out
+    """
+
+    def _sequence_keys(self) -> list[str]:
+        return [self.k("seqrec"), self.k("seqlru"), self.k("seqbytes")]
+
+    async def put_sequences(self, records: dict[str, bytes], *, ttl_s: int, max_bytes: int) -> int:
+        """Stores the caller's tenant's sampled-sequence records; returns how many old ones were evicted."""
+        args: list[Any] = [time.time(), ttl_s, max_bytes]
+        for sequence_id, record in records.items():
+            args += [sequence_id, record]
+        return int(await self.redis.eval(self._PUT_SEQUENCES, 3, *self._sequence_keys(), *args))
+
+    async def get_sequences(self, sequence_ids: list[str], *, ttl_s: int) -> dict[str, bytes]:
+        """The caller's tenant's live records among `sequence_ids` (each found one counts as used now)."""
+        if not sequence_ids:
+            return {}
+        keys = self._sequence_keys()[:2]
+        found = await self.redis.eval(self._GET_SEQUENCES, 2, *keys, time.time(), ttl_s, *sequence_ids)
+        return {i: r for i, r in zip(sequence_ids, found, strict=True) if r}
+
+    async def sequence_bytes(self) -> int:
+        raw = await self.redis.get(self.k("seqbytes"))
+        return int(raw or 0)
+
     # ---- request dedup ----------------------------------------------------------------------------------------
     async def claim_request(self, scope: str, seq_id: int, request_id: str) -> str:
         """The request id that owns (scope, seq_id): `request_id` if this call claimed it, else the first one's."""

@@ -9,14 +9,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gateway_svc.stability import PROMPT, SAMPLED, Span
 from gateway_svc.types import DatumIn, FwdBwdResult, SampleResult
 from gateway_svc.wire import tinker_wire_pb2 as wire
 from loraplane import errors
 
 PROTO = "application/x-protobuf"
 _NP = {wire.DTYPE_FLOAT32: np.float32, wire.DTYPE_INT64: np.int64, wire.DTYPE_INT32: np.int32}
-# Inputs our losses read; anything else the SDK may send (e.g. gspo's sequence_ratio_mask) is refused by name.
-_KNOWN_INPUTS = {"target_tokens", "weights", "logprobs", "advantages"}
+# Inputs our losses read; anything else the SDK may send is refused by name.
+_KNOWN_INPUTS = {"target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask"}
 MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
@@ -86,17 +87,18 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
         msg.ParseFromString(body)
     except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
         raise errors.InvalidArgument("body: not a ForwardBackwardRequest protobuf", field="body") from None
-    config = {k: float(v) for k, v in msg.loss_fn_config.items()}
-    for key, value in msg.loss_fn_config_v2.items():
-        if value.WhichOneof("value") == "number":
-            config[key] = float(value.number)
     request = FwdBwdRequest(model_id=msg.model_id, seq_id=msg.seq_id, data=[], loss_fn=msg.loss_fn,
-                            loss_fn_config=config, forward_only=msg.forward_only)
+                            loss_fn_config={}, forward_only=msg.forward_only)
     try:
-        for value in msg.loss_fn_config_v2.values():
+        # The SDK writes every option to v2 (numbers also to the legacy map, for older servers): v2 wins.
+        config = {k: float(v) for k, v in msg.loss_fn_config.items()}
+        for key, value in msg.loss_fn_config_v2.items():
             if value.WhichOneof("value") == "text":
-                raise errors.InvalidArgument("loss_fn_config: string-valued options are not supported",
-                                             field="loss_fn_config")
+                raise errors.InvalidArgument(f"loss_fn_config.{key}: text values are not supported (numbers only)",
+                                             field=f"loss_fn_config.{key}")
+            if value.WhichOneof("value") == "number":
+                config[key] = float(value.number)
+        request.loss_fn_config = config
         for i, d in enumerate(msg.data):
             unknown = sorted(set(d.loss_fn_inputs) - _KNOWN_INPUTS)
             if unknown:
@@ -106,15 +108,27 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
             if "target_tokens" not in inputs:
                 raise errors.InvalidArgument(f"data[{i}].loss_fn_inputs: target_tokens is required",
                                              field="target_tokens")
+            floats = {k: v.astype(np.float32).tolist() for k, v in inputs.items() if k != "target_tokens"}
             request.data.append(DatumIn(
                 input_tokens=tokens_of_chunks(d.model_input),
                 target_tokens=inputs["target_tokens"].astype(np.int64).tolist(),
-                weights=inputs["weights"].astype(np.float32).tolist() if "weights" in inputs else None,
-                logprobs=inputs["logprobs"].astype(np.float32).tolist() if "logprobs" in inputs else None,
-                advantages=inputs["advantages"].astype(np.float32).tolist() if "advantages" in inputs else None))
+                weights=floats.get("weights"), logprobs=floats.get("logprobs"), advantages=floats.get("advantages"),
+                sequence_ratio_mask=floats.get("sequence_ratio_mask"),
+                input_spans=_spans(d.model_input_spans) if len(d.model_input_spans) else None,
+                target_spans=_spans(d.loss_fn_input_spans) if len(d.loss_fn_input_spans) else None))
     except errors.InvalidArgument as exc:
         request.data, request.problem = [], exc.message
     return request
+
+
+def _spans(spans) -> list[Span]:
+    out = []
+    for span in spans:
+        kind = span.WhichOneof("span")
+        arm = span.prompt_tokens if kind == "prompt_tokens" else span.sampled_tokens
+        out.append(Span(PROMPT if kind == "prompt_tokens" else SAMPLED, arm.sequence_id, int(arm.offset),
+                        int(arm.length)))
+    return out
 
 
 def _batched(arrays: list[list[float]], dtype=np.float32) -> wire.BatchedTensor:
@@ -145,4 +159,10 @@ def encode_sample(result: SampleResult) -> bytes:
     if result.prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(
             [math.nan if v is None else v for v in result.prompt_logprobs], dtype="<f4").tobytes()
+    if result.topk_k:
+        # The SDK reads an (length, k) row-major matrix, the sampler's own layout.
+        out.topk_prompt_logprobs.CopyFrom(wire.TopkLogprobs(
+            token_ids=np.asarray(result.topk_token_ids, dtype="<i4").tobytes(),
+            logprobs=np.asarray(result.topk_logprobs, dtype="<f4").tobytes(), k=result.topk_k,
+            length=len(result.topk_token_ids) // result.topk_k))
     return out.SerializeToString()

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from gateway_svc import tinker_codec
+from gateway_svc import stability, tinker_codec
 from gateway_svc.config import GatewaySettings
 from gateway_svc.futures import Futures
 from gateway_svc.http_errors import Unsupported
@@ -164,8 +164,8 @@ class TinkerService:
     # ---- futures ---------------------------------------------------------------------------------------------
     async def _submit(self, scope: str, seq_id: int | None, spec: dict[str, Any]) -> str:
         # Whichever replica runs the future acts for the same tenant (the key itself is never stored).
-        spec = {**spec, "acting_for": auth.acting_for_value()}
         request_id = uuid.uuid4().hex
+        spec = {**spec, "acting_for": auth.acting_for_value(), "request_id": request_id}
         if seq_id is not None:
             owner = await self.store.claim_request(scope, seq_id, request_id)
             if owner != request_id:
@@ -273,17 +273,31 @@ class TinkerService:
         if request.problem:
             await self._consume(record["adapter"], seq)
             raise errors.InvalidArgument(request.problem)
+
+        async def check() -> int:
+            for i, datum in enumerate(request.data):
+                stability.check_tiling(i, datum)
+            if request.loss_fn != "stable_reinforce":
+                return 0  # other losses take the client's logprobs; their spans are not looked up
+            ids = stability.referenced(request.data)
+            raw = await self.store.get_sequences(ids, ttl_s=self.settings.stability_ttl_s)
+            records = {i: stability.SequenceRecord.decode(r) for i, r in raw.items()}
+            return stability.apply_records(request.data, records, record["session_id"])
+        filled = await self._checked(record, seq, check)
         try:
             result = await self.upstream.forward_backward(record["adapter"], seq, request.data, request.loss_fn,
                                                           request.loss_fn_config, request.forward_only)
         except errors.InvalidArgument as exc:
-            if request.loss_fn in ("gspo", "stable_reinforce", "custom"):
+            if request.loss_fn == "custom":
                 info = await self.upstream.info()
                 raise Unsupported(
                     f"loss_fn {request.loss_fn!r} is not supported by loraplane (supported: "
-                    f"{', '.join(info.supported_losses)}); the cookbook's rl_loop takes loss_fn=importance_sampling"
-                ) from exc
+                    f"{', '.join(info.supported_losses)}); forward_backward_custom computes custom losses "
+                    "client-side") from exc
             raise
+        if request.loss_fn == "stable_reinforce":
+            # How many trained positions took the recorded sampler logprob (the client's copy is never used).
+            result.metrics["recorded_logprobs:sum"] = float(filled)
         return PROTO, tinker_codec.encode_forward_backward(result)
 
     async def _consume(self, adapter: str, seq: int) -> None:
@@ -490,19 +504,29 @@ class TinkerService:
         num_samples = num(body.get("num_samples") or 1, "num_samples")
         if not 1 <= num_samples <= 128:
             raise errors.InvalidArgument(f"num_samples {num_samples}: must be in [1, 128]", field="num_samples")
-        for option in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
-                       "prompt_logprobs_last_n"):
+        for option in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
             if body.get(option):
                 raise Unsupported(f"{option} is not supported by loraplane")
         if body.get("target_prompt_logprobs") is not None:
             raise Unsupported("target_prompt_logprobs is not supported by loraplane")
+        topk = num(body.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs")
+        if not 0 <= topk <= 20:
+            raise errors.InvalidArgument(f"topk_prompt_logprobs {topk}: must be in [0, 20]",
+                                         field="topk_prompt_logprobs")
+        last_n = body.get("prompt_logprobs_last_n")
+        last_n = 0 if last_n is None else num(last_n, "prompt_logprobs_last_n")
+        if last_n < 0 or (last_n and not (body.get("prompt_logprobs") or topk)):
+            raise errors.InvalidArgument(
+                f"prompt_logprobs_last_n {last_n}: must be >= 1 and needs prompt_logprobs or topk_prompt_logprobs",
+                field="prompt_logprobs_last_n")
         # (sampling session, seq_id) identifies a sample; a request without a seq_id is never deduplicated.
         seq_id = num(body["seq_id"], "seq_id") if body.get("seq_id") is not None else None
         request_id = await self._submit(f"sampler:{sampler_id}", seq_id, {
             "kind": "sample", "sampler_id": sampler_id, "num_samples": num_samples,
             "prompt": body.get("prompt") or {}, "sampling_params": body.get("sampling_params") or {},
-            "prompt_logprobs": bool(body.get("prompt_logprobs"))})
-        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(num_samples)]}
+            "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk, "last_n": last_n,
+            "record": bool(body.get("record_stability_info"))})
+        return {"request_id": request_id, "sample_sequence_ids": stability.sequence_ids(request_id, num_samples)}
 
     async def _run_sample(self, spec: dict[str, Any]) -> tuple[str, bytes]:
         record = await self.store.get_sampler(spec["sampler_id"])
@@ -512,12 +536,28 @@ class TinkerService:
                 raise errors.InvalidArgument(f"prompt.chunks[{i}]: {chunk.get('type')} chunks are not supported "
                                              "(text only)", field="prompt")
             prompt.extend(num(t, f"prompt.chunks[{i}].tokens") for t in chunk.get("tokens") or [])
+        if spec.get("last_n") and not 1 <= spec["last_n"] <= len(prompt) - 1:
+            raise errors.InvalidArgument(f"prompt_logprobs_last_n {spec['last_n']}: must be in [1, "
+                                         f"{len(prompt) - 1}] (the prompt has {len(prompt)} tokens)",
+                                         field="prompt_logprobs_last_n")
         params = sampling_spec(spec["sampling_params"], self.settings.default_max_tokens)
         result = await self.upstream.sample(record["adapter"], record["version"], prompt, spec["num_samples"],
-                                            params, spec["prompt_logprobs"])
+                                            params, spec["prompt_logprobs"], topk_prompt_logprobs=spec.get("topk", 0),
+                                            prompt_logprobs_last_n=spec.get("last_n", 0))
         if record["version"] and result.served_version != record["version"]:
             raise errors.Unavailable(f"sampler served version {result.served_version}, "
                                      f"pinned {record['version']}")
+        if spec.get("record"):
+            ids = stability.sequence_ids(spec["request_id"], spec["num_samples"])
+            records = stability.records_of(
+                result, ids, session_id=spec["sampler_id"].rpartition(":sample:")[0], adapter=record["adapter"],
+                engine=await self.upstream.sampler_engine(), prompt_length=len(prompt))
+            limit = self.settings.stability_max_bytes_per_tenant
+            if sum(len(r) for r in records.values()) > limit:
+                raise errors.ResourceExhausted(
+                    f"record_stability_info: this sample's records exceed the tenant's {limit} bytes; sample fewer "
+                    "or shorter sequences", field="record_stability_info")
+            await self.store.put_sequences(records, ttl_s=self.settings.stability_ttl_s, max_bytes=limit)
         return PROTO, tinker_codec.encode_sample(result)
 
     # ---- REST ------------------------------------------------------------------------------------------------

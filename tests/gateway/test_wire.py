@@ -60,13 +60,39 @@ def test_the_sdks_forward_backward_request_decodes():
 def test_unsupported_inputs_become_a_problem_not_a_crash():
     request = types.ForwardBackwardRequest(model_id="m", seq_id=1, forward_backward_input=types.ForwardBackwardInput(
         data=[types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
-                          loss_fn_inputs={"target_tokens": [2, 3], "sequence_ratio_mask": [1.0, 1.0]})],
-        loss_fn="gspo"))
+                          loss_fn_inputs={"target_tokens": [2, 3], "clip_low_threshold": [0.5, 0.5]})],
+        loss_fn="ppo"))
     decoded = tinker_codec.decode_forward_backward(
         request_conv.forward_backward_request_to_proto(request).SerializeToString())
-    assert decoded.data == [] and "sequence_ratio_mask" in decoded.problem
+    assert decoded.data == [] and "clip_low_threshold" in decoded.problem
     with pytest.raises(Exception, match="ForwardBackwardRequest"):
         tinker_codec.decode_forward_backward(b"\xff\xff not a protobuf")
+
+
+def _fwdbwd(datum: types.Datum, loss_fn: str, config: dict | None = None):
+    request = types.ForwardBackwardRequest(model_id="m", seq_id=1, forward_backward_input=types.ForwardBackwardInput(
+        data=[datum], loss_fn=loss_fn, loss_fn_config=config))
+    return tinker_codec.decode_forward_backward(
+        request_conv.forward_backward_request_to_proto(request).SerializeToString())
+
+
+def test_provenance_mask_and_config_v2_decode():
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={
+        "target_tokens": [2, 3, 4], "advantages": [0.0, 1.0, 1.0], "sequence_ratio_mask": [0.0, 1.0, 1.0]})
+    datum = datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="r:0", length=2),
+                     types.SampledProvenanceSpan(sequence_id="r:0", length=1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="r:0", offset=1, length=1),
+                        types.SampledProvenanceSpan(sequence_id="r:0", offset=0, length=2)])
+    decoded = _fwdbwd(datum, "stable_reinforce", {"kl_coeff": 0.25, "ratio_cap": 3})
+    assert not decoded.problem and decoded.loss_fn_config == {"kl_coeff": 0.25, "ratio_cap": 3.0}
+    d = decoded.data[0]
+    assert d.sequence_ratio_mask == [0.0, 1.0, 1.0]
+    assert [(s.kind, s.sequence_id, s.offset, s.length) for s in d.input_spans] == [
+        ("prompt", "r:0", 0, 2), ("sampled", "r:0", 0, 1)]
+    assert [(s.kind, s.offset, s.length) for s in d.target_spans] == [("prompt", 1, 1), ("sampled", 0, 2)]
+    refused = _fwdbwd(datum, "stable_reinforce", {"mode": "token"})
+    assert refused.data == [] and "loss_fn_config.mode" in refused.problem
 
 
 def test_the_sdk_reads_our_results():
@@ -81,3 +107,8 @@ def test_the_sdk_reads_our_results():
     assert [(s.tokens, s.logprobs, s.stop_reason) for s in sample.sequences] == [
         ([4, 5], [-0.5, -0.25], "stop"), ([6], [-1.0], "length")]
     assert sample.prompt_logprobs[0] is None and np.allclose(sample.prompt_logprobs[1:], [-2.0, -3.0])
+    topk = response_conv.deserialize_sample_response(tinker_codec.encode_sample(SampleResult(
+        sequences=[SampledSeq([4], [-0.5], "stop")], prompt_logprobs=None, served_version=0, topk_k=2,
+        topk_token_ids=[0, 0, 7, 8, 9, 3], topk_logprobs=[-99999.0, -99999.0, -0.1, -2.0, -0.3, -1.5])))
+    assert topk.topk_prompt_logprobs_np.token_ids.tolist() == [[0, 0], [7, 8], [9, 3]]
+    assert np.allclose(topk.topk_prompt_logprobs_np.logprobs[1:], [[-0.1, -2.0], [-0.3, -1.5]])
