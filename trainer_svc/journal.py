@@ -91,6 +91,10 @@ class AdapterRecord:
         data["checkpoints"] = [Checkpoint(**c) for c in data.get("checkpoints", [])]
         return cls(**data)
 
+    def with_checkpoint(self, checkpoint: Checkpoint, kept: int) -> AdapterRecord:
+        """A copy pointing at one more checkpoint, keeping the newest `kept`."""
+        return dataclasses.replace(self, checkpoints=(self.checkpoints + [checkpoint])[-kept:])
+
     @property
     def checkpoint(self) -> Checkpoint | None:
         return self.checkpoints[-1] if self.checkpoints else None

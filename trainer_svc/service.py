@@ -28,6 +28,7 @@ from loraplane.errors import (
     Unavailable,
     shown,
 )
+from loraplane.fleet import is_moved
 from loraplane.lora import LoraSpec
 from loraplane.registry_client import (
     CHUNK_BYTES,
@@ -332,7 +333,8 @@ class TrainerService:
     async def list_adapters(self, page_size: int = 0, page_token: str = "", *,
                             caller: Identity = OPEN) -> tuple[list[AdapterInfo], str]:
         size = validate_page(page_size)
-        names = [n for n in self.pool.names() if (not page_token or n > page_token) and caller.may_see(n)]
+        names = [n for n in self.pool.names() if (not page_token or n > page_token) and caller.may_see(n)
+                 and (self.fleet is None or self.fleet.serves(n))]  # not one a fleet member is still restoring
         page = names[:size]
         infos = [self._info(self.pool.get(n)) for n in page if n in self.pool]
         next_token = page[-1] if len(names) > size else ""
@@ -719,8 +721,14 @@ class TrainerService:
                 checkpoint = Checkpoint(version=version.version, seq_id=seq_id, step=training.step)
                 kept = max(1, self.limits.checkpoints_kept)
                 dropped = (record.checkpoints + [checkpoint])[:-kept]
+                try:
+                    await asyncio.to_thread(self.journal.put_adapter, record.with_checkpoint(checkpoint, kept))
+                except Unavailable as exc:
+                    if is_moved(exc):  # another fleet member serves it now: this upload is nobody's
+                        await self._delete_checkpoints(adapter, [checkpoint])
+                        return None
+                    raise
                 record.checkpoints = (record.checkpoints + [checkpoint])[-kept:]
-                await asyncio.to_thread(self.journal.put_adapter, record)
                 if trim_from:
                     await asyncio.to_thread(self.journal.trim, adapter, trim_from)
                 await self._delete_checkpoints(adapter, dropped)

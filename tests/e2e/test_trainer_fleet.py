@@ -287,16 +287,22 @@ def test_a_sigkilled_trainers_adapters_continue_elsewhere_bit_for_bit_and_retrie
 
 
 def test_a_trainer_that_lost_its_adapter_is_fenced_off_it(registry, background_loop):
-    """The placement moves while the old owner still holds the adapter in memory (what another member does when
-    it presumed the owner dead): the old owner's requests, its journal writes and its checkpoints are refused,
-    before and after it notices, and the journal keeps only what the owner of the moment wrote."""
+    """The placement moves to t1 while the old owner t0 still holds the adapter in memory (what a member does when
+    it presumed the owner dead): t0's requests, journal writes and checkpoints are refused, before and after it
+    notices, and the journal keeps only what the owner of the moment wrote."""
     settings = registry.settings
     t0 = start_live_trainer(member_settings(settings, "t0"), background_loop, registry.address, **LIMITS)
+    t1 = start_live_trainer(member_settings(settings, "t1"), background_loop, registry.address, **LIMITS)
     store = FleetStore(settings.redis_url, key_prefix=settings.key_prefix, fleet="fleet")
     try:
         stub = t0.stub()
-        Script(lone(stub), "ten/x", 1).create()
-        Script(lone(stub), "ten/y", 2).create()
+        for name, seed in (("ten/x", 1), ("ten/y", 2)):
+            Router([t0.address]).call(name, "CreateAdapter", trainer_pb2.TrainerServiceCreateAdapterRequest(
+                name=name, lora_config=common_pb2.LoraConfig(rank=4, alpha=8.0, seed=seed)))
+        for name in ("ten/x", "ten/y"):  # both on t0, wherever the policy placed them
+            if (placed := store.placement(name)).trainer != "t0":
+                store.move(placed, "t0")
+        wait_for(lambda: {"ten/x", "ten/y"} <= names_on(t0), 10, "t0 to serve both")
         runner = Script(lone(stub), "ten/x", 1)
         runner.train(range(1))
         seen = store.placement("ten/x")
@@ -305,7 +311,7 @@ def test_a_trainer_that_lost_its_adapter_is_fenced_off_it(registry, background_l
         length = journal.length("ten/x")
 
         # The journal itself refuses a write fenced by a newer placement, in the same step as the check.
-        taken = store.move(seen, "t-other")
+        taken = store.move(seen, "t1")
         assert taken is not None and taken.epoch > seen.epoch
         with pytest.raises(Unavailable) as refused:
             journal.append_requests([("ten/x", 3, "optim_step", b"h", {})], outcomes=[("ten/y", 1, b"out", {})])
@@ -322,9 +328,12 @@ def test_a_trainer_that_lost_its_adapter_is_fenced_off_it(registry, background_l
         # Over gRPC: moved, whether or not the trainer has noticed yet, and nothing of it is journaled.
         assert moved_reason(lambda: stub.OptimStep(trainer_pb2.OptimStepRequest(
             adapter="ten/x", seq_id=3, adam_params=ADAM))) == MOVED_REASON
-        wait_for(lambda: "ten/x" not in names_on(t0), 10, "t0 to give ten/x up")
+        wait_for(lambda: "ten/x" not in names_on(t0) and "ten/x" in names_on(t1), 10, "ten/x to move to t1")
         assert "ten/y" in names_on(t0)
         assert journal.length("ten/x") == length
+        # t1 restored what t0 had journaled and trains on.
+        runner.send = lone(t1.stub())
+        assert runner.optim_step().step == 2
         # A lone journal (no fence) of another trainer id is unaffected by fleets.
         lone_journal = TrainingJournal(settings.redis_url, key_prefix=settings.key_prefix, trainer_id="solo")
         lone_journal.append_requests([("solo/a", 1, "optim_step", b"h", {})])
@@ -333,6 +342,7 @@ def test_a_trainer_that_lost_its_adapter_is_fenced_off_it(registry, background_l
     finally:
         store.close()
         t0.close()
+        t1.close()
 
 
 def test_members_and_placements_are_listed_for_operators(registry, background_loop):
