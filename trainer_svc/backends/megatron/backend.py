@@ -138,7 +138,7 @@ class MegatronBackend(TrainerBackend):
     def __init__(self, base_model: str | BaseModel = "smollm2-135m-instruct", *, tensor_parallel_size: int = 1,
                  expert_parallel_size: int = 1, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
                  lora_compute_dtype: torch.dtype | None = None, attention: str = "sdpa", recompute: str = "auto",
-                 engine: Engine | None = None,
+                 expert_lora_slots: int = 8, engine: Engine | None = None,
                  driver: Driver | None = None):
         if engine is None:
             from .model import init_parallel
@@ -148,7 +148,7 @@ class MegatronBackend(TrainerBackend):
             base = base_model if isinstance(base_model, BaseModel) else load_base_model(
                 base_model, device="cpu", dtype=torch.float32)
             engine = Engine(base, device_slots=device_slots, dtype=dtype, lora_compute_dtype=lora_compute_dtype,
-                            attention=attention, recompute=recompute)
+                            attention=attention, recompute=recompute, expert_lora_slots=expert_lora_slots)
         self.engine = engine
         self.base = engine.base
         self.driver = driver or Driver(engine)

@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size: int, device_slots: int,
                  dtype: torch.dtype, lora_dtype: torch.dtype | None, attention: str = "sdpa",
-                 recompute: str = "auto", expert_parallel_size: int = 1):
+                 recompute: str = "auto", expert_parallel_size: int = 1, max_fused_adapters: int = 8):
     from loraplane.models import load_base_model
 
     from .engine import Engine
@@ -66,8 +66,10 @@ def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size:
                          f"{world // tensor_parallel_size}")
     init_parallel(tensor_parallel_size, expert_parallel_size=expert_parallel_size)
     base = load_base_model(base_model, device="cpu", dtype=torch.float32)
+    # An MoE model routes each fused adapter's tokens through its own expert slot (.moe.SlotRouter).
     return Engine(base, device_slots=device_slots, dtype=dtype, lora_compute_dtype=lora_dtype,
-                  data_parallel_size=data_parallel_size or None, attention=attention, recompute=recompute)
+                  data_parallel_size=data_parallel_size or None, attention=attention, recompute=recompute,
+                  expert_lora_slots=max_fused_adapters)
 
 
 async def start_megatron_trainer_server(settings, *, backend, registry_address: str, host: str = "127.0.0.1",
@@ -102,7 +104,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(args.base_model, args.tensor_parallel_size, args.data_parallel_size, args.device_slots,
                           DTYPES[args.dtype], DTYPES.get(args.lora_dtype), args.attention, args.recompute,
-                          args.expert_parallel_size)
+                          args.expert_parallel_size, args.max_fused_adapters)
     import torch.distributed as dist
 
     from .backend import Driver
