@@ -288,6 +288,17 @@ def multi_rank(name: str, root: Path, tp: int, ep: int) -> dict:
     for n in states:
         (g,) = driver.call("gather", {"name": n, "rows": [1]})
         report["grads"][n] = {k: v.flatten().tolist() for k, v in sorted(g.items())}
+    # A step, then the training state out (gathered from every EP rank) and back in (each rank takes its experts):
+    # the same params, moments and step.
+    from trainer_svc.optimizer import AdamHyper
+
+    backend.optim_step(states["b"], AdamHyper(learning_rate=1e-2))
+    params, exp_avg, exp_avg_sq, step = backend.export_training_state(states["b"])
+    backend.load_training_state(states["b"], {k: torch.zeros_like(v) for k, v in params.items()}, None, None, 0)
+    backend.load_training_state(states["b"], params, exp_avg, exp_avg_sq, step)
+    again = backend.export_training_state(states["b"])
+    report["state_round_trip"] = step == again[3] == 1 and all(
+        torch.equal(a[k], b[k]) for a, b in zip((params, exp_avg, exp_avg_sq), again[:3]) for k in a)
     backend.close()
     return report
 
@@ -404,6 +415,7 @@ def test_expert_parallel_ranks_equal_one_rank(measured, tmp_path, nproc, tp):
     if nproc // tp > 1:
         assert ranks[0]["tokens"] != ranks[-1]["tokens"]  # uneven all-to-all splits
     lead = ranks[0]
+    assert lead["state_round_trip"] is True
     for got, want in zip(lead["logprobs"], one["logprobs"], strict=True):
         worst = max(abs(a - b) for x, y in zip(got, want, strict=True) for a, b in zip(x, y, strict=True))
         assert worst <= LOGPROB_ATOL, worst
