@@ -160,16 +160,16 @@ def _service_details(state: ClusterState) -> Table:
     table.add_column("detail")
     addresses = state.addresses()
     security = client_security(state.data_dir)
-    if "trainer" in addresses:
+    for trainer in state.trainer_components():  # one, or each member of `up --trainers N`'s fleet
         try:
-            with sync_channel(addresses["trainer"], security) as channel:
+            with sync_channel(trainer.endpoint, security) as channel:
                 stub = trainer_pb2_grpc.TrainerServiceStub(channel)
                 info = stub.GetInfo(trainer_pb2.GetInfoRequest(), timeout=3)
                 listed = stub.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000), timeout=3)
             names = ", ".join(f"{a.name} (step {a.step})" for a in listed.adapters) or "none"
-            table.add_row("trainer", f"{info.base_model} on {info.backend}/{info.device}; adapters: {names}")
+            table.add_row(trainer.name, f"{info.base_model} on {info.backend}/{info.device}; adapters: {names}")
         except grpc.RpcError as exc:
-            table.add_row("trainer", f"[red]{exc.code().name}[/red]: {exc.details()}")
+            table.add_row(trainer.name, f"[red]{exc.code().name}[/red]: {exc.details()}")
     if "sampler" in addresses:
         try:
             with sync_channel(addresses["sampler"], security) as channel:

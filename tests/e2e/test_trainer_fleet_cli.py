@@ -48,6 +48,8 @@ def test_up_runs_a_fleet_of_three_trainers_that_ls_lists_and_drain_empties(tmp_p
             owners = {seed.ResolveAdapter(trainer_pb2.ResolveAdapterRequest(name=f"ops/a{i}"), timeout=10).trainer_id
                       for i in range(3)}
         assert owners == {"trainer", "trainer-1", "trainer-2"}
+        status = _cli("status", "--data-dir", str(data_dir), env=env)
+        assert status.stdout.count("healthy") == 4 and status.stdout.count("ops/a") == 3, status.stdout
 
         drain = _cli("trainers", "drain", "1", "--data-dir", str(data_dir), "--timeout", "60", env=env)
         assert drain.returncode == 0 and "trainer-1 is drained" in drain.stdout, drain.stdout + drain.stderr
