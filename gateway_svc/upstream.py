@@ -23,6 +23,7 @@ from gateway_svc.types import (
     VersionInfo,
 )
 from loraplane import errors
+from loraplane.client.sampler_routing import SamplerRouter
 from loraplane.client.tokenizer import tokenizer_from_info
 from loraplane.registry_client import RegistryClient, adapter_ref
 from loraplane.rpc import ClientSecurity, aio_channel, domain_error_from_rpc
@@ -90,11 +91,22 @@ class Upstream:
         self._info: ServerInfo | None = None
         self._tokenizer = None
         self._info_lock = asyncio.Lock()
+        # A sampler fleet behind the configured address: each adapter's calls go to its replica (affinity with
+        # bounded load), on to another at once if that one is gone. The gateway's service key sees the replicas.
+        self.sampler_router = SamplerRouter(sampler, channel=self._sampler_channel)
 
     def _channel(self, service: str) -> grpc.aio.Channel:
         if service not in self._channels:
             self._channels[service] = aio_channel(self.addresses[service], self.security)
         return self._channels[service]
+
+    def _sampler_channel(self, address: str) -> grpc.aio.Channel:
+        if address == self.addresses["sampler"]:
+            return self._channel("sampler")
+        key = f"sampler {address}"
+        if key not in self._channels:
+            self._channels[key] = aio_channel(address, self.security)
+        return self._channels[key]
 
     @property
     def trainer(self) -> trainer_pb2_grpc.TrainerServiceStub:
@@ -156,6 +168,8 @@ class Upstream:
         message = exc.message
         for service, address in self.addresses.items():
             message = message.replace(f"{service} {address}", service).replace(address, service)
+        for address in self.sampler_router.replicas.values():
+            message = message.replace(address, "sampler")
         if message == exc.message:
             return exc
         hidden = type(exc)(message, field=exc.field)
@@ -260,13 +274,13 @@ class Upstream:
     async def sample(self, adapter: str, version: int, prompt: list[int], num_samples: int, spec: SamplingSpec,
                      prompt_logprobs: bool, alias: str = "", topk_prompt_logprobs: int = 0,
                      prompt_logprobs_last_n: int = 0) -> SampleResult:
+        request = sampler_pb2.SampleRequest(
+            adapter=self._ref(adapter, version, alias), prompt_tokens=prompt, num_samples=num_samples,
+            sampling_params=_sampling_params(spec), include_prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n)
         reply = await self._call("sampler", f"Sample {adapter or '<base>'}@{version or alias or 'latest'}",
-                                 lambda: self.sampler.Sample(sampler_pb2.SampleRequest(
-                                     adapter=self._ref(adapter, version, alias), prompt_tokens=prompt,
-                                     num_samples=num_samples, sampling_params=_sampling_params(spec),
-                                     include_prompt_logprobs=prompt_logprobs,
-                                     topk_prompt_logprobs=topk_prompt_logprobs,
-                                     prompt_logprobs_last_n=prompt_logprobs_last_n), timeout=self.timeout))
+                                 lambda: self.sampler_router.call(
+                                     adapter, lambda stub: stub.Sample(request, timeout=self.timeout)))
         return SampleResult(
             sequences=[SampledSeq(list(s.tokens), list(s.logprobs), _FINISH.get(s.finish_reason, "length"))
                        for s in reply.sequences],
@@ -284,17 +298,18 @@ class Upstream:
 
     async def sample_stream(self, adapter: str, version: int, prompt: list[int], num_samples: int,
                             spec: SamplingSpec, alias: str = "") -> AsyncIterator[StreamDelta]:
-        call = self.sampler.SampleStream(sampler_pb2.SampleStreamRequest(
+        request = sampler_pb2.SampleStreamRequest(
             adapter=self._ref(adapter, version, alias), prompt_tokens=prompt, num_samples=num_samples,
-            sampling_params=_sampling_params(spec)), timeout=self.timeout)
+            sampling_params=_sampling_params(spec))
+        stream = self.sampler_router.stream(adapter, lambda stub: stub.SampleStream(request, timeout=self.timeout))
         try:
-            async for msg in call:
+            async for msg in stream:
                 yield StreamDelta(index=msg.sequence_index, tokens=list(msg.tokens), logprobs=list(msg.logprobs),
                                   finish_reason=_FINISH.get(msg.finish_reason))
         except grpc.RpcError as exc:
             raise self._caller_error(exc, "sampler", "SampleStream") from None
         finally:
-            call.cancel()
+            await stream.aclose()
 
 
 __all__ = ["Upstream", "errors"]

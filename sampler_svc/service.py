@@ -18,7 +18,6 @@ from loraplane import errors
 from loraplane.auth import OPEN, Identity, TenantCounter
 from loraplane.fields import validate_name
 from sampler_svc.adapter_manager import AdapterManager, LoadedVersion
-from sampler_svc.fleet import Replica
 from sampler_svc.engines.base import (
     DEFAULT_MAX_TOKENS,
     Engine,
@@ -27,6 +26,7 @@ from sampler_svc.engines.base import (
     SamplingOptions,
     TopkRows,
 )
+from sampler_svc.fleet import Replica
 
 ALIAS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MAX_TOKENS_LIMIT = 4096
@@ -108,6 +108,7 @@ class SamplerService:
         self._samples = TenantCounter("max_concurrent_samples")
         # Requests being served (Sample, SampleStream, ComputeLogprobs): the load a fleet replica reports.
         self.in_flight = 0
+        self.served = 0  # requests finished since start (a counter)
         # Who this sampler is to clients: its replica id and address, and its fleet (sampler_svc.fleet) if any.
         self.replica_id = ""
         self.address = ""
@@ -121,6 +122,7 @@ class SamplerService:
                 yield
             finally:
                 self.in_flight -= 1
+                self.served += 1
 
     # ------------------------------------------------------------------ validation
 
@@ -340,10 +342,12 @@ class SamplerService:
         after = ""
         if page_token:
             try:
-                after = base64.urlsafe_b64decode(page_token.encode()).decode()
+                after = base64.b64decode(page_token.encode(), altchars=b"-_", validate=True).decode()
             except (ValueError, UnicodeDecodeError):
+                after = ""
+            if not after:
                 raise errors.InvalidArgument("page_token is malformed; pass a next_page_token unchanged",
-                                             field="page_token") from None
+                                             field="page_token")
         if caller.scope is not None:
             return [], ""
         if self.fleet is not None:
