@@ -70,13 +70,19 @@ assert tuple(spec.name for spec in SERVICES) == SERVICE_NAMES
 # `up --trainers N`: the trainers of a local cluster form this fleet (its journal namespace is a lone trainer's, so a
 # cluster's adapters carry over); the members are the components trainer, trainer-1, ..., trainer-(N-1).
 LOCAL_FLEET = "trainer"
+# `up --samplers N`: the samplers form this sampler fleet (replicas sampler, sampler-1, ...); clients and the gateway
+# learn the replicas from the first one.
+LOCAL_SAMPLER_FLEET = "sampler"
+# Per service: the environment that makes an instance a member of its local fleet, and the setting naming it.
+_FLEET_ENV = {"trainer": ("LORAPLANE_TRAINER_FLEET", LOCAL_FLEET, "LORAPLANE_TRAINER_ID"),
+              "sampler": ("LORAPLANE_SAMPLER_FLEET", LOCAL_SAMPLER_FLEET, "LORAPLANE_SAMPLER_ID")}
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                   extra_env: dict[str, str] | None = None, on_progress=None, *, auth: bool = False,
                   tls: bool = False, mtls: bool = False, gateway: bool = False,
                   commands: dict[str, list[str]] | None = None,
-                  trainers: int = 1) -> tuple[ClusterState, list[str]]:
+                  trainers: int = 1, samplers: int = 1) -> tuple[ClusterState, list[str]]:
     """Brings the cluster of this data dir up: starts what was never started, restarts (exactly as first started,
     same ports, data, keys and certificates) what has died, leaves running components alone, then hands the whole
     cluster to a fresh supervisor. Returns the state and the names started. On a failure stops what this call
@@ -85,7 +91,8 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
     `gateway`, the HTTP gateway (gateway_svc) comes last, in front of the three services. `commands` gives a
     service another argv than `python -m <module>` (the megatron trainer under torchrun, a sampler on SGLang); it
     gets the same environment, health check and supervision. `trainers` > 1 runs that many trainers as one fleet
-    (docs/architecture.md, "Trainer fleet"); clients find each adapter's trainer through any of them."""
+    (docs/architecture.md, "Trainer fleet"); clients find each adapter's trainer through any of them. `samplers` > 1
+    runs that many samplers as one sampler fleet ("Sampler fleet"); clients route each adapter to one of them."""
     data_dir = Path(settings.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     existing = read_cluster_state(data_dir)
@@ -144,13 +151,14 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
         env["LORAPLANE_S3_ENDPOINT"] = state.component("s3").endpoint
 
         for spec in SERVICES:
-            names = _instance_names(spec.name, state, trainers)
-            fleet = spec.name == "trainer" and len(names) > 1
+            names = _instance_names(spec.name, state, trainers, samplers)
+            fleet = spec.name in _FLEET_ENV and len(names) > 1
+            fleet_env, fleet_name, id_env = _FLEET_ENV.get(spec.name, ("", "", ""))
             for name in names:
                 component = state.component(name)
-                if component is not None and fleet and component.env.get("LORAPLANE_TRAINER_FLEET") != LOCAL_FLEET:
-                    raise ProcessStartError(f"{name} runs as a lone trainer; to run {len(names)} trainers as a "
-                                            "fleet, `loraplane down` first, then `loraplane up --trainers N`")
+                if component is not None and fleet and component.env.get(fleet_env) != fleet_name:
+                    raise ProcessStartError(f"{name} runs as a lone {spec.name}; to run {len(names)} {spec.name}s as "
+                                            f"a fleet, `loraplane down` first, then `loraplane up --{spec.name}s N`")
                 if component is None and spec.name in services:
                     port = (getattr(settings, f"{spec.name}_port") if name == spec.name else 0) or free_port()
                     metrics_port = free_port()
@@ -158,7 +166,7 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                                 "LORAPLANE_METRICS_PORT": str(metrics_port)})
                     instance_env = dict(env)
                     if fleet:
-                        instance_env.update({"LORAPLANE_TRAINER_FLEET": LOCAL_FLEET, "LORAPLANE_TRAINER_ID": name})
+                        instance_env.update({fleet_env: fleet_name, id_env: name})
                     component = ComponentState(name, "service", f"{LOOPBACK}:{port}",
                                                metrics=f"http://{LOOPBACK}:{metrics_port}/metrics")
                     argv = (commands or {}).get(spec.name) or [sys.executable, "-m", spec.module]
@@ -270,11 +278,14 @@ def _spec(name: str) -> ServiceSpec:
     return next(s for s in SERVICES if s.name == name.split("-")[0])
 
 
-def _instance_names(service: str, state: ClusterState, trainers: int) -> list[str]:
-    if service != "trainer":
+def _instance_names(service: str, state: ClusterState, trainers: int, samplers: int = 1) -> list[str]:
+    if service == "trainer":
+        count = max(trainers, len(state.trainer_components()))
+    elif service == "sampler":
+        count = max(samplers, len(state.sampler_components()))
+    else:
         return [service]
-    count = max(trainers, len(state.trainer_components()))
-    return ["trainer", *(f"trainer-{i}" for i in range(1, count))]
+    return [service, *(f"{service}-{i}" for i in range(1, count))]
 
 
 def _start_timeout(component: ComponentState) -> float:

@@ -52,6 +52,10 @@ class ClusterState:
         """The trainer and, with `up --trainers N`, the other members of its fleet (trainer-1, trainer-2, ...)."""
         return [c for c in self.components if c.name == "trainer" or c.name.startswith("trainer-")]
 
+    def sampler_components(self) -> list[ComponentState]:
+        """The sampler and, with `up --samplers N`, the other replicas of its fleet (sampler-1, sampler-2, ...)."""
+        return [c for c in self.components if c.name == "sampler" or c.name.startswith("sampler-")]
+
     def addresses(self) -> dict[str, str]:
         return {c.name: c.endpoint for c in self.components if c.name in SERVICE_NAMES}
 
