@@ -72,6 +72,9 @@ def up(
     gateway_port: int = typer.Option(None, help="Fixed gateway port."),
     trainers: int = typer.Option(1, min=1, max=64, help="Run this many trainers as one fleet: each adapter lives "
                                  "on one of them, moving to another if it dies or is drained (`loraplane trainers`)."),
+    samplers: int = typer.Option(1, min=1, max=64, help="Run this many samplers as one fleet: clients and the "
+                                 "gateway send each adapter to one of them (by affinity, spreading a hot adapter) "
+                                 "and route around one that dies."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
     services, wait until each is healthy, and print their endpoints. On a cluster that already runs, starts only
@@ -89,7 +92,7 @@ def up(
             state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth,
                                            tls=tls or mtls, mtls=mtls,
                                            gateway=gateway and set(wanted) == set(SERVICE_NAMES),
-                                           trainers=trainers)
+                                           trainers=trainers, samplers=samplers)
     except ProcessStartError as exc:
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc
@@ -158,7 +161,6 @@ def _service_details(state: ClusterState) -> Table:
     table = Table(title="services")
     table.add_column("service")
     table.add_column("detail")
-    addresses = state.addresses()
     security = client_security(state.data_dir)
     for trainer in state.trainer_components():  # one, or each member of `up --trainers N`'s fleet
         try:
@@ -170,13 +172,13 @@ def _service_details(state: ClusterState) -> Table:
             table.add_row(trainer.name, f"{info.base_model} on {info.backend}/{info.device}; adapters: {names}")
         except grpc.RpcError as exc:
             table.add_row(trainer.name, f"[red]{exc.code().name}[/red]: {exc.details()}")
-    if "sampler" in addresses:
+    for sampler in state.sampler_components():  # one, or each replica of `up --samplers N`'s fleet
         try:
-            with sync_channel(addresses["sampler"], security) as channel:
+            with sync_channel(sampler.endpoint, security) as channel:
                 reply = sampler_pb2_grpc.SamplerServiceStub(channel).GetStatus(sampler_pb2.GetStatusRequest(), timeout=3)
             loaded = ", ".join(f"{a.adapter}@v{a.version}" for a in reply.loaded) or "none"
-            table.add_row("sampler", f"{reply.engine} engine; queue depth {reply.queue_depth}, running "
-                                     f"{reply.running_requests}; loaded: {loaded}")
+            table.add_row(sampler.name, f"{reply.engine} engine; queue depth {reply.queue_depth}, running "
+                                        f"{reply.running_requests}; loaded: {loaded}")
         except grpc.RpcError as exc:
-            table.add_row("sampler", f"[red]{exc.code().name}[/red]: {exc.details()}")
+            table.add_row(sampler.name, f"[red]{exc.code().name}[/red]: {exc.details()}")
     return table
