@@ -159,7 +159,7 @@ class Store:
     return evicted
     """
     _GET_SEQUENCES = """
-    local recs, lru = KEYS[1], KEYS[2]
+    local recs, lru, hits = KEYS[1], KEYS[2], KEYS[3]
     local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
     local out = {}
     for i = 3, #ARGV do
@@ -168,7 +168,10 @@ class Store:
       local rec = false
       if last and tonumber(last) > now - ttl then
         rec = redis.call('HGET', recs, id)
-        if rec then redis.call('ZADD', lru, now, id) end
+        if rec then
+          redis.call('ZADD', lru, now, id)
+          redis.call('INCR', hits)
+        end
       end
       out[#out + 1] = rec
     end
@@ -177,26 +180,32 @@ class Store:
     """
 
     def _sequence_keys(self) -> list[str]:
-        return [self.k("seqrec"), self.k("seqlru"), self.k("seqbytes")]
+        return [self.k("seqrec"), self.k("seqlru"), self.k("seqbytes"), self.k("seqhits")]
 
     async def put_sequences(self, records: dict[str, bytes], *, ttl_s: int, max_bytes: int) -> int:
         """Stores the caller's tenant's sampled-sequence records; returns how many old ones were evicted."""
         args: list[Any] = [time.time(), ttl_s, max_bytes]
         for sequence_id, record in records.items():
             args += [sequence_id, record]
-        return int(await self.redis.eval(self._PUT_SEQUENCES, 3, *self._sequence_keys(), *args))
+        return int(await self.redis.eval(self._PUT_SEQUENCES, 3, *self._sequence_keys()[:3], *args))
 
     async def get_sequences(self, sequence_ids: list[str], *, ttl_s: int) -> dict[str, bytes]:
         """The caller's tenant's live records among `sequence_ids` (each found one counts as used now)."""
         if not sequence_ids:
             return {}
-        keys = self._sequence_keys()[:2]
-        found = await self.redis.eval(self._GET_SEQUENCES, 2, *keys, time.time(), ttl_s, *sequence_ids)
+        keys = [self._sequence_keys()[i] for i in (0, 1, 3)]
+        found = await self.redis.eval(self._GET_SEQUENCES, 3, *keys, time.time(), ttl_s, *sequence_ids)
         return {i: r for i, r in zip(sequence_ids, found, strict=True) if r}
 
-    async def sequence_bytes(self) -> int:
-        raw = await self.redis.get(self.k("seqbytes"))
-        return int(raw or 0)
+    async def sequence_stats(self) -> dict[str, int]:
+        """The caller's tenant's records: how many, their bytes, and how many times a record was used (the count
+        of trained sequence lookups; operators and tests read it)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hlen(self.k("seqrec"))
+            pipe.get(self.k("seqbytes"))
+            pipe.get(self.k("seqhits"))
+            count, size, hits = await pipe.execute()
+        return {"records": int(count), "bytes": int(size or 0), "hits": int(hits or 0)}
 
     # ---- request dedup ----------------------------------------------------------------------------------------
     async def claim_request(self, scope: str, seq_id: int, request_id: str) -> str:

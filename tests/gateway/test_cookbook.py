@@ -1,20 +1,25 @@
 """tinker-cookbook 0.6.1 recipes, unmodified, against the gateway: `recipes.sl_loop` (supervised, NoRobots) and
-`recipes.rl_loop` (GRPO-style RL on GSM8K) run at once, each as its own process, configured only by command-line
-keys and environment variables. The served model is a small random Llama with the Llama-3 vocabulary, offered
+`recipes.rl_loop` (GRPO-style RL on GSM8K, its default loss stable_reinforce) run at once, each as its own process,
+and `recipes.math_rl` (env=arithmetic, default loss stable_reinforce) synchronously and in its async mode
+(max_steps_off_policy=1), all configured only by command-line keys and environment variables. The served model is a small random Llama with the Llama-3 vocabulary, offered
 under the cookbook's smallest table name (meta-llama/Llama-3.2-1B); tokenizer and datasets come from a prepared
 offline HF cache (cookbook_env.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tinker
 
+from gateway_svc.store import Store
+from loraplane import auth
 from loraplane.v1 import common_pb2
 from tests.gateway.conftest import start_cluster, stop_cluster
 from tests.gateway.cookbook_env import COOKBOOK_MODEL, prepare
@@ -40,6 +45,18 @@ def recipe(name: str, log_path: Path, base_url: str, env: dict[str, str], *args:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def stability_stats(cluster) -> dict[str, int]:
+    """The default tenant's recorded-sampling records, read as the gateway reads them."""
+    async def read():
+        auth.set_caller(auth.OPEN)
+        store = Store(cluster.gateway_settings.redis_url, cluster.gateway_settings.key_prefix)
+        try:
+            return await store.sequence_stats()
+        finally:
+            await store.close()
+    return asyncio.run(read())
+
+
 def checkpoints(log_path: Path) -> list[dict]:
     return [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines() if line]
 
@@ -48,9 +65,10 @@ def test_sl_loop_and_rl_loop_train_side_by_side(cookbook, tmp_path):
     cluster, env = cookbook
     sl_log, rl_log = tmp_path / "sl", tmp_path / "rl"
     sl = recipe("sl_loop", sl_log, cluster.base_url, env, "batch_size=2", "max_steps=2")
-    # stable_reinforce (rl_loop's default) is not implemented by loraplane: the recipe's own flag picks another.
+    records_before = stability_stats(cluster)["records"]
+    # rl_loop's default loss, stable_reinforce: sampling records, provenance spans, recorded logprobs.
     rl = recipe("rl_loop", rl_log, cluster.base_url, env, "batch_size=2", "group_size=2", "max_steps=2",
-                "max_tokens=6", "loss_fn=importance_sampling")
+                "max_tokens=6")
     outputs = {}
     for name, proc in (("sl_loop", sl), ("rl_loop", rl)):
         outputs[name] = proc.communicate(timeout=240)[0]
@@ -59,7 +77,11 @@ def test_sl_loop_and_rl_loop_train_side_by_side(cookbook, tmp_path):
     sl_metrics = [json.loads(line) for line in (sl_log / "metrics.jsonl").read_text().splitlines() if line]
     assert len(sl_metrics) == 2 and all("train_mean_nll" in m for m in sl_metrics)
     rl_metrics = [json.loads(line) for line in (rl_log / "metrics.jsonl").read_text().splitlines() if line]
-    assert len(rl_metrics) == 2
+    assert len(rl_metrics) == 2 and all(np.isfinite(m["reward/total"]) for m in rl_metrics)
+    # It sampled with record_stability_info (its default loss asks for it): one record per sampled sequence,
+    # 2 steps x 2 questions x 2 samples. (On a random model every GSM8K reward is 0, so rl_loop skips its training
+    # steps; math_rl below trains on recorded sequences.)
+    assert stability_stats(cluster)["records"] - records_before == 2 * 2 * 2
 
     # Each loop trained its own adapter: distinct training runs, each with its own final checkpoints.
     sl_final, rl_final = checkpoints(sl_log)[-1], checkpoints(rl_log)[-1]
@@ -77,3 +99,37 @@ def test_sl_loop_and_rl_loop_train_side_by_side(cookbook, tmp_path):
         adapter = cluster.gateway_settings.default_tenant + "/" + run.replace(":train:", "-train-")
         kinds = [v.kind for v in cluster.trainer.registry_versions(adapter)]
         assert kinds.count(common_pb2.VERSION_KIND_WEIGHTS) == expected, (run, kinds)
+
+
+def math_rl(log_path: Path, base_url: str, env: dict[str, str], *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={COOKBOOK_MODEL}",
+         f"log_path={log_path}", "behavior_if_log_dir_exists=delete", "group_size=4", "groups_per_batch=2",
+         "max_tokens=4", "eval_every=0", "save_every=0", "lora_rank=4", "learning_rate=1e-3", *args],
+        env={**os.environ, **env, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": "tml-cookbook",
+             "TINKER_TELEMETRY": "0"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_math_rl_arithmetic_sync_and_async_with_the_default_loss(cookbook, tmp_path):
+    """math_rl's default loss is stable_reinforce: every step samples with record_stability_info, names each trained
+    token's sequence and trains on the recorded logprobs. The async run samples up to one step ahead of training
+    (off-policy data, the case stable_reinforce exists for)."""
+    cluster, env = cookbook
+    hits_before = stability_stats(cluster)["hits"]
+    runs = {"sync": (tmp_path / "sync", ("max_steps=3",)),
+            "async": (tmp_path / "async", ("max_steps=3", "max_steps_off_policy=1"))}
+    procs = {name: math_rl(log, cluster.base_url, env, *args) for name, (log, args) in runs.items()}
+    for name, proc in procs.items():
+        output = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, f"math_rl {name} failed:\n{output[-4000:]}"
+    for name, (log, _args) in runs.items():
+        metrics = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines() if line]
+        trained = [m for m in metrics if "env/all/reward/total" in m]
+        assert len(trained) == 3, (name, metrics)
+        for m in trained:
+            assert np.isfinite(m["env/all/reward/total"]) and np.isfinite(m["optim/entropy"]), m
+            assert m["tokens/trained"] > 0, m
+        if name == "async":  # it really trained on samples of older weights
+            assert max(m.get("async/staleness_max", 0) for m in trained) >= 1, trained
+    assert stability_stats(cluster)["hits"] > hits_before
