@@ -43,9 +43,9 @@ def datum(seed: int, n: int = 12) -> trainer_pb2.Datum:
     return trainer_pb2.Datum(input_tokens=tokens[:-1], target_tokens=tokens[1:])
 
 
-def member_settings(settings, member: str, fleet: str = "fleet"):
+def member_settings(settings, member: str, fleet: str = "fleet", ttl_s: float = TTL_S):
     return settings.model_copy(update={"trainer_fleet": fleet, "trainer_id": member,
-                                       "trainer_heartbeat_ttl_s": TTL_S})
+                                       "trainer_heartbeat_ttl_s": ttl_s})
 
 
 def second_registry(registry, background_loop):
@@ -361,3 +361,44 @@ def test_members_and_placements_are_listed_for_operators(registry, background_lo
     finally:
         store.close()
         trainers[0].close()
+
+
+def test_a_member_restarted_under_its_id_within_its_ttl_takes_its_adapters_back_under_a_new_epoch(
+        registry, background_loop):
+    settings = registry.settings
+    ttl_s = 20.0  # a restart well within it: nobody else takes the adapters meanwhile
+    t0 = start_live_trainer(member_settings(settings, "t0", ttl_s=ttl_s), background_loop, registry.address,
+                            **LIMITS)
+    t1 = start_live_trainer(member_settings(settings, "t1", ttl_s=ttl_s), background_loop, registry.address,
+                            **LIMITS)
+    store = FleetStore(settings.redis_url, key_prefix=settings.key_prefix, fleet="fleet")
+    try:
+        router = Router([t0.address])
+        scripts = [Script(router.call, f"ten/r{i}", seed=i) for i in range(4)]
+        for script in scripts:
+            script.create()
+            script.train(range(2))
+        mine = [s for s in scripts if store.placement(s.name).trainer == "t0"]
+        assert len(mine) == 2
+        before = {s.name: store.placement(s.name).epoch for s in mine}
+        old_journal = t0.service.journal  # the old incarnation's fenced journal, kept past its death
+        t0.close()  # its heartbeat stays until the TTL: to the others it may as well be alive
+        t0 = start_live_trainer(member_settings(settings, "t0", ttl_s=ttl_s), background_loop, registry.address,
+                                **LIMITS)
+        assert {s.name for s in mine} <= names_on(t0) and not ({s.name for s in mine} & names_on(t1))
+        for script in mine:
+            now = store.placement(script.name)
+            assert now.trainer == "t0" and now.epoch > before[script.name]
+        # The earlier incarnation is fenced even under the same member id.
+        with pytest.raises(Unavailable):
+            old_journal.append_requests([(mine[0].name, 99, "optim_step", b"h", {})])
+        router.where.clear()
+        for script in mine:
+            script.train(range(2, 3))
+            info = next(a for a in t0.stub().ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest())
+                        .adapters if a.name == script.name)
+            assert (info.step, info.last_seq_id) == (3, 6)
+    finally:
+        store.close()
+        t0.close()
+        t1.close()
