@@ -146,7 +146,14 @@ async def start_trainer_server(
         await asyncio.to_thread(member.store.heartbeat, member.report(), member.ttl_s)
     running = RunningTrainer(server=server, service=service, registry=registry, settings=settings,
                              registry_address=registry_address, fleet=member)
+    fleet_metrics = {} if member is None else {
+        "loraplane_trainer_fleet_adapters": ("Adapters placed on this fleet member and served by it",
+                                             lambda: len(member.owned())),
+        "loraplane_trainer_fleet_draining": ("1 while this fleet member hands its adapters over",
+                                             lambda: int(member.draining)),
+    }
     running.metrics_source = register_source("trainer", server.address, {
+        **fleet_metrics,
         # Read from the metrics thread while the worker changes them: a failed read is skipped (metrics.py).
         "loraplane_trainer_queue_depth": ("Sequenced requests queued or running", lambda: service.scheduler._queued),
         "loraplane_trainer_adapters": ("Adapters on this trainer", lambda: len(service.pool)),
