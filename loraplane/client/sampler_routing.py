@@ -149,7 +149,7 @@ class SamplerRouter:
         await self._ensure_fresh()
         if not self._addresses:
             return [("", self.seed)]
-        down = {i for i in list(self._down) if self._is_down(i)}
+        down = {i for i in list(self._down) if self._is_down(i)} if self._down else ()
         loads = {i: self._mine.get(i, 0) + self._others.get(i, 0) for i in self._addresses}
         order = route(self._ring, adapter, loads, balance=self.balance, exclude=down)
         return [(i, self._addresses[i]) for i in order]
