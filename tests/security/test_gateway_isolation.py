@@ -312,3 +312,58 @@ def test_forged_ids_never_reach_another_tenants_records(secured: Secured, b_ids)
         body = c.ok("GET", f"/api/v1/training_runs?offset={offset}&limit={limit}", B)
         assert body["training_runs"] == [] and body["cursor"]["total_count"] == 0, body
     assert c.ok("GET", "/api/v1/training_runs", A)["cursor"]["total_count"] >= 1
+
+
+def _recorded_fwdbwd(model_id: str, seq_id: int, tokens: list[int], sampled: list[int], sequence_id: str) -> Request:
+    """A stable_reinforce forward_backward whose sampled targets name `sequence_id` (rl_loop's datum layout)."""
+    import numpy as np
+
+    body = wire.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="stable_reinforce")
+    d = body.data.add()
+    d.model_input.add().encoded_text.tokens = np.asarray(tokens + sampled[:-1], dtype="<i4").tobytes()
+    ob = len(tokens) - 1
+    for name, values, dtype in (("target_tokens", tokens[1:] + sampled, wire.DTYPE_INT64),
+                                ("advantages", [0.0] * ob + [1.0] * len(sampled), wire.DTYPE_FLOAT32),
+                                ("logprobs", [0.0] * (ob + len(sampled)), wire.DTYPE_FLOAT32)):
+        d.loss_fn_inputs[name].dense = np.asarray(values, dtype="<i8" if dtype == wire.DTYPE_INT64 else "<f4").tobytes()
+        d.loss_fn_inputs[name].dtype = dtype
+        d.loss_fn_inputs[name].shape.append(len(values))
+    for spans, prompt_offset, prompt_len, sampled_len in ((d.model_input_spans, 0, len(tokens), len(sampled) - 1),
+                                                           (d.loss_fn_input_spans, 1, ob, len(sampled))):
+        spans.add().prompt_tokens.CopyFrom(wire.PromptProvenanceSpan(sequence_id=sequence_id, offset=prompt_offset,
+                                                                     length=prompt_len))
+        spans.add().sampled_tokens.CopyFrom(wire.SampledProvenanceSpan(sequence_id=sequence_id, length=sampled_len))
+    return ("POST", "/api/v1/forward_backward",
+            {"content": body.SerializeToString(), "headers": {"content-type": "application/x-protobuf"}})
+
+
+def test_recorded_sequences_are_the_tenants_own(secured: Secured, b_ids):
+    """A's recorded sample (record_stability_info) named in B's stable_reinforce forward_backward fails exactly as a
+    never-issued sequence id does, and leaks nothing of A's; the same datum trains for A."""
+    import numpy as np
+
+    c = secured
+    tokens = [5, 6, 7]
+    accepted = c.ok("POST", "/api/v1/asample", json={
+        "sampling_session_id": c.a["sampler"], "num_samples": 1, "prompt": PROMPT, "record_stability_info": True,
+        "sampling_params": {"max_tokens": 3, "seed": 2}})
+    a_sequence = accepted["sample_sequence_ids"][0]
+    sample = wire.SampleResponse.FromString(c.future(accepted["request_id"])["bytes"])
+    sampled = np.frombuffer(sample.sequences[0].tokens, dtype="<i4").tolist()
+    c.secrets |= {accepted["request_id"], a_sequence}
+    # B's own model, in B's own session.
+    created = c.ok("POST", "/api/v1/create_model", B, json={"session_id": b_ids["b_session"], "model_seq_id": 0,
+                                                            "base_model": "tiny", "lora_config": {"rank": 4}})
+    c.future(created["request_id"], B)
+    answers = []
+    for seq_id, sequence_id in ((1, a_sequence), (2, "0" * 32 + ":0")):
+        reply, sent = _send(c, B, _recorded_fwdbwd(created["model_id"], seq_id, tokens, sampled, sequence_id))
+        failed = c.future(reply.json()["request_id"], B, may_fail=True)
+        assert "has no stability record" in failed["error"], failed
+        assert not leaked(json.dumps(failed).encode(), sent, c.secrets - {a_sequence}, c.addresses)
+        answers.append(failed["error"].replace(sequence_id, "<id>"))
+    assert answers[0] == answers[1], answers
+    # The owner trains on it (the same request, A's model): the case can fail.
+    method, path, kwargs = _recorded_fwdbwd(c.a["model"], seq(c), tokens, sampled, a_sequence)
+    out = c.future(c.ok(method, path, A, **kwargs)["request_id"], A)
+    assert "bytes" in out and wire.ForwardBackwardOutput.FromString(out["bytes"]).metrics["recorded_logprobs:sum"] > 0
