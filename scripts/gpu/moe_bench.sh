@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Qwen3-MoE LoRA training on H100s (bench/trainer_moe.py; issue 22's numbers go to docs/benchmarks.md).
 #   bash scripts/gpu/moe_bench.sh [CASE ...]
-#   default on 1 GPU: vs-peft fused          default on 2 GPUs: + ep2          default on 4+ GPUs: + ep2 ep4
+#   default on 1 GPU: vs-peft trainer-alone fused     on 2 GPUs: + ep2     on 4+ GPUs: + ep2 ep4
 #     vs-peft  the truncated Qwen3-30B-A3B (24 of 48 layers), 8 x 2048 tokens, rank 32 on q,k,v,o and the experts,
 #              gradient checkpointing / full recomputation: transformers 5 experts_implementation="grouped_mm" +
-#              PEFT target_parameters, against the trainer with per-expert and with shared-outer adapters,
-#              alternated in one process on one GPU
+#              PEFT target_parameters, against the trainer with a per-expert adapter (PEFT's layout), alternated
+#              in one process on one GPU
+#     trainer-alone  the trainer with a per-expert and with a shared-outer adapter, no PEFT in the process
 #     fused    the same shape, no PEFT: 8 fused shared-outer tenants (1 datum each) against 1 tenant (8 datums)
 #     ep2/ep4  the full 48 layers, experts over 2 / 4 GPUs (EP = world, TP 1), 8 x 2048 tokens per GPU: one
 #              per-expert tenant, then fused shared-outer tenants (4 on 2 GPUs, 8 on 4) (tokens/s per GPU, MFU on
@@ -61,16 +62,17 @@ ep() {  # label nproc, then bench args: one torchrun job on the first nproc GPUs
   [ $rc -eq 0 ] || echo "exit code $rc" | summary
   finish
 }
-default="vs-peft fused"
+default="vs-peft trainer-alone fused"
 [ "$GPUS" -ge 2 ] && default="$default ep2"
 [ "$GPUS" -ge 4 ] && default="$default ep4"
 for c in ${*:-$default}; do
   case "$c" in
-    vs-peft) single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1,shared_outer:1 \
+    # PEFT's layout (per expert) only: the PEFT loop's adapter state and fp32 logits leave no room for a second slot.
+    vs-peft) single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1 \
                --rounds ${ROUNDS:-4} --warmup 1 ;;
     # PEFT's own loss on bf16 logits (if its fp32 upcast of 16k x 152k logits runs out of memory beside the trainer).
     vs-peft-bf16) single qwen3moe24_8x2048_vs_peft_bf16loss --shape qwen3-30b-a3b-24l \
-               --contenders per_expert:1,shared_outer:1 --peft-loss bf16 --rounds ${ROUNDS:-4} --warmup 1 ;;
+               --contenders per_expert:1 --peft-loss bf16 --rounds ${ROUNDS:-4} --warmup 1 ;;
     peft-alone) single qwen3moe24_8x2048_peft_alone --shape qwen3-30b-a3b-24l --contenders "" --rounds 3 --warmup 1 ;;
     trainer-alone) single qwen3moe24_8x2048_trainer_alone --shape qwen3-30b-a3b-24l \
                --contenders per_expert:1,shared_outer:1 --no-peft --rounds ${ROUNDS:-4} --warmup 1 ;;
