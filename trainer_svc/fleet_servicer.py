@@ -19,10 +19,13 @@ class FleetTrainerServicer(TrainerServicer):
 
     async def ResolveAdapter(self, request, context):
         validate_adapter_name(request.name)
-        current_caller().authorize(request.name)
+        caller = current_caller()
+        caller.authorize(request.name)
         fleet = self.service.fleet
         if fleet is None:  # a lone trainer serves every adapter it has: "" = the address you asked
             return trainer_pb2.ResolveAdapterResponse(trainer_id=self.trainer_id)
         address, trainer_id, epoch, live = await fleet.resolve(request.name)
+        if caller.scope is not None:  # the fleet's member list is the operator's (as ListReplicas is)
+            live = []
         return trainer_pb2.ResolveAdapterResponse(address=address, trainer_id=trainer_id, epoch=epoch,
                                                   trainer_addresses=live)

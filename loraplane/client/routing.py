@@ -86,6 +86,8 @@ class TrainerRouter:
                 last_error = exc
                 continue  # that trainer is down or the adapter is moving: ask another
             address = self._bind(reply.address) if reply.address else candidate
+            if address not in self._known:
+                self._known.append(address)
             for learnt in reply.trainer_addresses:
                 if learnt not in self._known:
                     self._known.append(self._bind(learnt))

@@ -855,7 +855,9 @@ class ResolveAdapterResponse(google.protobuf.message.Message):
     """The placement's fencing epoch: it grows with every move, so a client keeps the answer with the larger epoch."""
     @property
     def trainer_addresses(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
-        """Every live trainer of the fleet, so a client whose trainer died knows where else to ask."""
+        """Every live trainer of the fleet, so a client whose trainer died knows where else to ask. Only for admin and
+        service keys: the fleet's member list is the operator's (a tenant key gets an empty list).
+        """
 
     def __init__(
         self,
