@@ -58,6 +58,10 @@ class TrainerRouter:
         except grpc.RpcError:
             return self.seed
 
+    def known(self) -> list[str]:
+        """Every trainer address this router has met (to keep them out of messages meant for tenants)."""
+        return [str(a) for a in self._known] + [str(a) for a, _ in self._where.values()]
+
     def forget(self, adapter: str) -> None:
         self._where.pop(adapter, None)
         self._stale.add(adapter)
