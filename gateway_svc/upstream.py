@@ -262,6 +262,12 @@ class Upstream:
         return [_version(v) for v in await self._retrying(
             f"ListVersions {adapter}", lambda: self.registry.list_versions(adapter))]
 
+    async def download_version(self, adapter: str, version: int) -> bytes:
+        """The version's PEFT safetensors blob (verified against its sha256 by the registry client)."""
+        _described, blob = await self._retrying(f"DownloadVersion {adapter}@v{version}",
+                                                lambda: self.registry.download(adapter, version))
+        return blob
+
     async def delete_version(self, adapter: str, version: int) -> None:
         await self._retrying(f"DeleteVersion {adapter}@v{version}",
                              lambda: self.registry.delete_version(adapter, version))
