@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     sampler_fleet: str = ""
     sampler_id: str = "sampler-0"
     sampler_heartbeat_ttl_s: float = 3.0
+    # In a sampler fleet, a newly published version is loaded ahead of requests by the first this-many replicas of its
+    # adapter's routing order (where its requests go); the others load it on demand. 0 = every replica preloads.
+    sampler_fleet_preload: int = 2
     # The address clients reach this sampler at, when it is not the one it listens on (containers, NAT).
     sampler_advertise_address: str = ""
     checkpoint_every_steps: int = 50
