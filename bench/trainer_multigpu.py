@@ -109,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--recompute", default="auto", choices=["auto", "none", "full"])
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="the engine's micro-batch limit per rank (default: what fits without recomputation; 0: off)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu-dev", action="store_true", help="CPU ranks over gloo (scripts/gpu/cpu_shims.py)")
@@ -134,7 +136,8 @@ def main(argv=None) -> dict | None:
     dtype = torch.bfloat16 if cuda else torch.float32
     base, n_params = base_model(args.shape, device, dtype)
     t0 = time.perf_counter()
-    engine = Engine(base, device_slots=max(8, args.tenants), dtype=dtype, recompute=args.recompute)
+    engine = Engine(base, device_slots=max(8, args.tenants), dtype=dtype, recompute=args.recompute,
+                    micro_batch_tokens=args.micro_batch_tokens)
     build_s = time.perf_counter() - t0
     driver = Driver(engine)
     world = dist.get_world_size()
@@ -192,6 +195,7 @@ def main(argv=None) -> dict | None:
             "tokens_per_s_per_gpu": n_tokens / med / world,
             "mfu": (4 * n_params * n_tokens / med) / (peak * world) if cuda else None,
             "losses": losses, "build_s": build_s, "recompute_layers": recomputed(engine),
+            "micro_batches_per_step": engine.stats.get("micro_batches", 0) / (args.warmup + args.rounds),
         }
         backend.close()  # releases the followers
     peak_gib = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0])

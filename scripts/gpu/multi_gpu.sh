@@ -3,6 +3,8 @@
 #   bash scripts/gpu/multi_gpu.sh [CASE ...]
 #   on nvidia-h100-x2:  8b     Llama-3-8B 16 x 2048: one GPU, DP=2, TP=2, one GPU again (drift check), in one call
 #                       nodes  DP=2 as two single-GPU "nodes" (c10d rendezvous) + the launcher across them (gRPC)
+#   on nvidia-h100-x1:  8b-micro  Llama-3-8B 16 x 2048 on one GPU: micro-batches that fit without recomputation
+#                                 (the default) against one pass with recomputed layers, alternated on, off, on
 #   on nvidia-h100-x4:  70b    Llama-3-70B 8 x 2048 with TP=4; 70b-tp2dp2 (TP=2 x DP=2, if it fits)
 #                       8b-x4  Llama-3-8B 16 x 2048: DP=4 and TP=2 x DP=2
 #                       fleet4 8 tenants of 2 x 2048 tokens each: one single-GPU trainer holding all 8 (fused) against
@@ -63,6 +65,9 @@ for c in ${*:-8b nodes}; do
         bench llama8b_16x2048_dp2 2 1 "${long8b[@]}"
         bench llama8b_16x2048_tp2 2 2 "${long8b[@]}"
         bench llama8b_16x2048_1gpu_again 1 1 "${long8b[@]}" ;;
+    8b-micro) bench llama8b_16x2048_micro 1 1 "${long8b[@]}"
+              bench llama8b_16x2048_one_pass 1 1 "${long8b[@]}" --micro-batch-tokens 0
+              bench llama8b_16x2048_micro_again 1 1 "${long8b[@]}" ;;
     nodes) two_nodes llama8b_16x2048_dp2_2nodes "${long8b[@]}"
            timeout 300 python3 scripts/gpu/launch_check.py --nproc 2 --tp 2 --nnodes 2 2>&1 | grep -v -i warn \
              | tail -3 | tee "$OUT/launch_check_2nodes.log" | summary ;;

@@ -8,7 +8,9 @@ Checked:
   * three adapters (different scales, 1, 2 and 3 datums of different lengths) fused in one packed batch take the
     grouped GEMM and give each adapter the gradient it gets trained alone, and the gradient of the 0/1-mask path
     (forced by making the grouped-GEMM probe answer no, which is what a device or dtype without the kernel does);
-  * under TP = 2 (torchrun, 2 ranks) the grouped path gives the full gradients and logprobs of one rank.
+  * under TP = 2 (torchrun, 2 ranks) the grouped path gives the full gradients and logprobs of one rank;
+  * a backward batch cut into micro-batches (what the engine does on a GPU when one pass would have to recompute
+    layers) gives the logprobs and the summed gradients of one pass.
 
 Tolerances (fp32): packing changes which rows share a GEMM and where a datum's rows sit, so only the summation
 order of a few reductions differs: 1e-5 on logprobs (about 10 ulps of the ~1-10 magnitudes here) and 1e-5 relative
@@ -131,6 +133,20 @@ def main(tp: int = 1, out: str | None = None) -> None:
         abs(a - b) for x, y in zip(grouped_lp, fused_alone_lp) for a, b in zip(x, y))
     report["grouped_vs_mask_logprob_max_abs"] = max(
         abs(a - b) for x, y in zip(grouped_lp, mask_lp) for a, b in zip(x, y))
+
+    # -- micro-batches: the fused batch in passes of at most 30 tokens per rank --------------------------------------
+    zero_grads()
+    passes_before = engine.stats.get("micro_batches", 0)
+    engine.micro_batch_tokens = 30
+    try:
+        micro_lp = engine.run_batch(fused_data, "cross_entropy", {}, backward=True).logprobs
+    finally:
+        engine.micro_batch_tokens = None
+    micro_grads = {name: grads(name) for name, _, _ in TENANTS}
+    report["micro_batches"] = engine.stats.get("micro_batches", 0) - passes_before
+    report["micro_vs_one_pass_grad_rel"] = max(rel(micro_grads[n], grouped_grads[n]) for n in alone_grads)
+    report["micro_vs_one_pass_logprob_max_abs"] = max(
+        abs(a - b) for x, y in zip(micro_lp, grouped_lp) for a, b in zip(x, y))
     if not dist.is_initialized() or dist.get_rank() == 0:
         if out:
             torch.save({"grouped_full_grads": full, "grouped_logprobs": grouped_lp}, out)
@@ -162,6 +178,14 @@ def test_fused_tenants_take_the_grouped_gemm_and_get_their_own_gradients(measure
     assert measured["grouped_vs_mask_grad_rel"] <= 1e-5, measured
     assert measured["grouped_vs_alone_logprob_max_abs"] <= 1e-5, measured
     assert measured["grouped_vs_mask_logprob_max_abs"] <= 1e-5, measured
+
+
+def test_micro_batches_sum_to_one_pass(measured):
+    """88 tokens of three tenants in passes of <= 30 tokens: every datum's logprobs and each tenant's gradient equal
+    the single pass (the gradients add up across passes before any optimizer step)."""
+    assert measured["micro_batches"] >= 3, measured
+    assert measured["micro_vs_one_pass_grad_rel"] <= 1e-5, measured
+    assert measured["micro_vs_one_pass_logprob_max_abs"] <= 1e-5, measured
 
 
 def test_grouped_gemm_under_tensor_parallel_equals_one_rank(measured, tmp_path):

@@ -144,11 +144,14 @@ class BatchResult:
 class Engine:
     def __init__(self, base, *, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
                  lora_compute_dtype: torch.dtype | None = None, data_parallel_size: int | None = None,
-                 attention: str = "sdpa", recompute: str = "auto", expert_lora_slots: int = 8):
+                 attention: str = "sdpa", recompute: str = "auto", expert_lora_slots: int = 8,
+                 micro_batch_tokens: int | None = None):
         """``lora_compute_dtype``: dtype of the LoRA matmuls (None = the model's dtype, as megatron's own adapters
         do; the fp32 masters and their gradients stay fp32 either way). ``attention``: ``sdpa`` (fused, no s^2
         scores; :mod:`.attention`) or ``unfused`` (megatron's DotProductAttention). ``recompute``: ``auto`` (as
-        many layers as the batch needs to fit; :mod:`.recompute`), ``none`` or ``full``."""
+        many layers as the batch needs to fit; :mod:`.recompute`), ``none`` or ``full``. ``micro_batch_tokens``: cut
+        a backward batch into micro-batches of at most this many tokens per rank (None: as many as fit without
+        recomputation, when recompute is ``auto``; 0: never)."""
         from megatron.core import parallel_state as ps
 
         self.base = base
@@ -177,6 +180,7 @@ class Engine:
         self.shape = self.spec.shape
         self.lora = MegatronLora(self.model, self.shape, compute_dtype=lora_compute_dtype or dtype)
         self.recompute = LayerRecompute(self.model, self.lora, self.shape, self.tp, dtype, recompute)
+        self.micro_batch_tokens = micro_batch_tokens
         self.device_slots = int(device_slots)
         self.slots: dict[str, Slot] = {}
         self.resident: OrderedDict[str, None] = OrderedDict()  # LRU first
@@ -363,68 +367,21 @@ class Engine:
         # contiguous range (what the LoRA routing, and its grouped GEMM, needs).
         order = sorted(mine, key=lambda i: (list(slots).index(datums[i].adapter), i))
         lengths = [len(datums[i].input_tokens) for i in order]
-        offsets = [0]
-        for length in lengths:
-            offsets.append(offsets[-1] + length)
-        tokens = offsets[-1]
+        tokens = sum(lengths)
         out_lp = torch.zeros(n, max(len(d.input_tokens) for d in datums) if n else 0, dtype=torch.float32,
                              device=self.device)
         out_loss = torch.zeros_like(out_lp)
         loss_by_adapter = torch.zeros(len(slots), dtype=torch.float64, device=self.device)
         placeholder = not tokens and self.ep > 1 and n > 0
-        if tokens or placeholder:
-            ids = torch.tensor([t for i in order for t in datums[i].input_tokens], dtype=torch.long)
-            tgt = torch.tensor([t for i in order for t in datums[i].target_tokens], dtype=torch.long)
-            if placeholder:
-                # No datum here, but the other EP ranks' MoE layers exchange tokens with this one in the forward
-                # and the backward: run one token through the first adapter with a loss of exactly zero (its
-                # gradients are zeros, added by the all-reduce below).
-                ids = tgt = torch.zeros(1, dtype=torch.long)
-                lengths, offsets, tokens = [1], [0, 1], 1
-            ids = ids.to(self.device, non_blocking=True)
-            tgt = tgt.to(self.device, non_blocking=True)
-            segments, row = [], 0
-            for name, s in slots.items():
-                count = sum(len(datums[i].input_tokens) for i in order if datums[i].adapter == name)
-                if placeholder and not segments:
-                    count = 1
-                if count:
-                    segments.append(RowSegment(row, row + count, self.tensors(s)))
-                    row += count
-            planned = tokens
-            if self.ep > 1:
-                # Every EP rank must recompute the same layers: a recomputed MoE layer exchanges tokens again.
-                most = torch.tensor([tokens], dtype=torch.int64, device=self.device)
-                dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
-                planned = int(most.item())
-            self.stats["recomputed_layers"] = self.recompute.plan(planned, backward, self.device)
-            with torch.set_grad_enabled(backward), self.lora.route(segments, tokens) as routing:
-                self.stats[f"lora_{routing.mode}"] = self.stats.get(f"lora_{routing.mode}", 0) + 1
-                logits = forward_logits(self.model, ids, lengths)  # [1, T, V/TP]
-                lp_all = target_logprobs(logits, tgt[None])[0]  # [T] fp32
-                total = lp_all.new_zeros(())
-                for k, i in enumerate(order):
-                    d = datums[i]
-                    length = lengths[k]
-                    lp = lp_all[offsets[k] : offsets[k] + length]
-                    name, lname, lcfg = routes[i] if routes is not None else (d.adapter, loss_fn, loss_cfg)
-
-                    def opt(values):
-                        return None if values is None else torch.tensor(values, dtype=torch.float32,
-                                                                         device=self.device)
-
-                    per_token = loss_lib.elementwise_loss(
-                        lname, lcfg, lp, weights=opt(d.weights), q=opt(d.logprobs), advantages=opt(d.advantages)
-                    )
-                    out_lp[i, :length] = lp.detach()
-                    out_loss[i, :length] = per_token.detach()
-                    loss_by_adapter[list(slots).index(name)] += per_token.detach().double().sum()
-                    total = total + per_token.sum()
-                if placeholder:
-                    total = lp_all.sum() * 0.0
-            if backward and total.requires_grad:
-                total.backward()
-                routing.accumulate_grads()
+        if placeholder:
+            # No datum here, but the other EP ranks' MoE layers exchange tokens with this one in the forward and
+            # the backward: run one token through the first adapter with a loss of exactly zero (its gradients are
+            # zeros, added by the all-reduce below).
+            self._run_packed(datums, [], slots, routes, loss_fn, loss_cfg, backward, out_lp, out_loss,
+                             loss_by_adapter, placeholder=True)
+        for chunk in self._micro_batches(order, lengths, backward):
+            self._run_packed(datums, chunk, slots, routes, loss_fn, loss_cfg, backward, out_lp, out_loss,
+                             loss_by_adapter)
         if backward:
             for name, s in slots.items():
                 for part, group in self._grad_groups(s):
@@ -441,6 +398,88 @@ class Engine:
             elementwise_loss=[loss_cpu[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)],
             loss_sum_by_adapter={name: float(v) for name, v in zip(slots, loss_by_adapter.cpu().tolist())},
         )
+
+    def _micro_batches(self, order: list[int], lengths: list[int], backward: bool) -> list[list[int]]:
+        """This rank's datums (in packed order) cut into micro-batches whose activations fit without recomputation,
+        when a backward over all of them would have to recompute layers. A recomputed layer runs its forward twice;
+        micro-batches run every forward once and add their LoRA gradients up before the one optimizer step (the
+        gradients are the same sums, in another order). ``micro_batch_tokens`` (set by tests, or 0 for never)
+        overrides the limit the memory plan gives. Under EP every rank must run the same number of passes (its
+        MoE layers exchange tokens), so EP jobs keep one pass and recompute instead."""
+        limit = self.micro_batch_tokens
+        if limit is None:
+            limit = self.recompute.max_tokens_without_recompute(backward, self.device)
+        if not order or not limit or self.ep > 1 or sum(lengths) <= limit:
+            return [order] if order else []
+        chunks, current, used = [], [], 0
+        for i, length in zip(order, lengths):
+            if current and used + length > limit:
+                chunks.append(current)
+                current, used = [], 0
+            current.append(i)
+            used += length
+        chunks.append(current)
+        self.stats["micro_batches"] = self.stats.get("micro_batches", 0) + len(chunks)
+        return chunks
+
+    def _run_packed(self, datums, chunk: list[int], slots: dict[str, Slot], routes, loss_fn, loss_cfg,
+                    backward: bool, out_lp, out_loss, loss_by_adapter, placeholder: bool = False) -> None:
+        """One packed forward (and backward) over the datums ``chunk`` (grouped by adapter, so each adapter's
+        tokens are one contiguous range); writes their outputs into the batch's buffers."""
+        lengths = [len(datums[i].input_tokens) for i in chunk]
+        offsets = [0]
+        for length in lengths:
+            offsets.append(offsets[-1] + length)
+        tokens = offsets[-1]
+        if placeholder:
+            ids = tgt = torch.zeros(1, dtype=torch.long)
+            lengths, offsets, tokens = [1], [0, 1], 1
+        else:
+            ids = torch.tensor([t for i in chunk for t in datums[i].input_tokens], dtype=torch.long)
+            tgt = torch.tensor([t for i in chunk for t in datums[i].target_tokens], dtype=torch.long)
+        ids = ids.to(self.device, non_blocking=True)
+        tgt = tgt.to(self.device, non_blocking=True)
+        segments, row = [], 0
+        for name, s in slots.items():
+            count = sum(len(datums[i].input_tokens) for i in chunk if datums[i].adapter == name)
+            if placeholder and not segments:
+                count = 1
+            if count:
+                segments.append(RowSegment(row, row + count, self.tensors(s)))
+                row += count
+        planned = tokens
+        if self.ep > 1:
+            # Every EP rank must recompute the same layers: a recomputed MoE layer exchanges tokens again.
+            most = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
+            planned = int(most.item())
+        self.stats["recomputed_layers"] = self.recompute.plan(planned, backward, self.device)
+        with torch.set_grad_enabled(backward), self.lora.route(segments, tokens) as routing:
+            self.stats[f"lora_{routing.mode}"] = self.stats.get(f"lora_{routing.mode}", 0) + 1
+            logits = forward_logits(self.model, ids, lengths)  # [1, T, V/TP]
+            lp_all = target_logprobs(logits, tgt[None])[0]  # [T] fp32
+            total = lp_all.new_zeros(())
+            for k, i in enumerate(chunk):
+                d = datums[i]
+                length = lengths[k]
+                lp = lp_all[offsets[k] : offsets[k] + length]
+                name, lname, lcfg = routes[i] if routes is not None else (d.adapter, loss_fn, loss_cfg)
+
+                def opt(values):
+                    return None if values is None else torch.tensor(values, dtype=torch.float32, device=self.device)
+
+                per_token = loss_lib.elementwise_loss(
+                    lname, lcfg, lp, weights=opt(d.weights), q=opt(d.logprobs), advantages=opt(d.advantages)
+                )
+                out_lp[i, :length] = lp.detach()
+                out_loss[i, :length] = per_token.detach()
+                loss_by_adapter[list(slots).index(name)] += per_token.detach().double().sum()
+                total = total + per_token.sum()
+            if placeholder:
+                total = lp_all.sum() * 0.0
+        if backward and total.requires_grad:
+            total.backward()
+            routing.accumulate_grads()
 
     def _grad_regions(self, s: Slot) -> list[tuple[torch.Tensor, int, object, int]]:
         """(gradient region, reduction group size, group, this rank's index in it): the dense classes over the

@@ -89,18 +89,41 @@ class LayerRecompute:
         elif device.type != "cuda":
             self.count = 0
         else:
-            free, total = torch.cuda.mem_get_info(device)
-            # What the allocator holds but does not use is free to this batch too.
-            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            vocab = self.shape.vocab_size // self.tp
-            # Logits, their transposed copy and their gradient; a safety share of the device for the rest
-            # (the fp32 LoRA sinks, allocator fragmentation, kernel workspaces).
-            budget = free - 3 * tokens * vocab * self.bytes - 0.06 * total
-            full, kept = self.layer_bytes(tokens)
-            full = int(full * 1.25)
+            budget = self._budget(tokens, device)
+            full, kept = self._layer_cost(tokens)
             need = n * full + full  # every layer's activations + one layer's working set
             if need <= budget:
                 self.count = 0
             else:
                 self.count = min(n, math.ceil((need - budget) / max(1, full - kept)))
         return self.count
+
+    def _free(self, device: torch.device) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(device)
+        # What the allocator holds but does not use is free to this batch too.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free, total
+
+    def _logits_bytes(self, tokens: int) -> int:
+        # Logits, their transposed copy and their gradient.
+        return 3 * tokens * (self.shape.vocab_size // self.tp) * self.bytes
+
+    def _budget(self, tokens: int, device: torch.device) -> float:
+        """Device bytes the layers' activations may take: what is free, less the logits and a safety share of the
+        device for the rest (the fp32 LoRA sinks, allocator fragmentation, kernel workspaces)."""
+        free, total = self._free(device)
+        return free - self._logits_bytes(tokens) - 0.06 * total
+
+    def _layer_cost(self, tokens: int) -> tuple[int, int]:
+        full, kept = self.layer_bytes(tokens)
+        return int(full * 1.25), kept
+
+    def max_tokens_without_recompute(self, backward: bool, device: torch.device) -> int:
+        """The most tokens per rank a backward pass can hold without recomputing a layer (0: no limit applies:
+        no backward, not CUDA, or recompute is not ``auto``)."""
+        if not backward or self.mode != "auto" or device.type != "cuda":
+            return 0
+        n = len(self.layers)
+        free, total = self._free(device)
+        per_token = (n + 1) * self._layer_cost(1)[0] + self._logits_bytes(1)
+        return max(1, int((free - 0.06 * total) // per_token))
