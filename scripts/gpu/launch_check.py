@@ -100,7 +100,7 @@ def main() -> None:
         entry += ["--dtype", "float32"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     log_path = root / "trainer.log"
-    log = open(log_path, "w")
+    log = open(log_path, "w")  # noqa: SIM115 (the trainer processes write to it until the finally block)
     procs = [subprocess.Popen(cmd, cwd=REPO, env=node_env, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True) for cmd, node_env in launchers(args, entry, env)]
     try:

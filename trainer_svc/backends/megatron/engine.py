@@ -383,7 +383,7 @@ class Engine:
             self._run_packed(datums, chunk, slots, routes, loss_fn, loss_cfg, backward, out_lp, out_loss,
                              loss_by_adapter)
         if backward:
-            for name, s in slots.items():
+            for s in slots.values():
                 for part, group in self._grad_groups(s):
                     dist.all_reduce(part, group=group)
                 s.host_valid = False
