@@ -23,6 +23,8 @@ from loraplane.rpc import ClientSecurity, quiet_grpc_poller
 
 # Answered without a key: load balancers and `loraplane status` probe it.
 OPEN_PATHS = frozenset({"/api/v1/healthz"})
+# Signed download URLs (tinker checkpoint download fetches them with plain urllib): the token is the credential.
+SIGNED_PREFIX = "/api/v1/external_weights/"
 
 
 def caller_key(request: Request) -> str:
@@ -41,7 +43,7 @@ async def authenticate(request: Request) -> None:
     """Every request acts as its caller: the identity is set for the request's task, so every gRPC call made for
     it carries the gateway's service key acting for the caller's tenant, and the services hold it to that
     tenant's namespace and quotas (the one place they are enforced)."""
-    if request.url.path in OPEN_PATHS:
+    if request.url.path in OPEN_PATHS or request.url.path.startswith(SIGNED_PREFIX):
         return
     auth.set_caller(await request.app.state.authenticator.authenticate(caller_key(request) or None))
 

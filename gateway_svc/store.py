@@ -207,6 +207,17 @@ class Store:
             count, size, hits = await pipe.execute()
         return {"records": int(count), "bytes": int(size or 0), "hits": int(hits or 0)}
 
+    # ---- signed download URLs ----------------------------------------------------------------------------------
+    async def signing_secret(self) -> bytes:
+        """The HMAC key of the gateway's signed download URLs, shared by every replica. The one key that is not a
+        tenant's record: it lives beside the tenants' namespaces (`<prefix>gateway:`, never under `t:`), so no
+        tenant's id can name it."""
+        import secrets
+
+        key = f"{self.prefix}gateway:url-signing-secret"
+        await self.redis.set(key, secrets.token_bytes(32), nx=True)
+        return bytes(await self.redis.get(key))
+
     # ---- request dedup ----------------------------------------------------------------------------------------
     async def claim_request(self, scope: str, seq_id: int, request_id: str) -> str:
         """The request id that owns (scope, seq_id): `request_id` if this call claimed it, else the first one's."""

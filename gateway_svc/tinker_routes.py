@@ -170,6 +170,28 @@ async def delete_checkpoint(model_id: str, kind: str, name: str, request: Reques
     return JSONResponse({})
 
 
+@router.put("/training_runs/{model_id}/checkpoints/{kind}/{name}/ttl")
+async def set_checkpoint_ttl(model_id: str, kind: str, name: str, request: Request):
+    await _svc(request).set_checkpoint_ttl(model_id, f"{kind}/{name}", (await _body(request)).get("ttl_seconds"))
+    return JSONResponse({})
+
+
+@router.get("/training_runs/{model_id}/checkpoints/{kind}/{name}/external_weights_urls")
+async def external_weights_urls(model_id: str, kind: str, name: str, request: Request):
+    return await _svc(request).external_weights_urls(model_id, f"{kind}/{name}", str(request.base_url))
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request):
+    return await _svc(request).save_weights_external(await _body(request))
+
+
+@router.get("/external_weights/{token}/{name}")
+async def external_file(token: str, name: str, request: Request):
+    # Served without an API key (the CLI downloads with plain urllib): the signed token is the credential.
+    return Response(content=await _svc(request).external_file(token, name), media_type="application/octet-stream")
+
+
 @router.get("/checkpoints")
 async def user_checkpoints(request: Request, limit: int = 100, offset: int = 0):
     return await _svc(request).user_checkpoints(max(0, min(limit, 1000)), max(0, offset))
@@ -183,7 +205,7 @@ async def weights_info(request: Request):
 _UNSUPPORTED = {
     "/cancel_future": "cancel_future", "/retrieve_futures": "batched futures (retrieve_futures)",
     "/join_sampling_session": "join_sampling_session", "/create_custom_loss": "server-side custom losses",
-    "/auth/token": "JWT auth", "/save_weights_external": "external (HF-format) weight export",
+    "/auth/token": "JWT auth",
     "/copy_weights": "copy_weights", "/unload_model": "unload_model",
 }
 

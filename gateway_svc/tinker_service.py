@@ -35,7 +35,10 @@ from loraplane import auth, errors
 PROTO = tinker_codec.PROTO
 JSON = "application/json"
 _CKPT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SEGMENT = {"weights": "training", "sampler_weights": "sampler"}
+_SEGMENT = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+# The files of an external (Hugging Face PEFT) checkpoint, as `tinker checkpoint download` writes them.
+EXTERNAL_FILES = ("adapter_model.safetensors", "adapter_config.json")
+URL_TTL_S = 3600
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 ATTN, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
 
@@ -63,7 +66,8 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     parts = path[len("tinker://"):].split("/")
     if len(parts) != 3 or parts[1] not in _SEGMENT or not parts[0] or not parts[2]:
         raise errors.InvalidArgument(
-            f"path {errors.shown(path)}: expected tinker://<model_id>/weights|sampler_weights/<name>", field="path")
+            f"path {errors.shown(path)}: expected tinker://<model_id>/weights|sampler_weights|external_weights/<name>",
+            field="path")
     return parts[0], f"{parts[1]}/{parts[2]}", _SEGMENT[parts[1]]
 
 
@@ -395,6 +399,92 @@ class TinkerService:
             "sampler_id": spec["sampler_id"], "base_model": record["base_model"], "model_path": None,
             "adapter": version.adapter, "version": version.version})
         return _json({"type": "save_weights_for_sampler", "path": None, "sampling_session_id": spec["sampler_id"]})
+
+    async def save_weights_external(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._sequenced(body.get("model_id", ""), body.get("seq_id"), {
+            "kind": "save_external", "name": body.get("path"), "ttl": body.get("ttl_seconds"),
+            "encrypt": bool(body.get("age_encryption_recipients")), "metadata": {}})
+
+    async def _run_save_external(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        """A PEFT export is what a weights version already is: publish one and name it by a tinker:// path."""
+        record, seq = await self._target(spec)
+
+        async def check():
+            self._checkpoint_name(spec["name"])
+            if spec.get("encrypt"):
+                raise Unsupported("age_encryption_recipients is not supported (exports are not encrypted)")
+        await self._checked(record, seq, check)
+        version = await self.upstream.publish_weights(record["adapter"], seq, {"tinker_checkpoint": spec["name"]})
+        path = await self._record_checkpoint(record, "external_weights", spec["name"], version, spec)
+        return _json({"type": "save_weights_external", "path": path, "size_bytes": version.size_bytes})
+
+    async def set_checkpoint_ttl(self, model_id: str, ckpt_id: str, ttl: Any) -> None:
+        ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
+        if not self._visible(ckpt):
+            raise errors.NotFound(f"checkpoint {errors.shown(model_id)}/{errors.shown(ckpt_id)} not found",
+                                  field="checkpoint_id")
+        if ttl is not None and num(ttl, "ttl_seconds") <= 0:
+            raise errors.InvalidArgument(f"ttl_seconds {ttl}: must be > 0 (or null for no expiry)",
+                                         field="ttl_seconds")
+        ckpt["expires_at"] = time.time() + ttl if ttl is not None else None
+        await self.store.put_checkpoint(model_id, ckpt_id, ckpt)
+
+    async def external_weights_urls(self, model_id: str, ckpt_id: str, base_url: str) -> dict[str, Any]:
+        """Signed URLs, one per file, that download the checkpoint without an API key (as the CLI fetches them:
+        plain urllib). Each carries the tenant, checkpoint and expiry under the gateway's HMAC."""
+        ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
+        if not self._visible(ckpt):
+            raise errors.NotFound(f"checkpoint {errors.shown(model_id)}/{errors.shown(ckpt_id)} not found",
+                                  field="checkpoint_id")
+        if ckpt["checkpoint_type"] != "external":
+            raise errors.InvalidArgument(f"checkpoint {errors.shown(ckpt_id)}: download URLs are for external "
+                                         "weights (save_weights_external)", field="checkpoint_id")
+        expires = time.time() + URL_TTL_S
+        token = await self._sign({"t": self.tenant(), "m": model_id, "c": ckpt_id, "e": int(expires)})
+        return {"urls": {f: f"{base_url.rstrip('/')}/api/v1/external_weights/{token}/{f}" for f in EXTERNAL_FILES},
+                "expires": _iso(expires)}
+
+    async def _sign(self, payload: dict[str, Any]) -> str:
+        import hashlib
+        import hmac
+
+        body = base64.urlsafe_b64encode(json.dumps(payload, separators=(",", ":")).encode()).decode().rstrip("=")
+        mac = hmac.new(await self.store.signing_secret(), body.encode(), hashlib.sha256).hexdigest()
+        return f"{body}.{mac}"
+
+    async def _verified(self, token: str) -> dict[str, Any] | None:
+        import hashlib
+        import hmac
+
+        body, _sep, mac = token.partition(".")
+        good = hmac.new(await self.store.signing_secret(), body.encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(mac, good):
+            return None
+        try:
+            payload = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+        except ValueError:
+            return None
+        return payload if payload.get("e", 0) > time.time() else None
+
+    async def external_file(self, token: str, name: str) -> bytes:
+        """A file of a signed download URL. An altered, expired or unknown token answers as a missing file."""
+        payload = await self._verified(token)
+        if payload is None or name not in EXTERNAL_FILES:
+            raise errors.NotFound("download URL not found or expired (ask for new URLs)", field="url")
+        # Act for the tenant the URL was signed for: its records, its adapters.
+        auth.set_caller(auth.Identity(key_id="", tenant=payload["t"], role=auth.ROLE_TENANT)
+                        if payload["t"] != self.store.default_tenant else auth.OPEN)
+        ckpt = await self._alive(payload["m"], await self.store.get_checkpoint(payload["m"], payload["c"]))
+        if ckpt is None:
+            raise errors.NotFound("download URL not found or expired (ask for new URLs)", field="url")
+        blob = await self.upstream.download_version(ckpt["adapter"], ckpt["version"])
+        if name == "adapter_model.safetensors":
+            return blob
+        from loraplane.adapter_format import ADAPTER_CONFIG_KEY
+
+        size = int.from_bytes(blob[:8], "little")
+        metadata = json.loads(blob[8:8 + size]).get("__metadata__") or {}
+        return metadata.get(ADAPTER_CONFIG_KEY, "{}").encode()
 
     async def _alive(self, model_id: str, ckpt: dict[str, Any] | None) -> dict[str, Any] | None:
         """The checkpoint, or None once its ttl_seconds have passed (it is then deleted, registry version too)."""

@@ -214,7 +214,7 @@ def test_chunked_compressed_forward_backward_accumulates_in_seq_id_order(cluster
 def test_wire_errors_and_retries(cluster, service):
     http = httpx.Client(base_url=cluster.base_url + "/api/v1", timeout=30)
     # Unsupported endpoints answer the SDK's error shape, never a 500 or an empty body.
-    for path in ("/save_weights_external", "/no/such/endpoint"):
+    for path in ("/copy_weights", "/no/such/endpoint"):
         reply = http.post(path, json={})
         assert reply.status_code == 400 and "not supported" in reply.json()["error"]
         assert reply.json()["category"] == "user"

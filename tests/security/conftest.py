@@ -208,10 +208,15 @@ def _seed_gateway(c: Secured) -> None:
     seq = iter(range(1, 100))
     paths = {}
     for route, name in (("save_weights", "acme-ckpt-w"), ("save_weights_for_sampler", "acme-ckpt-s"),
-                        ("save_weights_for_sampler", "acme-ckpt-del")):
+                        ("save_weights_for_sampler", "acme-ckpt-del"), ("save_weights_external", "acme-ckpt-x")):
         accepted = c.ok("POST", f"/api/v1/{route}", json={"model_id": model_id, "seq_id": next(seq), "path": name})
         paths[name] = c.future(accepted["request_id"])["path"]
-    c.model_seq = 3
+    c.model_seq = 4
+    # A's signed download URL, and that URL's token re-signed by someone without the gateway's key (B's forgery).
+    urls = c.ok("GET", f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/acme-ckpt-x/"
+                       "external_weights_urls")["urls"]
+    token = urls["adapter_config.json"].split("/external_weights/", 1)[1].split("/", 1)[0]
+    forged = token.split(".")[0] + "." + "0" * 64
     sampler_id = c.ok("POST", "/api/v1/create_sampling_session", json={
         "session_id": sid, "sampling_session_seq_id": 0, "model_path": paths["acme-ckpt-s"]})["sampling_session_id"]
     sample = c.ok("POST", "/api/v1/asample", json={
@@ -221,8 +226,9 @@ def _seed_gateway(c: Secured) -> None:
     c.future(sample["request_id"])
     c.a.update(session=sid, model=model_id, sampler=sampler_id, request=sample["request_id"],
                create_request=created["request_id"], ckpt_w=paths["acme-ckpt-w"], ckpt_s=paths["acme-ckpt-s"],
-               ckpt_del=paths["acme-ckpt-del"], gw_adapter=f"acme/{sid}-train-0")
-    c.secrets |= {sid, model_id, sampler_id, sample["request_id"], created["request_id"], *paths.values(),
+               ckpt_del=paths["acme-ckpt-del"], gw_adapter=f"acme/{sid}-train-0", ckpt_x=paths["acme-ckpt-x"],
+               url_token=token, url_forged=forged)
+    c.secrets |= {sid, model_id, sampler_id, sample["request_id"], created["request_id"], *paths.values(), token,
                   "acme-ckpt", "acme-tag", f"{sid}-train-0"}
 
 

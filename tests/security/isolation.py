@@ -25,6 +25,8 @@ def missing_like(ids: dict[str, str]) -> dict[str, str]:
         create_request=_random.token_hex(16), ckpt_w=f"tinker://{model}/weights/acme-ckpt-w",
         ckpt_s=f"tinker://{model}/sampler_weights/acme-ckpt-s",
         ckpt_del=f"tinker://{model}/sampler_weights/acme-ckpt-del", gw_adapter=f"acme/{session}-train-0",
+        ckpt_x=f"tinker://{model}/external_weights/acme-ckpt-x",
+        url_forged=_random.token_urlsafe(60).replace("-", "a").replace("_", "b") + "." + _random.token_hex(32),
         reg=f"acme/secret-reg-{tag}", train=f"acme/secret-train-{tag}", alias=f"alias{tag}")
     return out
 

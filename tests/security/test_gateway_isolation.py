@@ -175,6 +175,21 @@ CASES: dict[tuple[str, str], list[Case]] = {
     ("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}"): [
         Case(lambda x, c: ("DELETE", f"/api/v1/training_runs/{x['model']}/checkpoints/{ckpt_parts(x['ckpt_del'])}",
                            {}))],
+    ("PUT", "/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/ttl"): [
+        Case(lambda x, c: ("PUT", f"/api/v1/training_runs/{x['model']}/checkpoints/{ckpt_parts(x['ckpt_x'])}/ttl",
+                           {"json": {"ttl_seconds": None}}))],
+    ("GET", "/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/external_weights_urls"): [
+        Case(lambda x, c: ("GET", (f"/api/v1/training_runs/{x['model']}/checkpoints/{ckpt_parts(x['ckpt_x'])}"
+                                   "/external_weights_urls"), {}))],
+    ("POST", "/api/v1/save_weights_external"): [Case(post("/api/v1/save_weights_external", lambda x, c: {
+        "model_id": x["model"], "seq_id": 1, "path": "b-x"}),
+        owner=post("/api/v1/save_weights_external", lambda x, c: {
+            "model_id": x["model"], "seq_id": seq(c), "path": "a-x2"}))],
+    # Signed download URLs need no key (the token is the credential, as a presigned S3 URL): B's forgery of A's
+    # token (A's payload, B's signature) answers as a never-issued token; A's real URL serves the file.
+    ("GET", "/api/v1/external_weights/{token}/{name}"): [
+        Case(lambda x, c: ("GET", f"/api/v1/external_weights/{x['url_forged']}/adapter_config.json", {}),
+             owner=lambda x, c: ("GET", f"/api/v1/external_weights/{x['url_token']}/adapter_config.json", {}))],
     ("GET", "/api/v1/checkpoints"): [
         Case(lambda x, c: ("GET", "/api/v1/checkpoints", {}), "listing", check=no_checkpoints)],
     ("POST", "/api/v1/weights_info"): [Case(post("/api/v1/weights_info", lambda x, c: {"tinker_path": x["ckpt_w"]}))],
@@ -189,7 +204,7 @@ CASES: dict[tuple[str, str], list[Case]] = {
                                                                                "request_id": x["request"]}),
                                          "refused", 400)]
        for path in ("/cancel_future", "/retrieve_futures", "/join_sampling_session", "/create_custom_loss",
-                    "/auth/token", "/save_weights_external", "/copy_weights", "/unload_model")},
+                    "/auth/token", "/copy_weights", "/unload_model")},
 }
 
 
@@ -363,7 +378,10 @@ def test_recorded_sequences_are_the_tenants_own(secured: Secured, b_ids):
         assert not leaked(json.dumps(failed).encode(), sent, c.secrets - {a_sequence}, c.addresses)
         answers.append(failed["error"].replace(sequence_id, "<id>"))
     assert answers[0] == answers[1], answers
-    # The owner trains on it (the same request, A's model): the case can fail.
-    method, path, kwargs = _recorded_fwdbwd(c.a["model"], seq(c), tokens, sampled, a_sequence)
+    # The owner trains on it (the same request, on a fresh model of A's session): the case can fail.
+    own = c.ok("POST", "/api/v1/create_model", json={"session_id": c.a["session"], "model_seq_id": 90,
+                                                      "base_model": "tiny", "lora_config": {"rank": 4}})
+    c.future(own["request_id"])
+    method, path, kwargs = _recorded_fwdbwd(own["model_id"], 1, tokens, sampled, a_sequence)
     out = c.future(c.ok(method, path, A, **kwargs)["request_id"], A)
     assert "bytes" in out and wire.ForwardBackwardOutput.FromString(out["bytes"]).metrics["recorded_logprobs:sum"] > 0
