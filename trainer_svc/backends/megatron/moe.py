@@ -31,13 +31,34 @@ import torch.nn.functional as F
 from .lora import grouped_mm_supported
 
 
+# torch._grouped_mm takes at most this many groups per call ("Can't process more than 1024 groups"); 128 experts
+# times 8 adapter slots (the virtual experts of fused tenants) is more.
+MAX_GROUPS = 1024
+
+
+def _group_chunks(offs: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(first group, end group, first row, end row) of each run of at most MAX_GROUPS groups (one host sync, only
+    when there are more groups than one call takes)."""
+    groups = offs.shape[0]
+    ends = list(range(MAX_GROUPS, groups, MAX_GROUPS)) + [groups]
+    rows = offs[[e - 1 for e in ends]].tolist()
+    out, g0, r0 = [], 0, 0
+    for g1, r1 in zip(ends, rows):
+        out.append((g0, g1, r0, int(r1)))
+        g0, r0 = g1, int(r1)
+    return out
+
+
 def segment_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
-    """``x[rows of group g] @ w[g]`` for ``x[N, k]`` sorted by group, ``w[G, k, n]``: one grouped GEMM, or a loop
-    over the groups' host ``counts`` where the kernel does not run."""
+    """``x[rows of group g] @ w[g]`` for ``x[N, k]`` sorted by group, ``w[G, k, n]``: one grouped GEMM (one per
+    MAX_GROUPS groups), or a loop over the groups' host ``counts`` where the kernel does not run."""
     if x.shape[0] == 0:
         return x.new_zeros(0, w.shape[2])
     if counts is None:
-        return torch._grouped_mm(x, w, offs=offs)
+        if offs.shape[0] <= MAX_GROUPS:
+            return torch._grouped_mm(x, w, offs=offs)
+        return torch.cat([torch._grouped_mm(x[r0:r1], w[g0:g1], offs=offs[g0:g1] - r0) if r1 > r0
+                          else x.new_zeros(0, w.shape[2]) for g0, g1, r0, r1 in _group_chunks(offs)])
     return torch.cat([part @ w[g] for g, part in enumerate(x.split(counts))])
 
 
@@ -48,7 +69,11 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: 
     if a.shape[0] == 0:
         return a.new_zeros(groups, a.shape[1], b.shape[1])
     if counts is None:
-        return torch._grouped_mm(a.t(), b, offs=offs)
+        if groups <= MAX_GROUPS:
+            return torch._grouped_mm(a.t(), b, offs=offs)
+        return torch.cat([torch._grouped_mm(a[r0:r1].t(), b[r0:r1], offs=offs[g0:g1] - r0) if r1 > r0
+                          else a.new_zeros(g1 - g0, a.shape[1], b.shape[1])
+                          for g0, g1, r0, r1 in _group_chunks(offs)])
     return torch.stack([pa.t() @ pb for pa, pb in zip(a.split(counts), b.split(counts))])
 
 
