@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from .lora import grouped_mm_supported
 
-
 # torch._grouped_mm takes at most this many groups per call ("Can't process more than 1024 groups"); 128 experts
 # times 8 adapter slots (the virtual experts of fused tenants) is more.
 MAX_GROUPS = 1024
