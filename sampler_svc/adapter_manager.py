@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -138,6 +138,10 @@ class AdapterManager:
         self._stopping = False
         self.events_applied = 0
         self.loads = 0
+        # Whether a version published for an adapter is loaded ahead of its first request. A fleet replica
+        # (sampler_svc/fleet.py) preloads only the adapters whose requests it is first in line for; the others'
+        # versions are recorded (retention counts them) and loaded on demand.
+        self.preloads: Callable[[str], bool] = lambda adapter: True
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -376,12 +380,13 @@ class AdapterManager:
             if event.kind not in WEIGHT_KINDS:
                 return
             self._known.setdefault(adapter, set()).add(event.version)
-            if event.version in self._retained_versions(adapter):
+            if event.version in self._retained_versions(adapter) and self.preloads(adapter):
                 await self._load_for_event(adapter, event.version, event.sha256)
             self._enforce_retention(adapter)
         elif event.type == EventType.VERSION_DELETED:
             self._forget(adapter, [event.version])
-            await self._load_retained(adapter)
+            if self.preloads(adapter):
+                await self._load_retained(adapter)
         elif event.type == EventType.ADAPTER_DELETED:
             self._forget(adapter, list(self._known.get(adapter, ())) +
                          [e.version for e in self._loaded.values() if e.adapter == adapter])

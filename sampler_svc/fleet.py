@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from loraplane.membership import Membership
+from loraplane.routing import HashRing
 
 log = logging.getLogger(__name__)
 # The report carries the names of at most this many loaded versions (for operators; clients get counts only).
@@ -34,8 +35,12 @@ class Replica:
 
 
 class SamplerFleetMember:
-    def __init__(self, service, membership: Membership, replica_id: str, *, ttl_s: float = 3.0):
+    def __init__(self, service, membership: Membership, replica_id: str, *, ttl_s: float = 3.0, preload: int = 2):
+        """`preload`: how many replicas of an adapter's routing order load its new versions ahead of requests
+        (0 = all)."""
         self.service = service
+        self.preload = preload
+        self._ring = HashRing([replica_id])
         self.membership = membership
         self.fleet = membership.fleet
         self.replica_id = replica_id
@@ -67,6 +72,14 @@ class SamplerFleetMember:
         self._live = [Replica(m.member_id, str(m.report.get("address", "")), int(m.report.get("in_flight", 0)),
                               int(m.report.get("loaded_versions", 0)), float(m.report.get("heartbeat_at", 0.0)))
                       for m in members if m.live and m.report.get("address")]
+        ids = {r.replica_id for r in self._live} | {self.replica_id}
+        if ids != set(self._ring.members):
+            self._ring = HashRing(ids)
+
+    def preloads(self, adapter: str) -> bool:
+        """Whether this replica is among the first `preload` of the adapter's routing order (the clients' ring over
+        the live replicas): where its requests go while load allows, so where its new versions should be waiting."""
+        return not self.preload or self.replica_id in self._ring.order(adapter)[:self.preload]
 
     def start(self, address: str) -> None:
         self.address = address

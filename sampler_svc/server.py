@@ -116,8 +116,10 @@ async def start_sampler_server(
         if fleet_name:
             member = SamplerFleetMember(service, Membership(settings.redis_url, key_prefix=settings.key_prefix,
                                                             fleet=fleet_name),
-                                        instance_id, ttl_s=settings.sampler_heartbeat_ttl_s)
+                                        instance_id, ttl_s=settings.sampler_heartbeat_ttl_s,
+                                        preload=settings.sampler_fleet_preload)
             service.fleet = member
+            manager.preloads = member.preloads
             member.address = service.address
             await member.tick()  # listed before the first client asks
             member.start(service.address)

@@ -6,8 +6,8 @@ each call to the replica `loraplane.routing.route` picks: consistent hashing on 
 where the load of a replica is this router's own calls in flight there plus what the others' reported at the last
 refresh. A call answered UNAVAILABLE or CANCELLED by the transport (the replica died, is stopping, or cannot be
 reached) goes at once to the next replica of the adapter's list, and the replica is left out of every route for
-`down_s` (or until a refresh no longer lists it): sampling never depends on which replica serves it, since each
-serves exactly the version asked for, loading it on demand.
+`down_s` (10 s; a restarted replica is back after that): sampling never depends on which replica serves it, since
+each serves exactly the version asked for, loading it on demand.
 
 Per call this costs a ring lookup (cached per adapter) and a sum over the replicas: no RPC, no Redis. A sampler that
 is not in a fleet, or a key that may not see the replicas (a tenant's), gives a list of one or none: everything then
@@ -42,7 +42,8 @@ T = TypeVar("T")
 # the call did not complete there, and sampling is safe to repeat elsewhere.
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 REFRESH_S = 5.0
-DOWN_S = 5.0
+# Longer than a refresh plus a heartbeat TTL, so a dead replica is normally gone from the list before it is tried again.
+DOWN_S = 10.0
 _LIST_TIMEOUT_S = 2.0
 
 

@@ -131,25 +131,26 @@ def test_a_dead_replica_is_routed_around_within_a_second(fleet):
     name = "acme/steady"
     fleet.replicas[IDS[0]].create_adapter(name)
     fleet.publish(name, 7)
-    for replica in fleet.replicas.values():
-        replica.wait_loaded({f"{name}@v1"})
+    home, second, third = HashRing(IDS).order(name)
+    for replica_id in (home, second):  # the two first in its order preload it (sampler_fleet_preload = 2)
+        fleet.replicas[replica_id].wait_loaded({f"{name}@v1"})
     client = SamplingClient(fleet.seed, name)
     assert client.sample(PROMPT, 1, params()).result(timeout=60).served_version == 1
-    home, second, third = HashRing(IDS).order(name)
     # The list names the three of them (what the router routes over).
     router = router_for(fleet.seed)
     assert set(router.replicas) == set(IDS)
 
     fleet.crash(home)
     crashed_at = time.monotonic()
-    assert client.sample(PROMPT, 1, params()).result(timeout=30).served_version == 1
+    # One failed attempt on the dead replica, then at once the next replica of the adapter's order: no backoff.
+    assert client.sample(PROMPT, 1, params(2)).result(timeout=30).served_version == 1
     assert time.monotonic() - crashed_at < 1.0
-    # Every later request succeeds at once, on the adapter's next replica.
+    assert router.failovers == 1
+    # Later requests go to the adapter's next replica. (Not timed one by one: the shared CI box stalls a process for
+    # seconds at times.)
     before = fleet.served()
     for _ in range(5):
-        started = time.monotonic()
-        client.sample(PROMPT, 1, params()).result(timeout=30)
-        assert time.monotonic() - started < 1.0
+        assert client.sample(PROMPT, 1, params()).result(timeout=30).served_version == 1
     after = fleet.served()
     assert after[second] - before[second] == 5
 
@@ -180,7 +181,6 @@ def test_every_replica_serves_the_exact_version_and_keeps_its_retention(fleet):
     fleet.replicas[IDS[0]].create_adapter(name)
     tokens = PROMPT + [5, 9, 200, 31]
     fleet.publish(name, 101)
-    fleet.replicas[IDS[0]].wait_loaded({f"{name}@v1"})
 
     def logprobs(replica_id: str, version: int) -> torch.Tensor:
         reply = fleet.replicas[replica_id].stub().ComputeLogprobs(sampler_pb2.ComputeLogprobsRequest(
@@ -188,11 +188,16 @@ def test_every_replica_serves_the_exact_version_and_keeps_its_retention(fleet):
         assert reply.served_version == version
         return torch.tensor(list(reply.logprobs)[1:])
 
-    v1 = logprobs(IDS[0], 1)
+    first, second, last = HashRing(IDS).order(name)
+    fleet.replicas[first].wait_loaded({f"{name}@v1"})
+    v1 = logprobs(first, 1)
     fleet.publish(name, 202)
     fleet.publish(name, 303)
-    for replica in fleet.replicas.values():
-        replica.wait_loaded({f"{name}@v2", f"{name}@v3"})
+    # The adapter's first two replicas load new versions ahead of requests; the last one only records them.
+    for replica_id in (first, second):
+        fleet.replicas[replica_id].wait_loaded({f"{name}@v2", f"{name}@v3"}, exact=True)
+    assert fleet.replicas[last].wait_loaded(set(), exact=True) == set()
+    assert fleet.replicas[last].manager.known_versions(name) == [1, 2, 3]
     for replica_id in IDS:
         # v1 is past retention (keep 2) everywhere: each replica loads it on demand and serves exactly its weights.
         assert torch.equal(logprobs(replica_id, 1), v1), replica_id
@@ -200,9 +205,10 @@ def test_every_replica_serves_the_exact_version_and_keeps_its_retention(fleet):
     # Through the client too, whichever replica it picks.
     assert SamplingClient(fleet.seed, name, 1).compute_logprobs(tokens).result(timeout=60)[1:] == \
         pytest.approx(v1.tolist(), abs=0)
-    # And each replica, once idle, keeps exactly the newest two.
-    for replica in fleet.replicas.values():
-        assert replica.wait_loaded({f"{name}@v2", f"{name}@v3"}, exact=True)
+    # And each replica, once idle, keeps the newest two at most: v1, loaded on demand, went with its last request.
+    for replica_id in (first, second):
+        fleet.replicas[replica_id].wait_loaded({f"{name}@v2", f"{name}@v3"}, exact=True)
+    fleet.replicas[last].wait_loaded({f"{name}@v3"}, exact=True)
 
 
 def test_the_gateway_routes_by_affinity_and_fails_over(fleet):
