@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from sampler_svc.fleet import SamplerFleetMember
 from sampler_svc.service import SamplerService
 from sampler_svc.servicer import SamplerServicer
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name
 DEFAULT_MAX_LOADED = 64
 
@@ -121,7 +123,10 @@ async def start_sampler_server(
             service.fleet = member
             manager.preloads = member.preloads
             member.address = service.address
-            await member.tick()  # listed before the first client asks
+            try:
+                await member.tick()  # listed before the first client asks
+            except errors.Unavailable as exc:  # Redis away: serve anyway; the heartbeat loop keeps trying
+                log.warning("sampler %s could not join fleet %s yet: %s", instance_id, fleet_name, exc.message)
             member.start(service.address)
     except BaseException:
         if member is not None:

@@ -100,6 +100,16 @@ class SamplerStatus:
     engine_servers: list[str]
 
 
+@dataclass
+class ReplicaListing:
+    """A page of ListReplicas; `fleet` and `replica_id` (the answering replica) are empty for a tenant's key."""
+
+    replicas: list[Replica]
+    next_page_token: str
+    fleet: str = ""
+    replica_id: str = ""
+
+
 class SamplerService:
     def __init__(self, engine: Engine, manager: AdapterManager, *, max_num_samples: int = 16):
         self.engine = engine
@@ -331,8 +341,7 @@ class SamplerService:
             engine_servers=self.engine.server_urls if caller.scope is None else [])
 
 
-    def list_replicas(self, page_size: int, page_token: str, *, caller: Identity = OPEN
-                      ) -> tuple[list[Replica], str]:
+    def list_replicas(self, page_size: int, page_token: str, *, caller: Identity = OPEN) -> ReplicaListing:
         """The fleet's live replicas (this sampler alone outside a fleet). Replica addresses and loads are the
         operator's: a caller confined to a tenant's namespace gets an empty list (docs/security.md) and keeps
         calling the address it was given, which serves every adapter as well."""
@@ -349,7 +358,7 @@ class SamplerService:
                 raise errors.InvalidArgument("page_token is malformed; pass a next_page_token unchanged",
                                              field="page_token")
         if caller.scope is not None:
-            return [], ""
+            return ReplicaListing([], "")
         if self.fleet is not None:
             replicas = self.fleet.replicas()
         else:
@@ -357,7 +366,7 @@ class SamplerService:
         replicas = [r for r in replicas if r.replica_id > after]
         page = replicas[:page_size]
         token = base64.urlsafe_b64encode(page[-1].replica_id.encode()).decode() if len(replicas) > page_size else ""
-        return page, token
+        return ReplicaListing(page, token, self.fleet.fleet if self.fleet is not None else "", self.replica_id)
 
 
 def _authorize(caller: Identity, selector: AdapterSelector) -> None:

@@ -136,12 +136,10 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
 
     async def ListReplicas(self, request: sampler_pb2.ListReplicasRequest,
                            context) -> sampler_pb2.ListReplicasResponse:
-        page, token = self.service.list_replicas(request.page_size, request.page_token, caller=current_caller())
-        shown = bool(page) or current_caller().scope is None
+        listing = self.service.list_replicas(request.page_size, request.page_token, caller=current_caller())
         return sampler_pb2.ListReplicasResponse(
             replicas=[sampler_pb2.SamplerReplica(
                 replica_id=r.replica_id, address=r.address, in_flight=max(r.in_flight, 0),
-                loaded_versions=r.loaded_versions, heartbeat_time=_timestamp(r.heartbeat_at) if r.heartbeat_at
-                else None) for r in page],
-            next_page_token=token, fleet=self.service.fleet.fleet if self.service.fleet and shown else "",
-            replica_id=self.service.replica_id if shown else "")
+                loaded_versions=r.loaded_versions,
+                heartbeat_time=_timestamp(r.heartbeat_at) if r.heartbeat_at else None) for r in listing.replicas],
+            next_page_token=listing.next_page_token, fleet=listing.fleet, replica_id=listing.replica_id)
