@@ -29,7 +29,7 @@ BIN = Path(sys.executable).parent
 PRESETS = {
     # groups_per_batch x group_size rollouts per step.
     "gpu": {"steps": 60, "group_size": 16, "groups_per_batch": 32, "learning_rate": 3e-4, "lora_rank": 16},
-    "cpu": {"steps": 16, "group_size": 8, "groups_per_batch": 4, "learning_rate": 1e-3, "lora_rank": 8},
+    "cpu": {"steps": 30, "group_size": 8, "groups_per_batch": 8, "learning_rate": 1e-3, "lora_rank": 8},
 }
 # Renderers the cookbook has for a model family's chat template (SmolLM2 speaks ChatML, as Qwen does).
 RENDERERS = {"smollm2-135m-instruct": "qwen3_instruct"}
@@ -49,7 +49,8 @@ def model_dir(name: str) -> Path:
 def up(data_dir: Path, base_model: str, names: str) -> str:
     env = {**os.environ, "LORAPLANE_GATEWAY_MODEL_NAMES": names}
     out = subprocess.run([str(BIN / "loraplane"), "up", "--no-auth", "--data-dir", str(data_dir),
-                          "--base-model", base_model], env=env, capture_output=True, text=True, timeout=900)
+                          "--base-model", base_model], check=False, env=env, capture_output=True, text=True,
+                         timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"loraplane up failed:\n{out.stdout}\n{out.stderr}")
     found = re.search(r"TINKER_BASE_URL=(\S+)", out.stdout + out.stderr)
@@ -59,7 +60,8 @@ def up(data_dir: Path, base_model: str, names: str) -> str:
 
 
 def down(data_dir: Path) -> None:
-    subprocess.run([str(BIN / "loraplane"), "down", "--data-dir", str(data_dir)], capture_output=True, timeout=120)
+    subprocess.run([str(BIN / "loraplane"), "down", "--data-dir", str(data_dir)], check=False, capture_output=True,
+                   timeout=120)
 
 
 def run_recipe(base_url: str, model: Path, renderer: str, log_dir: Path, cfg: dict) -> float:
@@ -71,7 +73,7 @@ def run_recipe(base_url: str, model: Path, renderer: str, log_dir: Path, cfg: di
     env = {**os.environ, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     started = time.monotonic()
-    proc = subprocess.run(args, env=env, capture_output=True, text=True)
+    proc = subprocess.run(args, check=False, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"math_rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return time.monotonic() - started
@@ -105,10 +107,16 @@ def plot(summary: dict, png: Path) -> None:
     ax1.plot(steps, [r["reward"] for r in summary["steps"]], marker="o", label="reward")
     if all(r["correct"] is not None for r in summary["steps"]):
         ax1.plot(steps, [r["correct"] for r in summary["steps"]], marker=".", alpha=0.6, label="correct")
+    if all(r["format"] is not None for r in summary["steps"]):
+        fmt = ax1.twinx()
+        fmt.plot(steps, [r["format"] for r in summary["steps"]], linestyle="--", color="grey", label="format ok")
+        fmt.set_ylabel("fraction with a well-formed answer")
+        fmt.set_ylim(0, 1.05)
+        fmt.legend(loc="lower right")
     ax1.set_xlabel("step")
     ax1.set_ylabel("mean over the batch")
     ax1.set_title(f"math_rl arithmetic, {summary['config']['model']} ({summary['device']})")
-    ax1.legend()
+    ax1.legend(loc="center right")
     bottom = [0.0] * len(steps)
     for key in ("sampling", "training", "publish"):
         values = [r[key] or 0.0 for r in summary["steps"]]
