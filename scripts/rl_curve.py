@@ -109,8 +109,8 @@ def plot(summary: dict, png: Path) -> None:
         ax1.plot(steps, [r["correct"] for r in summary["steps"]], marker=".", alpha=0.6, label="correct")
     if all(r["format"] is not None for r in summary["steps"]):
         fmt = ax1.twinx()
-        fmt.plot(steps, [r["format"] for r in summary["steps"]], linestyle="--", color="grey", label="format ok")
-        fmt.set_ylabel("fraction with a well-formed answer")
+        fmt.plot(steps, [r["format"] for r in summary["steps"]], linestyle="--", color="grey", label="well-formed")
+        fmt.set_ylabel("fraction well-formed (ends with the stop token)")
         fmt.set_ylim(0, 1.05)
         fmt.legend(loc="lower right")
     ax1.set_xlabel("step")
