@@ -19,29 +19,12 @@
 # measured still returns. Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh
 # as for scripts/gpu/trainer_vs_peft.sh). JSON + logs come back in $OUT as one tar, with summary.log beside it.
 set -uo pipefail
-FINAL=${OUT:-/tmp/out}
-OUT=$(mktemp -d /tmp/moe.XXXX)
-mkdir -p "$FINAL"
-finish() { tar czf "$FINAL/moe_bench.tgz" -C "$OUT" . ; cp "$OUT/summary.log" "$OUT/env.log" "$FINAL/" 2>/dev/null; }
-trap finish EXIT
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-export PYTHONPATH=.:/tmp/site
-WH=${WH:-.gpuwh}
-[ -d "$WH" ] || WH=../.gpuwh   # run from a copy of the tree inside the carried checkout
-install_parts() {  # DIR with parts/p* -> /tmp/site
-  local work; work=$(mktemp -d)
-  cat "$1"/parts/p* | tar xf - -C "$work" && python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --target /tmp/site "$work"/*.whl || { echo "install of $1 failed"; exit 3; }
-}
-[ -d /tmp/site/megatron ] || { install_parts "$WH/megatron"; install_parts "$WH/tvp_extra"; }
+. "$(dirname "$0")/bench_env.sh" moe_bench
 GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, transformers, peft; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
   git log -1 --format='%h %s' 2>/dev/null || true
 } 2>&1 | tee -a "$OUT/env.log"
-summary() { tee -a "$OUT/summary.log"; }
 single() {  # label, then bench args: one process on GPU 0
   local label=$1; shift
   echo "== $label: $*" | summary

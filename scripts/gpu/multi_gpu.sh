@@ -12,31 +12,12 @@
 # Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh). A case that runs past
 # CASE_TIMEOUT (default 420 s) is stopped; what the others measured still returns. Logs and JSON land in $OUT.
 set -uo pipefail
-# Everything is written to a work folder and comes back as one tar (the device tool returns at most 8 files), with
-# the summary beside it.
-FINAL=${OUT:-/tmp/out}
-OUT=$(mktemp -d /tmp/mg.XXXX)
-mkdir -p "$FINAL"
-finish() { (cd "$OUT" && tar czf "$FINAL/multi_gpu_logs.tgz" .); cp "$OUT/summary.log" "$OUT/env.log" "$FINAL/" 2>/dev/null; }
-trap finish EXIT
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-export PYTHONPATH=.:/tmp/site
-WH=${WH:-.gpuwh}
-[ -d "$WH" ] || WH=../.gpuwh   # run from a copy of the tree inside the carried checkout
-install_parts() {  # DIR with parts/p* -> /tmp/site
-  local work; work=$(mktemp -d)
-  cat "$1"/parts/p* | tar xf - -C "$work" && python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --target /tmp/site "$work"/*.whl || { echo "install of $1 failed"; exit 3; }
-}
-[ -d /tmp/site/megatron ] || { install_parts "$WH/megatron"; install_parts "$WH/tvp_extra"; }
+. "$(dirname "$0")/bench_env.sh" multi_gpu_logs
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m 2>/dev/null | head -6
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.device_count(), 'GPUs')"
   git log -1 --format='%h %s' 2>/dev/null || true
 } 2>&1 | tee -a "$OUT/env.log"
-summary() { tee -a "$OUT/summary.log"; }
 bench() {  # label nproc tp [bench args]: one torchrun job on the first nproc GPUs
   local label=$1 nproc=$2 tp=$3; shift 3
   echo "== $label: $nproc GPU(s), TP=$tp $*" | summary

@@ -8,28 +8,7 @@
 # scripts/gpu/trainer_vs_peft-wheels.txt in .gpuwh/tvp_extra/parts (build both here with
 # /work/shared/gpu/build-wheelhouse.sh LIST DIR; carry them with the call). JSON + a summary log land in $OUT.
 set -uo pipefail
-FINAL=${OUT:-/tmp/out}
-# Everything is written to a work folder and comes back as one tar (the device tool returns at most 8 files),
-# with the summary log beside it.
-OUT=$(mktemp -d /tmp/tvp.XXXX)
-mkdir -p "$FINAL"
-finish() { tar czf "$FINAL/trainer_vs_peft.tgz" -C "$OUT" . ; cp "$OUT/summary.log" "$FINAL/" 2>/dev/null; }
-trap finish EXIT
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-export PYTHONPATH=.:/tmp/site
-WH=${WH:-.gpuwh}
-[ -d "$WH" ] || WH=../.gpuwh   # run from a copy of the tree inside the carried checkout
-install_parts() {  # DIR with parts/p* -> /tmp/site
-  local work; work=$(mktemp -d)
-  cat "$1"/parts/p* | tar xf - -C "$work" && python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --target /tmp/site "$work"/*.whl || { echo "install of $1 failed"; exit 3; }
-}
-if [ ! -d /tmp/site/megatron ]; then
-  install_parts "$WH/megatron"
-  install_parts "$WH/tvp_extra"
-fi
+. "$(dirname "$0")/bench_env.sh" trainer_vs_peft
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, transformers, peft; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
   git log -1 --format='%h %s' 2>/dev/null || true
