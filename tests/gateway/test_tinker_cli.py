@@ -1,5 +1,5 @@
 """The SDK's own `tinker` CLI (the console script in .venv/bin), run as a subprocess against a live gateway:
-`tinker run list|info`, `tinker checkpoint list|info|download|delete`."""
+`tinker run list|info`, `tinker checkpoint list|info|download|set-ttl|delete`."""
 
 from __future__ import annotations
 
@@ -68,6 +68,15 @@ def test_checkpoint_list_info_download_delete(cluster, run, tmp_path):
     exports = [c for c in json.loads(cli(cluster, "checkpoint", "list").stdout)["checkpoints"]
                if c["checkpoint_type"] == "external"]
     assert exports == [], exports
+
+    # set-ttl sets, then removes, the state checkpoint's expiry.
+    def expiry() -> str | None:
+        rows = json.loads(cli(cluster, "checkpoint", "list", "--run-id", model_id).stdout)["checkpoints"]
+        return {c["tinker_path"]: c for c in rows}[state].get("expires_at")
+    cli(cluster, "checkpoint", "set-ttl", state, "--ttl", "7200")
+    assert expiry() is not None
+    cli(cluster, "checkpoint", "set-ttl", state, "--remove")
+    assert expiry() is None
 
     cli(cluster, "checkpoint", "delete", sampler, "--yes")
     after = json.loads(cli(cluster, "checkpoint", "list", "--run-id", model_id).stdout)
