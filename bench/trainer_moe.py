@@ -295,21 +295,6 @@ def meta_base(shape: str, device: torch.device, dtype: torch.dtype):
                      num_experts=config.num_experts)
 
 
-@torch.no_grad()
-def random_shards(model, _hf_state_dict, _spec) -> None:
-    """Stands in for ``load_hf_weights`` under EP: each rank fills its own shards (norms 1, the rest N(0, 0.02))."""
-    from megatron.core import parallel_state
-
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(
-        1234 + parallel_state.get_expert_model_parallel_rank())
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=g)
-        p.requires_grad_(False)
-
-
 def run_ep(args, device: torch.device, dtype: torch.dtype) -> dict | None:
     import torch.distributed as dist
 
@@ -325,6 +310,8 @@ def run_ep(args, device: torch.device, dtype: torch.dtype) -> dict | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = args.ep or world
     megatron_model.init_parallel(1, expert_parallel_size=ep)
+    from bench.trainer_multigpu import random_shards
+
     megatron_model.load_hf_weights = random_shards  # build_from_hf looks it up at call time
     (layout, tenants), = parse_contenders(args.contenders)[:1]
     base = meta_base(args.shape, device, dtype)

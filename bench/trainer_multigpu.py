@@ -64,10 +64,10 @@ def count_params(model) -> int:
 @torch.no_grad()
 def random_shards(model, _hf_state_dict, _spec) -> None:
     """Stands in for ``load_hf_weights``: each rank fills its own shards (norm weights 1, the rest N(0, 0.02));
-    data-parallel replicas draw the same values."""
-    from megatron.core import parallel_state
+    data-parallel replicas draw the same values (the seed follows the tensor- and expert-parallel ranks)."""
+    from megatron.core import parallel_state as ps
 
-    seed = 1234 + parallel_state.get_tensor_model_parallel_rank()
+    seed = 1234 + ps.get_tensor_model_parallel_rank() + 1000 * ps.get_expert_model_parallel_rank()
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
