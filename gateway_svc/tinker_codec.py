@@ -159,6 +159,17 @@ def encode_sample(result: SampleResult) -> bytes:
     if result.prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(
             [math.nan if v is None else v for v in result.prompt_logprobs], dtype="<f4").tobytes()
+    if result.target_prompt is not None:
+        t = result.target_prompt
+        tensor = wire.Tensor(dtype=wire.DTYPE_FLOAT32, shape=t["shape"])
+        values = np.asarray(t["values"], dtype="<f4").tobytes()
+        if t.get("crow") is not None:
+            tensor.sparse_csr.CopyFrom(wire.SparseCsr(values=values,
+                                                      crow_indices=np.asarray(t["crow"], dtype="<i8").tobytes(),
+                                                      col_indices=np.asarray(t["col"], dtype="<i8").tobytes()))
+        else:
+            tensor.dense = values
+        out.target_prompt_logprobs.CopyFrom(tensor)
     if result.topk_k:
         # The SDK reads an (length, k) row-major matrix, the sampler's own layout.
         out.topk_prompt_logprobs.CopyFrom(wire.TopkLogprobs(

@@ -16,6 +16,7 @@ Mapping:
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import re
 import time
@@ -39,6 +40,8 @@ _SEGMENT = {"weights": "training", "sampler_weights": "sampler", "external_weigh
 # The files of an external (Hugging Face PEFT) checkpoint, as `tinker checkpoint download` writes them.
 EXTERNAL_FILES = ("adapter_model.safetensors", "adapter_config.json")
 URL_TTL_S = 3600
+# target_prompt_logprobs: cells scored per request (each costs the sampler one prefill of its prefix).
+MAX_TARGET_CELLS = 256
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 ATTN, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
 
@@ -597,8 +600,7 @@ class TinkerService:
         for option in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
             if body.get(option):
                 raise Unsupported(f"{option} is not supported by loraplane")
-        if body.get("target_prompt_logprobs") is not None:
-            raise Unsupported("target_prompt_logprobs is not supported by loraplane")
+        targets = _target_cells(body.get("target_prompt_logprobs"), _prompt_length(body.get("prompt") or {}))
         topk = num(body.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs")
         if not 0 <= topk <= 20:
             raise errors.InvalidArgument(f"topk_prompt_logprobs {topk}: must be in [0, 20]",
@@ -615,7 +617,7 @@ class TinkerService:
             "kind": "sample", "sampler_id": sampler_id, "num_samples": num_samples,
             "prompt": body.get("prompt") or {}, "sampling_params": body.get("sampling_params") or {},
             "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk, "last_n": last_n,
-            "record": bool(body.get("record_stability_info"))})
+            "record": bool(body.get("record_stability_info")), "targets": targets})
         return {"request_id": request_id, "sample_sequence_ids": stability.sequence_ids(request_id, num_samples)}
 
     async def _run_sample(self, spec: dict[str, Any]) -> tuple[str, bytes]:
@@ -637,6 +639,8 @@ class TinkerService:
         if record["version"] and result.served_version != record["version"]:
             raise errors.Unavailable(f"sampler served version {result.served_version}, "
                                      f"pinned {record['version']}")
+        if spec.get("targets"):
+            result.target_prompt = await self._target_logprobs(record, prompt, spec["targets"])
         if spec.get("record"):
             ids = stability.sequence_ids(spec["request_id"], spec["num_samples"])
             records = stability.records_of(
@@ -649,6 +653,34 @@ class TinkerService:
                     "or shorter sequences", field="record_stability_info")
             await self.store.put_sequences(records, ttl_s=self.settings.stability_ttl_s, max_bytes=limit)
         return PROTO, tinker_codec.encode_sample(result)
+
+    async def _target_logprobs(self, record: dict[str, Any], prompt: list[int], targets: dict[str, Any]) -> dict:
+        """The logprob of each requested token at its prompt position: one prefill of `prompt[:row + 1] + [token]`
+        per distinct cell, scoring only its last token (the sampler's prompt logprobs are the unmodified model
+        distribution, as Tinker's are), on the same pinned version."""
+        import asyncio
+
+        gate = asyncio.Semaphore(8)
+        params = SamplingSpec(max_tokens=1)
+
+        async def score(row: int, token: int) -> float:
+            async with gate:
+                out = await self.upstream.sample(record["adapter"], record["version"], prompt[:row + 1] + [token], 1,
+                                                 params, True, prompt_logprobs_last_n=1)
+            if record["version"] and out.served_version != record["version"]:
+                raise errors.Unavailable(f"sampler served version {out.served_version}, pinned {record['version']}")
+            return float(out.prompt_logprobs[-1])
+        cells = [tuple(c) for c in targets["cells"]]
+        distinct = sorted({(r, t) for r, _c, t in cells})
+        scored = dict(zip(distinct, await asyncio.gather(*(score(r, t) for r, t in distinct)), strict=True))
+        rows, k = targets["shape"]
+        if targets.get("crow") is not None:
+            return {"shape": [rows, k], "values": [scored[(r, t)] for r, _c, t in cells],
+                    "crow": targets["crow"], "col": targets["col"]}
+        dense = [0.0] * (rows * k)
+        for r, c, t in cells:
+            dense[r * k + c] = scored[(r, t)]
+        return {"shape": [rows, k], "values": dense, "crow": None, "col": None}
 
     # ---- REST ------------------------------------------------------------------------------------------------
     async def capabilities(self) -> dict[str, Any]:
@@ -716,6 +748,47 @@ class TinkerService:
         return {"base_model": record["base_model"], "is_lora": True, "lora_rank": record["rank"],
                 "train_unembed": record.get("train_unembed", False), "train_mlp": record.get("train_mlp", True),
                 "train_attn": record.get("train_attn", True)}
+
+
+def _prompt_length(prompt: dict[str, Any]) -> int:
+    return sum(len(c.get("tokens") or []) for c in prompt.get("chunks") or [] if isinstance(c, dict))
+
+
+def _target_cells(tensor: Any, prompt_length: int) -> dict[str, Any] | None:
+    """target_prompt_logprobs (the SDK's JSON TensorData, dense or CSR, shape [len(prompt) - 1, K], -1 = nothing
+    asked) -> {"shape", "cells": [[row, col, token]...], "crow", "col"}; None when absent."""
+    if tensor is None:
+        return None
+    field = "target_prompt_logprobs"
+    if not isinstance(tensor, dict) or not isinstance(tensor.get("data"), list):
+        raise errors.InvalidArgument(f"{field}: expected a TensorData", field=field)
+    shape = tensor.get("shape") or []
+    if len(shape) != 2 or num(shape[0], f"{field}.shape") != prompt_length - 1 or num(shape[1], f"{field}.shape") < 1:
+        raise errors.InvalidArgument(f"{field}: shape {errors.shown(shape)} must be [len(prompt) - 1, K] = "
+                                     f"[{prompt_length - 1}, K]", field=field)
+    rows, k = int(shape[0]), int(shape[1])
+    data = [num(v, f"{field}.data") for v in tensor["data"]]
+    crow, col = tensor.get("sparse_crow_indices"), tensor.get("sparse_col_indices")
+    cells = []
+    if crow is not None:
+        crow = [num(v, f"{field}.sparse_crow_indices") for v in crow]
+        col = [num(v, f"{field}.sparse_col_indices") for v in col or []]
+        if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(data) or len(col) != len(data)
+                or any(b < a for a, b in itertools.pairwise(crow)) or any(not 0 <= c < k for c in col)):
+            raise errors.InvalidArgument(f"{field}: inconsistent CSR indices", field=field)
+        cells = [[r, col[j], data[j]] for r in range(rows) for j in range(crow[r], crow[r + 1])]
+    else:
+        if len(data) != rows * k:
+            raise errors.InvalidArgument(f"{field}: {len(data)} values for shape [{rows}, {k}]", field=field)
+        cells = [[i // k, i % k, t] for i, t in enumerate(data) if t != -1]
+    if any(t < -1 for _r, _c, t in cells):
+        raise errors.InvalidArgument(f"{field}: token ids must be >= 0 (-1 = nothing asked)", field=field)
+    if crow is not None and any(t == -1 for _r, _c, t in cells):
+        raise errors.InvalidArgument(f"{field}: a listed CSR cell must name a token", field=field)
+    if len(cells) > MAX_TARGET_CELLS:
+        raise errors.InvalidArgument(f"{field}: {len(cells)} cells asked; at most {MAX_TARGET_CELLS} per request",
+                                     field=field)
+    return {"shape": [rows, k], "cells": cells, "crow": crow, "col": col if crow is not None else None}
 
 
 def _tmp() -> str:

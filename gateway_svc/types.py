@@ -75,6 +75,9 @@ class SampleResult:
     topk_k: int = 0
     topk_token_ids: list[int] = field(default_factory=list)
     topk_logprobs: list[float] = field(default_factory=list)
+    # target_prompt_logprobs: {"shape": [rows, k], "values": [...], "crow": [...] | None, "col": [...] | None} (CSR
+    # when the request was sparse, else dense row-major with 0.0 where nothing was asked).
+    target_prompt: dict | None = None
 
 
 @dataclass

@@ -188,3 +188,27 @@ def test_topk_prompt_logprobs_and_last_n(service):
     np.testing.assert_allclose(last[-2:], full[-2:], atol=1e-5)
     with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):
         sampler.sample(prompt, 1, PARAMS, topk_prompt_logprobs=50).result()
+
+
+def test_target_prompt_logprobs_dense_and_sparse(service):
+    """decisions-style: the logprobs of chosen tokens at chosen prompt positions, in the request's shape and layout
+    (0.0 where nothing was asked)."""
+    import torch
+
+    sampler = service.create_sampling_client(base_model="tiny").result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    full = sampler.compute_logprobs(prompt).result()
+    targets = torch.full((len(PROMPT) - 1, 3), -1, dtype=torch.int64)
+    # Row i scores position i + 1: the actual next token (whose logprob compute_logprobs gives) and two others.
+    targets[2] = torch.tensor([PROMPT[3], 11, 12])
+    targets[4, 0] = PROMPT[5]
+    for tensor in (tinker.TensorData.from_torch_sparse(targets, pad_value=-1), tinker.TensorData.from_torch(targets)):
+        out = sampler.sample(prompt, 1, PARAMS, target_prompt_logprobs=tensor).result().target_prompt_logprobs
+        got = out.to_numpy()
+        assert got.shape == (len(PROMPT) - 1, 3)
+        assert got[2, 0] == pytest.approx(full[3], abs=1e-5) and got[4, 0] == pytest.approx(full[5], abs=1e-5)
+        assert got[2, 1] < 0 and got[2, 2] < 0 and got[2, 1] != got[2, 2]
+        asked = (targets != -1).numpy()
+        assert (got[~asked] == 0.0).all()
+    with pytest.raises(tinker.BadRequestError, match="target_prompt_logprobs"):
+        sampler.sample(prompt, 1, PARAMS, target_prompt_logprobs=tinker.TensorData.from_torch(targets[:2])).result()
