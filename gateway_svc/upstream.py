@@ -23,6 +23,7 @@ from gateway_svc.types import (
     VersionInfo,
 )
 from loraplane import errors
+from loraplane.client.routing import TrainerRouter
 from loraplane.client.sampler_routing import SamplerRouter
 from loraplane.client.tokenizer import tokenizer_from_info
 from loraplane.registry_client import RegistryClient, adapter_ref
@@ -94,11 +95,35 @@ class Upstream:
         # A sampler fleet behind the configured address: each adapter's calls go to its replica (affinity with
         # bounded load), on to another at once if that one is gone. The gateway's service key sees the replicas.
         self.sampler_router = SamplerRouter(sampler, channel=self._sampler_channel)
+        # A trainer fleet behind the configured address: each adapter's calls go to the member serving it, found
+        # through any member (ResolveAdapter), and follow it when it moves (ADAPTER_MOVED, a member gone).
+        self.trainer_router = TrainerRouter(trainer, channel=self._trainer_channel)
 
     def _channel(self, service: str) -> grpc.aio.Channel:
         if service not in self._channels:
             self._channels[service] = aio_channel(self.addresses[service], self.security)
         return self._channels[service]
+
+    def _trainer_channel(self, address: str) -> grpc.aio.Channel:
+        if address == self.addresses["trainer"]:
+            return self._channel("trainer")
+        key = f"trainer {address}"
+        if key not in self._channels:
+            self._channels[key] = aio_channel(address, self.security)
+        return self._channels[key]
+
+    def _routed(self, adapter: str, call):
+        """The attempt of a trainer call for `adapter`: `call(stub)` on the fleet member serving it. UNAVAILABLE
+        (ADAPTER_MOVED, or that member gone) makes the retry, with the same seq_id, ask the fleet again."""
+        async def attempt():
+            stub = self.trainer_router.stub(await self.trainer_router.address_of(adapter))
+            try:
+                return await call(stub)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.trainer_router.forget(adapter)
+                raise
+        return attempt
 
     def _sampler_channel(self, address: str) -> grpc.aio.Channel:
         if address == self.addresses["sampler"]:
@@ -170,6 +195,8 @@ class Upstream:
             message = message.replace(f"{service} {address}", service).replace(address, service)
         for address in self.sampler_router.replicas.values():
             message = message.replace(address, "sampler")
+        for address in self.trainer_router.known():
+            message = message.replace(address, "trainer")
         if message == exc.message:
             return exc
         hidden = type(exc)(message, field=exc.field)
@@ -196,9 +223,9 @@ class Upstream:
     async def create_adapter(self, name: str, *, rank: int, seed: int, targets: list[str],
                              metadata: dict[str, str]) -> None:
         config = common_pb2.LoraConfig(rank=rank, seed=seed, target_modules=targets)
-        await self._call("trainer", f"CreateAdapter {name}", lambda: self.trainer.CreateAdapter(
+        await self._call("trainer", f"CreateAdapter {name}", self._routed(name, lambda trainer: trainer.CreateAdapter(
             trainer_pb2.TrainerServiceCreateAdapterRequest(name=name, lora_config=config, metadata=metadata),
-            timeout=self.timeout))
+            timeout=self.timeout)))
 
     async def forward_backward(self, adapter: str, seq_id: int, data: list[DatumIn], loss_fn: str,
                                config: dict[str, float], forward_only: bool) -> FwdBwdResult:
@@ -206,20 +233,20 @@ class Upstream:
                   "loss_fn_config": config}
         if forward_only:
             request = trainer_pb2.ForwardRequest(**kwargs)
-            reply = await self._call("trainer", f"Forward {adapter}#{seq_id}",
-                                     lambda: self.trainer.Forward(request, timeout=self.timeout))
+            reply = await self._call("trainer", f"Forward {adapter}#{seq_id}", self._routed(
+                adapter, lambda trainer: trainer.Forward(request, timeout=self.timeout)))
         else:
             request = trainer_pb2.ForwardBackwardRequest(**kwargs)
-            reply = await self._call("trainer", f"ForwardBackward {adapter}#{seq_id}",
-                                     lambda: self.trainer.ForwardBackward(request, timeout=self.timeout))
+            reply = await self._call("trainer", f"ForwardBackward {adapter}#{seq_id}", self._routed(
+                adapter, lambda trainer: trainer.ForwardBackward(request, timeout=self.timeout)))
         return FwdBwdResult(logprobs=[list(o.logprobs) for o in reply.outputs],
                             elementwise_loss=[list(o.elementwise_loss) for o in reply.outputs],
                             metrics=dict(reply.metrics))
 
     async def optim_step(self, adapter: str, seq_id: int, adam: dict[str, float]) -> dict[str, float]:
-        reply = await self._call("trainer", f"OptimStep {adapter}#{seq_id}", lambda: self.trainer.OptimStep(
-            trainer_pb2.OptimStepRequest(adapter=adapter, seq_id=seq_id, adam_params=trainer_pb2.AdamParams(**adam)),
-            timeout=self.timeout))
+        reply = await self._call("trainer", f"OptimStep {adapter}#{seq_id}", self._routed(
+            adapter, lambda trainer: trainer.OptimStep(trainer_pb2.OptimStepRequest(
+                adapter=adapter, seq_id=seq_id, adam_params=trainer_pb2.AdamParams(**adam)), timeout=self.timeout)))
         metrics = dict(reply.metrics)
         names = {k.split(":")[0] for k in metrics}
         for name, value in (("grad_norm", reply.grad_norm), ("step", float(reply.step)),
@@ -229,21 +256,22 @@ class Upstream:
         return metrics
 
     async def publish_weights(self, adapter: str, seq_id: int, metadata: dict[str, str]) -> VersionInfo:
-        reply = await self._call("trainer", f"PublishWeights {adapter}#{seq_id}", lambda: self.trainer.PublishWeights(
-            trainer_pb2.PublishWeightsRequest(adapter=adapter, seq_id=seq_id, metadata=metadata),
-            timeout=self.timeout))
+        reply = await self._call("trainer", f"PublishWeights {adapter}#{seq_id}", self._routed(
+            adapter, lambda trainer: trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
+                adapter=adapter, seq_id=seq_id, metadata=metadata), timeout=self.timeout)))
         return _version(reply.version)
 
     async def save_state(self, adapter: str, seq_id: int, metadata: dict[str, str]) -> VersionInfo:
-        reply = await self._call("trainer", f"SaveState {adapter}#{seq_id}", lambda: self.trainer.SaveState(
-            trainer_pb2.SaveStateRequest(adapter=adapter, seq_id=seq_id, metadata=metadata), timeout=self.timeout))
+        reply = await self._call("trainer", f"SaveState {adapter}#{seq_id}", self._routed(
+            adapter, lambda trainer: trainer.SaveState(trainer_pb2.SaveStateRequest(
+                adapter=adapter, seq_id=seq_id, metadata=metadata), timeout=self.timeout)))
         return _version(reply.version)
 
     async def load_state(self, adapter: str, seq_id: int, source: str, version: int, with_optimizer: bool) -> None:
-        await self._call("trainer", f"LoadState {adapter}#{seq_id}", lambda: self.trainer.LoadState(
-            trainer_pb2.LoadStateRequest(adapter=adapter, seq_id=seq_id, with_optimizer=with_optimizer,
-                                         source=common_pb2.AdapterRef(name=source, version=version)),
-            timeout=self.timeout))
+        await self._call("trainer", f"LoadState {adapter}#{seq_id}", self._routed(
+            adapter, lambda trainer: trainer.LoadState(trainer_pb2.LoadStateRequest(
+                adapter=adapter, seq_id=seq_id, with_optimizer=with_optimizer,
+                source=common_pb2.AdapterRef(name=source, version=version)), timeout=self.timeout)))
 
     # ---- registry ------------------------------------------------------------------------------------------
     async def get_adapter(self, name: str) -> AdapterInfo:

@@ -11,6 +11,7 @@ from loraplane.client._runtime import Endpoint, RetryConfig, call_with_retry, ru
 from loraplane.client.addresses import client_security, resolve_address
 from loraplane.client.chunking import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNK_DATUMS
 from loraplane.client.errors import NotFoundError
+from loraplane.client.routing import router_for
 from loraplane.client.sampling_client import SamplingClient
 from loraplane.client.tokenizer import fetch_tokenizer, get_server_info
 from loraplane.client.types import TrainerAdapterInfo, parse_path
@@ -84,21 +85,25 @@ class Session:
     def get_tokenizer(self):
         return fetch_tokenizer(self.trainer_address, self.retry)
 
-    async def _list_trainer_adapters(self) -> list[TrainerAdapterInfo]:
-        stub = trainer_pb2_grpc.TrainerServiceStub(runtime().channel(self.trainer_address))
+    async def _list_trainer_adapters(self, address: str | None = None) -> list[TrainerAdapterInfo]:
+        """The adapters of one trainer (`address`, default the one this client was given)."""
+        address = address or self.trainer_address
+        stub = trainer_pb2_grpc.TrainerServiceStub(runtime().channel(address))
         found: list[TrainerAdapterInfo] = []
         token = ""
         while True:
             request = trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000, page_token=token)
             reply = await call_with_retry(lambda timeout, r=request: stub.ListAdapters(r, timeout=timeout), self.retry,
-                                          method="ListAdapters", address=self.trainer_address)
+                                          method="ListAdapters", address=address)
             found.extend(TrainerAdapterInfo.from_proto(a) for a in reply.adapters)
             token = reply.next_page_token
             if not token:
                 return found
 
     async def _find_trainer_adapter(self, name: str) -> TrainerAdapterInfo:
-        for info in await self._list_trainer_adapters():
+        # In a trainer fleet the adapter may live on another trainer than ours: ask where, then look there.
+        address = await router_for(self.trainer_address).resolve(name)
+        for info in await self._list_trainer_adapters(address):
             if info.name == name:
                 return info
         raise NotFoundError(f"adapter {name!r} is not on the trainer", method="ListAdapters",

@@ -8,13 +8,14 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 from loraplane import errors
-from loraplane.client._runtime import call_with_retry, runtime
+from loraplane.client._runtime import runtime
 from loraplane.client._session import Session
 from loraplane.client.errors import AlreadyExistsError, error_from_domain
+from loraplane.client.routing import routed_call
 from loraplane.client.training_client import SeqCounter, TrainingClient
 from loraplane.client.types import TrainerAdapterInfo, VersionInfo, parse_path
 from loraplane.registry_client import RegistryClient, RegistryEvent, weights_dtype_name, weights_dtype_value
-from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2, trainer_pb2_grpc
+from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -52,10 +53,9 @@ class ServiceClient(Session):
 
     async def _create_adapter(self, request: trainer_pb2.TrainerServiceCreateAdapterRequest
                               ) -> TrainerAdapterInfo:
-        stub = trainer_pb2_grpc.TrainerServiceStub(runtime().channel(self.trainer_address))
         # CreateAdapter carries no seq_id; a retry after a lost reply may meet ALREADY_EXISTS for our own adapter.
-        reply = await call_with_retry(lambda timeout: stub.CreateAdapter(request, timeout=timeout), self.retry,
-                                      method="CreateAdapter", address=self.trainer_address)
+        # In a trainer fleet the trainer asked places the adapter and may send us to another (routing.py).
+        reply = await routed_call(self.trainer_address, request.name, "CreateAdapter", request, self.retry)
         return TrainerAdapterInfo.from_proto(reply.adapter)
 
     def create_lora_training_client(
@@ -172,11 +172,9 @@ class ServiceClient(Session):
 
     def delete_training_adapter(self, name: str, *, delete_from_registry: bool = False) -> None:
         async def run():
-            stub = trainer_pb2_grpc.TrainerServiceStub(runtime().channel(self.trainer_address))
             request = trainer_pb2.TrainerServiceDeleteAdapterRequest(name=name,
                                                                       delete_from_registry=delete_from_registry)
-            await call_with_retry(lambda timeout: stub.DeleteAdapter(request, timeout=timeout), self.retry,
-                                  method="DeleteAdapter", address=self.trainer_address)
+            await routed_call(self.trainer_address, name, "DeleteAdapter", request, self.retry)
 
         runtime().run(run())
 
