@@ -16,10 +16,10 @@ from loraplane.tracing import setup_tracing
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import TrainerBackend
 from trainer_svc.fleet import FleetMember
-from trainer_svc.fleet_servicer import FleetTrainerServicer
 from trainer_svc.fleet_store import FleetStore
 from trainer_svc.journal import TrainingJournal
 from trainer_svc.service import TrainerLimits, TrainerService
+from trainer_svc.servicer import TrainerServicer
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ async def start_trainer_server(
     service = service_class(backend_impl, registry, trainer_limits, journal=training_journal)
     server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "trainer"),
                         security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
-    servicer = FleetTrainerServicer(service, trainer_id=settings.trainer_id)
+    servicer = TrainerServicer(service, trainer_id=settings.trainer_id)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server.server)
     server.add_service(SERVICE_NAME)
     member = None

@@ -12,7 +12,7 @@ from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import ItemResult
 from trainer_svc.optimizer import ADAM_FIELDS, AdamHyper
 from trainer_svc.service import AdapterInfo, LoraConfig, SourceRef, TrainerService
-from trainer_svc.validation import DatumPayload
+from trainer_svc.validation import DatumPayload, validate_adapter_name
 
 
 def payload_hash(request) -> bytes:
@@ -62,8 +62,11 @@ def _count_tokens(request, kind: str) -> None:
 
 @map_servicer_errors
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, service: TrainerService):
+    def __init__(self, service: TrainerService, *, trainer_id: str = "trainer", address: str = ""):
         self.service = service
+        self.trainer_id = trainer_id
+        # The address clients reach this trainer at (set once the server listens).
+        self.address = address
 
     async def CreateAdapter(self, request, context):
         info = await self.service.create_adapter(request.name, lora_config(request.lora_config), request.base_model,
@@ -136,3 +139,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             supported_target_modules=list(d.module_dims), supported_losses=info["supported_losses"],
             device_slots=info["device_slots"], max_batch_datums=info["max_batch_datums"],
             num_hidden_layers=d.num_layers, hidden_size=d.hidden_size)
+
+    async def ResolveAdapter(self, request, context):
+        validate_adapter_name(request.name)
+        caller = current_caller()
+        caller.authorize(request.name)
+        fleet = self.service.fleet
+        if fleet is None:  # a lone trainer serves every adapter it has: "" = the address you asked
+            return trainer_pb2.ResolveAdapterResponse(trainer_id=self.trainer_id)
+        address, trainer_id, epoch, live = await fleet.resolve(request.name)
+        if caller.scope is not None:  # the fleet's member list is the operator's (as ListReplicas is)
+            live = []
+        return trainer_pb2.ResolveAdapterResponse(address=address, trainer_id=trainer_id, epoch=epoch,
+                                                  trainer_addresses=live)
