@@ -103,17 +103,25 @@ class TrainerRouter:
         return self.seed
 
 
-_routers: dict[tuple[str, Any], TrainerRouter] = {}
-_routers_lock = threading.Lock()
+class RouterCache:
+    """One router per seed address (and its TLS settings) in the process: every client of one fleet shares what
+    its router has learnt (placements, replicas, failures)."""
+
+    def __init__(self, factory):
+        self.factory = factory
+        self.routers: dict[tuple[str, Any], Any] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, seed: str):
+        key = (str(seed), getattr(seed, "security", None))
+        with self.lock:
+            router = self.routers.get(key)
+            if router is None:
+                router = self.routers[key] = self.factory(seed)
+            return router
 
 
-def router_for(seed: str) -> TrainerRouter:
-    key = (str(seed), getattr(seed, "security", None))
-    with _routers_lock:
-        router = _routers.get(key)
-        if router is None:
-            router = _routers[key] = TrainerRouter(seed)
-        return router
+router_for = RouterCache(TrainerRouter)
 
 
 async def routed_call(seed: str, adapter: str, method: str, request, retry: RetryConfig) -> Any:
@@ -136,4 +144,4 @@ async def routed_call(seed: str, adapter: str, method: str, request, retry: Retr
     return await call_with_retry(attempt, retry, method=method, address=where["address"])
 
 
-__all__ = ["TrainerRouter", "routed_call", "router_for"]
+__all__ = ["RouterCache", "TrainerRouter", "routed_call", "router_for"]

@@ -24,7 +24,6 @@ import contextlib
 import contextvars
 import logging
 import random
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -32,6 +31,7 @@ from typing import Any, TypeVar
 import grpc
 
 from loraplane.client._runtime import Endpoint, RetryConfig, call_with_retry, runtime
+from loraplane.client.routing import RouterCache
 from loraplane.routing import DEFAULT_BALANCE, HashRing, route
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
 
@@ -214,17 +214,7 @@ class SamplerRouter:
         raise last
 
 
-_routers: dict[tuple[str, Any], SamplerRouter] = {}
-_routers_lock = threading.Lock()
-
-
-def router_for(seed: str) -> SamplerRouter:
-    key = (str(seed), getattr(seed, "security", None))
-    with _routers_lock:
-        router = _routers.get(key)
-        if router is None:
-            router = _routers[key] = SamplerRouter(seed)
-        return router
+router_for = RouterCache(SamplerRouter)
 
 
 async def routed_call(seed: str, adapter: str, method: str, request, retry: RetryConfig) -> Any:
