@@ -207,7 +207,9 @@ class TinkerService:
         if opt != "adamw":
             raise Unsupported(f"optimizer_config.type {errors.shown(opt)} is not supported (adamw only)")
         model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id')}"
-        targets = (ATTN if train_attn else []) + (MLP if train_mlp else [])
+        # train_mlp means the MLP the model has: a dense model's gate/up/down, a MoE model's routed experts.
+        offered = info.target_modules or ATTN + MLP
+        targets = [t for t in offered if (train_attn if t in ATTN else train_mlp)]
         now = time.time()
         record = {"model_id": model_id, "adapter": self.adapter_of(model_id), "base_model": base, "rank": rank,
                   "seed": num(lora.get("seed") or 0, "lora_config.seed"), "targets": targets, "train_mlp": train_mlp,

@@ -96,3 +96,5 @@ class ServerInfo:
     supported_losses: list[str]
     eos_token_ids: list[int]
     tokenizer_name: str
+    # The LoRA targets the base model offers (the trainer's GetInfo): dense MLP projections or routed experts.
+    target_modules: list[str] = field(default_factory=list)

@@ -213,7 +213,8 @@ class Upstream:
                 self._info = ServerInfo(
                     base_model=reply.base_model, max_context_length=reply.max_context_length,
                     max_lora_rank=reply.max_lora_rank, supported_losses=list(reply.supported_losses),
-                    eos_token_ids=list(reply.tokenizer.eos_token_ids), tokenizer_name=reply.tokenizer.name)
+                    eos_token_ids=list(reply.tokenizer.eos_token_ids), tokenizer_name=reply.tokenizer.name,
+                    target_modules=list(reply.supported_target_modules))
             return self._info
 
     async def tokenizer(self):

@@ -87,9 +87,13 @@ class ServiceClient(Session):
         if target_modules is None:
             if not (train_attn or train_mlp):
                 raise ValueError("at least one of train_attn / train_mlp must be true")
-            target_modules = [*(ATTENTION_MODULES if train_attn else ()), *(MLP_MODULES if train_mlp else ())]
             if train_attn and train_mlp:
                 target_modules = []  # the server's default: every projection
+            else:
+                # "MLP" is what the base model has: a dense model's gate/up/down, a MoE model's routed experts.
+                offered = list(self.get_server_capabilities().supported_target_modules) or [
+                    *ATTENTION_MODULES, *MLP_MODULES]
+                target_modules = [t for t in offered if (train_attn if t in ATTENTION_MODULES else train_mlp)]
         name = name or f"run-{uuid.uuid4().hex[:8]}"
         lora = common_pb2.LoraConfig(rank=rank, alpha=float(alpha or 0.0), target_modules=list(target_modules),
                                      seed=random.getrandbits(63) if seed is None else seed,

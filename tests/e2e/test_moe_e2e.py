@@ -125,6 +125,20 @@ def test_unknown_and_dense_mlp_targets_are_refused_on_a_moe_model(moe_trainer):
     assert attention.parameter_count == 3 * 4 * ((64 + 48) + (64 + 24) * 2 + (48 + 64))
 
 
+def test_the_clients_train_mlp_flag_means_the_experts_on_a_moe_model(registry, moe_trainer):
+    """ServiceClient's train_mlp / train_attn narrow to what the base model offers: on a MoE model the MLP is its
+    routed experts (gate/up/down of a dense model would be refused, as the test above shows)."""
+    service = ServiceClient(trainer=moe_trainer.address, registry=registry.address)
+    try:
+        mlp = service.create_lora_training_client("tiny-moe", rank=4, seed=1, name="moe/mlp-only", train_attn=False)
+        attn = service.create_lora_training_client("tiny-moe", rank=4, seed=1, name="moe/attn-only",
+                                                   train_mlp=False)
+        assert sorted(mlp.info.target_modules) == sorted(EXPERTS)
+        assert list(attn.info.target_modules) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    finally:
+        service.close()
+
+
 @pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
 def test_train_publish_sample_through_the_client(registry, moe_trainer, moe_sampler, layout):
     retry = RetryConfig(max_attempts=8, initial_backoff_s=0.05, max_backoff_s=0.5, total_timeout_s=60,
