@@ -52,6 +52,7 @@ from bench.trainer_vs_peft import (
     Contender,
     DirectDriver,
     bench_limits,
+    profile_steps,
     random_data,
     time_rounds,
 )
@@ -252,6 +253,8 @@ def run_single(args, device: torch.device, dtype: torch.dtype) -> dict:
         contenders.insert(0, Contender("peft", step))
     try:
         time_rounds(contenders, args.rounds, args.warmup, device)
+        if args.profile:
+            profile_steps(contenders, Path(args.profile), device, args.shape)
     finally:
         for close in closers:
             try:
@@ -478,6 +481,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--cpu-dev", action="store_true", help="ep mode on CPU ranks over gloo (scripts/gpu/cpu_shims.py)")
+    ap.add_argument("--profile", default=None,
+                    help="single mode: a folder for one profiled step per contender (kernel families, top ops)")
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     args.shape = args.shape or ("qwen3-30b-a3b" if args.mode == "ep" else "qwen3-30b-a3b-24l")
