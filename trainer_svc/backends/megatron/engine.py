@@ -409,6 +409,12 @@ class Engine:
         limit = self.micro_batch_tokens
         if limit is None:
             limit = self.recompute.max_tokens_without_recompute(backward, self.device)
+            if self.tp > 1 and limit:
+                # The TP ranks of a group run every pass together (their layers all-reduce): one limit for all,
+                # whatever each rank's free memory says.
+                agreed = torch.tensor([limit], dtype=torch.int64, device=self.device)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp_group)
+                limit = int(agreed.item())
         if not order or not limit or self.ep > 1 or sum(lengths) <= limit:
             return [order] if order else []
         chunks, current, used = [], [], 0
