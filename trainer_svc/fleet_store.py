@@ -30,6 +30,7 @@ import redis
 
 from loraplane.errors import Unavailable
 from loraplane.fleet import TrainerLoad
+from loraplane.membership import Membership
 
 _PLACE_NEW = """
 local current = redis.call('HMGET', KEYS[1], 'trainer', 'epoch')
@@ -114,6 +115,9 @@ class FleetStore:
         # The shared journal's adapter index (trainer_svc/journal.py), read to find every adapter of the fleet.
         self.index_key = f"{key_prefix}trainer:{fleet}:adapters"
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # The heartbeat keys are the shared membership layout (the sampler fleet's too); members() below reads them
+        # in one pipeline with the drain marks and placement counts.
+        self.membership = Membership(url, key_prefix=key_prefix, fleet=fleet, client=self.redis)
         self._place_new = self.redis.register_script(_PLACE_NEW)
         self._move = self.redis.register_script(_MOVE)
         self._release = self.redis.register_script(_RELEASE)
@@ -136,14 +140,7 @@ class FleetStore:
     # ---- members
     def heartbeat(self, info: MemberInfo, ttl_s: float) -> None:
         info.heartbeat_at = time.time()
-        body = json.dumps({k: getattr(info, k) for k in _REPORTED})
-
-        def write():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.set(f"{self.prefix}member:{info.trainer_id}", body, px=max(1, int(ttl_s * 1000)))
-            pipe.sadd(f"{self.prefix}members", info.trainer_id)
-            pipe.execute()
-        self._call("heartbeat", write)
+        self.membership.heartbeat(info.trainer_id, {k: getattr(info, k) for k in _REPORTED}, ttl_s)
 
     def members(self) -> list[MemberInfo]:
         """Every member ever seen, live ones with their last report; sorted by id."""
