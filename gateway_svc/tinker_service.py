@@ -423,11 +423,16 @@ class TinkerService:
         path = await self._record_checkpoint(record, "external_weights", spec["name"], version, spec)
         return _json({"type": "save_weights_external", "path": path, "size_bytes": version.size_bytes})
 
-    async def set_checkpoint_ttl(self, model_id: str, ckpt_id: str, ttl: Any) -> None:
+    async def _live_checkpoint(self, model_id: str, ckpt_id: str) -> dict[str, Any]:
+        """The caller's unexpired checkpoint, or NOT_FOUND (as for one that never existed)."""
         ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
         if not self._visible(ckpt):
             raise errors.NotFound(f"checkpoint {errors.shown(model_id)}/{errors.shown(ckpt_id)} not found",
                                   field="checkpoint_id")
+        return ckpt
+
+    async def set_checkpoint_ttl(self, model_id: str, ckpt_id: str, ttl: Any) -> None:
+        ckpt = await self._live_checkpoint(model_id, ckpt_id)
         if ttl is not None and num(ttl, "ttl_seconds") <= 0:
             raise errors.InvalidArgument(f"ttl_seconds {ttl}: must be > 0 (or null for no expiry)",
                                          field="ttl_seconds")
@@ -437,10 +442,7 @@ class TinkerService:
     async def external_weights_urls(self, model_id: str, ckpt_id: str, base_url: str) -> dict[str, Any]:
         """Signed URLs, one per file, that download the checkpoint without an API key (as the CLI fetches them:
         plain urllib). Each carries the tenant, checkpoint and expiry under the gateway's HMAC."""
-        ckpt = await self._alive(model_id, await self.store.get_checkpoint(model_id, ckpt_id))
-        if not self._visible(ckpt):
-            raise errors.NotFound(f"checkpoint {errors.shown(model_id)}/{errors.shown(ckpt_id)} not found",
-                                  field="checkpoint_id")
+        ckpt = await self._live_checkpoint(model_id, ckpt_id)
         if ckpt["checkpoint_type"] != "external":
             raise errors.InvalidArgument(f"checkpoint {errors.shown(ckpt_id)}: download URLs are for external "
                                          "weights (save_weights_external)", field="checkpoint_id")
@@ -485,11 +487,9 @@ class TinkerService:
         blob = await self.upstream.download_version(ckpt["adapter"], ckpt["version"])
         if name == "adapter_model.safetensors":
             return blob
-        from loraplane.adapter_format import ADAPTER_CONFIG_KEY
+        from loraplane.adapter_format import ADAPTER_CONFIG_KEY, blob_metadata
 
-        size = int.from_bytes(blob[:8], "little")
-        metadata = json.loads(blob[8:8 + size]).get("__metadata__") or {}
-        return metadata.get(ADAPTER_CONFIG_KEY, "{}").encode()
+        return blob_metadata(blob).get(ADAPTER_CONFIG_KEY, "{}").encode()
 
     async def _alive(self, model_id: str, ckpt: dict[str, Any] | None) -> dict[str, Any] | None:
         """The checkpoint, or None once its ttl_seconds have passed (it is then deleted, registry version too)."""

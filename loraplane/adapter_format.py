@@ -239,15 +239,24 @@ def parse_adapter(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
     return fold_shared_outer(params, spec), spec, base_name
 
 
+def _pop_metadata(header: dict) -> dict[str, str]:
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise DataLoss("adapter blob: safetensors metadata is not a string map", field="blob")
+    return metadata
+
+
+def blob_metadata(blob: bytes) -> dict[str, str]:
+    """The safetensors metadata of a blob (its adapter_config.json among it), from the header alone."""
+    return _pop_metadata(_header(blob, "adapter blob"))
+
+
 def adapter_header(blob: bytes) -> tuple[LoraSpec, str, dict[str, str]]:
     """(spec, base model name, tensor name -> safetensors dtype) of a weights blob, from its header alone: keys and
     shapes are checked against the config, the values are not read (for a consumer that hands the bytes on as they
     are, such as a PEFT file for SGLang, of a blob whose digest it has checked: the registry checked its values)."""
     header = _header(blob, "adapter blob")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise DataLoss("adapter blob: safetensors metadata is not a string map", field="blob")
-    spec, base_name = _adapter_config(metadata)
+    spec, base_name = _adapter_config(_pop_metadata(header))
     try:
         shapes = {name: tuple(int(n) for n in entry["shape"]) for name, entry in header.items()}
         dtypes = {name: str(entry["dtype"]) for name, entry in header.items()}
