@@ -32,6 +32,7 @@ class Store:
         self.prefix = prefix
         self.future_ttl_s = future_ttl_s
         self.default_tenant = default_tenant
+        self._signing_secret: bytes | None = None
 
     def tenant(self) -> str:
         """The tenant of the request (or future) this task serves: the caller set by the app's authentication."""
@@ -214,9 +215,11 @@ class Store:
         tenant's id can name it."""
         import secrets
 
-        key = f"{self.prefix}gateway:url-signing-secret"
-        await self.redis.set(key, secrets.token_bytes(32), nx=True)
-        return bytes(await self.redis.get(key))
+        if self._signing_secret is None:  # made once, never changed: read once per process
+            key = f"{self.prefix}gateway:url-signing-secret"
+            await self.redis.set(key, secrets.token_bytes(32), nx=True)
+            self._signing_secret = bytes(await self.redis.get(key))
+        return self._signing_secret
 
     # ---- request dedup ----------------------------------------------------------------------------------------
     async def claim_request(self, scope: str, seq_id: int, request_id: str) -> str:
