@@ -685,19 +685,28 @@ global___TrainerServiceDeleteAdapterResponse = TrainerServiceDeleteAdapterRespon
 
 @typing.final
 class TrainerServiceListAdaptersRequest(google.protobuf.message.Message):
+    """In a trainer fleet any member lists every adapter of the fleet the caller may see, in name order: each from the
+    trainer serving it, or, while none does (its trainer died, or it is moving), as the next owner will restore it
+    from the journal (resident = false). page_token = the last name of the previous page.
+    """
+
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
     PAGE_SIZE_FIELD_NUMBER: builtins.int
     PAGE_TOKEN_FIELD_NUMBER: builtins.int
+    THIS_TRAINER_ONLY_FIELD_NUMBER: builtins.int
     page_size: builtins.int
     page_token: builtins.str
+    this_trainer_only: builtins.bool
+    """Only the adapters this trainer serves itself (how fleet members ask each other)."""
     def __init__(
         self,
         *,
         page_size: builtins.int = ...,
         page_token: builtins.str = ...,
+        this_trainer_only: builtins.bool = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["page_size", b"page_size", "page_token", b"page_token"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["page_size", b"page_size", "page_token", b"page_token", "this_trainer_only", b"this_trainer_only"]) -> None: ...
 
 global___TrainerServiceListAdaptersRequest = TrainerServiceListAdaptersRequest
 
