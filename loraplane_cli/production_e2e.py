@@ -76,6 +76,94 @@ BF16_MAX_ABS = 1.0
 BF16_MEAN_ABS = 0.15
 
 
+# ---- Qwen3-MoE models with random weights (the MoE production shape, tests/gpu/test_sglang_moe.py, bench) --------
+
+# Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts top-8 (renormalised), expert FFN 768, GQA 32/4 of head_dim 128.
+QWEN3_30B_A3B = {"hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                 "intermediate_size": 6144, "vocab_size": 151936, "max_position_embeddings": 40960,
+                 "rope_theta": 1000000.0}
+# A small MoE for one GPU with room for trainer and SGLang: every layer MoE (as in Qwen3-30B-A3B: SGLang's LoRA pool
+# gives a MoE model's gate_up/down buffers to the experts only, so a dense MLP layer would have none), kernel-friendly
+# sizes (multiples of 64, head_dim 64), 16 experts top-4.
+SMALL_MOE = {"hidden_size": 512, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
+             "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
+             "intermediate_size": 1024, "max_position_embeddings": 2048, "rope_theta": 10000.0}
+MOE_SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "small-moe": SMALL_MOE}
+
+
+def qwen3_moe_config(shape: str | dict, *, layers: int = 0, vocab_size: int = 0, dtype: str = "bfloat16"):
+    """A transformers Qwen3MoeConfig of a named shape (MOE_SHAPES) or explicit dims; `layers` truncates it,
+    `vocab_size` replaces the vocabulary (a small tokenizer's). No shared experts, no sliding window, no aux loss."""
+    from transformers import Qwen3MoeConfig
+
+    dims = dict(MOE_SHAPES[shape] if isinstance(shape, str) else shape)
+    if layers:
+        dims["num_hidden_layers"] = layers
+    if vocab_size:
+        dims["vocab_size"] = vocab_size
+    dims.setdefault("vocab_size", 261)
+    return Qwen3MoeConfig(**dims, mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                          use_sliding_window=False, router_aux_loss_coef=0.0, output_router_logits=False,
+                          bos_token_id=1, eos_token_id=4, pad_token_id=0, torch_dtype=dtype,
+                          architectures=["Qwen3MoeForCausalLM"])
+
+
+def write_random_moe_dir(directory: Path, config, *, seed: int = 0, device: str = "") -> Path:
+    """A Qwen3-MoE with seeded random weights built on `device` (default: CUDA when there is one) in the config's
+    dtype, saved as a Hugging Face directory with the byte-level tokenizer of `tiny` (ids, not text, matter here).
+    Weights as `tiny-moe` draws them: uniform with std 1/sqrt(fan_in) (embeddings std 1), norms around 1, the router
+    4x larger so that top-k routing is decisive (near-ties would flip between two bf16 implementations). Kept when
+    the directory already has a config."""
+    import math
+
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from loraplane.models.tiny import build_tiny_tokenizer
+
+    directory = Path(directory)
+    if (directory / "config.json").is_file():
+        return directory
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", "bfloat16")
+                               ).removeprefix("torch."))
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(config)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * (torch.rand(param.shape, generator=generator, device=device) - 0.5))
+                continue
+            bound = math.sqrt(3.0) * (1.0 if "embed_tokens" in name else 1.0 / math.sqrt(param.shape[-1]))
+            if name.endswith("mlp.gate.weight"):
+                bound *= 4.0
+            param.copy_((torch.rand(param.shape, generator=generator, device=device) * 2.0 - 1.0) * bound)
+    model = model.to(dtype)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(directory)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the memory goes to the SGLang server and the trainer started next
+    return directory
+
+
+def write_moe_config_dir(directory: Path, config) -> Path:
+    """config.json + the tokenizer only, for SGLang's `--load-format dummy` (random weights made on the GPU; the
+    61 GB of a full Qwen3-30B-A3B never touch the disk). The sampler reads its vocabulary, context and EOS from
+    this directory too (on the meta device)."""
+    from loraplane.models.tiny import build_tiny_tokenizer
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    build_tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
 def load_rl_example() -> ModuleType:
     """examples/rl_loop.py, imported from its file (examples/ is not a package)."""
     path = REPO / "examples" / "rl_loop.py"
