@@ -181,7 +181,8 @@ class MegatronLora:
             attn.linear_qkv.register_forward_hook(self._hook(i, "qkv"))
             attn.linear_proj.register_forward_hook(self._hook(i, "o_proj"))
             if shape.is_moe(i):
-                # No dense MLP: the experts call expert_hook, the router asks which adapter slot each token is in.
+                # No dense MLP: the experts ask for the routing in force (BatchRouting.expert_lora_forward),
+                # the router asks which adapter slot each token is in.
                 mlp.experts.lora = self
                 mlp.router.token_slots = self._token_slots
                 self.expert_slots = mlp.router.slots - 1
@@ -235,14 +236,6 @@ class MegatronLora:
     def _token_slots(self) -> torch.Tensor | None:
         routing = getattr(_local, "routing", None)
         return None if routing is None or not routing.expert_members else routing.token_slots()
-
-    def expert_hook(self, target: str, layer: int, x: torch.Tensor, out: torch.Tensor, route) -> torch.Tensor:
-        """Adds the routed adapters' expert LoRA to the output ``out`` of the expert GEMM of ``target`` (rows sorted
-        by expert, then adapter slot: :class:`.moe.ExpertRoute`)."""
-        routing = getattr(_local, "routing", None)
-        if routing is None or not routing.expert_members:
-            return out
-        return _ExpertLoraAdd.apply(x, out, routing.anchor, (routing, self.moe_position[layer], target, route))
 
     def expert_classes(self, layout: str) -> list[LoraClass]:
         return expert_lora_classes(self.shape, layout, self.ep)
@@ -413,6 +406,50 @@ class BatchRouting:
             if sink.shape[0] == 1 and g.shape[0] > 1:
                 g = g.sum(0, keepdim=True)
             sink.add_(g, alpha=factor) if factor != 1.0 else sink.add_(g)
+
+    def expert_lora_forward(self, target: str, position: int, route, x: torch.Tensor,
+                            out: torch.Tensor) -> torch.Tensor:
+        """Adds ``scale * B_e (A_e x)`` of each row's adapter and expert into the expert GEMM's output ``out`` in
+        place: rows sorted by expert then adapter slot (:class:`.moe.ExpertRoute`), so each tenant x expert
+        segment is one group of two grouped GEMMs (:func:`.moe.segment_mm`), whatever mix of tenants the batch
+        fuses. Returns the mid ``A_e x`` (``[rows, r]``) that :meth:`expert_lora_backward` takes. Called inside
+        :class:`.moe._ExpertMLP`, whose backward calls :meth:`expert_lora_backward`."""
+        from .moe import segment_mm
+
+        cd = self.lora.compute_dtype
+        xc = x if x.dtype == cd else x.to(cd)
+        offs, counts = route.slot_offs, _lora_counts(route, self, target)
+        self.lora.expert_gemms["expert_lora_loop" if counts is not None else "expert_lora_grouped"] += 1
+        mid = segment_mm(xc, self.expert_stack(target, "A", position).transpose(1, 2), offs, counts)
+        b = self.expert_stack(target, "B", position)
+        if out.dtype == cd:
+            segment_mm(mid, b, offs, counts, acc=out)
+        else:
+            out.add_(segment_mm(mid, b, offs, counts).to(out.dtype))
+        return mid
+
+    def expert_lora_backward(self, target: str, position: int, route, x: torch.Tensor, mid: torch.Tensor,
+                             g: torch.Tensor, g_x: torch.Tensor | None) -> None:
+        """The backward of :meth:`expert_lora_forward` for the output gradient ``g``: the A and B gradients into
+        each adapter's sinks (:meth:`add_expert_grad`) and, when ``g_x`` is given, the input gradient added into
+        it in place."""
+        from .moe import segment_mm, segment_outer
+
+        cd = self.lora.compute_dtype
+        xc = x if x.dtype == cd else x.to(cd)
+        gc = (g if g.dtype == cd else g.to(cd)).contiguous()
+        offs, counts = route.slot_offs, _lora_counts(route, self, target)
+        bt = self.expert_stack(target, "B", position)
+        self.add_expert_grad(target, "B", position, segment_outer(mid, gc, offs, counts))
+        g_mid = segment_mm(gc, bt.transpose(1, 2), offs, counts)
+        del bt
+        self.add_expert_grad(target, "A", position, segment_outer(g_mid, xc, offs, counts))
+        if g_x is not None:
+            a = self.expert_stack(target, "A", position)
+            if g_x.dtype == cd:
+                segment_mm(g_mid, a, offs, counts, acc=g_x)
+            else:
+                g_x.add_(segment_mm(g_mid, a, offs, counts).to(g_x.dtype))
 
     @property
     def mode(self) -> str:
@@ -628,49 +665,6 @@ class _HookAddInPlace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _lora_backward(ctx, g), g, None, None
-
-
-class _ExpertLoraAdd(torch.autograd.Function):
-    """Adds ``scale * B_e (A_e x)`` of each row's adapter and expert into the expert GEMM's output in place: rows
-    sorted by expert then adapter slot, so each tenant x expert segment is one group of two grouped GEMMs
-    (:func:`.moe.segment_mm`), forward and backward, whatever mix of tenants the batch fuses. The output's gradient
-    passes through; the A and B gradients land in each adapter's sinks (:meth:`BatchRouting.add_expert_grad`)."""
-
-    @staticmethod
-    def forward(ctx, x, out, anchor, plan):
-        from .moe import segment_mm
-
-        routing, position, target, route = plan
-        cd = routing.lora.compute_dtype
-        xc = x if x.dtype == cd else x.to(cd)
-        offs, counts = route.slot_offs, _lora_counts(route, routing, target)
-        routing.lora.expert_gemms["expert_lora_loop" if counts is not None else "expert_lora_grouped"] += 1
-        mid = segment_mm(xc, routing.expert_stack(target, "A", position).transpose(1, 2), offs, counts)
-        out.add_(segment_mm(mid, routing.expert_stack(target, "B", position), offs, counts).to(out.dtype))
-        ctx.save_for_backward(xc, mid)
-        ctx.plan = plan
-        ctx.counts = counts
-        ctx.x_dtype = x.dtype
-        ctx.mark_dirty(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        from .moe import segment_mm, segment_outer
-
-        routing, position, target, route = ctx.plan
-        xc, mid = ctx.saved_tensors
-        cd = routing.lora.compute_dtype
-        gc = (g if g.dtype == cd else g.to(cd)).contiguous()
-        offs, counts = route.slot_offs, ctx.counts
-        bt = routing.expert_stack(target, "B", position)
-        routing.add_expert_grad(target, "B", position, segment_outer(mid, gc, offs, counts))
-        g_mid = segment_mm(gc, bt.transpose(1, 2), offs, counts)
-        routing.add_expert_grad(target, "A", position, segment_outer(g_mid, xc, offs, counts))
-        g_x = None
-        if ctx.needs_input_grad[0]:
-            g_x = segment_mm(g_mid, routing.expert_stack(target, "A", position), offs, counts).to(ctx.x_dtype)
-        return g_x, g, None, None
 
 
 def _lora_counts(route, routing, target: str) -> list[int] | None:

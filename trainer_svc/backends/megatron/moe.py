@@ -15,7 +15,8 @@ megatron-core splits an MoE layer into three small objects with narrow interface
   ``grouped_gemm`` package): the local experts' weights as two 3-D tensors in HF's own layout (``weight1[E, 2F,
   h]`` = ``[gate; up]`` rows per expert, ``weight2[E, h, F]``); each base expert GEMM is one ``torch._grouped_mm``
   over the rows with per-expert offsets, each expert-LoRA GEMM one over the tenant x expert segments
-  (:class:`ExpertRoute`, :class:`.lora._ExpertLoraAdd`), where the kernel exists (bf16 on sm90; on CPU torch's
+  (:class:`ExpertRoute`, :class:`_ExpertMLP` with the LoRA math of
+  :meth:`.lora.BatchRouting.expert_lora_forward`), where the kernel exists (bf16 on sm90; on CPU torch's
   loop); elsewhere a loop over the groups.
 
 Experts are never sharded by tensor parallelism (``expert_tensor_parallel_size = 1``): under TP every rank
@@ -24,6 +25,8 @@ data-parallel ranks instead.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -48,17 +51,30 @@ def _group_chunks(offs: torch.Tensor) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def segment_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+def segment_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None,
+               acc: torch.Tensor | None = None) -> torch.Tensor:
     """``x[rows of group g] @ w[g]`` for ``x[N, k]`` sorted by group, ``w[G, k, n]``: one grouped GEMM (one per
-    MAX_GROUPS groups), or a loop over the groups' host ``counts`` where the kernel does not run."""
+    MAX_GROUPS groups), or a loop over the groups' host ``counts`` where the kernel does not run. With ``acc``
+    (``[N, n]``) the product is added into it in place, chunk by chunk (no concatenation of the chunks), and ``acc``
+    is returned."""
+    n = w.shape[2]
     if x.shape[0] == 0:
-        return x.new_zeros(0, w.shape[2])
-    if counts is None:
-        if offs.shape[0] <= MAX_GROUPS:
-            return torch._grouped_mm(x, w, offs=offs)
-        return torch.cat([torch._grouped_mm(x[r0:r1], w[g0:g1], offs=offs[g0:g1] - r0) if r1 > r0
-                          else x.new_zeros(0, w.shape[2]) for g0, g1, r0, r1 in _group_chunks(offs)])
-    return torch.cat([part @ w[g] for g, part in enumerate(x.split(counts))])
+        return acc if acc is not None else x.new_zeros(0, n)
+    if counts is None and offs.shape[0] <= MAX_GROUPS:
+        parts = [(0, x.shape[0], torch._grouped_mm(x, w, offs=offs))]
+    elif counts is None:
+        parts = [(r0, r1, torch._grouped_mm(x[r0:r1], w[g0:g1], offs=offs[g0:g1] - r0))
+                 for g0, g1, r0, r1 in _group_chunks(offs) if r1 > r0]
+    else:
+        ends = list(itertools.accumulate(counts))
+        parts = [(e - c, e, x[e - c : e] @ w[g]) for g, (c, e) in enumerate(zip(counts, ends)) if c]
+    if acc is None:
+        if len(parts) == 1 and parts[0][1] - parts[0][0] == x.shape[0]:
+            return parts[0][2]
+        acc = x.new_zeros(x.shape[0], n)
+    for r0, r1, part in parts:
+        acc[r0:r1].add_(part if part.dtype == acc.dtype else part.to(acc.dtype))
+    return acc
 
 
 def segment_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
@@ -76,21 +92,98 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: 
     return torch.stack([pa.t() @ pb for pa, pb in zip(a.split(counts), b.split(counts))])
 
 
-class _ExpertLinear(torch.autograd.Function):
-    """``x[rows of expert e] @ w[e]^T`` (``w[E, out, in]``) with a frozen weight: the backward computes only the
-    input gradient (the base experts never get weight gradients; torch's own ``_grouped_mm`` backward also fails on
-    CPU for broadcast gradients)."""
+class _ExpertMLP(torch.autograd.Function):
+    """The routed experts of one MoE layer as ONE autograd node: ``out_i = E_e(p_i x_i)``-style SwiGLU experts with
+    the routed adapters' expert LoRA, each row ``i`` (a token's copy for expert ``e``) weighted by its routing
+    probability ``p_i``, forward and backward written out so that only what the backward needs is kept:
+
+    * kept: the fc1 output ``h = [gate | up]`` (``[N, 2F]``, the only activation the backward cannot get cheaply),
+      the LoRA mids (``[N, r]``) and, in the local mode, the token rows ``x`` (``[T, h]``, not their ``k`` gathered
+      copies ``[N, h]``: the backward gathers them again);
+    * the weight ``p_i`` multiplies the SwiGLU output (``[N, F]``) before the down GEMM rather than the down output
+      (``[N, h]``): the down projection and its LoRA are linear, so ``E(p a) = p E(a)``; its gradient is then
+      ``<g_(p a), a>`` per row, with no copy of the expert output kept for it;
+    * the base GEMMs are frozen: no weight gradients, the input gradients as grouped GEMMs on the transposed weight
+      (no recomputation of any GEMM).
+
+    Two modes. *Local* (``plan.tok`` set, expert parallelism 1): ``x`` are the layer's token rows ``[T, h]``,
+    ``probs`` their top-k probabilities ``[T, k]``; the rows are gathered by the sort index once (``tok``), and the
+    output is the weighted sum over each token's ``k`` copies (``inv``: where each copy landed), ``[T, h]``; the
+    backward gathers the output gradient with ``tok`` and sums the copies' input gradients with ``inv`` (gathers and
+    a reduction over ``k``: no atomics, no scatter, no concatenation). *Rows* (megatron's dispatcher, expert
+    parallelism): ``x`` are the dispatched rows ``[N, h]`` sorted by (virtual) expert and ``probs`` their
+    probabilities ``[N]``; the output is the weighted rows, which the dispatcher un-permutes and sums."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, counts):
-        ctx.save_for_backward(w, offs)
-        ctx.counts = counts
-        return segment_mm(x, w.transpose(1, 2), offs, counts)
+    def forward(ctx, x, probs, anchor, plan):
+        experts, route, lora = plan.experts, plan.route, plan.lora
+        local = plan.tok is not None
+        xs = x.index_select(0, plan.tok) if local else x
+        p = (probs.reshape(-1)[plan.order] if local else probs).to(x.dtype)
+        h = segment_mm(xs, experts.weight1.transpose(1, 2), route.offs, route.counts)
+        mid1 = mid2 = None
+        if lora is not None:
+            mid1 = lora.expert_lora_forward("experts.gate_up_proj", plan.position, route, xs, h)
+        gate, up = h.chunk(2, dim=-1)
+        pa = F.silu(gate).mul_(up).mul_(p.unsqueeze(-1))
+        out = segment_mm(pa, experts.weight2.transpose(1, 2), route.offs, route.counts)
+        if lora is not None:
+            mid2 = lora.expert_lora_forward("experts.down_proj", plan.position, route, pa, out)
+        del pa, xs
+        ctx.save_for_backward(x, probs, h, mid1, mid2)
+        ctx.plan = plan
+        if not local:
+            return out
+        tokens, k = probs.shape
+        return out.index_select(0, plan.inv).view(tokens, k, -1).sum(1)
 
     @staticmethod
     def backward(ctx, g):
-        w, offs = ctx.saved_tensors
-        return segment_mm(g.contiguous(), w, offs, ctx.counts), None, None, None
+        x, probs, h, mid1, mid2 = ctx.saved_tensors
+        plan = ctx.plan
+        experts, route, lora = plan.experts, plan.route, plan.lora
+        local = plan.tok is not None
+        g = g.to(x.dtype)
+        g_rows = g.index_select(0, plan.tok) if local else g.contiguous()
+        p = (probs.reshape(-1)[plan.order] if local else probs).to(x.dtype).unsqueeze(-1)
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up)
+        # The gradient of the down projection's input p*a, base and LoRA (the LoRA's A and B gradients land in the
+        # adapters' sinks on the way).
+        g_pa = segment_mm(g_rows, experts.weight2, route.offs, route.counts)
+        if lora is not None:
+            lora.expert_lora_backward("experts.down_proj", plan.position, route, act * p, mid2, g_rows, g_pa)
+        del g_rows
+        g_probs = None
+        if ctx.needs_input_grad[1]:
+            g_p = (g_pa * act).sum(-1, dtype=torch.float32)
+            g_probs = g_p.index_select(0, plan.inv).view(probs.shape) if local else g_p
+            g_probs = g_probs.to(probs.dtype)
+        g_act = g_pa.mul_(p)
+        del act, g_pa
+        g_h = torch.empty_like(h)
+        torch.ops.aten.silu_backward(g_act * up, gate, grad_input=g_h[:, : gate.shape[1]])
+        torch.mul(g_act, F.silu(gate), out=g_h[:, gate.shape[1] :])
+        del g_act
+        g_x = None
+        if ctx.needs_input_grad[0] or lora is not None:
+            g_xs = segment_mm(g_h, experts.weight1, route.offs, route.counts) if ctx.needs_input_grad[0] else None
+            if lora is not None:
+                xs = x.index_select(0, plan.tok) if local else x
+                lora.expert_lora_backward("experts.gate_up_proj", plan.position, route, xs, mid1, g_h, g_xs)
+            if g_xs is not None:
+                g_x = g_xs.index_select(0, plan.inv).view(*probs.shape, -1).sum(1) if local else g_xs
+        return g_x, g_probs, None, None
+
+
+class _Plan:
+    """What one call of :class:`_ExpertMLP` needs besides its tensors."""
+
+    __slots__ = ("experts", "inv", "lora", "order", "position", "route", "tok")
+
+    def __init__(self, experts, route, lora, position, tok=None, inv=None, order=None):
+        self.experts, self.route, self.lora, self.position = experts, route, lora, position
+        self.tok, self.inv, self.order = tok, inv, order
 
 
 class ExpertRoute:
@@ -120,10 +213,11 @@ class ExpertRoute:
 class GroupedExperts(torch.nn.Module):
     """The local experts of one MoE layer (megatron's experts interface: ``forward(tokens sorted by expert,
     tokens_per_expert, probs) -> (output, None)``). The dispatcher hands it ``experts x slots`` virtual experts
-    (:class:`SlotRouter`); the base weights are the real experts'.
+    (:class:`SlotRouter`); the base weights are the real experts'. Without expert parallelism the layer skips the
+    dispatcher and calls :meth:`local_forward` with the token rows and their top-k choices instead.
 
     ``lora`` (:class:`.lora.MegatronLora`, when the model trains expert adapters) adds the routed adapters' expert
-    deltas to the outputs of the two expert GEMMs, per tenant x expert segment."""
+    deltas to the outputs of the two expert GEMMs, per tenant x expert segment (:class:`_ExpertMLP`)."""
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, **_kwargs):
         super().__init__()
@@ -142,25 +236,42 @@ class GroupedExperts(torch.nn.Module):
         self.layer_index = -1
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
-        grouped = grouped_mm_supported(x.device, x.dtype) and self._aligned(x)
-        route = ExpertRoute(tokens_per_expert, self.num_local_experts, self.slots, x.device, grouped)
-        h = _ExpertLinear.apply(x, self.weight1, route.offs, route.counts)
-        if self.lora is not None:
-            h = self.lora.expert_hook("experts.gate_up_proj", self.layer_index, x, h, route)
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        out = _ExpertLinear.apply(act, self.weight2, route.offs, route.counts)
-        if self.lora is not None:
-            out = self.lora.expert_hook("experts.down_proj", self.layer_index, act, out, route)
-        # As transformers: each expert's output times its routing weight (the dispatcher sums a token's k copies).
-        out = out * probs.unsqueeze(-1).to(out.dtype)
-        return out, None
+        """Megatron's dispatcher path (expert parallelism): rows sorted by virtual expert, their probabilities;
+        returns the weighted rows (the dispatcher un-permutes and sums a token's k copies)."""
+        route = ExpertRoute(tokens_per_expert, self.num_local_experts, self.slots, x.device, self._grouped(x))
+        return self._run(x, probs, _Plan(self, route, None, -1)), None
 
-    def _aligned(self, x: torch.Tensor) -> bool:
-        """The grouped kernel's 16-byte stride alignment for every operand."""
+    def local_forward(self, x: torch.Tensor, probs: torch.Tensor, top: torch.Tensor,
+                      slot: torch.Tensor | None) -> torch.Tensor:
+        """Every expert on this rank: ``x`` the token rows ``[T, h]``, ``probs``/``top`` their top-k probabilities
+        and experts ``[T, k]``, ``slot`` each token's adapter slot (None: one slot). One stable sort of the tokens'
+        k copies by virtual expert (the order megatron's dispatcher gives: by expert, then adapter slot, then token)
+        serves the gather, the un-permutation and the backward of both."""
+        k = top.shape[1]
+        virtual = top * self.slots + slot.view(-1, 1) if slot is not None and self.slots > 1 else top
+        flat = virtual.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = torch.div(order, k, rounding_mode="floor")
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+        counts = torch.bincount(flat, minlength=self.num_local_experts * self.slots)
+        route = ExpertRoute(counts, self.num_local_experts, self.slots, x.device, self._grouped(x))
+        return self._run(x, probs, _Plan(self, route, None, -1, tok, inv, order))
+
+    def _run(self, x: torch.Tensor, probs: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        from .lora import MegatronLora
+
+        routing = MegatronLora.current() if self.lora is not None else None
+        anchor = None
+        if routing is not None and routing.expert_members:
+            plan.lora, plan.position, anchor = routing, self.lora.moe_position[self.layer_index], routing.anchor
+        return _ExpertMLP.apply(x, probs, anchor, plan)
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        """Whether the grouped kernel runs the base GEMMs: it exists for the device and dtype, and every operand
+        meets its 16-byte stride alignment."""
         size = x.element_size()
-        return all((d * size) % 16 == 0 for d in (self.weight1.shape[1], self.weight1.shape[2],
-                                                    self.weight2.shape[2]))
+        return grouped_mm_supported(x.device, x.dtype) and all(
+            (d * size) % 16 == 0 for d in (self.weight1.shape[1], self.weight1.shape[2], self.weight2.shape[2]))
 
     def backward_dw(self):  # megatron's delayed-wgrad interface: the base experts have no weight gradients
         return None
@@ -187,15 +298,47 @@ class SlotRouter(torch.nn.Module):
                                                      dtype=config.params_dtype), requires_grad=False)
         self.layer_number = None
         self.token_slots = None  # set by .lora.MegatronLora: () -> [tokens] slot of each token, or None
+        self.record: list[torch.Tensor] | None = None  # a list: the top-k experts of each local-path call (tests)
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
+
+    def route_topk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, experts)``, both ``[T, k]``, of the token rows ``x[T, h]``: megatron's softmax routing
+        (``topk_routing_with_score_function``) without its dense ``[T, experts]`` maps, in fp32 (the logits and
+        softmax over ``[T, experts]``; no fp32 copy of ``x`` where a GEMM gives fp32 from bf16 operands)."""
+        logits = self._logits(x)
+        if self.config.moe_router_pre_softmax:
+            probs, top = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k=self.topk, dim=1)
+        else:
+            scores, top = torch.topk(logits, k=self.topk, dim=1)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if self.record is not None:
+            self.record.append(top.detach())
+        return probs, top
+
+    def token_slot(self, tokens: int, device) -> torch.Tensor | None:
+        """``[T]`` adapter slot of each token (None: one slot, no expert adapters)."""
+        if self.slots == 1:
+            return None
+        slot = self.token_slots() if self.token_slots is not None else None
+        return slot if slot is not None else torch.full((tokens,), self.slots - 1, dtype=torch.int64, device=device)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dtype == torch.float32 or x.device.type != "cuda":
+            return x.float() @ w.float().t()
+        try:
+            # bf16 products are exact in fp32 and the GEMM accumulates in fp32: fp32 logits, no fp32 copy of x.
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            return x.float() @ w.float().t()
 
     def forward(self, hidden: torch.Tensor, padding_mask=None):
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
         x = hidden.reshape(-1, hidden.shape[-1])
-        logits = x.float() @ self.weight.float().t()
+        logits = self._logits(x)
         probs, routing_map = topk_routing_with_score_function(
             logits, self.topk, use_pre_softmax=self.config.moe_router_pre_softmax, score_function="softmax")
         if self.slots == 1:
@@ -291,7 +434,37 @@ def moe_layer_spec(dense_spec, num_experts: int):
 
     spec = copy.deepcopy(dense_spec)
     mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
+    mlp.module = _local_moe_layer_class()
     mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     mlp.submodules.router = SlotRouter
     spec.submodules.mlp = mlp
     return spec
+
+
+_LOCAL_MOE_LAYER = []
+
+
+def _local_moe_layer_class():
+    """megatron's MoELayer, but without expert parallelism the dispatcher is skipped: the router's top-k
+    (:meth:`SlotRouter.route_topk`) goes straight to :meth:`GroupedExperts.local_forward`, which sorts once, gathers,
+    runs the experts and sums each token's k weighted copies in one autograd node (megatron's alltoall dispatcher
+    on one rank builds dense ``[T, experts]`` maps, permutes by ``masked_select``, re-sorts its chunks with a
+    ``torch.cat`` of every expert's rows, and un-permutes with a scatter-add whose backward is an atomic
+    ``index_add``). Under EP (or anything else the local path does not do) it is megatron's forward unchanged."""
+    if not _LOCAL_MOE_LAYER:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        class LocalMoELayer(MoELayer):
+            def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+                d = self.token_dispatcher
+                if (intermediate_tensors is not None or padding_mask is not None or self.use_shared_expert
+                        or self.moe_layer_recompute or getattr(d, "ep_size", 1) > 1 or getattr(d, "tp_size", 1) > 1
+                        or not isinstance(self.experts, GroupedExperts) or not isinstance(self.router, SlotRouter)):
+                    return super().forward(hidden_states, intermediate_tensors, padding_mask)
+                x = hidden_states.reshape(-1, hidden_states.shape[-1])
+                probs, top = self.router.route_topk(x)
+                y = self.experts.local_forward(x, probs, top, self.router.token_slot(x.shape[0], x.device))
+                return y.view(hidden_states.shape), None
+
+        _LOCAL_MOE_LAYER.append(LocalMoELayer)
+    return _LOCAL_MOE_LAYER[0]
