@@ -18,6 +18,16 @@ SGLang, alternately on one server: in the request body (`/load_lora_adapter_from
 (`/load_lora_adapter`). The model has random bf16 weights in that shape (load speed does not depend on their values);
 it first checks that one blob loaded both ways gives identical greedy tokens and logprobs.
     python bench/sampler.py --engine sglang --shape llama8b --iterations 6
+
+`--shape qwen3moe` is Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts top-8, expert FFN 768, 32/4 heads of 128,
+vocab 151936) with a rank-32 adapter on q,k,v,o and the experts (`--expert-layout per_expert|shared_outer`). Its
+61 GB of base weights never touch the disk: the model directory holds config.json and a tokenizer only and SGLang
+makes random weights on the GPU (`--load-format dummy`). SGLang's LoRA file loader reads with the server's load
+format (a dummy server cannot read adapter files: DefaultModelLoader refuses LoadFormat.DUMMY), so every version
+travels as tensors (`/load_lora_adapter_from_tensors`, per-expert keys after adapter_format.to_sglang); the parts
+reported are the registry upload (publish), the event, the sampler's download and the engine load (conversion,
+transfer and SGLang's own load), and the rest of committed -> sample is the first token.
+    python bench/sampler.py --engine sglang --shape qwen3moe --iterations 3
 """
 
 from __future__ import annotations
@@ -55,7 +65,10 @@ SGLANG_OPTIONS = {"max_lora_rank": 16, "max_loras_per_batch": 9, "max_loaded_lor
                   "extra_server_args": ["--mem-fraction-static", "0.3", "--disable-cuda-graph"]}
 
 
-# Real shapes for the SGLang load benchmark: (model config, adapter rank).
+# Real shapes for the SGLang load benchmark: (model config, adapter rank). Mixture-of-experts shapes are in
+# MOE_SHAPES (a production_e2e.MOE_SHAPES name, adapter rank).
+MOE_SHAPES = {"qwen3moe": ("qwen3-30b-a3b", 32)}
+MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
 SHAPES = {
     # SmolLM2-135M: 30 layers, d 576, GQA 9/3, MLP 1536, vocab 49152, tied embeddings.
     "smollm2": ({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -196,12 +209,18 @@ async def decode_throughput(model: str, tokens: int, repeats: int, engine_name: 
 
 def write_shape_dir(shape: str, directory: Path) -> None:
     """A random-weight bf16 Llama of the shape (built on the GPU) + a small byte-level tokenizer (requests carry token
-    ids). Real files, not `--load-format dummy`: SGLang loads LoRA directories with the server's load format."""
+    ids). Real files, not `--load-format dummy`: SGLang loads LoRA directories with the server's load format. A MoE
+    shape: config.json + tokenizer only (served with `--load-format dummy`, adapters as tensors)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from loraplane.models.tiny import build_tiny_tokenizer
 
     if (directory / "config.json").is_file():
+        return
+    if shape in MOE_SHAPES:
+        from loraplane_cli.production_e2e import qwen3_moe_config, write_moe_config_dir
+
+        write_moe_config_dir(directory, qwen3_moe_config(MOE_SHAPES[shape][0]))
         return
     config = LlamaConfig(**SHAPES[shape][0], torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
                          architectures=["LlamaForCausalLM"])
@@ -218,7 +237,33 @@ def write_shape_dir(shape: str, directory: Path) -> None:
 WAYS = ("file:float32", "file:bfloat16", "tensors:float32", "tensors:bfloat16")
 
 
-async def sglang_load_paths(shape: str, iterations: int, workdir: Path, ways: Sequence[str]) -> dict:
+def random_moe_adapter_blob(base, seed: int, rank: int, dtype: str, layout: str) -> bytes:
+    """A rank-`rank` adapter on q,k,v,o and the routed experts of a MoE base (its shapes only: `base` may live on
+    the meta device), `layout` per_expert or shared_outer; A uniform with kaiming's bound, B small and random (not
+    zero). Drawn on the GPU when there is one (1.3 B values for Qwen3-30B-A3B per-expert), a tensor at a time, and
+    kept on the host in the blob's dtype."""
+    import math
+
+    from loraplane.adapter_format import serialize_adapter
+    from loraplane.lora import LoraSpec, expected_shapes
+
+    spec = LoraSpec.create(rank, 2.0 * rank, MOE_TARGETS, seed=seed, expert_layout=layout)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(seed)
+    host_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    params = {}
+    for key, shape in expected_shapes(base, spec).items():
+        if key.endswith("lora_A.weight"):
+            bound = 1.0 / math.sqrt(shape[1])
+            values = (torch.rand(shape, generator=generator, device=device) * 2 - 1) * bound
+        else:
+            values = torch.randn(shape, generator=generator, device=device) * 0.01
+        params[key] = values.to(host_dtype).cpu()
+    return serialize_adapter(params, spec, base.name, dtype)
+
+
+async def sglang_load_paths(shape: str, iterations: int, workdir: Path, ways: Sequence[str],
+                            expert_layout: str = "per_expert") -> dict:
     """publish -> first sample for each way a version can reach SGLang (`transport:blob dtype`), rotated every
     iteration, on one server."""
     model_dir = workdir.parent / f"lp-model-{shape}"  # kept across runs on one machine
@@ -227,27 +272,48 @@ async def sglang_load_paths(shape: str, iterations: int, workdir: Path, ways: Se
     model_write_s = time.perf_counter() - started
     with embedded_storage(workdir, "bench-sampler") as storage:
         return await _sglang_load_paths(storage.model_copy(update={"data_dir": workdir}), shape, iterations,
-                                        workdir, model_dir, model_write_s, list(ways))
+                                        workdir, model_dir, model_write_s, list(ways), expert_layout)
+
+
+def sglang_engine_options(shape: str) -> dict:
+    """SGLangEngine keyword arguments of the load benchmark's one server for a shape."""
+    if shape in MOE_SHAPES:
+        # Qwen3-30B-A3B's 61 GB of dummy bf16 weights, then per LoRA slot 3.3 GB of per-expert buffers (48 layers x
+        # 128 experts x rank 32 x (2 x 2048 + 1536 + 768 + 2048) x 2 bytes): two slots (one adapter + the base),
+        # the rest of 88% of an 80 GB GPU is KV cache. At most 4 versions in SGLang's host memory (3.3 GB each).
+        return {"max_lora_rank": MOE_SHAPES[shape][1], "max_loras_per_batch": 2, "max_loaded_loras": 4,
+                "startup_timeout_s": 420, "adapter_transport": "tensors",
+                "extra_server_args": ["--load-format", "dummy", "--mem-fraction-static", "0.88",
+                                      "--disable-cuda-graph", "--skip-tokenizer-init"]}
+    return {"max_lora_rank": SHAPES[shape][1], "max_loras_per_batch": 4, "max_loaded_loras": 8,
+            "extra_server_args": ["--mem-fraction-static", "0.5", "--disable-cuda-graph", "--skip-tokenizer-init"]}
 
 
 async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Path, model_dir: Path,
-                             model_write_s: float, ways: list[str]) -> dict:
+                             model_write_s: float, ways: list[str], expert_layout: str = "per_expert") -> dict:
     from sampler_svc.engines.base import GenerationRequest, SamplingOptions
     from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
 
-    rank = SHAPES[shape][1]
+    moe = shape in MOE_SHAPES
+    rank = (MOE_SHAPES if moe else SHAPES)[shape][1]
     registry = await start_registry_server(settings)
-    engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=workdir / "sglang", max_lora_rank=rank,
-                          max_loras_per_batch=4, max_loaded_loras=8,
-                          extra_server_args=["--mem-fraction-static", "0.5", "--disable-cuda-graph",
-                                             "--skip-tokenizer-init"])
+    engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=workdir / "sglang",
+                          **sglang_engine_options(shape))
     started = time.perf_counter()
+    # A MoE version is 2.6-5.1 GB: one kept per adapter (SGLang holds at most 4 in host memory).
+    retention = {"keep_versions": 1, "max_loaded": 3} if moe else {"keep_versions": 2, "max_loaded": 6}
     sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=str(model_dir),
-                                         instance_id="bench", engine=engine, keep_versions=2, max_loaded=6)
+                                         instance_id="bench", engine=engine, **retention)
     startup_s = time.perf_counter() - started
     client = RegistryClient(registry.address)
     facts = _base_model_facts(str(model_dir))
+
+    def make_blob(seed: int, dtype: str) -> bytes:
+        if moe:
+            return random_moe_adapter_blob(facts, seed, rank, dtype, expert_layout)
+        return random_adapter_blob(facts, seed, rank, dtype)
     load_s: dict[str, float] = {}
+    load_done: dict[str, float] = {}
     real_load = engine.load_adapter
 
     async def timed_load(key, blob):
@@ -255,7 +321,8 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
         try:
             return await real_load(key, blob)
         finally:
-            load_s[key] = time.perf_counter() - began
+            load_done[key] = time.perf_counter()
+            load_s[key] = load_done[key] - began
 
     engine.load_adapter = timed_load
     # The sampler's download of each version (its own RegistryClient, in this process): when it began, how long.
@@ -273,14 +340,16 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
 
     RegistryClient.download = timed_download
     prompt = list(range(100, 132))
-    results: dict = {way: {"total": [], "committed": [], "event": [], "download": [], "engine_load": []}
-                     for way in ways}
+    results: dict = {way: {"total": [], "publish": [], "committed": [], "event": [], "download": [],
+                           "engine_load": [], "first_token": []} for way in ways}
     adapter_of = {way: way.replace(":", "-") for way in ways}  # one adapter per way, its blobs in its dtype
     try:
         channel = grpc.aio.insecure_channel(sampler.address, options=channel_options())
         stub = sampler_pb2_grpc.SamplerServiceStub(channel)
 
         committed_at: dict[str, float] = {}
+
+        sampled_at: dict[str, float] = {}
 
         async def publish_and_sample(name: str, blob: bytes) -> tuple[float, float, int]:
             began = time.perf_counter()
@@ -290,34 +359,40 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
                 adapter=common_pb2.AdapterRef(name=name, version=version.version), prompt_tokens=prompt,
                 sampling_params=common_pb2.SamplingParams(max_tokens=1)))
             assert reply.served_version == version.version
-            end = time.perf_counter()
+            end = sampled_at[f"{name}@v{version.version}"] = time.perf_counter()
             return end - began, end - committed, version.version
 
         dtype_enum = {"float32": common_pb2.WEIGHTS_DTYPE_FLOAT32, "bfloat16": common_pb2.WEIGHTS_DTYPE_BFLOAT16}
+        layout_enum = {"per_expert": common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT,
+                       "shared_outer": common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER}
         for way in ways:
-            await client.create_adapter(adapter_of[way], base_model=str(model_dir), lora_config=common_pb2.LoraConfig(
-                rank=rank, alpha=2 * rank, weights_dtype=dtype_enum[way.split(":")[1]]))
+            config = common_pb2.LoraConfig(rank=rank, alpha=2 * rank, weights_dtype=dtype_enum[way.split(":")[1]])
+            if moe:
+                config.target_modules.extend(MOE_TARGETS)
+                config.expert_layout = layout_enum[expert_layout]
+            await client.create_adapter(adapter_of[way], base_model=str(model_dir), lora_config=config)
         # Warm-up every way: the first load of a shape configures SGLang's LoRA kernels (~20 s).
         for n, way in enumerate(ways):
             transport, dtype = way.split(":")
             engine.adapter_transport = transport
-            await publish_and_sample(adapter_of[way], random_adapter_blob(facts, 10_000 + n, rank, dtype))
+            await publish_and_sample(adapter_of[way], make_blob(10_000 + n, dtype))
 
         # The same bytes every way -> the same greedy tokens and logprobs (the transfer is exact, see the engine);
-        # bf16 blobs are the float32 one rounded, so they are compared among themselves.
+        # bf16 blobs are the float32 one rounded, so they are compared among themselves. One way: nothing to compare
+        # (a MoE version costs tens of seconds to load).
         outputs = {}
-        for way in ways:
+        for way in ways if len(ways) > 1 else []:
             transport, dtype = way.split(":")
             engine.adapter_transport = transport
             key = f"same@{adapter_of[way]}"
-            await real_load(key, random_adapter_blob(facts, 77, rank, dtype))
+            await real_load(key, make_blob(77, dtype))
             request = GenerationRequest(prompt_tokens=tuple(prompt), options=SamplingOptions(max_tokens=16,
                                         temperature=0.0), adapter_key=key)
             updates = [u async for u in engine.generate(request)]
             outputs[way] = ([t for u in updates for t in u.tokens], [x for u in updates for x in u.logprobs])
             await engine.unload_adapter(key)
         same_tokens, max_logprob_diff = True, 0.0
-        for way in ways:
+        for way in outputs:
             twin = next(w for w in ways if w.split(":")[1] == way.split(":")[1])
             same_tokens &= outputs[way][0] == outputs[twin][0]
             max_logprob_diff = max([max_logprob_diff, *(abs(a - b) for a, b in zip(outputs[way][1],
@@ -328,11 +403,14 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
             for way in ways[shift:] + ways[:shift]:
                 transport, dtype = way.split(":")
                 engine.adapter_transport = transport
-                blob = random_adapter_blob(facts, 1000 * (1 + ways.index(way)) + index, rank, dtype)  # not timed
+                blob = make_blob(1000 * (1 + ways.index(way)) + index, dtype)  # not timed
                 total, committed, version = await publish_and_sample(adapter_of[way], blob)
                 results[way]["total"].append(total)
+                results[way]["publish"].append(total - committed)  # the registry's upload and commit
                 results[way]["committed"].append(committed)
                 key = f"{adapter_of[way]}@v{version}"
+                # The engine's load finished -> the sample's reply: the first token (and the gRPC way back).
+                results[way]["first_token"].append(sampled_at[key] - load_done.get(key, float("nan")))
                 results[way]["engine_load"].append(load_s.get(key, float("nan")))
                 results[way]["download"].append(download_s.get(key, float("nan")))
                 # Commit -> the sampler starts downloading: the event's way to the watcher (it can be negative by
@@ -348,11 +426,12 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
         await registry.stop()
 
     def summary(values: list[float]) -> dict:
-        return {"p50": round(percentile(values, 50) * 1e3, 1), "min": round(min(values) * 1e3, 1),
-                "max": round(max(values) * 1e3, 1)}
+        return {"p50": round(percentile(values, 50) * 1e3, 1), "p99": round(percentile(values, 99) * 1e3, 1),
+                "min": round(min(values) * 1e3, 1), "max": round(max(values) * 1e3, 1)}
 
     return {
         "shape": shape, "rank": rank, "ways": ways, "iterations": iterations,
+        "expert_layout": expert_layout if moe else None, "target_s": 2.0 if moe else None,
         "server": {"tp_size": server.tp_size, "dtype": server.dtype, "tensor_loads": server.tensor_loads},
         "sampler_startup_s": round(startup_s, 1), "model_write_s": round(model_write_s, 1),
         "same_greedy_tokens_both_ways": same_tokens, "max_logprob_diff_both_ways": max_logprob_diff,
@@ -363,7 +442,7 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--iterations", type=int, default=20)
@@ -372,24 +451,41 @@ def main() -> None:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
-    parser.add_argument("--shape", choices=sorted(SHAPES),
-                        help="sglang only: tensors vs files publish -> first sample on a dummy-weight model this shape")
-    parser.add_argument("--ways", nargs="+", choices=WAYS, default=["file:float32", "file:bfloat16"],
-                        help="with --shape: transport:blob dtype of the versions compared")
-    args = parser.parse_args()
+    parser.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES]),
+                        help="sglang only: tensors vs files publish -> first sample on a random-weight model this "
+                             "shape (qwen3moe: Qwen3-30B-A3B, dummy weights, tensors only)")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=None,
+                        help="with --shape: transport:blob dtype of the versions compared (default file:float32 "
+                             "file:bfloat16; qwen3moe: tensors:bfloat16)")
+    parser.add_argument("--expert-layout", choices=["per_expert", "shared_outer"], default="per_expert",
+                        help="qwen3moe: the adapter's expert layout (both reach SGLang per expert)")
+    args = parser.parse_args(argv)
+    if args.shape in MOE_SHAPES:
+        args.ways = args.ways or ["tensors:bfloat16"]
+        if any(not way.startswith("tensors:") for way in args.ways):
+            parser.error(f"--shape {args.shape} is served with --load-format dummy, whose SGLang cannot read "
+                         "adapter files: use tensors:* ways")
+    args.ways = args.ways or ["file:float32", "file:bfloat16"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.shape:
         # A fixed folder, kept: the SGLang server's log is there when something fails.
         workdir = Path(tempfile.gettempdir()) / f"lp-bench-load-{args.shape}"
         shutil.rmtree(workdir, ignore_errors=True)
-        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir, args.ways))
+        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir, args.ways, args.expert_layout))
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         print(json.dumps(result, indent=2))
         for way in args.ways:
             parts = result[way]
             print(f"{args.shape} rank {result['rank']} ({parts['blob_mb']} MB) {way:<16} publish->sample p50 "
-                  f"{parts['total']['p50']:>8.1f} ms  committed->sample {parts['committed']['p50']:>8.1f} ms  "
+                  f"{parts['total']['p50']:>8.1f} ms p99 {parts['total']['p99']:>8.1f} ms  committed->sample "
+                  f"{parts['committed']['p50']:>8.1f} ms  "
                   f"(event {parts['event']['p50']:>6.1f} ms, download {parts['download']['p50']:>7.1f} ms, "
-                  f"engine load {parts['engine_load']['p50']:>7.1f} ms)")
+                  f"engine load {parts['engine_load']['p50']:>7.1f} ms, first token {parts['first_token']['p50']:>6.1f} "
+                  f"ms; publish {parts['publish']['p50']:>7.1f} ms)")
         out = REPO / "bench" / "results" / f"sampler_sglang_load_{args.shape}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
