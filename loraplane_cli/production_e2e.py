@@ -22,6 +22,20 @@ the logprob differences; writes a JSON report, prints a table, and exits 1 when 
     # CPU (megatron-core on gloo in float32, the torch sampler engine; tests/e2e/test_production_shape_cpu.py):
     python -m loraplane_cli.production_e2e --engine torch --device cpu --model tiny --iterations 3
 
+With `--moe` (issue 22) the model is a small Qwen3-MoE with random weights (SMALL_MOE: 3 layers, every layer
+MoE, 16 experts top-4, hidden 512; built on the GPU, saved in bf16 under the data dir), the trainer is the torch
+backend (`python -m trainer_svc`, fp32 on the same GPU; `--trainer-backend megatron` for megatron-core under
+torchrun) with LoRA on q,k,v,o and the experts (per expert), and SGLang serves it in bf16. A random model knows no
+arithmetic, so the reward is one it can learn from scratch: the fraction of sampled tokens that fall in a fixed
+set of 16 token ids (4 of 64 at random: 6%), prompts random token ids. Logprob agreement is checked against the
+MoE bounds (mean and 90th percentile, no bound on the maximum: a routing flip between the two implementations can
+reach it; derived in tests/gpu/test_sglang_moe.py).
+
+    # GPU: scripts/gpu/moe_serve.sh e2e (SGLang installed by scripts/gpu/e2e.sh install-sglang)
+    python -m loraplane_cli.production_e2e --moe --require-reward-rise --out e2e_moe.json
+    # CPU (the torch trainer and sampler in fp32; slow on 2 cores):
+    python -m loraplane_cli.production_e2e --moe --engine torch --device cpu --iterations 4 --problems 4
+
 It runs from the source tree: the loop is examples/rl_loop.py's (loaded from its file) and the CPU trainer needs
 scripts/gpu/cpu_shims.py.
 """
@@ -74,6 +88,14 @@ FP32_MAX_ABS = 1e-4
 # served_version, not by these bounds (one optim step moves logprobs by less).
 BF16_MAX_ABS = 1.0
 BF16_MEAN_ABS = 0.15
+# The --moe run (the small random Qwen3-MoE, SGLang in bf16 against the trainer): per-token mean and 90th
+# percentile, as derived in tests/gpu/test_sglang_moe.py (bf16 rounding of each layer, plus routing flips: a token
+# whose 4th and 5th router scores are closer than the rounding error takes another expert on one side, so the
+# maximum is not bounded). The torch trainer runs fp32 there, so only one side rounds: these bounds have room.
+MOE_BF16_MEAN_ABS = 0.08
+MOE_BF16_P90_ABS = 0.25
+# The --moe reward: the share of sampled tokens in this set (a random model's policy can learn it from scratch).
+MOE_REWARD_TOKENS = frozenset(range(100, 116))
 
 
 # ---- Qwen3-MoE models with random weights (the MoE production shape, tests/gpu/test_sglang_moe.py, bench) --------
@@ -210,7 +232,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--learning-rate", type=float, default=2e-4)
     p.add_argument("--ops", default="+,+", help="one operation per tenant, comma-separated (+ - *)")
     p.add_argument("--window", type=int, default=4, help="iterations averaged for first/last reward")
+    p.add_argument("--moe", action="store_true",
+                   help="the MoE production shape: a small random Qwen3-MoE (built here), the token-set reward, "
+                        "MoE logprob bounds; --model, if given, names an existing Qwen3-MoE directory instead")
+    p.add_argument("--trainer-backend", choices=["megatron", "torch"], default="",
+                   help="default: megatron (torchrun), torch with --moe (python -m trainer_svc, fp32)")
     args = p.parse_args(argv)
+    if args.moe:
+        # The MoE run's own defaults where the flag was not given: a quick run (a few minutes on one GPU).
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
+        for flag, value in (("--model", ""), ("--iterations", 12), ("--problems", 8), ("--max-tokens", 8),
+                            ("--learning-rate", 1e-2), ("--window", 3)):
+            if flag not in given:
+                setattr(args, flag[2:].replace("-", "_"), value)
+    args.trainer_backend = args.trainer_backend or ("torch" if args.moe else "megatron")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return args
 
@@ -220,11 +255,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The trainer under torchrun and the sampler on the chosen engine, in place of `python -m <service>`."""
-    trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
-    trainer += (["--no-python", sys.executable, "-c", CPU_TRAINER_ENTRY] if args.device == "cpu"
-                else ["-m", "trainer_svc.backends.megatron.launch"])
-    trainer += ["--base-model", args.model, "--dtype", args.dtype, "--tensor-parallel-size",
-                str(args.tensor_parallel_size), "--max-lora-rank", str(args.rank)]
+    if args.trainer_backend == "torch":
+        # The torch backend (fp32 master weights and compute on the chosen device): the reference side.
+        trainer = [sys.executable, "-m", "trainer_svc", "--backend", "torch", "--device", args.device,
+                   "--base-model", args.model, "--max-lora-rank", str(args.rank)]
+    else:
+        trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(args.nproc)]
+        trainer += (["--no-python", sys.executable, "-c", CPU_TRAINER_ENTRY] if args.device == "cpu"
+                    else ["-m", "trainer_svc.backends.megatron.launch"])
+        trainer += ["--base-model", args.model, "--dtype", args.dtype, "--tensor-parallel-size",
+                    str(args.tensor_parallel_size), "--max-lora-rank", str(args.rank)]
     sampler = [sys.executable, "-m", "sampler_svc", "--base-model", args.model, "--engine", args.engine,
                "--keep-versions", str(args.keep_versions)]
     if args.engine == "sglang":
@@ -313,6 +354,33 @@ def logprob_differences(rl: ModuleType, training, batch) -> tuple[list[float], i
     return diffs, missing
 
 
+def moe_rollout(rl: ModuleType, sampler, rng: random.Random, params, args):
+    """The --moe rollout: B prompts of random token ids, G samples each; reward = the share of a sample's tokens in
+    MOE_REWARD_TOKENS ("correct": at least half of them); GRPO advantages per group as examples/rl_loop.py's."""
+    import dataclasses
+
+    from loraplane.client import ModelInput
+
+    prompts = [[rng.randrange(5, 261) for _ in range(8)] for _ in range(args.problems)]
+    futures = [sampler.sample(ModelInput.from_ints(prompt), args.group_size,
+                              dataclasses.replace(params, seed=rng.getrandbits(31))) for prompt in prompts]
+    batch = rl.Rollout(prompts, [], [], [], [])
+    for prompt, future in zip(prompts, futures):
+        reply = future.result()
+        batch.replies.append(reply)
+        group = [sum(t in MOE_REWARD_TOKENS for t in s.tokens) / max(1, len(s.tokens)) for s in reply.sequences]
+        batch.rewards.extend(group)
+        batch.correct.extend(r >= 0.5 for r in group)
+        advantages = rl.group_advantages(group)
+        if advantages is None:
+            continue
+        for sequence, advantage in zip(reply.sequences, advantages):
+            if sequence.tokens:
+                batch.data.append(rl.rl_datum(prompt, list(sequence.tokens), list(sequence.logprobs or []),
+                                              advantage))
+    return batch
+
+
 def tenant_loop(rl: ModuleType, service, tokenizer, run, args, probe: SamplerProbe, bound: int,
                 print_lock: threading.Lock) -> None:
     """examples/rl_loop.py's iteration (publish, rollout, train_on) with a measurement or a check between steps."""
@@ -324,7 +392,8 @@ def tenant_loop(rl: ModuleType, service, tokenizer, run, args, probe: SamplerPro
         published = time.monotonic()
         probe.wait_loaded(run.name, sampler.version)
         loaded = time.monotonic()
-        batch = rl.rollout(sampler, tokenizer, rng, run.op, params, args)
+        batch = (moe_rollout(rl, sampler, rng, params, args) if args.moe
+                 else rl.rollout(sampler, tokenizer, rng, run.op, params, args))
         sampled = time.monotonic()
         diffs, missing = logprob_differences(rl, training, batch)
         checked = time.monotonic()
@@ -347,6 +416,8 @@ def tenant_loop(rl: ModuleType, service, tokenizer, run, args, probe: SamplerPro
             "sglang_loaded": None if snapshot["sglang"] is None else len(snapshot["sglang"]),
             "stray_in_sglang": snapshot["stray_in_sglang"],
         }
+        if args.moe:  # the MoE bounds are on a quantile: keep every difference
+            row["logprob_diffs"] = [round(d, 5) for d in diffs]
         run.history.append(row)
         with print_lock:
             print(f"{run.name:<18} iter {iteration:>3} v{sampler.version:<3} reward {row['mean_reward']:.3f}  "
@@ -379,6 +450,11 @@ def evaluate(runs, args, final: dict, bound: int) -> dict[str, dict]:
     missing = sum(r["sequences_without_logprobs"] for r in rows)
     if args.dtype == "float32":
         agree, bounds = worst <= FP32_MAX_ABS, f"max <= {FP32_MAX_ABS:g}"
+    elif args.moe:
+        every = sorted(d for r in rows for d in r.get("logprob_diffs", []))
+        p90 = every[int(0.9 * (len(every) - 1))] if every else math.nan
+        agree = mean <= MOE_BF16_MEAN_ABS and p90 <= MOE_BF16_P90_ABS
+        bounds = f"mean <= {MOE_BF16_MEAN_ABS:g}, p90 {p90:.3g} <= {MOE_BF16_P90_ABS:g}, max not bounded"
     else:
         agree, bounds = worst <= BF16_MAX_ABS and mean <= BF16_MEAN_ABS, \
             f"max <= {BF16_MAX_ABS:g}, mean <= {BF16_MEAN_ABS:g}"
@@ -433,9 +509,22 @@ def print_table(runs, checks: dict) -> None:
         print(f"{verdict:<4} {name}: {c['detail']}")
 
 
+def prepare_moe_model(args: argparse.Namespace, data_dir: Path) -> None:
+    """--moe without --model: the small random Qwen3-MoE, built on the GPU (CPU with --device cpu) in the run's
+    dtype and saved under the data dir; trainer and sampler load it from there."""
+    if args.model:
+        return
+    from loraplane.models.tiny import build_tiny_tokenizer
+
+    config = qwen3_moe_config("small-moe", vocab_size=len(build_tiny_tokenizer()), dtype=args.dtype)
+    args.model = str(write_random_moe_dir(data_dir / "moe-model", config, seed=22, device=args.device).resolve())
+
+
 def run_e2e(args: argparse.Namespace) -> dict:
     rl = load_rl_example()
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="loraplane-e2e-"))
+    if args.moe:
+        prepare_moe_model(args, data_dir)
     settings = Settings(data_dir=data_dir)
     env = {"LORAPLANE_DEVICE": args.device,
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
@@ -473,8 +562,8 @@ def run_e2e(args: argparse.Namespace) -> dict:
         final.update(expected=sorted(expected), summary=rl.summarize(runs, args.window))
         probe.close()
         checks = {"production_shape": check(
-            shape == {"trainer_backend": "megatron", "trainer_base_model": args.model, "sampler_engine": args.engine,
-                      "sampler_base_model": args.model}, json.dumps(shape)),
+            shape == {"trainer_backend": args.trainer_backend, "trainer_base_model": args.model,
+                      "sampler_engine": args.engine, "sampler_base_model": args.model}, json.dumps(shape)),
                   **evaluate(runs, args, final, bound)}
         report.update(history={run.name: run.history for run in runs}, summary=final.pop("summary"),
                       final_loaded=final, timings=timing_summary(runs), checks=checks)

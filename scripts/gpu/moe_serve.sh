@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 22's serving half on one GPU machine: Qwen3-MoE expert LoRA through sampler_svc on a real SGLang 0.5.17.
+# SGLang and the project's deps must be in /tmp/sgsite first: `bash scripts/gpu/e2e.sh install-sglang` (after its
+# `part pNN` calls; scripts/gpu/e2e.sh's header lists them). Each mode stays well inside the 10-minute call limit.
+#   bash scripts/gpu/moe_serve.sh tests [PYTEST -k EXPR]   tests/gpu/test_sglang_moe.py (a small random Qwen3-MoE,
+#                                                         trainer Forward vs sampler, batches, layouts, retention)
+#   bash scripts/gpu/moe_serve.sh load [ITER] [LAYOUT]     bench/sampler.py --shape qwen3moe: publish -> first
+#                                                         sample of a Qwen3-30B-A3B rank-32 expert adapter
+#                                                         (dummy weights; LAYOUT per_expert (default)|shared_outer)
+#   bash scripts/gpu/moe_serve.sh e2e [ITER]              python -m loraplane_cli.production_e2e --moe: torch
+#                                                         trainer + SGLang sampler on a 3-layer random Qwen3-MoE,
+#                                                         two tenants' GRPO loop
+# Results in $OUT (at most 8 files come back): the mode's log and JSON, env.log, and a .tgz of the server logs.
+set -uo pipefail
+mode=${1:-}; shift || true
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export LORAPLANE_MODEL_CACHE=/tmp/lp-models
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=.:/tmp/sgsite:/tmp/sgsite/nvidia_cutlass_dsl/dsl_packages:/tmp/pkgs PATH=/tmp/sgsite/bin:$PATH
+if [ ! -d /tmp/sgsite/sglang ] || [ ! -x /tmp/sgsite/bin/weed ] || [ ! -f /tmp/pkgs/valkey/__init__.py ]; then
+  echo "SGLang / the project's deps are not installed in /tmp/sgsite: run scripts/gpu/e2e.sh's part calls and"
+  echo "  bash scripts/gpu/e2e.sh install-sglang   (carry .gpuwh/lpx and .gpuwh/tvp_extra) first"
+  exit 3
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, transformers, sglang; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'sglang', sglang.__version__)"
+  git log -1 --format='%h %s' 2>/dev/null || true
+} 2>&1 | grep -v -i warn | tee "$OUT/env.log"
+filter() { grep --line-buffered -v -i -E "warn|Loading weights|Writing model shards"; }
+case "$mode" in
+  tests)
+    # A limit under the call's 10 minutes keeps the output; the SGLang start-up inside is bounded by the fixture.
+    timeout -k 20 540 python3 -m pytest tests/gpu/test_sglang_moe.py -m gpu -o addopts="" -p no:cacheprovider -q -rA \
+      --basetemp /tmp/lp-moe-tests ${1:+-k "$1"} 2>&1 | filter | tee "$OUT/sglang_moe_tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert"
+    rc=${PIPESTATUS[0]}
+    find /tmp/lp-moe-tests -name "server-*.log" -print0 2>/dev/null | tar czf "$OUT/sglang_moe_tests_servers.tgz" \
+      --null -T - 2>/dev/null
+    exit "$rc" ;;
+  load)
+    iterations=${1:-3}; layout=${2:-per_expert}
+    timeout -k 20 560 python3 bench/sampler.py --engine sglang --shape qwen3moe --iterations "$iterations" \
+      --expert-layout "$layout" 2>&1 | filter | tee "$OUT/load_qwen3moe_$layout.log" | grep -v "^\s*[\"{}\[]"
+    rc=${PIPESTATUS[0]}
+    cp bench/results/sampler_sglang_load_qwen3moe.json "$OUT/sampler_sglang_load_qwen3moe_$layout.json" 2>/dev/null
+    grep -v -E "^\s*$" /tmp/lp-bench-load-qwen3moe/sglang/server-0.log 2>/dev/null | tail -200 \
+      > "$OUT/sglang_server_qwen3moe_$layout.log"
+    tail -25 "$OUT/sglang_server_qwen3moe_$layout.log"
+    exit "$rc" ;;
+  e2e)
+    rm -rf /tmp/e2e-moe
+    timeout -k 20 560 python3 -m loraplane_cli.production_e2e --moe --require-reward-rise --sglang-eager ${1:+--iterations "$1"} \
+      --data-dir /tmp/e2e-moe --out "$OUT/production_e2e_moe.json" 2>&1 | filter \
+      | tee "$OUT/production_e2e_moe.log" | grep -E "iter|PASS|FAIL|wrote|cluster"
+    rc=${PIPESTATUS[0]}
+    tar czf "$OUT/e2e_moe_logs.tgz" --exclude=adapters -C /tmp/e2e-moe logs sglang 2>/dev/null
+    exit "$rc" ;;
+  *) echo "unknown mode '$mode' (tests [-k EXPR] | load [ITER] [per_expert|shared_outer] | e2e [ITER])"; exit 2 ;;
+esac
