@@ -225,24 +225,29 @@ def run_single(args, device: torch.device, dtype: torch.dtype) -> dict:
         init_parallel(1)
         base = from_hf_model(f"{args.shape}-random", hf, build_tiny_tokenizer(), device=str(device), dtype=dtype)
         max_tenants = max(n for _, n in contenders_spec)
+        tenants_of = {layout: max(n for lay, n in contenders_spec if lay == layout) for layout, _ in contenders_spec}
         options = {k: v for k, v in (("attention", args.attention), ("recompute", args.recompute)) if v}
-        engine = Engine(base, device_slots=sum(n for _, n in contenders_spec), dtype=dtype,
+        engine = Engine(base, device_slots=sum(tenants_of.values()), dtype=dtype,
                         lora_compute_dtype=None if args.lora_dtype == "auto" else getattr(torch, args.lora_dtype),
                         expert_lora_slots=args.expert_slots or max_tenants, **options)
         backend = MegatronBackend(engine=engine)
         limits = bench_limits(tokens, max_tenants, args.rank)
-        limits["device_slots"] = max(limits["device_slots"], sum(n for _, n in contenders_spec))
+        limits["device_slots"] = max(limits["device_slots"], sum(tenants_of.values()))
         rows = [DatumPayload(ids[i].tolist(), tgt[i].tolist()) for i in range(args.datums)]
         available = families.lora_targets(hf.config)
+        # One set of tenants per layout, as many as its largest contender fuses; a contender of n tenants trains the
+        # first n of them on the same rows (8 tenants x 1 datum against 1 tenant x 8 datums: the same tokens per
+        # step), so the comparison needs 8 slots on the device, not 9.
+        drivers: dict[str, ExpertDirectDriver] = {}
         for layout, n in contenders_spec:
-            driver = ExpertDirectDriver(backend, limits, layout, available)
-            closers.append(driver.close)
+            if layout not in drivers:
+                driver = drivers[layout] = ExpertDirectDriver(backend, limits, layout, available)
+                closers.append(driver.close)
+                for t in range(tenants_of[layout]):
+                    driver.create(f"{layout}-{t}", args.rank, seed=100 + t)
+            driver = drivers[layout]
             per = args.datums // n
-            shares = {}
-            for t in range(n):
-                name = f"{layout}-{n}t-{t}"
-                driver.create(name, args.rank, seed=100 + t)
-                shares[name] = rows[t * per : (t + 1) * per]
+            shares = {f"{layout}-{t}": rows[t * per : (t + 1) * per] for t in range(n)}
             label = f"megatron/{layout}/{n}t"
             contenders.append(Contender(label, driver.step_fn(shares, args.lr)))
             slots[label] = next(iter(shares))  # its first tenant: the slot's bytes once installed (first step)

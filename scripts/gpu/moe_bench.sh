@@ -15,6 +15,11 @@
 #     vs-peft-bf16  vs-peft with PEFT's loss on bf16 logits;  peft-alone  the PEFT loop by itself;
 #     trainer-alone  the trainer's contenders by themselves
 #     gpu-tests  tests/gpu/test_megatron_moe.py (bf16 MoE logits and expert LoRA against fp32 references)
+#   one call on one H100 (under 9 minutes; each case capped by its own timeout):
+#     h100    vs-peft with one profiled step of each contender (kernel families into summary.log), then fused
+#             (8 tenants x 1 x 2048 tokens against 1 tenant x 8 x 2048: the same 16k tokens per step, the 1-tenant
+#             contender being the first of the 8), then the trainer alone with --recompute auto (layers recomputed
+#             only as memory demands, against vs-peft's full recomputation), then gpu-tests
 # Single-GPU cases run on GPU 0. A case that runs past CASE_TIMEOUT seconds (default 300) is stopped; what the others
 # measured still returns. Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh
 # as for scripts/gpu/trainer_vs_peft.sh). JSON + logs come back in $OUT as one tar, with summary.log beside it.
@@ -45,6 +50,13 @@ ep() {  # label nproc, then bench args: one torchrun job on the first nproc GPUs
   [ $rc -eq 0 ] || echo "exit code $rc" | summary
   finish
 }
+gpu_tests() {  # tests/gpu/test_megatron_moe.py on GPU 0
+  echo "== gpu-tests" | summary
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "${CASE_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_megatron_moe.py -m gpu \
+    -o addopts="" --noconftest -p no:cacheprovider -q -rA 2>&1 | tee -a "$OUT/gpu_tests.log" \
+    | grep -E "PASSED|FAILED|ERROR|passed|failed|measured" | summary
+  finish
+}
 default="vs-peft trainer-alone fused"
 [ "$GPUS" -ge 2 ] && default="$default ep2"
 [ "$GPUS" -ge 4 ] && default="$default ep4"
@@ -67,9 +79,17 @@ for c in ${*:-$default}; do
                --rounds ${ROUNDS:-3} --warmup 1
              ep qwen3moe48_ep${n}_shared_outer_$((2 * n))t "$n" --shape qwen3-30b-a3b --contenders shared_outer:$((2 * n)) \
                --rounds ${ROUNDS:-3} --warmup 1 ;;
-    gpu-tests) CUDA_VISIBLE_DEVICES=0 timeout -k 10 "${CASE_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_megatron_moe.py -m gpu \
-                 -o addopts="" --noconftest -p no:cacheprovider -q -rA 2>&1 | tee -a "$OUT/gpu_tests.log" \
-                 | grep -E "PASSED|FAILED|ERROR|passed|failed|measured" | summary ;;
+    h100) CASE_TIMEOUT=200 single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1 \
+            --rounds ${ROUNDS:-3} --warmup 1 --profile "$OUT/profile"
+          for f in "$OUT"/profile/profile_*.txt; do
+            [ -f "$f" ] && { echo "-- $(basename "$f")"; head -8 "$f"; } | summary
+          done
+          CASE_TIMEOUT=120 single qwen3moe24_8x2048_fused --shape qwen3-30b-a3b-24l \
+            --contenders shared_outer:1,shared_outer:8 --no-peft --rounds ${ROUNDS:-3} --warmup 1
+          CASE_TIMEOUT=100 single qwen3moe24_8x2048_trainer_recompute_auto --shape qwen3-30b-a3b-24l \
+            --contenders per_expert:1 --no-peft --recompute auto --rounds ${ROUNDS:-3} --warmup 1
+          CASE_TIMEOUT=90 gpu_tests ;;
+    gpu-tests) gpu_tests ;;
     *) echo "unknown case $c" | summary ;;
   esac
 done

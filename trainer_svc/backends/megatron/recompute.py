@@ -69,14 +69,19 @@ class LayerRecompute:
         attention = 4 * s.hidden_size + 2 * q + 2 * kv
         per_token = attention + self.mlp_ffn_kept * s.ffn_hidden_size // tp if s.dense_layers else 0
         if s.moe_layers:
-            # An MoE layer (the largest layer counts): each of a token's k expert rows keeps its dispatched input
-            # and output (h each), the fc1 output (2F) and silu(gate) (F); the router keeps fp32 probabilities over
-            # the dispatcher's virtual experts (experts x adapter slots, .moe.SlotRouter).
+            # An MoE layer (the largest layer counts). Without EP (.moe.GroupedExperts.local_forward) its experts
+            # keep the token rows (h), and per each of a token's k expert rows the fc1 output (2F) and two LoRA mids
+            # (2r, r <= 64 assumed); the router its fp32 logits and softmax over the experts. Under EP megatron's
+            # dispatcher also keeps each row's dispatched input (h) and fp32 maps over the virtual experts
+            # (experts x adapter slots, .moe.SlotRouter).
             config = self.model_config
-            virtual = config.num_moe_experts
-            per_token = max(per_token, attention + config.moe_router_topk * (2 * s.hidden_size
-                                                                               + 3 * s.moe_ffn_hidden_size)
-                            + 4 * virtual // self.bytes)
+            k, ffn = config.moe_router_topk, s.moe_ffn_hidden_size
+            ep = getattr(config, "expert_model_parallel_size", 1) or 1
+            if ep > 1:
+                moe = s.hidden_size + k * (s.hidden_size + 2 * ffn + 128) + 8 * config.num_moe_experts // self.bytes
+            else:
+                moe = s.hidden_size + k * (2 * ffn + 128) + 8 * s.num_experts // self.bytes
+            per_token = max(per_token, attention + moe)
         return tokens * per_token * self.bytes, tokens * s.hidden_size * self.bytes
 
     def plan(self, tokens: int, backward: bool, device: torch.device) -> int:
