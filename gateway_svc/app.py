@@ -19,6 +19,7 @@ from gateway_svc.tinker_service import TinkerService
 from gateway_svc.upstream import Upstream
 from loraplane import auth
 from loraplane.config import Settings
+from loraplane.membership import Membership
 from loraplane.rpc import ClientSecurity, quiet_grpc_poller
 
 # Answered without a key: load balancers and `loraplane status` probe it.
@@ -61,7 +62,10 @@ def create_app(settings: GatewaySettings | None = None, cluster: Settings | None
                       default_tenant=settings.default_tenant)
         upstream = Upstream(settings.trainer_address, settings.registry_address, settings.sampler_address,
                             timeout=settings.upstream_timeout_s, retry_s=settings.upstream_retry_s,
-                            security=ClientSecurity.from_settings(cluster))
+                            security=ClientSecurity.from_settings(cluster),
+                            trainer_fleet=Membership(cluster.redis_url, key_prefix=cluster.key_prefix,
+                                                     fleet=cluster.trainer_fleet)
+                            if cluster.trainer_fleet and cluster.redis_url else None)
         app.state.tinker = TinkerService(settings, store, upstream)
         app.state.openai = OpenAIService(settings, upstream)
         try:

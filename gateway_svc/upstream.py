@@ -26,9 +26,10 @@ from loraplane import errors
 from loraplane.client.routing import TrainerRouter
 from loraplane.client.sampler_routing import SamplerRouter
 from loraplane.client.tokenizer import tokenizer_from_info
+from loraplane.membership import Membership
 from loraplane.registry_client import RegistryClient, adapter_ref
 from loraplane.rpc import ClientSecurity, aio_channel, domain_error_from_rpc
-from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2
 
 log = logging.getLogger(__name__)
 _TRANSIENT = (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted)
@@ -81,8 +82,10 @@ class Upstream:
     """One grpc.aio channel per service, opened lazily inside the running loop."""
 
     def __init__(self, trainer: str, registry: str, sampler: str, *, timeout: float = 600.0, retry_s: float = 60.0,
-                 security: ClientSecurity | None = None):
-        """`security`: the gateway's own API key (a service key) and TLS; each call adds the caller's tenant."""
+                 security: ClientSecurity | None = None, trainer_fleet: Membership | None = None):
+        """`security`: the gateway's own API key (a service key) and TLS; each call adds the caller's tenant.
+        `trainer_fleet`: the trainer fleet's membership in Redis, where the gateway finds live trainers when none it
+        knows answers (the configured `trainer` address is then any member, or a Service in front of them)."""
         self.addresses = {"trainer": trainer, "registry": registry, "sampler": sampler}
         self.timeout = timeout
         self.retry_s = retry_s
@@ -97,7 +100,13 @@ class Upstream:
         self.sampler_router = SamplerRouter(sampler, channel=self._sampler_channel)
         # A trainer fleet behind the configured address: each adapter's calls go to the member serving it, found
         # through any member (ResolveAdapter), and follow it when it moves (ADAPTER_MOVED, a member gone).
-        self.trainer_router = TrainerRouter(trainer, channel=self._trainer_channel)
+        self.trainer_fleet = trainer_fleet
+        self.trainer_router = TrainerRouter(trainer, channel=self._trainer_channel,
+                                            discover=self._live_trainers if trainer_fleet is not None else None)
+
+    async def _live_trainers(self) -> list[str]:
+        members = await asyncio.to_thread(self.trainer_fleet.members)
+        return [m.report["address"] for m in members if m.live and m.report.get("address")]
 
     def _channel(self, service: str) -> grpc.aio.Channel:
         if service not in self._channels:
@@ -134,10 +143,6 @@ class Upstream:
         return self._channels[key]
 
     @property
-    def trainer(self) -> trainer_pb2_grpc.TrainerServiceStub:
-        return trainer_pb2_grpc.TrainerServiceStub(self._channel("trainer"))
-
-    @property
     def sampler(self) -> sampler_pb2_grpc.SamplerServiceStub:
         return sampler_pb2_grpc.SamplerServiceStub(self._channel("sampler"))
 
@@ -146,6 +151,8 @@ class Upstream:
             await channel.close()
         self._channels.clear()
         await self.registry.close()
+        if self.trainer_fleet is not None:
+            self.trainer_fleet.close()
 
     async def _call(self, service: str, what: str, attempt):
         """`await attempt()`, retried with backoff for up to `retry_s` while the service is unreachable or busy
@@ -207,8 +214,9 @@ class Upstream:
     async def info(self) -> ServerInfo:
         async with self._info_lock:
             if self._info is None:
-                reply = await self._call("trainer", "GetInfo", lambda: self.trainer.GetInfo(
-                    trainer_pb2.GetInfoRequest(include_tokenizer=True), timeout=60))
+                # Every member of a trainer fleet serves the same base model: any live one answers.
+                reply = await self._call("trainer", "GetInfo", lambda: self.trainer_router.call_any(
+                    lambda trainer: trainer.GetInfo(trainer_pb2.GetInfoRequest(include_tokenizer=True), timeout=60)))
                 self._tokenizer = tokenizer_from_info(reply.tokenizer)
                 self._info = ServerInfo(
                     base_model=reply.base_model, max_context_length=reply.max_context_length,

@@ -22,13 +22,19 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from loraplane.auth import Identity
 from loraplane.errors import LoraplaneError, NotFound, Unavailable, shown
 from loraplane.fleet import assign, choose_trainer, moved
 from loraplane.lora import LoraSpec, expected_shapes
 from trainer_svc.fleet_store import FleetStore, MemberInfo, Placement
+from trainer_svc.journal import AdapterRecord, JournalEntry, outcome_from_plain
+from trainer_svc.optimizer import StepOutcome
+from trainer_svc.service import AdapterInfo
+from trainer_svc.validation import validate_page
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,43 @@ STATE_BYTES_PER_PARAM = 16
 def adapter_bytes(description, spec: LoraSpec) -> int:
     shapes = expected_shapes(description, spec)
     return STATE_BYTES_PER_PARAM * sum(a * b for a, b in shapes.values())
+
+
+@dataclass
+class ListingPage:
+    """One page of the fleet's adapters as a caller may see them, in name order, split by who can describe each:
+    this trainer (it serves them), another live member (by its address), or nobody right now (its trainer died or
+    it is moving: described from the journal, as the next owner will restore it)."""
+
+    names: list[str]
+    here: list[str] = field(default_factory=list)
+    elsewhere: dict[str, list[str]] = field(default_factory=dict)
+    in_transit: list[str] = field(default_factory=list)
+    next_token: str = ""
+
+
+def journal_progress(record: AdapterRecord, entries: Sequence[JournalEntry]) -> tuple[int, int]:
+    """(step, last seq_id) the adapter has once its journal is replayed on its checkpoint: what a restore yields.
+    Every journaled request counts (a replay runs those without an outcome); an OptimStep without an outcome counts
+    as one step, the one thing a replay could still skip (non-finite gradients)."""
+    checkpoint = record.checkpoint
+    step = checkpoint.step if checkpoint is not None else 0
+    last_seq = covered = checkpoint.seq_id if checkpoint is not None else 0
+    for entry in entries:
+        if entry.seq_id <= covered:
+            continue
+        last_seq = max(last_seq, entry.seq_id)
+        outcome = entry.outcome if entry.has_outcome else None
+        if isinstance(outcome, dict) and "load_state_step" in outcome:
+            step = int(outcome["load_state_step"])
+        elif entry.kind == "optim_step":
+            if outcome is None:
+                step += 1
+            else:
+                decoded = outcome_from_plain(outcome)
+                if isinstance(decoded, StepOutcome):
+                    step = decoded.step
+    return step, last_seq
 
 
 def measure_device(device: torch.device) -> tuple[int, int, int]:
@@ -373,6 +416,56 @@ class FleetMember:
             raise Unavailable(f"adapter {name!r} is moving to another trainer (its trainer stopped); retry",
                               field="name")
         return owner.address, owner.trainer_id, placement.epoch, live
+
+    # ---- the fleet-wide listing (ListAdapters on any member)
+    async def listing(self, page_size: int, page_token: str, caller: Identity) -> ListingPage:
+        """The page of the fleet's adapters (the journal index: every adapter created in the fleet, wherever it
+        lives) after `page_token` that `caller` may see, and who describes each."""
+        size = validate_page(page_size)
+        names = [n for n in await asyncio.to_thread(self.store.adapter_names)
+                 if (not page_token or n > page_token) and caller.may_see(n)]
+        page = ListingPage(names=names[:size], next_token=names[size - 1] if len(names) > size else "")
+        placements, members = await asyncio.gather(asyncio.to_thread(self.store.placements, page.names),
+                                                   asyncio.to_thread(self.store.members))
+        address_of = {m.trainer_id: m.address for m in members
+                      if m.live and m.address and m.trainer_id != self.member_id}
+        for name in page.names:
+            placement = placements.get(name)
+            if self.serves(name) and name in self.service.pool:
+                page.here.append(name)
+            elif placement is not None and placement.trainer in address_of:
+                page.elsewhere.setdefault(address_of[placement.trainer], []).append(name)
+            else:
+                page.in_transit.append(name)
+        return page
+
+    def local_infos(self, names: Sequence[str]) -> dict[str, AdapterInfo]:
+        infos = {}
+        for name in names:
+            try:
+                infos[name] = self.service._info(self.service.pool.get(name))
+            except NotFound:
+                continue  # gone since the page was read (moved away or deleted): the journal describes it
+        return infos
+
+    async def journal_infos(self, names: Sequence[str]) -> dict[str, AdapterInfo]:
+        """The adapters as their next owner will restore them (checkpoint + journal), for those no live member
+        describes right now; an adapter deleted meanwhile is left out."""
+        return {name: info for name in names if (info := await asyncio.to_thread(self._journal_info, name))}
+
+    def _journal_info(self, name: str) -> AdapterInfo | None:
+        journal = self.service.journal
+        record = journal.record(name)
+        if record is None:
+            return None
+        spec = LoraSpec.create(record.rank, record.alpha, record.target_modules, record.seed,
+                               max_rank=max(record.rank, self.service.limits.max_lora_rank),
+                               expert_layout=record.expert_layout)
+        step, last_seq_id = journal_progress(record, journal.entries(name))
+        shapes = expected_shapes(self.service.backend.description, spec)
+        return AdapterInfo(name=name, spec=spec, base_model=record.base_model, step=step, last_seq_id=last_seq_id,
+                           resident=False, parameter_count=sum(a * b for a, b in shapes.values()),
+                           weights_dtype=record.weights_dtype)
 
     @property
     def draining(self) -> bool:

@@ -34,6 +34,7 @@ class RunningTrainer:
     registry_address: str
     metrics_source: int | None = None
     fleet: FleetMember | None = None
+    servicer: TrainerServicer | None = None
 
     @property
     def address(self) -> str:
@@ -46,6 +47,8 @@ class RunningTrainer:
                 await self.fleet.stop()
             await self.server.stop(grace)
         finally:
+            if self.servicer is not None:
+                await self.servicer._close()
             await self.service.close()
             self.service.backend.close()
             await self.registry.close()
@@ -114,7 +117,8 @@ async def start_trainer_server(
     service = service_class(backend_impl, registry, trainer_limits, journal=training_journal)
     server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "trainer"),
                         security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
-    servicer = TrainerServicer(service, trainer_id=settings.trainer_id)
+    servicer = TrainerServicer(service, trainer_id=settings.trainer_id,
+                               peer_security=ClientSecurity.from_settings(settings))
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server.server)
     server.add_service(SERVICE_NAME)
     member = None
@@ -145,7 +149,7 @@ async def start_trainer_server(
         member.address = servicer.address
         await asyncio.to_thread(member.store.heartbeat, member.report(), member.ttl_s)
     running = RunningTrainer(server=server, service=service, registry=registry, settings=settings,
-                             registry_address=registry_address, fleet=member)
+                             registry_address=registry_address, fleet=member, servicer=servicer)
     fleet_metrics = {} if member is None else {
         "loraplane_trainer_fleet_adapters": ("Adapters placed on this fleet member and served by it",
                                              lambda: len(member.owned())),

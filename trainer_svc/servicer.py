@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
+
+import grpc
 
 from loraplane import metrics
 from loraplane.auth import current_caller
 from loraplane.registry_client import expert_layout_name, expert_layout_value, weights_dtype_name, weights_dtype_value
-from loraplane.rpc import map_servicer_errors
+from loraplane.rpc import ClientSecurity, aio_channel, map_servicer_errors
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from trainer_svc.backends.base import ItemResult
 from trainer_svc.optimizer import ADAM_FIELDS, AdamHyper
 from trainer_svc.service import AdapterInfo, LoraConfig, SourceRef, TrainerService
 from trainer_svc.validation import DatumPayload, validate_adapter_name
+
+log = logging.getLogger(__name__)
+# How long a fleet member waits for another's part of a listing before describing those adapters from the journal.
+_PEER_LIST_TIMEOUT_S = 10.0
 
 
 def payload_hash(request) -> bytes:
@@ -62,11 +70,44 @@ def _count_tokens(request, kind: str) -> None:
 
 @map_servicer_errors
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, service: TrainerService, *, trainer_id: str = "trainer", address: str = ""):
+    def __init__(self, service: TrainerService, *, trainer_id: str = "trainer", address: str = "",
+                 peer_security: ClientSecurity | None = None):
+        """`peer_security`: how this trainer calls the other members of its fleet (its service key, acting for the
+        caller it serves, and TLS), for the fleet-wide ListAdapters."""
         self.service = service
         self.trainer_id = trainer_id
         # The address clients reach this trainer at (set once the server listens).
         self.address = address
+        self.peer_security = peer_security or ClientSecurity()
+        self._peers: dict[str, grpc.aio.Channel] = {}
+
+    async def _close(self) -> None:
+        """Closes the channels to the other members (private: every public coroutine here is an RPC)."""
+        for channel in self._peers.values():
+            await channel.close()
+        self._peers.clear()
+
+    def _peer(self, address: str) -> trainer_pb2_grpc.TrainerServiceStub:
+        if address not in self._peers:
+            self._peers[address] = aio_channel(address, self.peer_security)
+        return trainer_pb2_grpc.TrainerServiceStub(self._peers[address])
+
+    async def _peer_rows(self, address: str, names: list[str], page_token: str, page_size: int,
+                         timeout: float) -> dict[str, trainer_pb2.TrainerAdapter]:
+        """The rows of `names` from the member serving them (its own adapters only). The peer authorizes the call
+        as the caller's tenant (the service key's acting-for), so it can only ever add what the caller may see.
+        Asked for the whole page's range, its answer holds every name of it that it serves; one it no longer serves,
+        or an unreachable peer, leaves those names out (the journal describes them then)."""
+        request = trainer_pb2.TrainerServiceListAdaptersRequest(page_size=page_size, page_token=page_token,
+                                                                this_trainer_only=True)
+        try:
+            reply = await self._peer(address).ListAdapters(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            log.info("fleet listing: member %s did not answer (%s); its adapters come from the journal", address,
+                     exc.code())
+            return {}
+        wanted = set(names)
+        return {a.name: a for a in reply.adapters if a.name in wanted}
 
     async def CreateAdapter(self, request, context):
         info = await self.service.create_adapter(request.name, lora_config(request.lora_config), request.base_model,
@@ -120,10 +161,26 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.TrainerServiceDeleteAdapterResponse()
 
     async def ListAdapters(self, request, context):
-        infos, token = await self.service.list_adapters(request.page_size, request.page_token,
-                                                        caller=current_caller())
-        return trainer_pb2.TrainerServiceListAdaptersResponse(adapters=[adapter_message(i) for i in infos],
-                                                              next_page_token=token)
+        caller = current_caller()
+        fleet = self.service.fleet
+        if fleet is None or request.this_trainer_only:
+            infos, token = await self.service.list_adapters(request.page_size, request.page_token, caller=caller)
+            return trainer_pb2.TrainerServiceListAdaptersResponse(adapters=[adapter_message(i) for i in infos],
+                                                                  next_page_token=token)
+        # A fleet member lists the whole fleet: its own adapters, each other live member's (asked in parallel, for
+        # exactly this page), and from the journal those no live member serves right now.
+        page = await fleet.listing(request.page_size, request.page_token, caller)
+        remaining = context.time_remaining() if context is not None else None
+        timeout = min(_PEER_LIST_TIMEOUT_S, remaining) if remaining else _PEER_LIST_TIMEOUT_S
+        rows = {name: adapter_message(info) for name, info in fleet.local_infos(page.here).items()}
+        for answer in await asyncio.gather(*(self._peer_rows(address, names, request.page_token, len(page.names),
+                                                             timeout)
+                                             for address, names in page.elsewhere.items())):
+            rows.update(answer)
+        missing = [name for name in page.names if name not in rows]
+        rows.update({name: adapter_message(info) for name, info in (await fleet.journal_infos(missing)).items()})
+        return trainer_pb2.TrainerServiceListAdaptersResponse(
+            adapters=[rows[name] for name in page.names if name in rows], next_page_token=page.next_token)
 
     async def GetInfo(self, request, context):
         info = self.service.info()

@@ -4,16 +4,17 @@ it; TrainingClient holds one. It sits below both, so the client modules import i
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Self
 
 from loraplane.client._runtime import Endpoint, RetryConfig, call_with_retry, runtime
 from loraplane.client.addresses import client_security, resolve_address
 from loraplane.client.chunking import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNK_DATUMS
-from loraplane.client.errors import NotFoundError
-from loraplane.client.routing import router_for
+from loraplane.client.errors import NotFoundError, UnavailableError
+from loraplane.client.routing import any_trainer_call, router_for
 from loraplane.client.sampling_client import SamplingClient
-from loraplane.client.tokenizer import fetch_tokenizer, get_server_info
+from loraplane.client.tokenizer import fetch_tokenizer
 from loraplane.client.types import TrainerAdapterInfo, parse_path
 from loraplane.registry_client import RegistryClient
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
@@ -77,23 +78,40 @@ class Session:
     # ---- server info ----------------------------------------------------------------------------------------
 
     def get_server_capabilities(self) -> trainer_pb2.GetInfoResponse:
-        """The trainer's GetInfo: base model, backend, limits, supported losses and target modules."""
+        """The trainer's GetInfo: base model, backend, limits, supported losses and target modules. In a trainer
+        fleet any live member answers (they serve one base model)."""
         if self._info is None:
-            self._info = runtime().run(get_server_info(self.trainer_address, False, self.retry))
+            self._info = runtime().run(any_trainer_call(self.trainer_address, "GetInfo",
+                                                        trainer_pb2.GetInfoRequest(), self.retry))
         return self._info
 
     def get_tokenizer(self):
         return fetch_tokenizer(self.trainer_address, self.retry)
 
-    async def _list_trainer_adapters(self, address: str | None = None) -> list[TrainerAdapterInfo]:
-        """The adapters of one trainer (`address`, default the one this client was given)."""
-        address = address or self.trainer_address
+    async def _list_trainer_adapters(self) -> list[TrainerAdapterInfo]:
+        """Every adapter on the trainer (in a fleet: on every trainer of it; any live member lists them all), in
+        name order."""
+        found: list[TrainerAdapterInfo] = []
+        token = ""
+        while True:
+            reply = await any_trainer_call(self.trainer_address, "ListAdapters",
+                                           trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000,
+                                                                                         page_token=token),
+                                           self.retry)
+            found.extend(TrainerAdapterInfo.from_proto(a) for a in reply.adapters)
+            token = reply.next_page_token
+            if not token:
+                return found
+
+    async def _own_adapters(self, address: str, retry: RetryConfig) -> list[TrainerAdapterInfo]:
+        """The adapters the trainer at `address` serves itself (its state now, not the fleet's view of it)."""
         stub = trainer_pb2_grpc.TrainerServiceStub(runtime().channel(address))
         found: list[TrainerAdapterInfo] = []
         token = ""
         while True:
-            request = trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000, page_token=token)
-            reply = await call_with_retry(lambda timeout, r=request: stub.ListAdapters(r, timeout=timeout), self.retry,
+            request = trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000, page_token=token,
+                                                                    this_trainer_only=True)
+            reply = await call_with_retry(lambda timeout, r=request: stub.ListAdapters(r, timeout=timeout), retry,
                                           method="ListAdapters", address=address)
             found.extend(TrainerAdapterInfo.from_proto(a) for a in reply.adapters)
             token = reply.next_page_token
@@ -101,9 +119,18 @@ class Session:
                 return found
 
     async def _find_trainer_adapter(self, name: str) -> TrainerAdapterInfo:
-        # In a trainer fleet the adapter may live on another trainer than ours: ask where, then look there.
+        # In a trainer fleet the adapter may live on another trainer than ours: ask where, then ask that trainer
+        # (exact step and seq_id). While it moves between trainers nobody serves it: the fleet's listing then
+        # describes it as its next owner restores it (its last seq_id is what counts for the next call).
         address = await router_for(self.trainer_address).resolve(name)
-        for info in await self._list_trainer_adapters(address):
+        try:
+            # One attempt: a trainer that does not answer is as good as one that moved the adapter away.
+            for info in await self._own_adapters(address, dataclasses.replace(self.retry, max_attempts=1)):
+                if info.name == name:
+                    return info
+        except UnavailableError:
+            pass
+        for info in await self._list_trainer_adapters():
             if info.name == name:
                 return info
         raise NotFoundError(f"adapter {name!r} is not on the trainer", method="ListAdapters",

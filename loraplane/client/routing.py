@@ -8,12 +8,18 @@ trainer with "here"); the answer is kept for the adapter's later calls. Once the
 drain at once, a dead trainer after its heartbeat expires) the retry lands on the new trainer, which replayed the
 journal and answers it exactly once.
 
+Calls about no adapter in particular (GetInfo: every member serves the same base model; ListAdapters: any member
+lists the whole fleet) go to whichever trainer answered last, and on to the next known one when that one is gone
+(`call_any`): the seed, every trainer address learnt, and (the gateway) the live members the fleet's heartbeats in
+Redis name (`discover`).
+
 The SDK keeps one router per (seed address, identity) in the process, shared by every client object, on the client's
 loop; the gateway keeps one of its own over its own channels (`channel`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -23,6 +29,7 @@ import grpc
 from loraplane.client._runtime import Endpoint, RetryConfig, call_with_retry, runtime
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Answers of ResolveAdapter that mean "ask the seed itself": nothing placed yet (CreateAdapter places it), a trainer
@@ -30,13 +37,21 @@ T = TypeVar("T")
 _USE_SEED = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
                        grpc.StatusCode.INVALID_ARGUMENT})
 _RESOLVE_TIMEOUT_S = 10.0
+# A trainer that is gone or going (grpc's own statuses for a refused or reset connection, a server stopping): a call
+# about no adapter in particular is asked of another member instead.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 class TrainerRouter:
-    def __init__(self, seed: str, channel: Callable[[str], grpc.aio.Channel] | None = None):
-        """`channel(address)`: the grpc.aio channel to a trainer (default: the client runtime's)."""
+    def __init__(self, seed: str, channel: Callable[[str], grpc.aio.Channel] | None = None, *,
+                 discover: Callable[[], Awaitable[list[str]]] | None = None):
+        """`channel(address)`: the grpc.aio channel to a trainer (default: the client runtime's). `discover()`: the
+        addresses of the fleet's live members from its own records (the gateway reads the heartbeats in Redis),
+        asked when no trainer this router knows answers."""
         self.seed = seed
         self._channel = channel or (lambda address: runtime().channel(address))
+        self._discover = discover
+        self._answered: str | None = None  # the trainer that last answered a call_any
         # Every trainer address learnt from the fleet, seed first: where to ask when the seed itself is down.
         self._known: list[str] = [seed]
         self._where: dict[str, tuple[str, int]] = {}  # adapter -> (address, epoch)
@@ -61,6 +76,46 @@ class TrainerRouter:
     def known(self) -> list[str]:
         """Every trainer address this router has met (to keep them out of messages meant for tenants)."""
         return [str(a) for a in self._known] + [str(a) for a, _ in self._where.values()]
+
+    def _learn(self, address: str) -> str:
+        bound = self._bind(address)
+        if all(str(known) != str(bound) for known in self._known):
+            self._known.append(bound)
+        return next(known for known in self._known if str(known) == str(bound))
+
+    async def call_any(self, call: Callable[[trainer_pb2_grpc.TrainerServiceStub], Awaitable[T]]) -> T:
+        """`call(stub)` on any live trainer of the fleet: the one that answered last, else each known trainer in
+        turn, then those `discover` names; only a trainer that is gone (FAILOVER_CODES) passes the call on."""
+        tried: set[str] = set()
+        last_error: grpc.RpcError | None = None
+        discovered = self._discover is None
+        while True:
+            order = [a for a in (self._answered, *self._known) if a is not None and str(a) not in tried]
+            if not order and not discovered:
+                discovered = True
+                try:
+                    for address in await self._discover():
+                        self._learn(address)
+                except Exception as exc:  # noqa: BLE001 - the fleet's records are a fallback; report the call's error
+                    log.warning("trainer fleet discovery failed: %s", exc)
+                continue
+            if not order:
+                if last_error is not None:
+                    raise last_error
+                raise RuntimeError("no trainer address known")  # unreachable: the seed is always known
+            address = order[0]
+            tried.add(str(address))
+            try:
+                result = await call(self.stub(address))
+            except grpc.RpcError as exc:
+                if exc.code() not in FAILOVER_CODES:
+                    raise
+                last_error = exc
+                if self._answered is not None and str(self._answered) == str(address):
+                    self._answered = None
+                continue
+            self._answered = address
+            return result
 
     def forget(self, adapter: str) -> None:
         self._where.pop(adapter, None)
@@ -89,12 +144,9 @@ class TrainerRouter:
                     return candidate
                 last_error = exc
                 continue  # that trainer is down or the adapter is moving: ask another
-            address = self._bind(reply.address) if reply.address else candidate
-            if address not in self._known:
-                self._known.append(address)
+            address = self._learn(reply.address) if reply.address else candidate
             for learnt in reply.trainer_addresses:
-                if learnt not in self._known:
-                    self._known.append(self._bind(learnt))
+                self._learn(learnt)
             self._where[adapter] = (address, reply.epoch)
             self._stale.discard(adapter)
             return address
@@ -144,4 +196,15 @@ async def routed_call(seed: str, adapter: str, method: str, request, retry: Retr
     return await call_with_retry(attempt, retry, method=method, address=where["address"])
 
 
-__all__ = ["RouterCache", "TrainerRouter", "routed_call", "router_for"]
+async def any_trainer_call(seed: str, method: str, request, retry: RetryConfig) -> Any:
+    """TrainerService.`method` about no adapter in particular (GetInfo, the fleet-wide ListAdapters) on any live
+    trainer of the seed's fleet, with the client's retry policy once none answers."""
+    router = router_for(seed)
+
+    async def attempt(timeout: float | None):
+        return await router.call_any(lambda stub: getattr(stub, method)(request, timeout=timeout))
+
+    return await call_with_retry(attempt, retry, method=method, address=str(seed))
+
+
+__all__ = ["FAILOVER_CODES", "RouterCache", "TrainerRouter", "any_trainer_call", "routed_call", "router_for"]

@@ -143,7 +143,9 @@ def lone(stub):
 
 
 def names_on(live) -> set[str]:
-    return {a.name for a in live.stub().ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest()).adapters}
+    """The adapters this member serves itself (its plain ListAdapters lists the whole fleet)."""
+    return {a.name for a in live.stub().ListAdapters(
+        trainer_pb2.TrainerServiceListAdaptersRequest(this_trainer_only=True)).adapters}
 
 
 def wait_for(predicate, within_s: float, what: str):

@@ -62,7 +62,8 @@ def test_up_runs_a_fleet_of_three_trainers_that_ls_lists_and_drain_empties(tmp_p
         assert len(owners) == 3 and set(owners) <= {"trainer", "trainer-2"}
         with sync_channel(trainers[1].endpoint, security) as channel:
             _wait_for(lambda: not trainer_pb2_grpc.TrainerServiceStub(channel).ListAdapters(
-                trainer_pb2.TrainerServiceListAdaptersRequest(), timeout=10).adapters, 20, "trainer-1 to let go")
+                trainer_pb2.TrainerServiceListAdaptersRequest(this_trainer_only=True), timeout=10).adapters, 20,
+                "trainer-1 to let go")
         undrain = _cli("trainers", "undrain", "trainer-1", "--data-dir", str(data_dir), env=env)
         assert undrain.returncode == 0 and "takes new adapters again" in undrain.stdout
         unknown = _cli("trainers", "drain", "7", "--data-dir", str(data_dir), env=env)
