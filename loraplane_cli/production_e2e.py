@@ -91,9 +91,9 @@ BF16_MEAN_ABS = 0.15
 # The --moe run (the small random Qwen3-MoE, SGLang in bf16 against the trainer): per-token mean and 90th
 # percentile, as derived in tests/gpu/test_sglang_moe.py (bf16 rounding of each layer, plus routing flips: a token
 # whose 4th and 5th router scores are closer than the rounding error takes another expert on one side, so the
-# maximum is not bounded). The torch trainer runs fp32 there, so only one side rounds: these bounds have room.
-MOE_BF16_MEAN_ABS = 0.08
-MOE_BF16_P90_ABS = 0.25
+# maximum is not bounded). The torch trainer runs fp32 there, so only one side rounds: the same bounds have room.
+MOE_BF16_MEAN_ABS = 0.1
+MOE_BF16_P90_ABS = 0.3
 # The --moe reward: the share of sampled tokens in this set (a random model's policy can learn it from scratch).
 MOE_REWARD_TOKENS = frozenset(range(100, 116))
 

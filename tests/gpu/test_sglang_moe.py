@@ -19,11 +19,14 @@ about 0.01-0.02 and a token logprob (logit minus log-sum-exp, which moves with i
 Routing flips: a token whose 4th and 5th router scores are closer than that error (router scores have std ~4
 here, their neighbouring order statistics are ~0.8 apart, the error ~0.05) can take a different 4th expert on the
 two sides: a few percent of tokens per layer. The 4th expert carries a small share of the renormalised top-4
-weight, so such a token's logprobs move by ~0.05-0.3, and later tokens see it through attention. Hence no bound
-on the maximum (one flip can reach it); bounds on the mean (MEAN_BOUND = 0.08: 4x the flip-free typical error
-plus a 15% share of flipped tokens at 0.2) and the 90th percentile (P90_BOUND = 0.25: flipped tokens are fewer
-than 10% of them, within 0.25). A version mix-up moves logprobs by far more: the test asserts that the base
-model differs from the adapter by more than 2 x MEAN_BOUND on the same tokens, so the check can fail.
+weight, so such a token's logprobs move by ~0.05-0.3, and later tokens see it through attention. Measured on the
+H100 for the torch backend alone (tests/gpu/test_megatron_moe.py, a small Qwen3-MoE in bf16 against fp32,
+docs/gpu-runs/h100-moe4-gpu_tests_moe.log): mean 0.010-0.045 per token, worst token 0.03-0.81 (a flip). Two
+independent bf16 implementations add their errors. Hence no bound on the maximum (one flip can reach it); bounds
+on the mean (MEAN_BOUND = 0.1: twice the worst measured one-sided mean, about 5x the flip-free estimate) and the
+90th percentile (P90_BOUND = 0.3: flipped tokens are fewer than 10% and within it). A version mix-up moves
+logprobs by far more (0.7-1.9 per token for the adapters measured there): the test asserts that the base model
+differs from the adapter by more than 2 x MEAN_BOUND on the same tokens, so the check can fail.
 
 Batches (b, e): SGLang's bf16 kernels pick tile shapes by batch size, so a request batched with others is not
 bit-identical to it alone. "Gives its single-request output" is asserted as: the greedy tokens are the same up to
@@ -65,8 +68,8 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang"),
 ]
 
-MEAN_BOUND = 0.08
-P90_BOUND = 0.25
+MEAN_BOUND = 0.1
+P90_BOUND = 0.3
 BATCH_TOL = 0.05
 TIE_TOL = 0.15
 RANK = 8
@@ -214,9 +217,9 @@ def test_sampler_logprobs_equal_the_trainers_forward_within_the_bf16_bound(regis
             losses = []
             for _ in range(8):
                 backward = training.forward_backward(data, "cross_entropy")
-                assert not training.optim_step(AdamParams(learning_rate=3e-2)).result(300).skipped
+                assert not training.optim_step(AdamParams(learning_rate=2e-2)).result(300).skipped
                 losses.append(backward.result(300).loss)
-            assert losses[-1] < losses[0] * 0.8, (name, losses)
+            assert losses[-1] < losses[0] * 0.9, (name, losses)
             sampling = training.save_weights_for_sampler("gpu").result(300)
             versions[name] = sampling.version
             diffs, base_diffs = [], []
