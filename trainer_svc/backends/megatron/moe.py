@@ -298,7 +298,10 @@ class SlotRouter(torch.nn.Module):
                                                      dtype=config.params_dtype), requires_grad=False)
         self.layer_number = None
         self.token_slots = None  # set by .lora.MegatronLora: () -> [tokens] slot of each token, or None
-        self.record: list[torch.Tensor] | None = None  # a list: the top-k experts of each local-path call (tests)
+        # Tests (local path only): ``record`` a list that collects each call's top-k experts ``[T, k]``; ``force``
+        # a list of ``[n, k]`` experts the next calls' first n rows use instead of their own top-k (one per call).
+        self.record: list[torch.Tensor] | None = None
+        self.force: list[torch.Tensor] | None = None
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
@@ -313,6 +316,14 @@ class SlotRouter(torch.nn.Module):
         else:
             scores, top = torch.topk(logits, k=self.topk, dim=1)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if self.force:  # tests: the first rows take the experts another model chose, with this router's probabilities
+            forced = self.force.pop(0).to(top.device)
+            n = min(forced.shape[0], top.shape[0])
+            top = torch.cat([forced[:n], top[n:]])
+            if self.config.moe_router_pre_softmax:
+                probs = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, top)
+            else:
+                probs = torch.softmax(logits.gather(1, top), dim=-1, dtype=torch.float32)
         if self.record is not None:
             self.record.append(top.detach())
         return probs, top
