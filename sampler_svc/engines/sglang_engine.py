@@ -195,8 +195,11 @@ class SGLangEngine(Engine):
         except ValueError:
             return status, body.decode(errors="replace")
 
-    async def _stream(self, server: SGLangServer, payload: dict) -> AsyncIterator[dict]:
-        """The chunks of a streaming /generate call (server-sent events `data: {...}` up to `data: [DONE]`)."""
+    async def _stream(self, server: SGLangServer, payload: dict) -> AsyncIterator[list[dict]]:
+        """The chunks of a streaming /generate call (server-sent events `data: {...}` up to `data: [DONE]`), in
+        lists: each list holds every chunk that had arrived when the consumer asked for more. A consumer that keeps
+        up gets one chunk at a time; one that falls behind (hundreds of streams on one event loop) gets the backlog
+        in one piece, parsed with one json.loads, instead of paying a loop round trip per token."""
         import aiohttp
 
         try:
@@ -206,13 +209,19 @@ class SGLangEngine(Engine):
                     body = (await reply.read()).decode(errors="replace")
                     raise errors.Unavailable(f"SGLang {server.url} /generate failed with HTTP {reply.status}: "
                                              f"{body[:500]}")
-                async for line in reply.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
+                content = reply.content
+                pending = b""
+                while data := await content.readany():
+                    pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+                    end = pending.rfind(b"\n\n")
+                    if end < 0:
+                        continue  # no complete event yet
+                    events, pending = pending[:end], pending[end + 2:]
+                    bodies, done = _event_data(events)
+                    if bodies:
+                        yield json.loads(b"[" + b",".join(bodies) + b"]")
+                    if done:
                         return
-                    yield json.loads(data)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise errors.Unavailable(f"SGLang server {server.url} unreachable: {type(exc).__name__}: {exc}") from None
 
@@ -528,33 +537,44 @@ class SGLangEngine(Engine):
 
     async def _generate_streaming(self, server: SGLangServer, request: GenerationRequest
                                   ) -> AsyncIterator[GenerationUpdate]:
-        """One streaming call per sample, all at once; updates are yielded in the order SGLang produces them."""
+        """One streaming call per sample, all at once; updates are yielded in the order SGLang produces them. What
+        arrived while the consumer was busy leaves as one update per sequence (see `_stream`)."""
+        self._waiting += request.num_samples
+        server.in_flight += request.num_samples
+        try:
+            if request.num_samples == 1:
+                # The common case (an agent's or the gateway's stream) reads SGLang's stream in the consumer's own
+                # task: no queue and no second task to wake per token.
+                follower = _Follower(0)
+                async for chunks in self._stream(server, self._payload(request, [0])):
+                    update = follower.update(chunks)
+                    if update is not None:
+                        yield update
+            else:
+                async for update in self._generate_samples(server, request):
+                    yield update
+        finally:
+            self._waiting -= request.num_samples
+            server.in_flight -= request.num_samples
+
+    async def _generate_samples(self, server: SGLangServer, request: GenerationRequest
+                                ) -> AsyncIterator[GenerationUpdate]:
+        """Several samples: a task per sample stream feeding one queue."""
         updates: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def follow(index: int) -> None:
             try:
-                sent = 0  # tokens of this sample already forwarded
-                async for chunk in self._stream(server, self._payload(request, [index])):
-                    meta = chunk.get("meta_info", {})
-                    pairs = meta.get("output_token_logprobs") or []
-                    # SGLang streams cumulative outputs by default (every chunk repeats what came before) and only
-                    # the new part with --incremental-streaming-output; the completion count tells which.
-                    produced = int(meta.get("completion_tokens", sent + len(pairs)))
-                    if len(pairs) == produced:
-                        pairs = pairs[sent:]
-                    sent = produced
-                    finish = _finish_reason(meta) if meta.get("finish_reason") else None
-                    if pairs or finish is not None:
-                        await updates.put(GenerationUpdate(sequence_index=index, tokens=[int(p[1]) for p in pairs],
-                                                           logprobs=_logprob_values(pairs), finish_reason=finish))
+                follower = _Follower(index)
+                async for chunks in self._stream(server, self._payload(request, [index])):
+                    update = follower.update(chunks)
+                    if update is not None:
+                        updates.put_nowait(update)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer below
-                await updates.put(exc)
+                updates.put_nowait(exc)
             finally:
-                await updates.put(done)
+                updates.put_nowait(done)
 
-        self._waiting += request.num_samples
-        server.in_flight += request.num_samples
         tasks = [asyncio.create_task(follow(i)) for i in range(request.num_samples)]
         try:
             remaining = len(tasks)
@@ -562,8 +582,7 @@ class SGLangEngine(Engine):
                 items = [await updates.get()]
                 while not updates.empty():
                     items.append(updates.get_nowait())
-                # A backlog (the consumer fell behind SGLang) leaves as one update per sequence: hundreds of
-                # concurrent streams otherwise cost one gRPC message per token each and starve new streams.
+                # A backlog (the consumer fell behind SGLang) leaves as one update per sequence.
                 for item in _coalesced(items):
                     if item is done:
                         remaining -= 1
@@ -575,8 +594,6 @@ class SGLangEngine(Engine):
             for task in tasks:
                 task.cancel()  # a consumer that stops early (client went away) aborts the SGLang requests
             await asyncio.gather(*tasks, return_exceptions=True)
-            self._waiting -= request.num_samples
-            server.in_flight -= request.num_samples
 
     async def compute_logprobs(self, tokens: Sequence[int], adapter_key: str | None) -> list[float]:
         server = self._server_for(adapter_key)
@@ -585,6 +602,52 @@ class SGLangEngine(Engine):
         outputs = await self._generate_call(server, payload)
         values = _input_logprobs(outputs[0].get("meta_info", {}))
         return values[: len(tokens)]
+
+
+class _Follower:
+    """One sample's SGLang stream as GenerationUpdates. SGLang streams cumulative outputs by default (every chunk
+    repeats what came before) and only the new part with --incremental-streaming-output; the completion count tells
+    which, so servers given by URL work either way."""
+
+    __slots__ = ("index", "sent")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.sent = 0  # tokens of this sample already forwarded
+
+    def update(self, chunks: list[dict]) -> GenerationUpdate | None:
+        """The new tokens of `chunks` (in order) as one update, None when they carry none and no finish."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        finish = None
+        for chunk in chunks:
+            meta = chunk.get("meta_info", {})
+            pairs = meta.get("output_token_logprobs") or []
+            produced = int(meta.get("completion_tokens", self.sent + len(pairs)))
+            if len(pairs) == produced:
+                pairs = pairs[self.sent:]
+            self.sent = produced
+            for pair in pairs:
+                tokens.append(int(pair[1]))
+                logprobs.append(float(pair[0]) if pair[0] is not None else math.nan)
+            if meta.get("finish_reason"):
+                finish = _finish_reason(meta)
+        if not tokens and finish is None:
+            return None
+        return GenerationUpdate(sequence_index=self.index, tokens=tokens, logprobs=logprobs, finish_reason=finish)
+
+
+def _event_data(events: bytes) -> tuple[list[bytes], bool]:
+    """The `data:` payloads of complete server-sent events (blank-line separated), and whether `[DONE]` ended
+    them (what follows it is ignored)."""
+    bodies = []
+    for line in events.split(b"\n"):
+        if line.startswith(b"data:"):
+            body = line[5:].strip()
+            if body == b"[DONE]":
+                return bodies, True
+            bodies.append(body)
+    return bodies, False
 
 
 def _coalesced(items: list) -> list:
