@@ -277,6 +277,29 @@ class GroupedExperts(torch.nn.Module):
         return None
 
 
+class _RouterLogits(torch.autograd.Function):
+    """fp32 router logits ``x W^T`` of a frozen router weight: on CUDA one GEMM with bf16 operands and an fp32 output
+    (bf16 products are exact in fp32 and the GEMM accumulates in fp32: the fp32 logits without an fp32 copy of the
+    ``[T, h]`` activations), elsewhere the fp32 product; the input gradient in fp32, cast once to the input's
+    dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        ctx.x_dtype = x.dtype
+        if x.dtype != torch.float32 and x.device.type == "cuda" and x.dtype == w.dtype:
+            try:
+                return torch.mm(x, w.t(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):
+                pass
+        return x.float() @ w.float().t()
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return (g @ w.float()).to(ctx.x_dtype), None
+
+
 class SlotRouter(torch.nn.Module):
     """The router of an MoE layer (megatron's router interface: ``forward(hidden, padding_mask) -> (probs,
     routing_map)`` over the dispatcher's experts; ``weight`` = HF ``mlp.gate.weight``, frozen).
@@ -336,14 +359,7 @@ class SlotRouter(torch.nn.Module):
         return slot if slot is not None else torch.full((tokens,), self.slots - 1, dtype=torch.int64, device=device)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if x.dtype == torch.float32 or x.device.type != "cuda":
-            return x.float() @ w.float().t()
-        try:
-            # bf16 products are exact in fp32 and the GEMM accumulates in fp32: fp32 logits, no fp32 copy of x.
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError):
-            return x.float() @ w.float().t()
+        return _RouterLogits.apply(x, self.weight)
 
     def forward(self, hidden: torch.Tensor, padding_mask=None):
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
