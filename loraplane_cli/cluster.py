@@ -167,7 +167,9 @@ def _service_details(state: ClusterState) -> Table:
             with sync_channel(trainer.endpoint, security) as channel:
                 stub = trainer_pb2_grpc.TrainerServiceStub(channel)
                 info = stub.GetInfo(trainer_pb2.GetInfoRequest(), timeout=3)
-                listed = stub.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000), timeout=3)
+                # Each member's own adapters (a member's plain listing is the whole fleet's).
+                listed = stub.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest(
+                    page_size=1000, this_trainer_only=True), timeout=3)
             names = ", ".join(f"{a.name} (step {a.step})" for a in listed.adapters) or "none"
             table.add_row(trainer.name, f"{info.base_model} on {info.backend}/{info.device}; adapters: {names}")
         except grpc.RpcError as exc:

@@ -240,7 +240,9 @@ def _gateway_component(settings: Settings, state: ClusterState, env: dict[str, s
                    "LORAPLANE_GATEWAY_TRAINER_ADDRESS": addresses["trainer"],
                    "LORAPLANE_GATEWAY_REGISTRY_ADDRESS": addresses["registry"],
                    "LORAPLANE_GATEWAY_SAMPLER_ADDRESS": addresses["sampler"],
-                   "LORAPLANE_GATEWAY_TOKENIZER_DIR": str(data_dir / "gateway" / "tokenizers")}
+                   "LORAPLANE_GATEWAY_TOKENIZER_DIR": str(data_dir / "gateway" / "tokenizers"),
+                   # Where the gateway finds live trainers when the one above is down (`up --trainers N`).
+                   "LORAPLANE_TRAINER_FLEET": LOCAL_FLEET}
     process = ManagedProcess("gateway", [sys.executable, "-m", "gateway_svc"], data_dir / "logs" / "gateway.log",
                              env=gateway_env)
     endpoint = f"http://{LOOPBACK}:{port}"
