@@ -92,6 +92,15 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: 
     return torch.stack([pa.t() @ pb for pa, pb in zip(a.split(counts), b.split(counts))])
 
 
+def _sum_copies(rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j rows[where[t, j]]``: the sum of each token's k expert rows, ``[T, h]``. On CUDA one
+    ``embedding_bag`` kernel (gathers and sums without writing the ``[T*k, h]`` gathered copy, fp32 accumulation);
+    elsewhere the gather, then the sum over k."""
+    if rows.device.type == "cuda" and rows.shape[0] > 0:
+        return F.embedding_bag(where, rows, mode="sum")
+    return rows.index_select(0, where.reshape(-1)).view(*where.shape, -1).sum(1)
+
+
 class _ExpertMLP(torch.autograd.Function):
     """The routed experts of one MoE layer as ONE autograd node: ``out_i = E_e(p_i x_i)``-style SwiGLU experts with
     the routed adapters' expert LoRA, each row ``i`` (a token's copy for expert ``e``) weighted by its routing
@@ -134,8 +143,7 @@ class _ExpertMLP(torch.autograd.Function):
         ctx.plan = plan
         if not local:
             return out
-        tokens, k = probs.shape
-        return out.index_select(0, plan.inv).view(tokens, k, -1).sum(1)
+        return _sum_copies(out, plan.inv.view(probs.shape))
 
     @staticmethod
     def backward(ctx, g):
@@ -147,7 +155,8 @@ class _ExpertMLP(torch.autograd.Function):
         g_rows = g.index_select(0, plan.tok) if local else g.contiguous()
         p = (probs.reshape(-1)[plan.order] if local else probs).to(x.dtype).unsqueeze(-1)
         gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate).mul_(up)
+        sg = F.silu(gate)
+        act = sg * up
         # The gradient of the down projection's input p*a, base and LoRA (the LoRA's A and B gradients land in the
         # adapters' sinks on the way).
         g_pa = segment_mm(g_rows, experts.weight2, route.offs, route.counts)
@@ -162,8 +171,9 @@ class _ExpertMLP(torch.autograd.Function):
         g_act = g_pa.mul_(p)
         del act, g_pa
         g_h = torch.empty_like(h)
-        torch.ops.aten.silu_backward(g_act * up, gate, grad_input=g_h[:, : gate.shape[1]])
-        torch.mul(g_act, F.silu(gate), out=g_h[:, gate.shape[1] :])
+        torch.mul(g_act, sg, out=g_h[:, gate.shape[1] :])
+        del sg
+        torch.ops.aten.silu_backward(g_act.mul_(up), gate, grad_input=g_h[:, : gate.shape[1]])
         del g_act
         g_x = None
         if ctx.needs_input_grad[0] or lora is not None:
@@ -172,7 +182,7 @@ class _ExpertMLP(torch.autograd.Function):
                 xs = x.index_select(0, plan.tok) if local else x
                 lora.expert_lora_backward("experts.gate_up_proj", plan.position, route, xs, mid1, g_h, g_xs)
             if g_xs is not None:
-                g_x = g_xs.index_select(0, plan.inv).view(*probs.shape, -1).sum(1) if local else g_xs
+                g_x = _sum_copies(g_xs, plan.inv.view(probs.shape)) if local else g_xs
         return g_x, g_probs, None, None
 
 
