@@ -242,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # The MoE run's own defaults where the flag was not given: a quick run (a few minutes on one GPU).
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
         for flag, value in (("--model", ""), ("--iterations", 12), ("--problems", 8), ("--max-tokens", 8),
-                            ("--learning-rate", 1e-2), ("--window", 3)):
+                            ("--learning-rate", 2e-2), ("--window", 3)):
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
     args.trainer_backend = args.trainer_backend or ("torch" if args.moe else "megatron")
