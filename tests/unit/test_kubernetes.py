@@ -533,8 +533,58 @@ def test_sampler_autoscales_on_its_own_gauges(variant, rendered):
         assert name in rules, f"prometheus-adapter-rules.yaml does not expose {name}"
 
 
+NAMESPACE = "loraplane"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion; a reference to an unknown variable stays as written (as the kubelet leaves it)."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def _pod_env(objects: dict, obj: dict, container: dict, ordinal: int) -> dict[str, str]:
+    """The environment the kubelet gives `container` in pod `ordinal` of StatefulSet `obj`: ConfigMaps, then each
+    `env` entry in order, expanded against those before it (fieldRefs of the pod; Secrets as `secret:NAME/KEY`)."""
+    pod = f"{obj['metadata']['name']}-{ordinal}"
+    fields = {"metadata.name": pod, "metadata.namespace": NAMESPACE, "status.podIP": f"10.0.0.{ordinal + 10}",
+              f"metadata.labels['{POD_INDEX_LABEL}']": str(ordinal)}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(objects[("ConfigMap", source["configMapRef"]["name"])]["data"])
+    for var in container.get("env", []):
+        source = var.get("valueFrom", {})
+        if "fieldRef" in source:
+            path = source["fieldRef"]["fieldPath"]
+            assert path in fields, f"{container['name']}: fieldRef {path} not modelled here"
+            env[var["name"]] = fields[path]
+        elif "secretKeyRef" in source:
+            env[var["name"]] = f"secret:{source['secretKeyRef']['name']}/{source['secretKeyRef']['key']}"
+        else:
+            env[var["name"]] = _expand(var["value"], env)
+    return env
+
+
+def _in_env(env: dict[str, str], monkeypatch, read):
+    """`read()` (Settings, a service's argument parser, whose defaults are settings) in that environment only."""
+    with monkeypatch.context() as patch:
+        for key in [k for k in os.environ if k.startswith("LORAPLANE_")]:
+            patch.delenv(key)
+        for key, value in env.items():
+            patch.setenv(key, value)
+        return read()
+
+
+def _settings_in(env: dict[str, str], monkeypatch):
+    """loraplane's Settings as the process in that environment reads them."""
+    from loraplane.config import Settings
+
+    return _in_env(env, monkeypatch, Settings)
+
+
 @pytest.mark.parametrize("variant", ["gpu", "gpu-tls"])
 def test_torchrun_job_spans_the_trainer_pods(variant, rendered):
+    """Every trainer of the fleet is its own torchrun job: pod loraplane-trainer-i (rank 0) and
+    loraplane-trainer-worker-i meet at loraplane-trainer-i's DNS name under rendezvous id loraplane-trainer-i."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
     from torch.distributed.run import get_args_parser
 
@@ -543,52 +593,123 @@ def test_torchrun_job_spans_the_trainer_pods(variant, rendered):
     objects = rendered[variant]
     leader = objects[("StatefulSet", "loraplane-trainer")]
     worker = objects[("StatefulSet", "loraplane-trainer-worker")]
-    assert leader["spec"]["replicas"] == 1
+    trainers = leader["spec"]["replicas"]
+    assert trainers >= 2, "the gpu overlay deploys a fleet"
+    assert worker["spec"]["replicas"] == trainers, "one worker pod per trainer: worker i is trainer i's second node"
     (lead,), (work,) = _containers(leader), _containers(worker)
-    assert lead["command"] == work["command"], "every pod of the job runs the same torchrun command"
-    run = get_args_parser().parse_args(lead["command"][1:])
-    assert run.module and run.training_script == "trainer_svc.backends.megatron.launch"
-    launch = launch_args(run.training_script_args)
-    nodes = 1 + worker["spec"]["replicas"]
-    assert int(run.nnodes) == nodes
-    for container in (lead, work):
-        assert int(run.nproc_per_node) == int(container["resources"]["limits"]["nvidia.com/gpu"])
-    world = nodes * int(run.nproc_per_node)
-    assert world % launch.tensor_parallel_size == 0
-    # c10d rendezvous on rank 0's pod through the headless Service, whose DNS names exist before readiness.
+    assert lead["command"] == work["command"], "every pod of a job runs the same torchrun command"
     headless = leader["spec"]["serviceName"]
     assert worker["spec"]["serviceName"] == headless
     service = objects[("Service", headless)]["spec"]
     assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
-    host, port = run.rdzv_endpoint.rsplit(":", 1)
-    assert run.rdzv_backend == "c10d" and host == f"loraplane-trainer-0.{headless}"
-    assert int(port) in [p["port"] for p in service["ports"]]
-    assert int(port) in [p["containerPort"] for p in lead["ports"]]
     for obj in (leader, worker):
         labels = obj["spec"]["template"]["metadata"]["labels"]
         assert service["selector"].items() <= labels.items()
-    assert run.local_addr == f"$(POD_NAME).{headless}"
-    for container in (lead, work):
-        pod_name = next(v for v in container["env"] if v["name"] == "POD_NAME")
-        assert pod_name["valueFrom"]["fieldRef"] == {"fieldPath": "metadata.name"}
-    # torch's c10d rendezvous ranks nodes in the sorted order of their descriptors (address first:
-    # `_mark_rendezvous_complete`), so node 0 (global rank 0) must be the leader's pod, the one with the gRPC port,
-    # the probes and the Service.
-    pods = [f"loraplane-trainer-0.{headless}"] + [f"loraplane-trainer-worker-{i}.{headless}"
-                                                   for i in range(worker["spec"]["replicas"] + 10)]
-    assert min(_NodeDesc(addr, 1, 0) for addr in reversed(pods)).addr == pods[0]
-    assert launch.port == _named_port(lead, "grpc") and launch.host == "0.0.0.0"
-    _check_grpc_probes(variant, "trainer_svc.backends.megatron.launch", lead, launch.port)
+    jobs = {}
+    for index in range(trainers):
+        pods = {}
+        for obj, container in ((leader, lead), (worker, work)):
+            env = _pod_env(objects, obj, container, index)
+            run = get_args_parser().parse_args([_expand(a, env) for a in container["command"][1:]])
+            pods[obj["metadata"]["name"]] = (run, env)
+        (run, lead_env), (worker_run, _) = pods["loraplane-trainer"], pods["loraplane-trainer-worker"]
+        assert vars(run) | {"local_addr": None} == vars(worker_run) | {"local_addr": None}
+        assert run.module and run.training_script == "trainer_svc.backends.megatron.launch"
+        launch = launch_args(run.training_script_args)
+        assert int(run.nnodes) == 2
+        for container in (lead, work):
+            assert int(run.nproc_per_node) == int(container["resources"]["limits"]["nvidia.com/gpu"])
+        assert (int(run.nnodes) * int(run.nproc_per_node)) % launch.tensor_parallel_size == 0
+        # c10d rendezvous on this trainer's rank-0 pod through the headless Service (names exist before readiness).
+        host, port = run.rdzv_endpoint.rsplit(":", 1)
+        assert run.rdzv_backend == "c10d" and host == f"loraplane-trainer-{index}.{headless}" == run.local_addr
+        assert int(port) in [p["port"] for p in service["ports"]]
+        assert int(port) in [p["containerPort"] for p in lead["ports"]]
+        assert worker_run.local_addr == f"loraplane-trainer-worker-{index}.{headless}"
+        # torch's c10d rendezvous ranks nodes in the sorted order of their descriptors (address first:
+        # `_mark_rendezvous_complete`), so node 0 (global rank 0) must be the leader's pod, the one with the gRPC
+        # port, the probes and the Service.
+        participants = [run.local_addr, worker_run.local_addr]
+        assert min(_NodeDesc(addr, 1, 0) for addr in reversed(participants)).addr == run.local_addr
+        jobs[run.rdzv_id] = run.rdzv_endpoint
+        assert launch.port == _named_port(lead, "grpc") and launch.host == "0.0.0.0"
+        assert lead_env["LORAPLANE_DEVICE"] == "cuda"
+    assert len(jobs) == len(set(jobs.values())) == trainers, "each trainer's job meets apart from the others"
+    _check_grpc_probes(variant, "trainer_svc.backends.megatron.launch", lead, launch_args(
+        get_args_parser().parse_args(lead["command"][1:]).training_script_args).port)
     assert not _probe_ports(work), "ranks > 0 serve no gRPC: no gRPC probes on them"
     assert _services_selecting(objects, worker["spec"]["template"]["metadata"]["labels"]) == [
         objects[("Service", headless)]]
-    assert objects[("ConfigMap", "loraplane-config")]["data"]["LORAPLANE_DEVICE"] == "cuda"
+
+
+def _served_port(container: dict, monkeypatch) -> int:
+    command = container["command"]
+    if command[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        run = get_args_parser().parse_args(command[1:])
+        return _parse_service_args(run.training_script, run.training_script_args, monkeypatch).port
+    return _parse_service_args(*_module_and_args(command), monkeypatch).port
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_trainers_and_samplers_form_fleets_the_gateway_finds(variant, rendered, monkeypatch):
+    """Each trainer pod is a member of one trainer fleet under a stable id (its pod name), advertising its own pod's
+    DNS name and the port it serves; each sampler pod a replica of one sampler fleet, likewise; the gateway reaches
+    any member through the ClusterIP Services and finds live trainers through the same fleet in the same Redis."""
+    objects = rendered[variant]
+    gateway = objects[("Deployment", "loraplane-gateway")]
+    (gw,) = _containers(gateway)
+    gateway_env = _pod_env(objects, {"metadata": {"name": "loraplane-gateway"}}, gw, 0)
+    gateway_settings = _settings_in(gateway_env, monkeypatch)
+    fleets = {}
+    for kind, name, fleet_field, id_field, address_field in (
+            ("trainer", "loraplane-trainer", "trainer_fleet", "trainer_id", "trainer_advertise_address"),
+            ("sampler", "loraplane-sampler", "sampler_fleet", "sampler_id", "sampler_advertise_address")):
+        obj = objects[("StatefulSet", name)]
+        (container,) = _containers(obj, init=False)
+        headless = objects[("Service", obj["spec"]["serviceName"])]["spec"]
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        assert headless["clusterIP"] == "None" and headless["selector"].items() <= labels.items()
+        port = _served_port(container, monkeypatch)
+        assert _named_port(container, "grpc") == port and port in [p["port"] for p in headless["ports"]]
+        ids, addresses = set(), set()
+        for ordinal in range(max(2, obj["spec"]["replicas"])):
+            env = _pod_env(objects, obj, container, ordinal)
+            settings = _settings_in(env, monkeypatch)
+            pod = f"{name}-{ordinal}"
+            member_id = getattr(settings, id_field)
+            if kind == "sampler":  # the replica id is the command's --instance-id (LORAPLANE_SAMPLER_ID otherwise)
+                args = _in_env(env, monkeypatch, lambda: importlib.import_module("sampler_svc.__main__").parse_args(
+                    [_expand(a, env) for a in _module_and_args(container["command"])[1]]))
+                member_id = args.instance_id
+                assert args.fleet == settings.sampler_fleet
+            assert member_id == pod, f"{kind} {pod}: its fleet id must be its stable pod name, got {member_id!r}"
+            assert getattr(settings, address_field) == f"{pod}.{obj['spec']['serviceName']}.{NAMESPACE}.svc:{port}"
+            assert settings.redis_url == env["LORAPLANE_REDIS_URL"] == "secret:loraplane-redis/url"
+            assert "$(" not in "".join(env.values()), f"{pod}: unexpanded variable in {env}"
+            ids.add(member_id)
+            addresses.add(getattr(settings, address_field))
+            fleets.setdefault(kind, set()).add(getattr(settings, fleet_field))
+        assert len(ids) == len(addresses) == max(2, obj["spec"]["replicas"])
+        # The gateway's one address for the service is the ClusterIP Service in front of every member.
+        configured = gateway_env[f"LORAPLANE_GATEWAY_{kind.upper()}_ADDRESS"]
+        host, service_port = configured.rsplit(":", 1)
+        service = objects[("Service", host)]["spec"]
+        assert service.get("clusterIP") != "None" and service["selector"].items() <= labels.items()
+        assert _named_port(container, service["ports"][0]["targetPort"]) == port == int(service_port)
+    assert all(len(names) == 1 and "" not in names for names in fleets.values()), fleets
+    assert fleets["trainer"] != fleets["sampler"], "a fleet name is unique across trainer and sampler fleets"
+    # The gateway reads the trainer fleet's heartbeats: the same fleet, in the same Redis.
+    assert {gateway_settings.trainer_fleet} == fleets["trainer"]
+    assert gateway_settings.redis_url == "secret:loraplane-redis/url"
+    assert objects[("PodDisruptionBudget", "loraplane-trainer")]["spec"]["maxUnavailable"] == 1
 
 
 @pytest.mark.parametrize("variant", ["gpu", "gpu-tls"])
 def test_sglang_sidecar_matches_the_sampler(variant, rendered, monkeypatch):
     objects = rendered[variant]
-    sampler = objects[("Deployment", "loraplane-sampler")]
+    sampler = objects[("StatefulSet", "loraplane-sampler")]
     pod = _pod_specs(sampler)[0]
     (sglang,) = pod["initContainers"]
     assert sglang["restartPolicy"] == "Always", "SGLang runs as a native sidecar"
