@@ -516,12 +516,12 @@ class SGLangEngine(Engine):
             payload["top_logprobs_num"] = request.topk_prompt_logprobs
         return payload
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        # The generator itself, not one that re-yields it: a streamed token crosses one layer fewer.
+        return self._generate_streaming(request) if request.stream else self._generate_whole(request)
+
+    async def _generate_whole(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         server = self._server_for(request.adapter_key)
-        if request.stream:
-            async for update in self._generate_streaming(server, request):
-                yield update
-            return
         outputs = await self._generate_call(server, self._payload(request, range(request.num_samples)))
         for index, output in enumerate(outputs):
             meta = output.get("meta_info", {})
@@ -535,10 +535,10 @@ class SGLangEngine(Engine):
                 update.topk_prompt = _input_top_logprobs(meta, request)
             yield update
 
-    async def _generate_streaming(self, server: SGLangServer, request: GenerationRequest
-                                  ) -> AsyncIterator[GenerationUpdate]:
+    async def _generate_streaming(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         """One streaming call per sample, all at once; updates are yielded in the order SGLang produces them. What
         arrived while the consumer was busy leaves as one update per sequence (see `_stream`)."""
+        server = self._server_for(request.adapter_key)
         self._waiting += request.num_samples
         server.in_flight += request.num_samples
         try:
