@@ -85,9 +85,9 @@ def test_local_experts_equal_the_per_token_formula_with_their_gradients(slots):
     gx, gp = torch.autograd.grad(got, (x, probs), g)
     want = _reference(experts, x, probs, top)
     wx, wp = torch.autograd.grad(want, (x, probs), g)
-    assert torch.allclose(got, want, atol=1e-12)
-    assert torch.allclose(gx, wx, atol=1e-12)
-    assert torch.allclose(gp, wp, atol=1e-12)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert torch.allclose(gx, wx, rtol=0, atol=1e-12)
+    assert torch.allclose(gp, wp, rtol=0, atol=1e-12)
 
 
 def test_rows_mode_equals_the_local_path():
@@ -101,3 +101,18 @@ def test_rows_mode_equals_the_local_path():
     rows = experts(x[order // k], torch.bincount(top.reshape(-1), minlength=num_experts), probs.reshape(-1)[order])[0]
     summed = torch.zeros(tokens, hidden, dtype=torch.float64).index_add_(0, order // k, rows)
     assert torch.allclose(summed, experts.local_forward(x, probs, top, None), atol=1e-12)
+
+
+def test_the_fused_swiglu_math_equals_the_eager_kernels():
+    """What torch.compile fuses on CUDA (:class:`moe._Fused`) is the same function as the eager kernels the CPU runs:
+    forward and backward (input and routing-weight gradients), float64."""
+    torch.manual_seed(7)
+    h, p, g = torch.randn(9, 12, dtype=torch.float64), torch.rand(9, 1, dtype=torch.float64), torch.randn(9, 6,
+                                                                                                      dtype=torch.float64)
+    assert torch.allclose(moe._swiglu_weighted_math(h, p), moe._swiglu_weighted_eager(h, p), atol=1e-12)
+    for got, want in zip(moe._swiglu_weighted_backward_math(g, h, p), moe._swiglu_weighted_backward_eager(g, h, p)):
+        assert torch.allclose(got.to(want.dtype), want, atol=1e-12)
+    hh, pp = h.clone().requires_grad_(True), p.clone().requires_grad_(True)
+    gh, gp = torch.autograd.grad(moe._swiglu_weighted_math(hh, pp), (hh, pp), g)
+    got_h, got_p = moe._swiglu_weighted_backward_eager(g, h, p)
+    assert torch.allclose(got_h, gh, rtol=0, atol=1e-12) and torch.allclose(got_p, gp.view(-1), rtol=0, atol=1e-12)

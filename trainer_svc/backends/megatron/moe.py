@@ -92,6 +92,89 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: 
     return torch.stack([pa.t() @ pb for pa, pb in zip(a.split(counts), b.split(counts))])
 
 
+def _swiglu_weighted_eager(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``p * silu(gate) * up`` of the fc1 output ``h = [gate | up]`` (``[N, 2F]``) and row weights ``p[N, 1]``."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up).mul_(p)
+
+
+def _swiglu_weighted_backward_eager(g_pa: torch.Tensor, h: torch.Tensor, p: torch.Tensor):
+    """The backward of :func:`_swiglu_weighted_eager` for the gradient ``g_pa`` of its output: ``(g_h [N, 2F],
+    g_p [N] fp32)``."""
+    gate, up = h.chunk(2, dim=-1)
+    sg = F.silu(gate)
+    act = sg * up
+    g_p = (g_pa * act).sum(-1, dtype=torch.promote_types(g_pa.dtype, torch.float32))
+    del act
+    g_act = g_pa * p
+    g_h = torch.empty_like(h)
+    torch.mul(g_act, sg, out=g_h[:, gate.shape[1] :])
+    del sg
+    torch.ops.aten.silu_backward(g_act.mul_(up), gate, grad_input=g_h[:, : gate.shape[1]])
+    return g_h, g_p
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _swiglu_weighted_backward_math(g_pa: torch.Tensor, h: torch.Tensor, p: torch.Tensor):
+    gate, up = _wide(h).chunk(2, dim=-1)
+    g = _wide(g_pa)
+    sig = torch.sigmoid(gate)
+    sg = gate * sig
+    act = sg * up
+    g_act = g * _wide(p)
+    g_gate = g_act * up * sig * (1 + gate * (1 - sig))
+    return torch.cat([g_gate, g_act * sg], dim=-1).to(h.dtype), (g * act).sum(-1)
+
+
+def _swiglu_weighted_math(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    gate, up = _wide(h).chunk(2, dim=-1)
+    return (F.silu(gate) * up * _wide(p)).to(h.dtype)
+
+
+class _Fused:
+    """The SwiGLU glue of :class:`_ExpertMLP` (forward: silu, the up product, the routing weight; backward: those
+    recomputed, the probability gradient, silu's derivative) as kernels ``torch.compile`` fuses, on CUDA: one pass
+    over ``[N, 2F]`` instead of five or six. Anything the compiler refuses, the eager functions do (and keep
+    doing); elsewhere (CPU: the exact fp32 tests) always the eager functions. ``LORAPLANE_MOE_COMPILE=0`` turns it
+    off."""
+
+    forward_fn = None
+    backward_fn = None
+    failed = False
+
+    @classmethod
+    def usable(cls, t: torch.Tensor) -> bool:
+        import os
+
+        if cls.failed or t.device.type != "cuda" or os.environ.get("LORAPLANE_MOE_COMPILE", "1") == "0":
+            return False
+        if cls.forward_fn is None:
+            cls.forward_fn = torch.compile(_swiglu_weighted_math, dynamic=True)
+            cls.backward_fn = torch.compile(_swiglu_weighted_backward_math, dynamic=True)
+        return True
+
+    @classmethod
+    def forward(cls, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        if cls.usable(h):
+            try:
+                return cls.forward_fn(h, p)
+            except Exception:  # noqa: BLE001 - any compiler failure: the eager kernels compute the same
+                cls.failed = True
+        return _swiglu_weighted_eager(h, p)
+
+    @classmethod
+    def backward(cls, g_pa: torch.Tensor, h: torch.Tensor, p: torch.Tensor):
+        if cls.usable(h):
+            try:
+                return cls.backward_fn(g_pa, h, p)
+            except Exception:  # noqa: BLE001 - as above
+                cls.failed = True
+        return _swiglu_weighted_backward_eager(g_pa, h, p)
+
+
 def _sum_copies(rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_j rows[where[t, j]]``: the sum of each token's k expert rows, ``[T, h]``. On CUDA one
     ``embedding_bag`` kernel (gathers and sums without writing the ``[T*k, h]`` gathered copy, fp32 accumulation);
@@ -133,8 +216,7 @@ class _ExpertMLP(torch.autograd.Function):
         mid1 = mid2 = None
         if lora is not None:
             mid1 = lora.expert_lora_forward("experts.gate_up_proj", plan.position, route, xs, h)
-        gate, up = h.chunk(2, dim=-1)
-        pa = F.silu(gate).mul_(up).mul_(p.unsqueeze(-1))
+        pa = _Fused.forward(h, p.unsqueeze(-1))
         out = segment_mm(pa, experts.weight2.transpose(1, 2), route.offs, route.counts)
         if lora is not None:
             mid2 = lora.expert_lora_forward("experts.down_proj", plan.position, route, pa, out)
@@ -154,27 +236,19 @@ class _ExpertMLP(torch.autograd.Function):
         g = g.to(x.dtype)
         g_rows = g.index_select(0, plan.tok) if local else g.contiguous()
         p = (probs.reshape(-1)[plan.order] if local else probs).to(x.dtype).unsqueeze(-1)
-        gate, up = h.chunk(2, dim=-1)
-        sg = F.silu(gate)
-        act = sg * up
         # The gradient of the down projection's input p*a, base and LoRA (the LoRA's A and B gradients land in the
-        # adapters' sinks on the way).
+        # adapters' sinks on the way), then SwiGLU's (with the routing weight's).
         g_pa = segment_mm(g_rows, experts.weight2, route.offs, route.counts)
         if lora is not None:
-            lora.expert_lora_backward("experts.down_proj", plan.position, route, act * p, mid2, g_rows, g_pa)
+            lora.expert_lora_backward("experts.down_proj", plan.position, route, _Fused.forward(h, p), mid2, g_rows,
+                                      g_pa)
         del g_rows
+        g_h, g_p = _Fused.backward(g_pa, h, p)
+        del g_pa
         g_probs = None
         if ctx.needs_input_grad[1]:
-            g_p = (g_pa * act).sum(-1, dtype=torch.float32)
             g_probs = g_p.index_select(0, plan.inv).view(probs.shape) if local else g_p
             g_probs = g_probs.to(probs.dtype)
-        g_act = g_pa.mul_(p)
-        del act, g_pa
-        g_h = torch.empty_like(h)
-        torch.mul(g_act, sg, out=g_h[:, gate.shape[1] :])
-        del sg
-        torch.ops.aten.silu_backward(g_act.mul_(up), gate, grad_input=g_h[:, : gate.shape[1]])
-        del g_act
         g_x = None
         if ctx.needs_input_grad[0] or lora is not None:
             g_xs = segment_mm(g_h, experts.weight1, route.offs, route.counts) if ctx.needs_input_grad[0] else None
