@@ -86,7 +86,16 @@ class Session:
         return self._info
 
     def get_tokenizer(self):
-        return fetch_tokenizer(self.trainer_address, self.retry)
+        # Every member of a trainer fleet serves the same base model: the tokenizer of whichever answers now.
+        return fetch_tokenizer(runtime().run(self._live_trainer()), self.retry)
+
+    async def _live_trainer(self) -> str:
+        router = router_for(self.trainer_address)
+
+        async def attempt(_timeout: float | None) -> str:
+            return await router.live_address()
+
+        return await call_with_retry(attempt, self.retry, method="GetInfo", address=self.trainer_address)
 
     async def _list_trainer_adapters(self) -> list[TrainerAdapterInfo]:
         """Every adapter on the trainer (in a fleet: on every trainer of it; any live member lists them all), in

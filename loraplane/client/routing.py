@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -83,28 +83,31 @@ class TrainerRouter:
             self._known.append(bound)
         return next(known for known in self._known if str(known) == str(bound))
 
-    async def call_any(self, call: Callable[[trainer_pb2_grpc.TrainerServiceStub], Awaitable[T]]) -> T:
-        """`call(stub)` on any live trainer of the fleet: the one that answered last, else each known trainer in
-        turn, then those `discover` names; only a trainer that is gone (FAILOVER_CODES) passes the call on."""
+    async def _candidates(self, first: str | None = None) -> AsyncIterator[str]:
+        """Trainers to ask in turn: `first`, the seed and every one learnt, then the live members `discover` names
+        (read only once the others are used up)."""
         tried: set[str] = set()
-        last_error: grpc.RpcError | None = None
         discovered = self._discover is None
         while True:
-            order = [a for a in (self._answered, *self._known) if a is not None and str(a) not in tried]
-            if not order and not discovered:
+            order = [a for a in (first, *self._known) if a is not None and str(a) not in tried]
+            if not order:
+                if discovered:
+                    return
                 discovered = True
                 try:
                     for address in await self._discover():
                         self._learn(address)
-                except Exception as exc:  # noqa: BLE001 - the fleet's records are a fallback; report the call's error
+                except Exception as exc:  # noqa: BLE001 - the fleet's records are a fallback: the call's error counts
                     log.warning("trainer fleet discovery failed: %s", exc)
                 continue
-            if not order:
-                if last_error is not None:
-                    raise last_error
-                raise RuntimeError("no trainer address known")  # unreachable: the seed is always known
-            address = order[0]
-            tried.add(str(address))
+            tried.add(str(order[0]))
+            yield order[0]
+
+    async def call_any(self, call: Callable[[trainer_pb2_grpc.TrainerServiceStub], Awaitable[T]]) -> T:
+        """`call(stub)` on any live trainer of the fleet: the one that answered last, else each known trainer in
+        turn, then those `discover` names; only a trainer that is gone (FAILOVER_CODES) passes the call on."""
+        last_error: grpc.RpcError | None = None
+        async for address in self._candidates(self._answered):
             try:
                 result = await call(self.stub(address))
             except grpc.RpcError as exc:
@@ -116,6 +119,13 @@ class TrainerRouter:
                 continue
             self._answered = address
             return result
+        assert last_error is not None  # the seed is always a candidate
+        raise last_error
+
+    async def live_address(self) -> str:
+        """The address of a trainer that answers now (any member: for calls every member answers alike)."""
+        await self.call_any(lambda stub: stub.GetInfo(trainer_pb2.GetInfoRequest(), timeout=_RESOLVE_TIMEOUT_S))
+        return self._answered or self.seed
 
     def forget(self, adapter: str) -> None:
         self._where.pop(adapter, None)
@@ -134,7 +144,7 @@ class TrainerRouter:
         if adapter not in self._stale:
             return self.seed
         last_error: grpc.RpcError | None = None
-        for candidate in list(self._known):
+        async for candidate in self._candidates():
             stub = self.stub(candidate)
             try:
                 reply = await stub.ResolveAdapter(trainer_pb2.ResolveAdapterRequest(name=adapter),

@@ -159,6 +159,7 @@ def test_get_info_is_answered_by_any_live_member(registry, background_loop, tmp_
         again = ServiceClient(trainer=trainers["t0"].address, registry=registry.address, sampler="127.0.0.1:9",
                               retry=RETRY)
         assert again.get_server_capabilities() == want  # from t1: t0 is gone
+        assert again.get_tokenizer().encode("hello fleet") == client.get_tokenizer().encode("hello fleet")
         assert {i.name for i in again.list_training_adapters()} == {"ops/i0", "ops/i1"}
 
         cluster = settings.model_copy(update={"trainer_fleet": fleet})
