@@ -102,10 +102,13 @@ def test_every_member_lists_the_whole_fleet_in_pages_per_tenant_and_a_dead_membe
     assert len(acme_names) == 6 and len(globex_names) == 3
     assert {truth[n][1:3] for n in acme_names} == {(0, 0), (1, 2), (2, 4)}  # (step, last seq_id): the training
 
+    resident = {name: a.resident for rows in own.values() for name, a in rows.items()}
+    assert any(resident.values())  # so the check below tells the owners' rows from journal ones (never resident)
     # Any member lists the whole fleet, each adapter as its own trainer describes it, and only the caller's.
     for member in trainers:
         rows, _ = listing(stub(member, "own"))
         assert [row(a) for a in rows] == [truth[n] for n in acme_names]
+        assert [a.resident for a in rows] == [resident[n] for n in acme_names]
         assert [a.name for a in listing(stub(member, "other"))[0]] == globex_names
         assert [a.name for a in listing(stub(member, "admin"))[0]] == sorted(truth)
     # Pages of two: one name order across the fleet, every adapter once, tokens that name only the caller's own.
