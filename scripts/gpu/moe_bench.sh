@@ -79,16 +79,16 @@ for c in ${*:-$default}; do
                --rounds ${ROUNDS:-3} --warmup 1
              ep qwen3moe48_ep${n}_shared_outer_$((2 * n))t "$n" --shape qwen3-30b-a3b --contenders shared_outer:$((2 * n)) \
                --rounds ${ROUNDS:-3} --warmup 1 ;;
-    h100) CASE_TIMEOUT=200 single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1 \
+    h100) CASE_TIMEOUT=190 single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1 \
             --rounds ${ROUNDS:-3} --warmup 1 --profile "$OUT/profile"
           for f in "$OUT"/profile/profile_*.txt; do
             [ -f "$f" ] && { echo "-- $(basename "$f")"; head -8 "$f"; } | summary
           done
-          CASE_TIMEOUT=120 single qwen3moe24_8x2048_fused --shape qwen3-30b-a3b-24l \
+          CASE_TIMEOUT=130 single qwen3moe24_8x2048_fused --shape qwen3-30b-a3b-24l \
             --contenders shared_outer:1,shared_outer:8 --no-peft --rounds ${ROUNDS:-3} --warmup 1
-          CASE_TIMEOUT=100 single qwen3moe24_8x2048_trainer_recompute_auto --shape qwen3-30b-a3b-24l \
+          CASE_TIMEOUT=90 single qwen3moe24_8x2048_trainer_recompute_auto --shape qwen3-30b-a3b-24l \
             --contenders per_expert:1 --no-peft --recompute auto --rounds ${ROUNDS:-3} --warmup 1
-          CASE_TIMEOUT=90 gpu_tests ;;
+          CASE_TIMEOUT=100 gpu_tests ;;
     gpu-tests) gpu_tests ;;
     *) echo "unknown case $c" | summary ;;
   esac
