@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 from loraplane.config import Settings
 from loraplane.rpc import wait_for_shutdown_signal
-from sampler_svc.server import DEFAULT_MAX_LOADED, start_sampler_server
+from sampler_svc.server import DEFAULT_MAX_LOADED, run_event_loop, start_sampler_server
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,7 +67,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args))
+    run_event_loop(serve(args))
 
 
 if __name__ == "__main__":

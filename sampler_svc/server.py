@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 
 from loraplane import errors
@@ -51,6 +53,21 @@ class RunningSampler:
         await self.manager.stop()
         await self.engine.stop()
         await self.registry.close()
+
+
+def run_event_loop(main: Coroutine) -> None:
+    """Runs the sampler's `main` to completion on uvloop when it is installed (LORAPLANE_UVLOOP=0: asyncio's own
+    loop). Every stream the sampler serves passes through this one loop (an HTTP read from the engine, a gRPC write
+    to the client, per chunk), so its per-callback cost bounds how many tokens per second it can forward."""
+    if os.environ.get("LORAPLANE_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            uvloop.run(main)
+            return
+    asyncio.run(main)
 
 
 def build_engine(engine: str, base_model: str, settings: Settings, *, sglang_urls: Sequence[str] = (),

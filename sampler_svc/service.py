@@ -273,22 +273,19 @@ class SamplerService:
                             params: SamplingInput, *, caller: Identity = OPEN) -> AsyncIterator[StreamChunk]:
         _authorize(caller, selector)
         request = self._generation_request(selector, prompt, num_samples, params, False)
+        # One generator between the engine and the servicer (each layer costs a frame switch per message).
         with self._serving(caller):
-            async for chunk in self._sample_stream(selector, request):
-                yield chunk
-
-    async def _sample_stream(self, selector: AdapterSelector, request: GenerationRequest
-                             ) -> AsyncIterator[StreamChunk]:
-        async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
-            stream = self.engine.generate(dataclasses.replace(request, adapter_key=lease.adapter_key, stream=True))
-            try:
-                async for update in stream:
-                    if update.tokens or update.finish_reason is not None:
-                        yield StreamChunk(sequence_index=update.sequence_index, tokens=update.tokens,
-                                          logprobs=update.logprobs, finish_reason=update.finish_reason,
-                                          served_version=lease.version)
-            finally:
-                await stream.aclose()
+            async with await self.manager.acquire(selector.name, selector.version, selector.alias) as lease:
+                version = lease.version
+                stream = self.engine.generate(dataclasses.replace(request, adapter_key=lease.adapter_key,
+                                                                  stream=True))
+                try:
+                    async for update in stream:
+                        if update.tokens or update.finish_reason is not None:
+                            yield StreamChunk(update.sequence_index, update.tokens, update.logprobs,
+                                              update.finish_reason, version)
+                finally:
+                    await stream.aclose()
 
     async def compute_logprobs(self, selector: AdapterSelector, tokens: Sequence[int], *,
                                caller: Identity = OPEN) -> tuple[list[float], int]:
