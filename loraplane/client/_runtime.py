@@ -142,6 +142,86 @@ class ClientRuntime:
         self._loop.close()
 
 
+class Handoff:
+    """Items made on the runtime's loop for a consumer on another thread or event loop (a stream's messages).
+
+    The consumer takes everything queued so far in one go, and the producer wakes it only when it is waiting:
+    one cross-thread wake-up per batch instead of one per item. Under load (messages arriving faster than the
+    consumer takes them) they pile up and leave together; an idle consumer still gets each one at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[Any] = []
+        self._finished = False
+        self._error: BaseException | None = None
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | threading.Event | None = None
+
+    # ---- producer (the runtime's loop)
+    def put(self, item: Any) -> None:
+        with self._lock:
+            self._items.append(item)
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            _wake(waiter)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._finished = True
+            self._error = error
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            _wake(waiter)
+
+    # ---- consumer
+    def _take(self) -> list[Any] | None:
+        """Under the lock: what is queued, [] at the end, None when the caller must wait."""
+        if self._items:
+            items, self._items = self._items, []
+            return items
+        if self._finished:
+            if self._error is not None:
+                raise self._error
+            return []
+        return None
+
+    async def take(self) -> list[Any]:
+        """The items queued since the last take (waiting for one if there are none); [] once finished."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                items = self._take()
+                if items is not None:
+                    return items
+                future = loop.create_future()
+                self._waiter = (loop, future)
+            await future
+
+    def take_blocking(self) -> list[Any]:
+        event = threading.Event()
+        while True:
+            with self._lock:
+                items = self._take()
+                if items is not None:
+                    return items
+                event.clear()
+                self._waiter = event
+            event.wait()
+
+
+def _wake(waiter) -> None:
+    if isinstance(waiter, threading.Event):
+        waiter.set()
+        return
+    loop, future = waiter
+    with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody is waiting any more
+        loop.call_soon_threadsafe(_resolve, future)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 _runtime: ClientRuntime | None = None
 _runtime_lock = threading.Lock()
 
@@ -188,4 +268,4 @@ async def call_with_retry(attempt: Callable[[float | None], Awaitable[T]], retry
         backoff *= retry.multiplier
 
 
-__all__ = ["NO_RETRY", "APIError", "ClientRuntime", "Endpoint", "RetryConfig", "call_with_retry", "runtime"]
+__all__ = ["NO_RETRY", "APIError", "ClientRuntime", "Endpoint", "Handoff", "RetryConfig", "call_with_retry", "runtime"]

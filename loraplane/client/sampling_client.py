@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from loraplane.client._runtime import RetryConfig, runtime
+import grpc
+
+from loraplane.client._runtime import Handoff, RetryConfig, call_with_retry, runtime
+from loraplane.client.errors import error_from_rpc
 from loraplane.client.futures import APIFuture
-from loraplane.client.sampler_routing import routed_call
+from loraplane.client.sampler_routing import routed_call, router_for
 from loraplane.client.tokenizer import fetch_tokenizer
 from loraplane.client.types import (
+    _STOP_REASONS,
     SampleResponse,
     SamplingParams,
+    StopReason,
     _prompt_logprobs,
     adapter_ref,
     as_model_input,
     format_path,
 )
 from loraplane.v1 import sampler_pb2
+
+
+@dataclass
+class SampleStreamChunk:
+    """Tokens of one sequence generated since its previous chunk, with their logprobs; `stop_reason` is set on the
+    sequence's last chunk. A chunk may carry several tokens: those the sampler had at once."""
+
+    sequence_index: int
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason | None
+    served_version: int
+
+    @classmethod
+    def from_proto(cls, proto: sampler_pb2.SampleStreamResponse) -> SampleStreamChunk:
+        return cls(sequence_index=proto.sequence_index, tokens=list(proto.tokens), logprobs=list(proto.logprobs),
+                   stop_reason=_STOP_REASONS.get(proto.finish_reason), served_version=proto.served_version)
+
+
+class _StreamStarted(Exception):
+    """A stream failed after its first message: never retried (its tokens were delivered), reported as is."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 class SamplingClient:
@@ -96,6 +128,76 @@ class SamplingClient:
                            prompt_logprobs_last_n: int | None = None) -> SampleResponse:
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs,
                                  prompt_logprobs_last_n=prompt_logprobs_last_n)
+
+    # ---- streaming ------------------------------------------------------------------------------------------
+
+    def _stream_request(self, prompt, num_samples: int,
+                        sampling_params: SamplingParams | None) -> sampler_pb2.SampleStreamRequest:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        params = sampling_params or SamplingParams()
+        return sampler_pb2.SampleStreamRequest(adapter=self._ref(), prompt_tokens=as_model_input(prompt).tokens,
+                                               num_samples=num_samples, sampling_params=params.to_proto())
+
+    async def _produce(self, request: sampler_pb2.SampleStreamRequest, handoff: Handoff) -> None:
+        """On the runtime's loop: the stream's messages into `handoff`, as they arrive (no conversion here: the
+        loop serves every call of the process). Before the first message a failure is retried (another replica,
+        then the retry policy); after it, it ends the stream."""
+        router = router_for(self.sampler_address)
+
+        async def attempt(timeout: float | None) -> None:
+            started = False
+            try:
+                async for message in router.stream(self.adapter,
+                                                   lambda stub: stub.SampleStream(request, timeout=timeout)):
+                    started = True
+                    handoff.put(message)
+            except grpc.RpcError as exc:
+                if started:
+                    raise _StreamStarted(error_from_rpc(exc, method="SampleStream", address=self.sampler_address)
+                                         ) from None
+                raise
+
+        try:
+            await call_with_retry(attempt, self.retry, method="SampleStream", address=self.sampler_address)
+        except _StreamStarted as exc:
+            handoff.finish(exc.error)
+        except asyncio.CancelledError:
+            handoff.finish(asyncio.CancelledError())
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the consumer raises it
+            handoff.finish(exc)
+        else:
+            handoff.finish()
+
+    def _open_stream(self, prompt, num_samples: int, sampling_params: SamplingParams | None):
+        request = self._stream_request(prompt, num_samples, sampling_params)
+        handoff = Handoff()
+        return handoff, runtime().submit(self._produce(request, handoff))
+
+    async def sample_stream_async(self, prompt, num_samples: int = 1,
+                                  sampling_params: SamplingParams | None = None) -> AsyncIterator[SampleStreamChunk]:
+        """The generated tokens as the sampler produces them (SampleStream): chunks of each of the `num_samples`
+        sequences, in order per sequence, every token once. Leaving the loop early (break, an exception, the task
+        cancelled) cancels the request on the sampler. Errors are the SDK's APIError subclasses, as for `sample`."""
+        handoff, producer = self._open_stream(prompt, num_samples, sampling_params)
+        try:
+            while messages := await handoff.take():
+                for message in messages:
+                    yield SampleStreamChunk.from_proto(message)
+        finally:
+            producer.cancel()
+
+    def sample_stream(self, prompt, num_samples: int = 1,
+                      sampling_params: SamplingParams | None = None) -> Iterator[SampleStreamChunk]:
+        """`sample_stream_async` for a thread without an event loop: blocks for each chunk."""
+        handoff, producer = self._open_stream(prompt, num_samples, sampling_params)
+        try:
+            while messages := handoff.take_blocking():
+                for message in messages:
+                    yield SampleStreamChunk.from_proto(message)
+        finally:
+            producer.cancel()
 
     # ---- logprobs -------------------------------------------------------------------------------------------
 
