@@ -1,0 +1,280 @@
+"""The three clients the sampler benchmarks compare, each in a process of its own (a worker).
+
+  raw     aiohttp straight to the SGLang server's /generate (what a user would run instead of loraplane);
+  stubs   bare grpc.aio SamplerService stubs on one channel (one HTTP/2 connection) to sampler_svc;
+  client  loraplane.client's SamplingClient (`sample_stream` / `sample_async`) to the same sampler_svc.
+
+Each runs in its own process so that no path pays for another's threads and event loops (grpc.aio wakes every
+event loop of a process that has used it on each completion: a SamplingClient measured beside bare stubs in one
+process pays for both). The driver (bench/stream_overhead.py, bench/sampler_vs_sglang.py) starts one worker per
+path and sends it one JSON command per line on stdin; the worker answers one JSON line on stdout:
+
+  {"op": "stream" | "unary", "concurrency": C, "requests": [[adapter index or -1, [prompt ids...]], ...],
+   "max_tokens": N, "num_samples": n (unary only, default 1)}
+
+"stream" opens every request as a stream (C at a time) and reports TTFT, inter-token latency (the gaps between a
+stream's consecutive messages: an SSE chunk for raw, a SampleStreamResponse for the others; a message that carries
+several tokens makes one gap, so a path that falls behind and delivers tokens in batches shows longer gaps, not
+shorter), time per output token (TPOT: a stream's first-to-last time over its tokens - 1), tokens per message and
+tokens/s; "unary" sends non-streaming requests and reports tokens/s.
+
+    python bench/stream_clients.py --path stubs --sampler 127.0.0.1:50051 --url http://127.0.0.1:30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+PATHS = ("raw", "stubs", "client")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(per_request: list[tuple[float, list[tuple[float, int]]]], wall_s: float) -> dict:
+    """per_request: (start, [(arrival, tokens in that message), ...])."""
+    ttft, gaps, tpot, tokens, messages = [], [], [], 0, 0
+    for start, arrivals in per_request:
+        arrivals = [(t, k) for t, k in arrivals if k]
+        if not arrivals:
+            continue
+        ttft.append((arrivals[0][0] - start) * 1000)
+        gaps.extend((now - before) * 1000 for (before, _), (now, _) in itertools.pairwise(arrivals))
+        count = sum(k for _, k in arrivals)
+        tokens += count
+        messages += len(arrivals)
+        if count > 1:
+            tpot.append((arrivals[-1][0] - arrivals[0][0]) * 1000 / (count - 1))
+    return {"requests": len(per_request), "tokens": tokens, "messages": messages, "wall_s": wall_s,
+            "tok_s": tokens / wall_s if wall_s else 0.0,
+            **{f"ttft_p{q}_ms": percentile(ttft, q) for q in (50, 99)},
+            **{f"itl_p{q}_ms": percentile(gaps, q) for q in (50, 99)},
+            **{f"tpot_p{q}_ms": percentile(tpot, q) for q in (50, 99)}}
+
+
+def adapter_key(index: int) -> str | None:
+    return None if index < 0 else f"bench/a{index}@v1"
+
+
+class Raw:
+    def __init__(self, url: str):
+        import aiohttp
+
+        self.url = url
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
+
+    def _payload(self, adapter: int, prompt: list[int], max_tokens: int, stream: bool, n: int = 1) -> dict:
+        params = {"max_new_tokens": max_tokens, "temperature": 1.0}
+        if n > 1:  # a batch, as SGLang takes several samples of one prompt
+            return {"input_ids": [prompt] * n, "sampling_params": [params] * n, "return_logprob": True,
+                    "lora_path": [adapter_key(adapter)] * n}
+        return {"input_ids": prompt, "sampling_params": params, "return_logprob": True,
+                "lora_path": adapter_key(adapter), "stream": stream}
+
+    async def stream(self, adapter: int, prompt: list[int], max_tokens: int):
+        arrivals = []
+        start = time.perf_counter()
+        async with self.session.post(f"{self.url}/generate", json=self._payload(adapter, prompt, max_tokens, True)
+                                     ) as reply:
+            async for line in reply.content:
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)  # what a user of SGLang's stream does with each chunk
+                    arrivals.append((time.perf_counter(), len(chunk["meta_info"]["output_token_logprobs"])))
+        return start, arrivals
+
+    async def unary(self, adapter: int, prompt: list[int], max_tokens: int, n: int = 1) -> int:
+        async with self.session.post(f"{self.url}/generate", json=self._payload(adapter, prompt, max_tokens, False, n)
+                                     ) as reply:
+            body = await reply.json()
+        return sum(len(o["meta_info"]["output_token_logprobs"]) for o in (body if isinstance(body, list) else [body]))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+def _request(adapter: int, prompt: list[int], max_tokens: int):
+    from loraplane.v1 import common_pb2, sampler_pb2
+
+    ref = common_pb2.AdapterRef(name="" if adapter < 0 else f"bench/a{adapter}")
+    if adapter >= 0:
+        ref.version = 1
+    params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0)
+    return ref, params, sampler_pb2
+
+
+class Stubs:
+    def __init__(self, address: str):
+        import grpc
+
+        from loraplane.rpc import channel_options
+        from loraplane.v1 import sampler_pb2_grpc
+
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self.stub = sampler_pb2_grpc.SamplerServiceStub(self.channel)
+
+    async def stream(self, adapter: int, prompt: list[int], max_tokens: int):
+        ref, params, pb = _request(adapter, prompt, max_tokens)
+        arrivals = []
+        start = time.perf_counter()
+        async for message in self.stub.SampleStream(pb.SampleStreamRequest(adapter=ref, prompt_tokens=prompt,
+                                                                            sampling_params=params), timeout=600):
+            arrivals.append((time.perf_counter(), len(message.tokens)))
+        return start, arrivals
+
+    async def unary(self, adapter: int, prompt: list[int], max_tokens: int, n: int = 1) -> int:
+        ref, params, pb = _request(adapter, prompt, max_tokens)
+        reply = await self.stub.Sample(pb.SampleRequest(adapter=ref, prompt_tokens=prompt, num_samples=n,
+                                                        sampling_params=params), timeout=600)
+        return sum(len(s.tokens) for s in reply.sequences)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class Client:
+    def __init__(self, address: str):
+        from loraplane.client import SamplingClient
+
+        self.address = address
+        self.clients: dict[int, SamplingClient] = {}
+
+    def _client(self, adapter: int):
+        from loraplane.client import SamplingClient
+
+        client = self.clients.get(adapter)
+        if client is None:
+            client = self.clients[adapter] = (SamplingClient(self.address) if adapter < 0 else
+                                              SamplingClient(self.address, f"bench/a{adapter}", version=1))
+        return client
+
+    async def stream(self, adapter: int, prompt: list[int], max_tokens: int):
+        from loraplane.client import SamplingParams
+
+        arrivals = []
+        start = time.perf_counter()
+        async for chunk in self._client(adapter).sample_stream_async(
+                prompt, sampling_params=SamplingParams(max_tokens=max_tokens, temperature=1.0)):
+            arrivals.append((time.perf_counter(), len(chunk.tokens)))
+        return start, arrivals
+
+    async def unary(self, adapter: int, prompt: list[int], max_tokens: int, n: int = 1) -> int:
+        from loraplane.client import SamplingParams
+
+        reply = await self._client(adapter).sample_async(
+            prompt, num_samples=n, sampling_params=SamplingParams(max_tokens=max_tokens, temperature=1.0))
+        return sum(len(s.tokens) for s in reply.sequences)
+
+    async def close(self) -> None:
+        pass
+
+
+async def run(worker, command: dict) -> dict:
+    gate = asyncio.Semaphore(command["concurrency"])
+    max_tokens = command["max_tokens"]
+    n = command.get("num_samples", 1)
+
+    async def one(adapter: int, prompt: list[int]):
+        async with gate:
+            if command["op"] == "stream":
+                return await worker.stream(adapter, prompt, max_tokens)
+            return await worker.unary(adapter, prompt, max_tokens, n)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(a, p) for a, p in command["requests"]))
+    wall = time.perf_counter() - start
+    if command["op"] == "stream":
+        return summarize(results, wall)
+    return {"requests": len(results), "tokens": sum(results), "wall_s": wall, "tok_s": sum(results) / wall}
+
+
+async def serve(args) -> None:
+    worker = Raw(args.url) if args.path == "raw" else Stubs(args.sampler) if args.path == "stubs" else \
+        Client(args.sampler)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    print(json.dumps({"ready": args.path}), flush=True)
+    try:
+        while line := await reader.readline():
+            command = json.loads(line)
+            try:
+                result = await run(worker, command)
+            except Exception as exc:  # noqa: BLE001 - the driver reports it with the path that failed
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(result), flush=True)
+    finally:
+        await worker.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", choices=PATHS, required=True)
+    parser.add_argument("--url", default="", help="the SGLang (or synthetic) server, for raw")
+    parser.add_argument("--sampler", default="", help="sampler_svc's address, for stubs and client")
+    parser.add_argument("--uvloop", action="store_true", help="run this worker's event loop on uvloop")
+    args = parser.parse_args()
+    if args.uvloop:
+        import uvloop
+
+        uvloop.install()
+    asyncio.run(serve(args))
+
+
+class Worker:
+    """The driver's handle on one worker process."""
+
+    def __init__(self, path: str, *, url: str = "", sampler: str = "", env: dict | None = None,
+                 python: str = sys.executable):
+        import subprocess
+
+        self.path = path
+        self.process = subprocess.Popen([python, str(Path(__file__).resolve()), "--path", path, "--url", url,
+                                         "--sampler", sampler], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, cwd=REPO, env=env)
+        ready = self.process.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the {path} worker exited with {self.process.wait()}")
+
+    def run(self, command: dict) -> dict:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.path} worker exited with {self.process.wait()}")
+        result = json.loads(line)
+        if "error" in result:
+            raise RuntimeError(f"{self.path}: {result['error']}")
+        return result
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(20)
+            except Exception:  # noqa: BLE001
+                self.process.kill()
+                self.process.wait()
+
+
+if __name__ == "__main__":
+    main()
