@@ -33,18 +33,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import itertools
 
-import grpc
 import torch
 
-from bench.common import percentile, random_adapter_blob
+from bench.common import random_adapter_blob
+from bench.stream_clients import PATHS as CLIENT_PATHS
+from bench.stream_clients import Worker
 from loraplane.config import Settings
 from loraplane.local.processes import free_port, seaweed_s3_server, valkey_server, wait_until
 from loraplane.models import load_base_model
 from loraplane.registry_client import RegistryClient
-from loraplane.rpc import BackgroundLoop, channel_options, check_health
-from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
+from loraplane.rpc import BackgroundLoop, check_health
+from loraplane.v1 import common_pb2
 from registry_svc.server import start_registry_server
 from sampler_svc.engines.base import GenerationRequest, SamplingOptions
 from sampler_svc.engines.sglang_engine import SGLangEngine
@@ -92,23 +92,6 @@ def key_of(adapter: int | None) -> str | None:
     return None if adapter is None else f"bench/a{adapter}@v1"
 
 
-async def run_raw(session, url: str, prompts, mix: Mix, num_samples: int, max_tokens: int, concurrency: int):
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(index: int, prompt: list[int]) -> int:
-        key = key_of(mix.adapter(index))
-        params = {"max_new_tokens": max_tokens, "temperature": 1.0}
-        payload = {"input_ids": [prompt] * num_samples if num_samples > 1 else prompt,
-                   "sampling_params": [params] * num_samples if num_samples > 1 else params,
-                   "return_logprob": True, "lora_path": [key] * num_samples if num_samples > 1 else key}
-        async with gate, session.post(f"{url}/generate", json=payload) as reply:
-            body = await reply.json()
-        outputs = body if isinstance(body, list) else [body]
-        return sum(len(o["meta_info"]["output_token_logprobs"]) for o in outputs)
-
-    return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-
-
 async def run_engine(engine: SGLangEngine, prompts, mix: Mix, num_samples: int, max_tokens: int,
                      concurrency: int):
     gate = asyncio.Semaphore(concurrency)
@@ -123,174 +106,124 @@ async def run_engine(engine: SGLangEngine, prompts, mix: Mix, num_samples: int, 
     return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
-def sample_request(index: int, prompt: list[int], mix: Mix, num_samples: int, max_tokens: int):
-    adapter = mix.adapter(index)
-    ref = common_pb2.AdapterRef(name="" if adapter is None else f"bench/a{adapter}")
-    if adapter is not None:
-        ref.version = 1
-    return sampler_pb2.SampleRequest(adapter=ref, prompt_tokens=prompt, num_samples=num_samples,
-                                     sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0))
+def worker_requests(prompts, mix: Mix) -> list:
+    """The request list of a bench/stream_clients.py command (adapter index, -1 for the base model)."""
+    adapters = [mix.adapter(i) for i in range(len(prompts))]
+    return [[-1 if a is None else a, p] for a, p in zip(adapters, prompts, strict=True)]
 
 
-async def run_grpc(stubs, prompts, mix: Mix, num_samples: int, max_tokens: int, concurrency: int):
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(index: int, prompt: list[int]) -> int:
-        async with gate:
-            reply = await stubs[index % len(stubs)].Sample(sample_request(index, prompt, mix, num_samples,
-                                                                          max_tokens), timeout=600)
-        return sum(len(s.tokens) for s in reply.sequences)
-
-    return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-
-
-async def latency_raw(session, url: str, prompts, mix: Mix, max_tokens: int, concurrency: int):
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(index: int, prompt: list[int]) -> list[float]:
-        payload = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 1.0},
-                   "return_logprob": True, "lora_path": key_of(mix.adapter(index)), "stream": True}
-        async with gate:
-            start = time.perf_counter()
-            stamps = []
-            async with session.post(f"{url}/generate", json=payload) as reply:
-                async for line in reply.content:
-                    if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                        stamps.append(time.perf_counter())
-        return [stamps[0] - start, *(b - a for a, b in itertools.pairwise(stamps))]
-
-    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-
-async def latency_grpc(stubs, prompts, mix: Mix, max_tokens: int, concurrency: int):
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(index: int, prompt: list[int]) -> list[float]:
-        request = sample_request(index, prompt, mix, 1, max_tokens)
-        async with gate:
-            start = time.perf_counter()
-            stamps = []
-            async for chunk in stubs[index % len(stubs)].SampleStream(request, timeout=600):
-                if chunk.tokens:
-                    stamps.append(time.perf_counter())
-        return [stamps[0] - start, *(b - a for a, b in itertools.pairwise(stamps))]
-
-    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-
-def summarize_latency(per_request: list[list[float]]) -> dict:
-    ttft = [r[0] * 1000 for r in per_request]
-    gaps = [g * 1000 for r in per_request for g in r[1:]]
-    return {name: {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
-            for name, values in (("ttft_ms", ttft), ("itl_ms", gaps))}
+LATENCY_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s")
 
 
 async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) -> dict:
-    import aiohttp
-
     rng = random.Random(0)
     vocab = engine.vocab_size
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
-    # Each --grpc-channels count N is a client whose requests spread over N HTTP/2 connections (a local subchannel
-    # pool each, or gRPC would share one connection among equal channels), raw SGLang having one connection per
-    # request. Throughput uses the first count; latency measures every count.
-    options = channel_options() + [("grpc.use_local_subchannel_pool", 1)]
-    channels = {n: [grpc.aio.insecure_channel(sampler_address, options=options) for _ in range(n)]
-                for n in args.grpc_channels}
-    stubs_of = {n: [sampler_pb2_grpc.SamplerServiceStub(channel) for channel in group]
-                for n, group in channels.items()}
-    stubs = stubs_of[args.grpc_channels[0]]
+    # raw, stubs and client each run in a process of their own (bench/stream_clients.py): the same process
+    # separation a user has, and no path pays for another's event loops and threads.
+    workers = {path: Worker(path, url=url, sampler=sampler_address) for path in CLIENT_PATHS}
+    loop = asyncio.get_running_loop()
+
+    async def on_worker(path: str, command: dict) -> dict:
+        return await loop.run_in_executor(None, workers[path].run, command)
+
+    def fresh(count: int) -> list[list[int]]:
+        return [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(count)]
+
     throughput, latency = [], []
     try:
         # Warm-up: every adapter through every path (SGLang's first LoRA batch configures its kernels).
-        warm = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(ADAPTERS)]
         for mix in (Mix("base"), Mix("mixed8")):
-            await run_raw(session, url, warm, mix, 1, 8, ADAPTERS)
-            await run_engine(engine, warm, mix, 1, 8, ADAPTERS)
-            await run_grpc(stubs, warm, mix, 1, 8, ADAPTERS)
+            await run_engine(engine, fresh(ADAPTERS), mix, 1, 8, ADAPTERS)
+            for path in CLIENT_PATHS:
+                for op in ("unary", "stream"):
+                    await on_worker(path, {"op": op, "concurrency": ADAPTERS, "max_tokens": 8,
+                                           "requests": worker_requests(fresh(ADAPTERS), mix)})
         configs = [(c, m, 1) for c in args.concurrency for m in args.mixes]
-        configs += [(64, m, 8) for m in args.mixes if 64 in args.concurrency]
+        if args.multi_sample:
+            configs += [(64, m, 8) for m in args.mixes if 64 in args.concurrency]
+        paths = ("raw", "engine", "grpc", "client")
         for concurrency, mix_name, num_samples in configs:
             mix = Mix(mix_name)
             requests = max(2 * concurrency // num_samples, concurrency // num_samples, 8)
-            rates: dict[str, list[float]] = {"raw": [], "engine": [], "grpc": []}
+            rates: dict[str, list[float]] = {p: [] for p in paths}
             for round_ in range(args.rounds):
                 # Fresh prompts per run (no path gains from another's prefix cache); the order rotates per round.
-                order = ("raw", "engine", "grpc")[round_ % 3:] + ("raw", "engine", "grpc")[:round_ % 3]
-                for path in order:
-                    prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(requests)]
-                    start = time.perf_counter()
-                    if path == "raw":
-                        tokens = await run_raw(session, url, prompts, mix, num_samples, args.max_tokens, concurrency)
-                    elif path == "engine":
+                for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
+                    prompts = fresh(requests)
+                    if path == "engine":
+                        start = time.perf_counter()
                         tokens = await run_engine(engine, prompts, mix, num_samples, args.max_tokens, concurrency)
+                        rates[path].append(tokens / (time.perf_counter() - start))
                     else:
-                        tokens = await run_grpc(stubs, prompts, mix, num_samples, args.max_tokens, concurrency)
-                    rates[path].append(tokens / (time.perf_counter() - start))
+                        result = await on_worker("stubs" if path == "grpc" else path, {
+                            "op": "unary", "concurrency": concurrency, "max_tokens": args.max_tokens,
+                            "num_samples": num_samples, "requests": worker_requests(prompts, mix)})
+                        rates[path].append(result["tok_s"])
             row = {"concurrency": concurrency, "mix": mix_name, "num_samples": num_samples,
                    **{f"{p}_tok_s": statistics.median(v) for p, v in rates.items()}, "runs": rates}
             row["engine_over_raw"] = row["engine_tok_s"] / row["raw_tok_s"]
             row["grpc_over_raw"] = row["grpc_tok_s"] / row["raw_tok_s"]
+            row["client_over_raw"] = row["client_tok_s"] / row["raw_tok_s"]
+            row["client_over_grpc"] = row["client_tok_s"] / row["grpc_tok_s"]
             throughput.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
-        # Latency: --latency-rounds rounds, raw and each gRPC client in a rotating order, fresh prompts every run
-        # (all requests of a run start at once, so one run's TTFT depends on how SGLang happens to batch the
-        # prefills; a single run gave ratios from 0.66 to 3.5 at 256). Each path's percentiles are the medians of
-        # its per-run percentiles.
-        paths = ["raw", *(f"grpc{n}" for n in args.grpc_channels)]
+        # Latency: --latency-rounds rounds, raw, bare stubs and SamplingClient in a rotating order, fresh prompts
+        # every run, all of a run's streams started at once (C of them, 8 adapters round-robin). One run's TTFT
+        # depends on how SGLang happens to batch the prefills (a single run gave ratios from 0.66 to 3.5 at 256),
+        # so each path's figures are the medians of its per-run percentiles. ITL is the gap between a stream's
+        # consecutive messages (an SSE chunk for raw, a SampleStreamResponse for gRPC); TPOT is a stream's
+        # first-to-last time over its tokens - 1.
         for concurrency in args.concurrency:
             mix = Mix("mixed8")
-            runs: dict[str, list[dict]] = {path: [] for path in paths}
+            runs: dict[str, list[dict]] = {path: [] for path in CLIENT_PATHS}
             for round_ in range(args.latency_rounds):
-                for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
-                    prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(concurrency)]
-                    if path == "raw":
-                        per_request = await latency_raw(session, url, prompts, mix, args.max_tokens, concurrency)
-                    else:
-                        per_request = await latency_grpc(stubs_of[int(path[4:])], prompts, mix, args.max_tokens,
-                                                         concurrency)
-                    runs[path].append(summarize_latency(per_request))
-            summary = {path: {metric: {q: statistics.median(run[metric][q] for run in path_runs)
-                                       for q in path_runs[0][metric]} for metric in path_runs[0]}
+                for path in CLIENT_PATHS[round_ % 3:] + CLIENT_PATHS[:round_ % 3]:
+                    runs[path].append(await on_worker(path, {
+                        "op": "stream", "concurrency": concurrency, "max_tokens": args.max_tokens,
+                        "requests": worker_requests(fresh(concurrency * args.latency_waves), mix)}))
+            summary = {path: {m: statistics.median(r[m] for r in path_runs) for m in LATENCY_METRICS}
+                       | {"tokens_per_message": statistics.median(r["tokens"] / max(r["messages"], 1)
+                                                                  for r in path_runs)}
                        for path, path_runs in runs.items()}
-            row = {"concurrency": concurrency, "mix": "mixed8", "rounds": args.latency_rounds, "raw": summary["raw"],
-                   "grpc": summary[paths[1]], **{path: summary[path] for path in paths[1:]},
-                   "ttft_p50_ratio": summary[paths[1]]["ttft_ms"]["p50"] / summary["raw"]["ttft_ms"]["p50"],
-                   "ttft_p50_ratio_by_channels": {n: summary[f"grpc{n}"]["ttft_ms"]["p50"]
-                                                  / summary["raw"]["ttft_ms"]["p50"] for n in args.grpc_channels},
-                   "ttft_p50_runs_ms": {path: [round(run["ttft_ms"]["p50"], 1) for run in path_runs]
-                                        for path, path_runs in runs.items()}}
+            raw = summary["raw"]
+            row = {"concurrency": concurrency, "mix": "mixed8", "rounds": args.latency_rounds, **summary,
+                   "grpc": summary["stubs"],
+                   "ttft_p50_ratio": summary["stubs"]["ttft_p50_ms"] / raw["ttft_p50_ms"],
+                   "itl_p50_ratio": summary["stubs"]["itl_p50_ms"] / raw["itl_p50_ms"],
+                   "client_ttft_p50_ratio": summary["client"]["ttft_p50_ms"] / raw["ttft_p50_ms"],
+                   "client_itl_p50_ratio": summary["client"]["itl_p50_ms"] / raw["itl_p50_ms"],
+                   "client_over_stubs_tok_s": summary["client"]["tok_s"] / summary["stubs"]["tok_s"],
+                   "ttft_p50_runs_ms": {path: [round(r["ttft_p50_ms"], 1) for r in path_runs]
+                                        for path, path_runs in runs.items()},
+                   "itl_p50_runs_ms": {path: [round(r["itl_p50_ms"], 2) for r in path_runs]
+                                       for path, path_runs in runs.items()}}
             latency.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        await session.close()
-        for group in channels.values():
-            for channel in group:
-                await channel.close()
+        for worker in workers.values():
+            worker.close()
     return {"throughput": throughput, "latency": latency}
 
 
 def table(result: dict) -> str:
-    lines = ["| concurrency | mix | n | raw tok/s | engine tok/s | gRPC tok/s | engine/raw | gRPC/raw |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [("| concurrency | mix | n | raw tok/s | engine tok/s | gRPC stubs tok/s | SamplingClient tok/s | engine/raw | "
+             "stubs/raw | client/raw | client/stubs |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["throughput"]:
         lines.append(f"| {r['concurrency']} | {r['mix']} | {r['num_samples']} | {r['raw_tok_s']:.0f} | "
-                     f"{r['engine_tok_s']:.0f} | {r['grpc_tok_s']:.0f} | {r['engine_over_raw']:.2f} | "
-                     f"{r['grpc_over_raw']:.2f} |")
-    lines += ["", "| concurrency | TTFT p50 raw / gRPC (ms) | ratio | ITL p50 raw / gRPC (ms) | ITL p99 raw / gRPC |",
-              "|---|---|---|---|---|"]
+                     f"{r['engine_tok_s']:.0f} | {r['grpc_tok_s']:.0f} | {r['client_tok_s']:.0f} | "
+                     f"{r['engine_over_raw']:.2f} | {r['grpc_over_raw']:.2f} | {r['client_over_raw']:.2f} | "
+                     f"{r['client_over_grpc']:.3f} |")
+    lines += ["", ("Streaming, 8 adapters (medians of per-run values; targets: TTFT p50 <= 1.10x raw, ITL p50 <= 1.20x "
+              "raw, client tok/s >= 0.97x stubs)"), "",
+              ("| concurrency | path | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | tok/s | tok/msg | "
+              "TTFT p50 / raw | ITL p50 / raw |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["latency"]:
-        lines.append(f"| {r['concurrency']} | {r['raw']['ttft_ms']['p50']:.1f} / {r['grpc']['ttft_ms']['p50']:.1f} | "
-                     f"{r['ttft_p50_ratio']:.2f} | {r['raw']['itl_ms']['p50']:.2f} / {r['grpc']['itl_ms']['p50']:.2f} "
-                     f"| {r['raw']['itl_ms']['p99']:.2f} / {r['grpc']['itl_ms']['p99']:.2f} |")
-    by_channels = [r for r in result["latency"] if len(r["ttft_p50_ratio_by_channels"]) > 1]
-    if by_channels:
-        counts = list(by_channels[0]["ttft_p50_ratio_by_channels"])
-        lines += ["", "| concurrency | " + " | ".join(f"TTFT p50 gRPC ÷ raw, {n} connection(s)" for n in counts) + " |",
-                  "|---|" + "---|" * len(counts)]
-        for r in by_channels:
-            lines.append(f"| {r['concurrency']} | "
-                         + " | ".join(f"{r['ttft_p50_ratio_by_channels'][n]:.2f}" for n in counts) + " |")
+        for path in CLIENT_PATHS:
+            v, raw = r[path], r["raw"]
+            lines.append(f"| {r['concurrency']} | {path} | {v['ttft_p50_ms']:.1f} | {v['ttft_p99_ms']:.1f} | "
+                         f"{v['itl_p50_ms']:.2f} | {v['itl_p99_ms']:.2f} | {v['tpot_p50_ms']:.2f} | {v['tok_s']:.0f} | "
+                         f"{v['tokens_per_message']:.2f} | {v['ttft_p50_ms'] / raw['ttft_p50_ms']:.2f} | "
+                         f"{v['itl_p50_ms'] / raw['itl_p50_ms']:.2f} |")
     return "\n".join(lines)
 
 
@@ -302,6 +235,12 @@ def start_sampler_process(root: Path, model_dir: Path, url: str, registry_addres
              str(model_dir), "--port", str(port), "--keep-versions", "2", "--max-loaded", str(4 * ADAPTERS),
              "--sglang-max-lora-rank", str(RANK), "--sglang-max-loras-per-batch", str(ADAPTERS + 1)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_synthetic(itl_ms: float) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, str(REPO / "bench/synthetic_sglang.py"), "--port", str(free_port()),
+                                "--itl-ms", str(itl_ms)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    return process, process.stdout.readline().split()[-1]
 
 
 async def main_async(args) -> dict:
@@ -320,9 +259,16 @@ async def main_async(args) -> dict:
     server_args = ["--mem-fraction-static", str(args.mem_fraction), "--skip-tokenizer-init"]
     if args.disable_cuda_graph:
         server_args.append("--disable-cuda-graph")
-    engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=root / "sglang", max_lora_rank=RANK,
-                          max_loras_per_batch=ADAPTERS + 1, max_loaded_loras=4 * ADAPTERS,
-                          extra_server_args=server_args)
+    synthetic = None
+    if args.synthetic_itl_ms:
+        # A dry run of this script on a machine without a GPU: bench/synthetic_sglang.py in SGLang's place.
+        synthetic, synthetic_url = start_synthetic(args.synthetic_itl_ms)
+        engine = SGLangEngine(str(model_dir), urls=[synthetic_url],
+                              work_dir=root / "sglang", max_lora_rank=RANK, max_loaded_loras=4 * ADAPTERS)
+    else:
+        engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=root / "sglang", max_lora_rank=RANK,
+                              max_loras_per_batch=ADAPTERS + 1, max_loaded_loras=4 * ADAPTERS,
+                              extra_server_args=server_args)
     sampler = None
     try:
         await engine.start()
@@ -355,6 +301,9 @@ async def main_async(args) -> dict:
             sampler.terminate()
             sampler.wait(30)
         await engine.stop()
+        if synthetic is not None:
+            synthetic.terminate()
+            synthetic.wait(10)
         loop.run(registry.stop())
         loop.close()
         valkey.stop()
@@ -373,10 +322,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--mem-fraction", type=float, default=0.5)
     parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--grpc-channels", type=int, nargs="+", default=[1],
-                        help="gRPC connections a client spreads its requests over: throughput uses the first count, "
-                             "latency compares every count")
     parser.add_argument("--latency-rounds", type=int, default=3)
+    parser.add_argument("--latency-waves", type=int, default=1, help="streams per latency run = concurrency x this")
+    parser.add_argument("--multi-sample", action="store_true", help="add num_samples=8 throughput rows at 64")
+    parser.add_argument("--synthetic-itl-ms", type=float, default=0.0,
+                        help="no SGLang: a dry run against bench/synthetic_sglang.py (--model-dir tiny)")
     parser.add_argument("--out", default=str(REPO / "bench/results/sampler_vs_sglang.json"))
     args = parser.parse_args()
     if args.build_shape:
