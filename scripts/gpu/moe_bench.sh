@@ -7,7 +7,8 @@
 #              PEFT target_parameters, against the trainer with a per-expert adapter (PEFT's layout), alternated
 #              in one process on one GPU
 #     trainer-alone  the trainer with a per-expert and with a shared-outer adapter, no PEFT in the process
-#     fused    the same shape, no PEFT: 8 fused shared-outer tenants (1 datum each) against 1 tenant (8 datums)
+#     fused    the same shape, no PEFT: 8 fused shared-outer tenants (1 datum each) against 1 tenant (8 datums; the
+#              first of the 8: the same 16k tokens per step), recomputation / micro-batches as memory demands
 #     ep2/ep4  the full 48 layers, experts over 2 / 4 GPUs (EP = world, TP 1), 8 x 2048 tokens per GPU: one
 #              per-expert tenant, then fused shared-outer tenants (4 on 2 GPUs, 8 on 4) (tokens/s per GPU, MFU on
 #              active params, memory per tenant slot, how many more slots fit)
@@ -71,8 +72,9 @@ for c in ${*:-$default}; do
     peft-alone) single qwen3moe24_8x2048_peft_alone --shape qwen3-30b-a3b-24l --contenders "" --rounds 3 --warmup 1 ;;
     trainer-alone) single qwen3moe24_8x2048_trainer_alone --shape qwen3-30b-a3b-24l \
                --contenders per_expert:1,shared_outer:1 --no-peft --rounds ${ROUNDS:-4} --warmup 1 ;;
+    # 8 slots of 3.9 GiB beside the 31 GB base leave no room for a full pass's logits: micro-batches as memory asks.
     fused) single qwen3moe24_8x2048_fused --shape qwen3-30b-a3b-24l --contenders shared_outer:1,shared_outer:8 \
-             --no-peft --rounds ${ROUNDS:-4} --warmup 1 ;;
+             --no-peft --recompute auto --rounds ${ROUNDS:-4} --warmup 1 ;;
     ep2|ep4) n=${c#ep}
              [ "$GPUS" -ge "$n" ] || { echo "== $c: needs $n GPUs, this machine has $GPUS" | summary; continue; }
              ep qwen3moe48_ep${n}_per_expert_1t "$n" --shape qwen3-30b-a3b --contenders per_expert:1 \
@@ -85,7 +87,7 @@ for c in ${*:-$default}; do
             [ -f "$f" ] && { echo "-- $(basename "$f")"; head -8 "$f"; } | summary
           done
           CASE_TIMEOUT=130 single qwen3moe24_8x2048_fused --shape qwen3-30b-a3b-24l \
-            --contenders shared_outer:1,shared_outer:8 --no-peft --rounds ${ROUNDS:-3} --warmup 1
+            --contenders shared_outer:1,shared_outer:8 --no-peft --recompute auto --rounds ${ROUNDS:-3} --warmup 1
           CASE_TIMEOUT=90 single qwen3moe24_8x2048_trainer_recompute_auto --shape qwen3-30b-a3b-24l \
             --contenders per_expert:1 --no-peft --recompute auto --rounds ${ROUNDS:-3} --warmup 1
           CASE_TIMEOUT=100 gpu_tests ;;
