@@ -195,15 +195,22 @@ class SGLangEngine(Engine):
         except ValueError:
             return status, body.decode(errors="replace")
 
-    async def _stream(self, server: SGLangServer, payload: dict) -> AsyncIterator[list[dict]]:
-        """The chunks of a streaming /generate call (server-sent events `data: {...}` up to `data: [DONE]`), in
-        lists: each list holds every chunk that had arrived when the consumer asked for more. A consumer that keeps
-        up gets one chunk at a time; one that falls behind (hundreds of streams on one event loop) gets the backlog
-        in one piece, parsed with one json.loads, instead of paying a loop round trip per token."""
+    async def _stream_sample(self, request: GenerationRequest, index: int) -> AsyncIterator[GenerationUpdate]:
+        """Sample `index` of a streamed request: one streaming /generate call (server-sent events `data: {...}` up
+        to `data: [DONE]`). Each read takes every event that has arrived and leaves as one update (their chunks
+        parsed with one json.loads): a consumer that keeps up gets one token at a time; one that falls behind
+        (hundreds of streams on one event loop) gets the backlog in one piece instead of paying a loop round trip
+        and a gRPC message per token. This generator is the whole engine-side path of a one-sample stream (each
+        layer between SGLang and the servicer costs a frame switch per message)."""
         import aiohttp
 
+        server = self._server_for(request.adapter_key)
+        payload = {**self._payload(request, [index]), "stream": True}
+        follower = _Follower(index)
+        self._waiting += 1
+        server.in_flight += 1
         try:
-            async with self._session.post(server.url + "/generate", json={**payload, "stream": True},
+            async with self._session.post(server.url + "/generate", json=payload,
                                           timeout=aiohttp.ClientTimeout(total=self.request_timeout_s)) as reply:
                 if reply.status != 200:
                     body = (await reply.read()).decode(errors="replace")
@@ -219,11 +226,16 @@ class SGLangEngine(Engine):
                     events, pending = pending[:end], pending[end + 2:]
                     bodies, done = _event_data(events)
                     if bodies:
-                        yield json.loads(b"[" + b",".join(bodies) + b"]")
+                        update = follower.update(json.loads(b"[" + b",".join(bodies) + b"]"))
+                        if update is not None:
+                            yield update
                     if done:
                         return
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise errors.Unavailable(f"SGLang server {server.url} unreachable: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._waiting -= 1
+            server.in_flight -= 1
 
     async def start(self) -> None:
         import aiohttp
@@ -518,7 +530,9 @@ class SGLangEngine(Engine):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         # The generator itself, not one that re-yields it: a streamed token crosses one layer fewer.
-        return self._generate_streaming(request) if request.stream else self._generate_whole(request)
+        if not request.stream:
+            return self._generate_whole(request)
+        return self._stream_sample(request, 0) if request.num_samples == 1 else self._generate_samples(request)
 
     async def _generate_whole(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         server = self._server_for(request.adapter_key)
@@ -535,41 +549,18 @@ class SGLangEngine(Engine):
                 update.topk_prompt = _input_top_logprobs(meta, request)
             yield update
 
-    async def _generate_streaming(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
-        """One streaming call per sample, all at once; updates are yielded in the order SGLang produces them. What
-        arrived while the consumer was busy leaves as one update per sequence (see `_stream`)."""
-        server = self._server_for(request.adapter_key)
-        self._waiting += request.num_samples
-        server.in_flight += request.num_samples
-        try:
-            if request.num_samples == 1:
-                # The common case (an agent's or the gateway's stream) reads SGLang's stream in the consumer's own
-                # task: no queue and no second task to wake per token.
-                follower = _Follower(0)
-                async for chunks in self._stream(server, self._payload(request, [0])):
-                    update = follower.update(chunks)
-                    if update is not None:
-                        yield update
-            else:
-                async for update in self._generate_samples(server, request):
-                    yield update
-        finally:
-            self._waiting -= request.num_samples
-            server.in_flight -= request.num_samples
-
-    async def _generate_samples(self, server: SGLangServer, request: GenerationRequest
-                                ) -> AsyncIterator[GenerationUpdate]:
-        """Several samples: a task per sample stream feeding one queue."""
+    async def _generate_samples(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        """Several samples of a streamed request: one streaming call per sample, all at once, each read by a task of
+        its own into one queue; updates are yielded in the order SGLang produces them, and those that queued up
+        while the consumer was busy leave merged per sequence."""
+        self._server_for(request.adapter_key)  # an unknown version fails here, before any call starts
         updates: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def follow(index: int) -> None:
             try:
-                follower = _Follower(index)
-                async for chunks in self._stream(server, self._payload(request, [index])):
-                    update = follower.update(chunks)
-                    if update is not None:
-                        updates.put_nowait(update)
+                async for update in self._stream_sample(request, index):
+                    updates.put_nowait(update)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer below
                 updates.put_nowait(exc)
             finally:
