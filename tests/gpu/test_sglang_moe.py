@@ -205,11 +205,12 @@ def test_sampler_logprobs_equal_the_trainers_forward_within_the_bf16_bound(regis
                         attempt_timeout_s=300)
     service = ServiceClient(trainer=trainer.address, sampler=live.address, registry=registry.address, retry=retry)
     try:
-        sequences = prompts(4, length=24, seed=11)
-        data = [datum_from_sequence(s) for s in sequences]
         versions, stats = {}, {}
-        for name, layout in (("moe/pe", common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT),
-                             ("moe/so", common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER)):
+        # Each adapter learns its own sequences (two adapters taught the same ones would decode alike).
+        for name, layout, seed in (("moe/pe", common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT, 11),
+                                   ("moe/so", common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER, 12)):
+            sequences = prompts(4, length=24, seed=seed)
+            data = [datum_from_sequence(s) for s in sequences]
             trainer.stub().CreateAdapter(trainer_pb2.TrainerServiceCreateAdapterRequest(
                 name=name, lora_config=common_pb2.LoraConfig(rank=RANK, alpha=2 * RANK, seed=5,
                                                              target_modules=MOE_TARGETS, expert_layout=layout)))
@@ -217,15 +218,16 @@ def test_sampler_logprobs_equal_the_trainers_forward_within_the_bf16_bound(regis
             losses = []
             for _ in range(8):
                 backward = training.forward_backward(data, "cross_entropy")
-                assert not training.optim_step(AdamParams(learning_rate=2e-2)).result(300).skipped
+                assert not training.optim_step(AdamParams(learning_rate=5e-3)).result(300).skipped
                 losses.append(backward.result(300).loss)
             assert losses[-1] < losses[0] * 0.9, (name, losses)
             sampling = training.save_weights_for_sampler("gpu").result(300)
             versions[name] = sampling.version
             diffs, base_diffs = [], []
             base_client = service.create_sampling_client()
-            for seed, sequence in enumerate(sequences):
-                prompt = sequence[:8]
+            # Fresh prompts: on its own sequences the adapter is nearly certain (logprobs ~0 on both sides), which
+            # would make the comparison easy; elsewhere its distribution is broad and its change of the model large.
+            for seed, prompt in enumerate(prompts(8, seed=99)):
                 for repeat in range(2):
                     reply = sampling.sample(ModelInput.from_ints(prompt), 1, SamplingParams(
                         max_tokens=16, temperature=1.0, seed=100 * seed + repeat)).result(300)
@@ -249,7 +251,7 @@ def test_sampler_logprobs_equal_the_trainers_forward_within_the_bf16_bound(regis
         # (b) both versions and the base model in one batch: each as it is alone.
         stub = live.stub()
         calls = [("moe/pe", versions["moe/pe"]), ("moe/so", versions["moe/so"]), ("", 0)]
-        prompt = sequences[0][:8]
+        prompt = prompts(1, length=24, seed=11)[0][:8]  # a prompt moe/pe learned to continue
         alone = [sample(stub, n, version=v, prompt=prompt, temperature=0.0, max_tokens=16).sequences[0]
                  for n, v in calls]
         with concurrent.futures.ThreadPoolExecutor(len(calls) * 2) as pool:
