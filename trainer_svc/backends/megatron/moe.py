@@ -39,8 +39,12 @@ MAX_GROUPS = 512
 
 
 def _group_chunks(offs: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """(first group, end group, first row, end row) of each run of at most MAX_GROUPS groups (one host sync, only
-    when there are more groups than one call takes)."""
+    """(first group, end group, first row, end row) of each run of at most MAX_GROUPS groups: one host sync per
+    offsets tensor, only when there are more groups than one call takes (kept on the tensor: a layer's forward and
+    backward GEMMs share one route's offsets)."""
+    cached = getattr(offs, "_loraplane_chunks", None)
+    if cached is not None and cached[0] == MAX_GROUPS:
+        return cached[1]
     groups = offs.shape[0]
     ends = list(range(MAX_GROUPS, groups, MAX_GROUPS)) + [groups]
     rows = offs[[e - 1 for e in ends]].tolist()
@@ -48,6 +52,7 @@ def _group_chunks(offs: torch.Tensor) -> list[tuple[int, int, int, int]]:
     for g1, r1 in zip(ends, rows):
         out.append((g0, g1, r0, int(r1)))
         g0, r0 = g1, int(r1)
+    offs._loraplane_chunks = (MAX_GROUPS, out)
     return out
 
 
