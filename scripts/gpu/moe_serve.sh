@@ -6,10 +6,12 @@
 #                                                         trainer Forward vs sampler, batches, layouts, retention)
 #   bash scripts/gpu/moe_serve.sh load [ITER] [LAYOUT]     bench/sampler.py --shape qwen3moe: publish -> first
 #                                                         sample of a Qwen3-30B-A3B rank-32 expert adapter
-#                                                         (dummy weights; LAYOUT per_expert (default)|shared_outer)
+#                                                         (dummy weights; ITER 2 after a warm-up version, each
+#                                                         version 2.6 GB in the registry and 4.5 GB on its way to
+#                                                         SGLang; LAYOUT per_expert (default)|shared_outer)
 #   bash scripts/gpu/moe_serve.sh e2e [ITER]              python -m loraplane_cli.production_e2e --moe: torch
-#                                                         trainer + SGLang sampler on a 3-layer random Qwen3-MoE,
-#                                                         two tenants' GRPO loop
+#                                                         trainer + SGLang sampler (eager) on a 3-layer random
+#                                                         Qwen3-MoE, two tenants' GRPO loop (ITER 12)
 # Results in $OUT (at most 8 files come back): the mode's log and JSON, env.log, and a .tgz of the server logs.
 set -uo pipefail
 mode=${1:-}; shift || true
@@ -40,7 +42,7 @@ case "$mode" in
       --null -T - 2>/dev/null
     exit "$rc" ;;
   load)
-    iterations=${1:-3}; layout=${2:-per_expert}
+    iterations=${1:-2}; layout=${2:-per_expert}
     timeout -k 20 560 python3 bench/sampler.py --engine sglang --shape qwen3moe --iterations "$iterations" \
       --expert-layout "$layout" 2>&1 | filter | tee "$OUT/load_qwen3moe_$layout.log" | grep -v "^\s*[\"{}\[]"
     rc=${PIPESTATUS[0]}
