@@ -93,7 +93,16 @@ def moe_dir(tmp_path_factory) -> Path:
     from loraplane_cli.production_e2e import qwen3_moe_config, write_random_moe_dir
 
     config = qwen3_moe_config("small-moe", vocab_size=len(build_tiny_tokenizer()), dtype="bfloat16")
-    return write_random_moe_dir(tmp_path_factory.mktemp("moe") / "small-moe", config, seed=7, device="cuda")
+    directory = write_random_moe_dir(tmp_path_factory.mktemp("moe") / "small-moe", config, seed=7, device="cuda")
+    # transformers saves its fused 3-D experts under the per-expert checkpoint names SGLang's qwen3_moe loads.
+    from safetensors import safe_open
+
+    names = set()
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            names.update(handle.keys())
+    assert "model.layers.0.mlp.experts.15.down_proj.weight" in names, sorted(names)[:20]
+    return directory
 
 
 @pytest.fixture(scope="module")
