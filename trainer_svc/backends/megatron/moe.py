@@ -7,17 +7,19 @@ megatron-core splits an MoE layer into three small objects with narrow interface
   dropping. Qwen3-MoE's ``norm_topk_prob`` (softmax over all experts, top-k, renormalize) is the softmax over the
   k chosen logits (``moe_router_pre_softmax=False``), the same probabilities; without it, softmax then top-k. Each
   chosen expert ``e`` of a token of the batch's j-th expert adapter becomes *virtual* expert ``e * slots + j``;
-* the token dispatcher: megatron's ``alltoall`` dispatcher over the virtual experts (it permutes each token's k
-  copies by virtual expert, so every expert's rows arrive sorted by tenant, and exchanges them between
-  expert-parallel ranks; nothing is padded, no capacity). Virtual experts ``e * slots + j`` of one expert are
-  adjacent, so megatron's contiguous assignment of experts to EP ranks keeps a real expert's slots together;
+* the token dispatch: under expert parallelism megatron's ``alltoall`` dispatcher over the virtual experts (it
+  permutes each token's k copies by virtual expert, so every expert's rows arrive sorted by tenant, and exchanges
+  them between expert-parallel ranks; nothing is padded, no capacity). Virtual experts ``e * slots + j`` of one
+  expert are adjacent, so megatron's contiguous assignment of experts to EP ranks keeps a real expert's slots
+  together. Without EP the layer (:func:`_local_moe_layer_class`) skips it: one stable sort of the top-k choices by
+  virtual expert gives the same row order, and gathers replace its permutations (:meth:`GroupedExperts.local_forward`);
 * the experts, :class:`GroupedExperts` (ours; megatron's grouped experts need TransformerEngine or the
   ``grouped_gemm`` package): the local experts' weights as two 3-D tensors in HF's own layout (``weight1[E, 2F,
   h]`` = ``[gate; up]`` rows per expert, ``weight2[E, h, F]``); each base expert GEMM is one ``torch._grouped_mm``
   over the rows with per-expert offsets, each expert-LoRA GEMM one over the tenant x expert segments
-  (:class:`ExpertRoute`, :class:`_ExpertMLP` with the LoRA math of
-  :meth:`.lora.BatchRouting.expert_lora_forward`), where the kernel exists (bf16 on sm90; on CPU torch's
-  loop); elsewhere a loop over the groups.
+  (:class:`ExpertRoute`; the LoRA math is :meth:`.lora.BatchRouting.expert_lora_forward` / ``_backward``), where
+  the kernel exists (bf16 on sm90; on CPU torch's loop); elsewhere a loop over the groups. Router weight, SwiGLU,
+  both GEMMs, their LoRA and the sum of a token's k rows are one autograd node, :class:`_ExpertMLP`.
 
 Experts are never sharded by tensor parallelism (``expert_tensor_parallel_size = 1``): under TP every rank
 dispatches the same tokens and computes the whole MoE layer; expert parallelism (EP) spreads the experts over the
