@@ -207,7 +207,7 @@ async def decode_throughput(model: str, tokens: int, repeats: int, engine_name: 
     }
 
 
-def write_shape_dir(shape: str, directory: Path) -> None:
+def write_shape_dir(shape: str, directory: Path, layers: int = 0) -> None:
     """A random-weight bf16 Llama of the shape (built on the GPU) + a small byte-level tokenizer (requests carry token
     ids). Real files, not `--load-format dummy`: SGLang loads LoRA directories with the server's load format. A MoE
     shape: config.json + tokenizer only (served with `--load-format dummy`, adapters as tensors)."""
@@ -220,7 +220,7 @@ def write_shape_dir(shape: str, directory: Path) -> None:
     if shape in MOE_SHAPES:
         from loraplane_cli.production_e2e import qwen3_moe_config, write_moe_config_dir
 
-        write_moe_config_dir(directory, qwen3_moe_config(MOE_SHAPES[shape][0]))
+        write_moe_config_dir(directory, qwen3_moe_config(MOE_SHAPES[shape][0], layers=layers))
         return
     config = LlamaConfig(**SHAPES[shape][0], torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
                          architectures=["LlamaForCausalLM"])
@@ -263,12 +263,12 @@ def random_moe_adapter_blob(base, seed: int, rank: int, dtype: str, layout: str)
 
 
 async def sglang_load_paths(shape: str, iterations: int, workdir: Path, ways: Sequence[str],
-                            expert_layout: str = "per_expert") -> dict:
+                            expert_layout: str = "per_expert", layers: int = 0) -> dict:
     """publish -> first sample for each way a version can reach SGLang (`transport:blob dtype`), rotated every
     iteration, on one server."""
-    model_dir = workdir.parent / f"lp-model-{shape}"  # kept across runs on one machine
+    model_dir = workdir.parent / f"lp-model-{shape}{f'-{layers}l' if layers else ''}"  # kept across runs
     started = time.perf_counter()
-    write_shape_dir(shape, model_dir)
+    write_shape_dir(shape, model_dir, layers)
     model_write_s = time.perf_counter() - started
     with embedded_storage(workdir, "bench-sampler") as storage:
         return await _sglang_load_paths(storage.model_copy(update={"data_dir": workdir}), shape, iterations,
@@ -473,6 +473,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "file:bfloat16; qwen3moe: tensors:bfloat16)")
     parser.add_argument("--expert-layout", choices=["per_expert", "shared_outer"], default="per_expert",
                         help="qwen3moe: the adapter's expert layout (both reach SGLang per expert)")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="qwen3moe: the first N layers only (default all 48; the adapter shrinks with them)")
     args = parser.parse_args(argv)
     if args.shape in MOE_SHAPES:
         args.ways = args.ways or ["tensors:bfloat16"]
@@ -489,7 +491,9 @@ def main(argv: list[str] | None = None) -> None:
         # A fixed folder, kept: the SGLang server's log is there when something fails.
         workdir = Path(tempfile.gettempdir()) / f"lp-bench-load-{args.shape}"
         shutil.rmtree(workdir, ignore_errors=True)
-        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir, args.ways, args.expert_layout))
+        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir, args.ways, args.expert_layout,
+                                               args.layers))
+        result["layers"] = args.layers or None
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         print(json.dumps(result, indent=2))
         for way in args.ways:

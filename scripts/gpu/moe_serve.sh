@@ -4,11 +4,13 @@
 # `part pNN` calls; scripts/gpu/e2e.sh's header lists them). Each mode stays well inside the 10-minute call limit.
 #   bash scripts/gpu/moe_serve.sh tests [PYTEST -k EXPR]   tests/gpu/test_sglang_moe.py (a small random Qwen3-MoE,
 #                                                         trainer Forward vs sampler, batches, layouts, retention)
-#   bash scripts/gpu/moe_serve.sh load [ITER] [LAYOUT]     bench/sampler.py --shape qwen3moe: publish -> first
+#   bash scripts/gpu/moe_serve.sh load [ITER] [LAYOUT] [LAYERS]
+#                                                         bench/sampler.py --shape qwen3moe: publish -> first
 #                                                         sample of a Qwen3-30B-A3B rank-32 expert adapter
 #                                                         (dummy weights; ITER 2 after a warm-up version, each
 #                                                         version 2.6 GB in the registry and 4.5 GB on its way to
-#                                                         SGLang; LAYOUT per_expert (default)|shared_outer)
+#                                                         SGLang; LAYOUT per_expert (default)|shared_outer; LAYERS
+#                                                         the first N of the 48 only, e.g. 24 if 48 fails)
 #   bash scripts/gpu/moe_serve.sh e2e [ITER]              python -m loraplane_cli.production_e2e --moe: torch
 #                                                         trainer + SGLang sampler (eager) on a 3-layer random
 #                                                         Qwen3-MoE, two tenants' GRPO loop (ITER 12)
@@ -42,9 +44,9 @@ case "$mode" in
       --null -T - 2>/dev/null
     exit "$rc" ;;
   load)
-    iterations=${1:-2}; layout=${2:-per_expert}
+    iterations=${1:-2}; layout=${2:-per_expert}; layers=${3:-0}
     timeout -k 20 560 python3 bench/sampler.py --engine sglang --shape qwen3moe --iterations "$iterations" \
-      --expert-layout "$layout" 2>&1 | filter | tee "$OUT/load_qwen3moe_$layout.log" | grep -v "^\s*[\"{}\[]"
+      --expert-layout "$layout" --layers "$layers" 2>&1 | filter | tee "$OUT/load_qwen3moe_$layout.log" | grep -v "^\s*[\"{}\[]"
     rc=${PIPESTATUS[0]}
     cp bench/results/sampler_sglang_load_qwen3moe.json "$OUT/sampler_sglang_load_qwen3moe_$layout.json" 2>/dev/null
     grep -v -E "^\s*$" /tmp/lp-bench-load-qwen3moe/sglang/server-0.log 2>/dev/null | tail -200 \
