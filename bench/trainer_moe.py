@@ -2,7 +2,7 @@
 parallelism (issue 22's measurements).
 
     python bench/trainer_moe.py                                   # one GPU: the truncated Qwen3-30B-A3B (24 layers)
-    python bench/trainer_moe.py --contenders shared_outer:1,shared_outer:8 --no-peft   # 8 fused tenants vs 1
+    python bench/trainer_moe.py --contenders shared_outer:1,shared_outer:8 --no-peft --recompute auto  # 8 fused vs 1
     torchrun --standalone --nproc-per-node 4 bench/trainer_moe.py --mode ep --shape qwen3-30b-a3b --contenders per_expert:1
     python bench/trainer_moe.py --shape tiny-moe --device cpu ...  # CPU (tests)
 
@@ -23,7 +23,9 @@ parallelism (issue 22's measurements).
 model exists only on the meta device), experts spread over all ranks (EP = world size, TP 1), and times the backend
 as the torchrun trainer's rank 0 drives it (``MegatronBackend`` over the ``Driver``), one contender per run.
 
-One step = forward + backward + AdamW over ``datums x seq_len`` tokens (n tenants split them). Prints JSON and a
+One step = forward + backward + AdamW over ``datums x seq_len`` tokens (n tenants split them). Contenders of one
+layout share its tenants: ``shared_outer:1,shared_outer:8`` creates 8 tenants, and the 1-tenant contender trains the
+first of them on all 8 datums while the 8-tenant one trains each on one: the same tokens per step, 8 slots. Prints JSON and a
 table: tokens/s (median, fastest), MFU counted on ACTIVE parameters (4 x N_active x tokens: embeddings, attention,
 routers and top-k of the E experts per layer, against 989 TFLOP/s dense bf16 per H100), peak GPU memory, the
 bytes of one tenant slot on the device (fp32 params, grads, two AdamW moments) and, under EP, how many such slots
