@@ -31,7 +31,7 @@ from loraplane.errors import LoraplaneError, NotFound, Unavailable, shown
 from loraplane.fleet import assign, choose_trainer, moved
 from loraplane.lora import LoraSpec, expected_shapes
 from trainer_svc.fleet_store import FleetStore, MemberInfo, Placement
-from trainer_svc.journal import AdapterRecord, JournalEntry, outcome_from_plain
+from trainer_svc.journal import OUTCOME, REQUEST, VOID, AdapterRecord, JournalEntry, decode, outcome_from_plain
 from trainer_svc.optimizer import StepOutcome
 from trainer_svc.service import AdapterInfo
 from trainer_svc.validation import validate_page
@@ -82,6 +82,27 @@ def journal_progress(record: AdapterRecord, entries: Sequence[JournalEntry]) -> 
                 if isinstance(decoded, StepOutcome):
                     step = decoded.step
     return step, last_seq
+
+
+# The request kinds whose outcome moves the step; no other entry's body needs decoding to describe an adapter.
+_STEP_KINDS = frozenset({"optim_step", "load_state"})
+
+
+def _progress_entries(journal, name: str) -> list[JournalEntry]:
+    """The adapter's journal as `journal.entries` reads it (voided requests dropped), without decoding request
+    payloads (token tensors) or outcomes other than OptimStep's and LoadState's."""
+    by_seq: dict[int, JournalEntry] = {}
+    for entry_id, fields in journal._read(name):
+        seq_id, kind = int(fields[b"seq"]), fields[b"t"]
+        if kind == REQUEST:
+            by_seq[seq_id] = JournalEntry(seq_id=seq_id, kind=fields[b"kind"].decode(), payload_hash=b"",
+                                          payload=None, entry_id=entry_id)
+        elif kind == VOID:
+            by_seq.pop(seq_id, None)
+        elif kind == OUTCOME and seq_id in by_seq and by_seq[seq_id].kind in _STEP_KINDS:
+            by_seq[seq_id].outcome = decode(fields[b"body"])
+            by_seq[seq_id].has_outcome = True
+    return sorted(by_seq.values(), key=lambda e: e.seq_id)
 
 
 def measure_device(device: torch.device) -> tuple[int, int, int]:
@@ -461,7 +482,7 @@ class FleetMember:
         spec = LoraSpec.create(record.rank, record.alpha, record.target_modules, record.seed,
                                max_rank=max(record.rank, self.service.limits.max_lora_rank),
                                expert_layout=record.expert_layout)
-        step, last_seq_id = journal_progress(record, journal.entries(name))
+        step, last_seq_id = journal_progress(record, _progress_entries(journal, name))
         shapes = expected_shapes(self.service.backend.description, spec)
         return AdapterInfo(name=name, spec=spec, base_model=record.base_model, step=step, last_seq_id=last_seq_id,
                            resident=False, parameter_count=sum(a * b for a, b in shapes.values()),
