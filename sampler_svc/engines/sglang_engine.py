@@ -591,8 +591,9 @@ class SGLangEngine(Engine):
         payload = {"input_ids": list(tokens), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                    "return_logprob": True, "logprob_start_len": 0, "lora_path": adapter_key}
         outputs = await self._generate_call(server, payload)
-        values = _input_logprobs(outputs[0].get("meta_info", {}))
-        return values[: len(tokens)]
+        # Every position scored (NaN at 0, which has no context), as for a prompt's logprobs.
+        return _input_logprobs(outputs[0].get("meta_info", {}),
+                               GenerationRequest(prompt_tokens=tuple(tokens), include_prompt_logprobs=True))
 
 
 class _Follower:
