@@ -33,32 +33,47 @@ fi
   git log -1 --format='%h %s' 2>/dev/null || true
 } 2>&1 | grep -v -i warn | tee "$OUT/env.log"
 filter() { grep --line-buffered -v -i -E "warn|Loading weights|Writing model shards"; }
+# An SGLang server runs in a session of its own, so a run the timeout kills leaves it holding the GPU: the servers
+# this mode launches (named by their model path, which is this mode's own) get SIGTERM, which SGLang answers by
+# ending its whole process tree, before and after the run.
+reap() {
+  local pids; pids=$(pgrep -f "sglang.launch_server --model-path $1" 2>/dev/null)
+  [ -n "$pids" ] || return 0
+  echo "stopping SGLang servers left by an earlier run: $pids"
+  kill $pids 2>/dev/null; sleep 15; kill -9 $pids 2>/dev/null; return 0
+}
 case "$mode" in
   tests)
+    reap /tmp/lp-moe-tests
     # A limit under the call's 10 minutes keeps the output; the SGLang start-up inside is bounded by the fixture.
     timeout -k 20 540 python3 -m pytest tests/gpu/test_sglang_moe.py -m gpu -o addopts="" -p no:cacheprovider -q -rA \
       --basetemp /tmp/lp-moe-tests ${1:+-k "$1"} 2>&1 | filter | tee "$OUT/sglang_moe_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert"
     rc=${PIPESTATUS[0]}
+    reap /tmp/lp-moe-tests
     find /tmp/lp-moe-tests -name "server-*.log" -print0 2>/dev/null | tar czf "$OUT/sglang_moe_tests_servers.tgz" \
       --null -T - 2>/dev/null
     exit "$rc" ;;
   load)
     iterations=${1:-2}; layout=${2:-per_expert}; layers=${3:-0}
+    reap /tmp/lp-model-qwen3moe
     timeout -k 20 560 python3 bench/sampler.py --engine sglang --shape qwen3moe --iterations "$iterations" \
       --expert-layout "$layout" --layers "$layers" 2>&1 | filter | tee "$OUT/load_qwen3moe_$layout.log" | grep -v "^\s*[\"{}\[]"
     rc=${PIPESTATUS[0]}
+    reap /tmp/lp-model-qwen3moe
     cp bench/results/sampler_sglang_load_qwen3moe.json "$OUT/sampler_sglang_load_qwen3moe_$layout.json" 2>/dev/null
     grep -v -E "^\s*$" /tmp/lp-bench-load-qwen3moe/sglang/server-0.log 2>/dev/null | tail -200 \
       > "$OUT/sglang_server_qwen3moe_$layout.log"
     tail -25 "$OUT/sglang_server_qwen3moe_$layout.log"
     exit "$rc" ;;
   e2e)
+    reap /tmp/e2e-moe
     rm -rf /tmp/e2e-moe
     timeout -k 20 560 python3 -m loraplane_cli.production_e2e --moe --require-reward-rise --sglang-eager ${1:+--iterations "$1"} \
       --data-dir /tmp/e2e-moe --out "$OUT/production_e2e_moe.json" 2>&1 | filter \
       | tee "$OUT/production_e2e_moe.log" | grep -E "iter|PASS|FAIL|wrote|cluster"
     rc=${PIPESTATUS[0]}
+    reap /tmp/e2e-moe
     tar czf "$OUT/e2e_moe_logs.tgz" --exclude=adapters -C /tmp/e2e-moe logs sglang 2>/dev/null
     exit "$rc" ;;
   *) echo "unknown mode '$mode' (tests [-k EXPR] | load [ITER] [per_expert|shared_outer] | e2e [ITER])"; exit 2 ;;
