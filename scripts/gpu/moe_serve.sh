@@ -67,13 +67,19 @@ case "$mode" in
     tail -25 "$OUT/sglang_server_qwen3moe_$layout.log"
     exit "$rc" ;;
   e2e)
-    reap /tmp/e2e-moe
+    stop_e2e_cluster() {  # what a killed run left: the supervised cluster (trainer on the GPU) and SGLang
+      python3 -c "from pathlib import Path; from loraplane_cli.local_cluster import read_cluster_state, stop_cluster
+state = read_cluster_state(Path('/tmp/e2e-moe')) if Path('/tmp/e2e-moe').is_dir() else None
+state and stop_cluster(state, timeout=5.0)" 2>&1 | tail -3
+      reap /tmp/e2e-moe
+    }
+    stop_e2e_cluster
     rm -rf /tmp/e2e-moe
     timeout -k 20 560 python3 -m loraplane_cli.production_e2e --moe --require-reward-rise --sglang-eager ${1:+--iterations "$1"} \
       --data-dir /tmp/e2e-moe --out "$OUT/production_e2e_moe.json" 2>&1 | filter \
       | tee "$OUT/production_e2e_moe.log" | grep -E "iter|PASS|FAIL|wrote|cluster"
     rc=${PIPESTATUS[0]}
-    reap /tmp/e2e-moe
+    stop_e2e_cluster
     tar czf "$OUT/e2e_moe_logs.tgz" --exclude=adapters -C /tmp/e2e-moe logs sglang 2>/dev/null
     exit "$rc" ;;
   *) echo "unknown mode '$mode' (tests [-k EXPR] | load [ITER] [per_expert|shared_outer] | e2e [ITER])"; exit 2 ;;
