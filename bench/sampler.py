@@ -481,6 +481,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if any(not way.startswith("tensors:") for way in args.ways):
             parser.error(f"--shape {args.shape} is served with --load-format dummy, whose SGLang cannot read "
                          "adapter files: use tensors:* ways")
+        if "tensors:float32" in args.ways and (args.layers or 48) > 32:
+            parser.error("a float32 blob of more than 32 layers (5.1 GB at 48) exceeds the registry's 4 GiB "
+                         "max_blob_bytes: use tensors:bfloat16 or --layers 32 or fewer")
     args.ways = args.ways or ["file:float32", "file:bfloat16"]
     return args
 
