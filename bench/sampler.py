@@ -410,6 +410,8 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
             same_tokens &= outputs[way][0] == outputs[twin][0]
             max_logprob_diff = max([max_logprob_diff, *(abs(a - b) for a, b in zip(outputs[way][1],
                                                                                       outputs[twin][1]))])
+        if not outputs:  # one way: nothing was compared
+            same_tokens, max_logprob_diff = None, None
 
         for index in range(iterations):
             shift = index % len(ways)
