@@ -1,8 +1,9 @@
 """deploy/kubernetes: every overlay rendered, each object validated offline against the Kubernetes API schemas
 (kubernetes-validate), and each container checked against the services it runs: the module exists and accepts
 its arguments (parsed by the service's own parser), ports agree between the process, the container, the Service
-and the probes, every LORAPLANE_* variable is a setting, the torchrun job's pods find each other and rank 0 is
-the pod that serves gRPC.
+and the probes, every LORAPLANE_* variable is a setting, each trainer's torchrun job finds its own pods and rank 0
+is the pod that serves gRPC, and the trainers and samplers are fleets: each pod a member under its stable pod name,
+advertising its pod's DNS name and served port, with the gateway reading the same trainer fleet in the same Redis.
 
 No cluster is reachable here, so nothing is applied. Rendering uses a small kustomize of the subset these
 manifests use (resources, components, patches as strategic merges, images, namespace, labels), which refuses any
