@@ -14,9 +14,8 @@ import json
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from loraplane import auth
+from loraplane.redis_pool import async_redis
 
 
 def tenant_of(caller: auth.Identity, default_tenant: str) -> str:
@@ -28,7 +27,7 @@ def tenant_of(caller: auth.Identity, default_tenant: str) -> str:
 class Store:
     def __init__(self, url: str, prefix: str = "lpgw:", *, future_ttl_s: int = 24 * 3600,
                  default_tenant: str = "tinker"):
-        self.redis = aioredis.Redis.from_url(url, decode_responses=False)
+        self.redis = async_redis(url, decode_responses=False)
         self.prefix = prefix
         self.future_ttl_s = future_ttl_s
         self.default_tenant = default_tenant

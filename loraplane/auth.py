@@ -233,13 +233,12 @@ class KeyStore:
     def __init__(self, redis_url: str, key_prefix: str = "lp:"):
         if not redis_url:
             raise errors.FailedPrecondition("authentication needs a Redis server: LORAPLANE_REDIS_URL is empty")
-        import redis.asyncio as aioredis
+        from loraplane.redis_pool import async_redis
 
         self.redis_url = redis_url
         self.key_prefix = key_prefix
         self.prefix = key_prefix + "auth:"
-        self.redis = aioredis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5,
-                                             socket_connect_timeout=3)
+        self.redis = async_redis(redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=3)
 
     async def close(self) -> None:
         await self.redis.aclose()

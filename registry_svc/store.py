@@ -23,7 +23,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -35,6 +34,7 @@ from loraplane.config import Settings
 from loraplane.errors import shown
 from loraplane.fields import validate_alias, validate_name
 from loraplane.models.families import ALL_TARGETS
+from loraplane.redis_pool import async_redis
 from registry_svc import lua
 from registry_svc.blobs import BlobStore
 
@@ -356,12 +356,11 @@ class RegistryStore:
         # retried PUBLISH is safe (the script remembers its upload token); so are the other scripts' effects.
         common = {"decode_responses": True, "socket_connect_timeout": 3, "health_check_interval": 0,
                   "retry": Retry(ExponentialBackoff(cap=0.25, base=0.02), 3)}
-        self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, **common)
+        self.redis = async_redis(self.redis_url, socket_timeout=10, **common)
         # Blocking XREADs get their own pool and a timeout longer than the block. A short block bounds how long an
         # abandoned read lingers (see `_next_events`); new events still arrive at once.
         self._watch_block_ms = 1000
-        self.watch_redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=self._watch_block_ms / 1000 + 10,
-                                                   **common)
+        self.watch_redis = async_redis(self.redis_url, socket_timeout=self._watch_block_ms / 1000 + 10, **common)
         self.blobs = BlobStore(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key,
                                settings.s3_bucket, secure=settings.s3_secure, region=settings.s3_region)
         self.direct_downloads = settings.s3_direct_downloads

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Self
 
-import redis.asyncio as aioredis
 import redis.exceptions
 
 from loraplane import errors
+from loraplane.redis_pool import async_redis
 from loraplane.registry_client import EventType, RegistryClient, RegistryEvent, StoredVersion, VersionKind
 from sampler_svc.engines.base import Engine
 
@@ -117,8 +117,8 @@ class AdapterManager:
         self.watch_prefix = watch_prefix
         self.instance_id = instance_id
         self.state_key = f"{key_prefix}sampler:{instance_id}:state"
-        self._redis = aioredis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0,
-                                        retry_on_timeout=False) if redis_url else None
+        self._redis = async_redis(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0,
+                                  retry_on_timeout=False) if redis_url else None
 
         self.cursor = ""
         self.registry_connected = False
