@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     # tests choose the random `tiny` model explicitly (tests/conftest.py).
     base_model: str = "smollm2-135m-instruct"
     device: str = "cpu"
+    # What `python -m sampler_svc` (so also `loraplane up`) samples with: the in-process torch engine, or SGLang
+    # (servers the sampler launches, one per GPU, unless --sglang-url names running ones), and extra arguments for
+    # launched SGLang servers, space-separated (e.g. "--mem-fraction-static=0.3" beside a trainer on the same GPU).
+    sampler_engine: str = "torch"
+    sampler_sglang_args: str = ""
 
     # Durable training: with a Redis configured, the trainer journals every sequenced request there and
     # checkpoints to the registry, and a restart recovers every adapter. Trainers sharing one Redis need distinct

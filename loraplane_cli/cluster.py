@@ -75,6 +75,9 @@ def up(
     samplers: int = typer.Option(1, min=1, max=64, help="Run this many samplers as one fleet: clients and the "
                                  "gateway send each adapter to one of them (by affinity, spreading a hot adapter) "
                                  "and route around one that dies."),
+    sampler_engine: str = typer.Option(None, help="torch (in-process; the default) or sglang (each sampler launches "
+                                       "an SGLang server on a GPU; LORAPLANE_SAMPLER_ENGINE). Extra SGLang server "
+                                       "arguments: LORAPLANE_SAMPLER_SGLANG_ARGS."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
     services, wait until each is healthy, and print their endpoints. On a cluster that already runs, starts only
@@ -87,6 +90,11 @@ def up(
         raise typer.BadParameter(f"unknown service(s) {unknown}; choose from {list(SERVICE_NAMES)}",
                                  param_hint="--services")
     extra_env = {"LORAPLANE_BASE_MODEL": settings.base_model}
+    if sampler_engine is not None:
+        if sampler_engine not in ("torch", "sglang"):
+            raise typer.BadParameter(f"unknown engine {sampler_engine!r}: use torch or sglang",
+                                     param_hint="--sampler-engine")
+        extra_env["LORAPLANE_SAMPLER_ENGINE"] = sampler_engine
     try:
         with console.status("starting cluster") as status:
             state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth,

@@ -16,7 +16,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--registry-address", default=settings.registry_address,
                         help="host:port of the adapter registry (LORAPLANE_REGISTRY_ADDRESS)")
     parser.add_argument("--base-model", default=settings.base_model)
-    parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
+    parser.add_argument("--engine", choices=["torch", "sglang"], default=settings.sampler_engine,
+                        help="the in-process torch engine or SGLang (LORAPLANE_SAMPLER_ENGINE)")
     parser.add_argument("--instance-id", default=settings.sampler_id,
                         help="names this sampler (its replica id in a fleet) and its persisted watch cursor; reuse it "
                              "across restarts (LORAPLANE_SAMPLER_ID)")
@@ -39,10 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sglang-adapter-transport", choices=["auto", "file", "tensors"], default="auto",
                         help="how adapter versions reach SGLang: a PEFT directory on a shared disk (file), the "
                              "request body (tensors), or files for servers on this host and tensors otherwise (auto)")
-    parser.add_argument("--sglang-arg", action="append", default=[],
+    parser.add_argument("--sglang-arg", action="append", default=settings.sampler_sglang_args.split(),
                         help="extra argument for launched SGLang servers (repeatable), e.g. --sglang-arg=--dtype=bfloat16")
     parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.engine == "sglang" and not args.sglang_url and not args.sglang_launch:
+        args.sglang_launch = 1  # SGLang named and no server given: run one, as the torch engine runs in-process
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:

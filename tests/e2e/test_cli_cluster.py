@@ -84,6 +84,24 @@ def test_up_rejects_an_unknown_service(tmp_path):
     assert read_cluster_state(tmp_path / "c") is None
 
 
+def test_up_rejects_an_unknown_sampler_engine_and_the_sampler_reads_its_engine_from_the_environment(tmp_path,
+                                                                                                     monkeypatch):
+    result = _cli("up", "--data-dir", str(tmp_path / "c"), "--sampler-engine", "vllm")
+    assert result.returncode != 0
+    assert "vllm" in result.stdout + result.stderr and "--sampler-engine" in result.stdout + result.stderr
+    assert read_cluster_state(tmp_path / "c") is None
+    # What `up --sampler-engine sglang` hands the sampler process: SGLang, one launched server, the extra arguments.
+    from sampler_svc.__main__ import parse_args
+
+    assert parse_args([]).engine == "torch"
+    monkeypatch.setenv("LORAPLANE_SAMPLER_ENGINE", "sglang")
+    monkeypatch.setenv("LORAPLANE_SAMPLER_SGLANG_ARGS", "--mem-fraction-static=0.3")
+    args = parse_args(["--sglang-arg=--dtype=bfloat16"])
+    assert (args.engine, args.sglang_launch) == ("sglang", 1)
+    assert args.sglang_arg == ["--mem-fraction-static=0.3", "--dtype=bfloat16"]
+    assert parse_args(["--sglang-url", "http://h:1"]).sglang_launch == 0
+
+
 def _wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
