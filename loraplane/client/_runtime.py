@@ -15,7 +15,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Self, TypeVar
 
@@ -93,6 +94,9 @@ class ClientRuntime:
         # One channel per (address, identity): channels are shared by every client object that calls one service
         # as one identity, and never across identities (the key rides on the channel's interceptor).
         self._channels: dict[tuple[str, ClientSecurity | None], grpc.aio.Channel] = {}
+        # Channels on callers' own event loops (streams consumed there: no thread hop per message), per loop.
+        self._loop_channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict] = weakref.WeakKeyDictionary()
+        self._loop_lock = threading.Lock()
         self._default_security: ClientSecurity | None = None
 
     @property
@@ -120,6 +124,20 @@ class ClientRuntime:
             self._channels[key] = channel
         return channel
 
+    def channel_on(self, address: str, loop: asyncio.AbstractEventLoop) -> grpc.aio.Channel:
+        """A channel to `address` bound to `loop` (the caller's running loop, for a stream consumed there), as
+        `channel` binds one to the runtime's: same identity, TLS and options, one per (address, identity, loop)."""
+        if loop is self.loop:
+            return self.channel(address)
+        security = self._security_of(address)
+        key = (str(address), security)
+        with self._loop_lock:
+            channels = self._loop_channels.setdefault(loop, {})
+            channel = channels.get(key)
+            if channel is None:
+                channel = channels[key] = aio_channel(str(address), security, options=_client_channel_options())
+            return channel
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
@@ -139,7 +157,43 @@ class ClientRuntime:
 
     def close(self) -> None:
         self.close_channels()
+        # Channels of callers' loops: closed where their loop still runs; the others are only dropped (a closed
+        # loop cannot run a close).
+        with self._loop_lock:
+            loop_channels = list(self._loop_channels.items())
+            self._loop_channels.clear()
+        for loop, channels in loop_channels:
+            if not loop.is_closed() and loop.is_running():
+                for channel in channels.values():
+                    with contextlib.suppress(Exception):
+                        asyncio.run_coroutine_threadsafe(channel.close(), loop)
         self._loop.close()
+
+
+async def stream_with_retry(open_stream: Callable[[float | None], AsyncIterator[T]], retry: RetryConfig, *,
+                            method: str, address: str) -> AsyncIterator[T]:
+    """The items of the stream `open_stream(timeout)` opens. A failure before its first item is retried as
+    `call_with_retry` retries a unary call; after it, it ends the stream (what was delivered stays delivered).
+    Raises the SDK's APIError subclass for the final status."""
+    started = time.monotonic()
+    backoff = retry.initial_backoff_s
+    attempts = 0
+    while True:
+        attempts += 1
+        delivered = False
+        try:
+            async for item in open_stream(retry.attempt_timeout_s):
+                delivered = True
+                yield item
+            return
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            elapsed = time.monotonic() - started
+            if (delivered or code not in retry.codes or attempts >= retry.max_attempts
+                    or elapsed >= retry.total_timeout_s):
+                raise error_from_rpc(exc, method=method, address=address, attempts=attempts) from None
+        await asyncio.sleep(min(backoff, retry.max_backoff_s) * random.uniform(0.8, 1.2))
+        backoff *= retry.multiplier
 
 
 class Handoff:
@@ -268,4 +322,5 @@ async def call_with_retry(attempt: Callable[[float | None], Awaitable[T]], retry
         backoff *= retry.multiplier
 
 
-__all__ = ["NO_RETRY", "APIError", "ClientRuntime", "Endpoint", "Handoff", "RetryConfig", "call_with_retry", "runtime"]
+__all__ = ["NO_RETRY", "APIError", "ClientRuntime", "Endpoint", "Handoff", "RetryConfig", "call_with_retry", "runtime",
+           "stream_with_retry"]

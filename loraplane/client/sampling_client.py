@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
-from loraplane.client._runtime import Handoff, RetryConfig, call_with_retry, runtime
-from loraplane.client.errors import error_from_rpc
+from loraplane.client._runtime import Handoff, RetryConfig, runtime, stream_with_retry
 from loraplane.client.futures import APIFuture
-from loraplane.client.sampler_routing import routed_call, router_for
+from loraplane.client.sampler_routing import SamplerRouter, routed_call, router_for
 from loraplane.client.tokenizer import fetch_tokenizer
 from loraplane.client.types import (
     _STOP_REASONS,
@@ -44,11 +43,22 @@ class SampleStreamChunk:
                    stop_reason=_STOP_REASONS.get(proto.finish_reason), served_version=proto.served_version)
 
 
-class _StreamStarted(Exception):
-    """A stream failed after its first message: never retried (its tokens were delivered), reported as is."""
+# Replica routers of callers' own event loops (a router's refresh task and channels belong to one loop), per loop
+# and per (seed address, identity), as router_for keeps them for the client's I/O loop.
+_loop_routers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict] = weakref.WeakKeyDictionary()
+_loop_routers_lock = threading.Lock()
 
-    def __init__(self, error: BaseException):
-        self.error = error
+
+def _router_on(seed: str, loop: asyncio.AbstractEventLoop) -> SamplerRouter:
+    if loop is runtime().loop:
+        return router_for(seed)
+    key = (str(seed), getattr(seed, "security", None))
+    with _loop_routers_lock:
+        routers = _loop_routers.setdefault(loop, {})
+        router = routers.get(key)
+        if router is None:
+            router = routers[key] = SamplerRouter(seed, lambda address: runtime().channel_on(address, loop))
+        return router
 
 
 class SamplingClient:
@@ -139,29 +149,19 @@ class SamplingClient:
         return sampler_pb2.SampleStreamRequest(adapter=self._ref(), prompt_tokens=as_model_input(prompt).tokens,
                                                num_samples=num_samples, sampling_params=params.to_proto())
 
+    def _messages(self, router: SamplerRouter, request: sampler_pb2.SampleStreamRequest):
+        """The stream's messages from the adapter's replica (another one, then the retry policy, before the first
+        message), on the loop `router` lives on."""
+        return stream_with_retry(
+            lambda timeout: router.stream(self.adapter, lambda stub: stub.SampleStream(request, timeout=timeout)),
+            self.retry, method="SampleStream", address=self.sampler_address)
+
     async def _produce(self, request: sampler_pb2.SampleStreamRequest, handoff: Handoff) -> None:
-        """On the runtime's loop: the stream's messages into `handoff`, as they arrive (no conversion here: the
-        loop serves every call of the process). Before the first message a failure is retried (another replica,
-        then the retry policy); after it, it ends the stream."""
-        router = router_for(self.sampler_address)
-
-        async def attempt(timeout: float | None) -> None:
-            started = False
-            try:
-                async for message in router.stream(self.adapter,
-                                                   lambda stub: stub.SampleStream(request, timeout=timeout)):
-                    started = True
-                    handoff.put(message)
-            except grpc.RpcError as exc:
-                if started:
-                    raise _StreamStarted(error_from_rpc(exc, method="SampleStream", address=self.sampler_address)
-                                         ) from None
-                raise
-
+        """On the runtime's loop, for a consumer on another thread: the messages into `handoff` as they arrive (no
+        conversion here: this loop serves every call of the process)."""
         try:
-            await call_with_retry(attempt, self.retry, method="SampleStream", address=self.sampler_address)
-        except _StreamStarted as exc:
-            handoff.finish(exc.error)
+            async for message in self._messages(router_for(self.sampler_address), request):
+                handoff.put(message)
         except asyncio.CancelledError:
             handoff.finish(asyncio.CancelledError())
             raise
@@ -170,28 +170,26 @@ class SamplingClient:
         else:
             handoff.finish()
 
-    def _open_stream(self, prompt, num_samples: int, sampling_params: SamplingParams | None):
-        request = self._stream_request(prompt, num_samples, sampling_params)
-        handoff = Handoff()
-        return handoff, runtime().submit(self._produce(request, handoff))
-
     async def sample_stream_async(self, prompt, num_samples: int = 1,
                                   sampling_params: SamplingParams | None = None) -> AsyncIterator[SampleStreamChunk]:
         """The generated tokens as the sampler produces them (SampleStream): chunks of each of the `num_samples`
         sequences, in order per sequence, every token once. Leaving the loop early (break, an exception, the task
-        cancelled) cancels the request on the sampler. Errors are the SDK's APIError subclasses, as for `sample`."""
-        handoff, producer = self._open_stream(prompt, num_samples, sampling_params)
-        try:
-            while messages := await handoff.take():
-                for message in messages:
-                    yield SampleStreamChunk.from_proto(message)
-        finally:
-            producer.cancel()
+        cancelled) cancels the request on the sampler. Errors are the SDK's APIError subclasses, as for `sample`.
+
+        The stream runs on the caller's own event loop (a channel and replica router of that loop), so its
+        messages reach the consumer with no hop between threads."""
+        request = self._stream_request(prompt, num_samples, sampling_params)
+        loop = asyncio.get_running_loop()
+        async for message in self._messages(_router_on(self.sampler_address, loop), request):
+            yield SampleStreamChunk.from_proto(message)
 
     def sample_stream(self, prompt, num_samples: int = 1,
                       sampling_params: SamplingParams | None = None) -> Iterator[SampleStreamChunk]:
-        """`sample_stream_async` for a thread without an event loop: blocks for each chunk."""
-        handoff, producer = self._open_stream(prompt, num_samples, sampling_params)
+        """`sample_stream_async` for a thread without an event loop: blocks for each chunk. The stream runs on the
+        client's I/O loop and reaches this thread in batches (`Handoff`: one wake-up per batch, not per message)."""
+        request = self._stream_request(prompt, num_samples, sampling_params)
+        handoff = Handoff()
+        producer = runtime().submit(self._produce(request, handoff))
         try:
             while messages := handoff.take_blocking():
                 for message in messages:
