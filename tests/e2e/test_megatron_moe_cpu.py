@@ -202,6 +202,27 @@ def single_rank(name: str, root: Path) -> dict:
         worst_grad = max(worst_grad, ((flat(fgrads[k] for k in sorted(grads)) - want).norm() / want.norm()).item())
     report["fused_lp_max_abs"], report["fused_grad_rel"] = worst_lp, worst_grad
 
+    # Two shared-outer tenants of different ranks fused: every expert adapter of the batch shares gate_up's A and
+    # down's B, so those go on the token rows (BatchRouting.token_shared) rather than on each token's k expert rows;
+    # each tenant still gets what it gets alone.
+    shared = {f"so{r}": LoraSpec.create(r, 2.0 * r, [], seed=20 + r, expert_layout="shared_outer",
+                                        available=available) for r in (4, 2)}
+    alone_shared = {}
+    for i, (n, sspec) in enumerate(shared.items()):
+        sparams = random_adapter(reference, sspec, seed=30 + i)
+        lp, _ = logprobs_of(backend, make_state(n, sspec, sparams, "cpu"), data, backward=True)
+        (grads,) = backend.driver.call("gather", {"name": n, "rows": [1]})
+        alone_shared[n] = (make_state(n, sspec, sparams, "cpu"), lp, grads)
+    fused = backend.run([BatchItem(st, data, "cross_entropy", {}) for st, _, _ in alone_shared.values()],
+                        backward=True)
+    worst_lp = worst_grad = 0.0
+    for (n, (st, lp, grads)), result in zip(alone_shared.items(), fused, strict=True):
+        worst_lp = max(worst_lp, _max_abs(flat(torch.tensor(o.logprobs) for o in result.outputs), flat(lp)))
+        (fgrads,) = backend.driver.call("gather", {"name": n, "rows": [1]})
+        want = flat(grads[k] for k in sorted(grads))
+        worst_grad = max(worst_grad, ((flat(fgrads[k] for k in sorted(grads)) - want).norm() / want.norm()).item())
+    report["fused_shared_lp_max_abs"], report["fused_shared_grad_rel"] = worst_lp, worst_grad
+
     # Every layer recomputed in the backward (the router, dispatcher and expert LoRA run again inside it, with the
     # batch's tenant slots put back in force): the same logprobs and gradients.
     recomputing = MegatronBackend(str(directory), dtype=torch.float32, device_slots=4, recompute="full")
@@ -388,6 +409,9 @@ def test_fused_expert_tenants_each_get_what_they_get_alone(measured, name):
     assert "failed" not in m, m.get("failed")
     assert m["fused_lp_max_abs"] <= 1e-5
     assert m["fused_grad_rel"] <= 1e-5
+    # Two shared-outer tenants of ranks 4 and 2 (their shared factors applied on the token rows).
+    assert m["fused_shared_lp_max_abs"] <= 1e-5
+    assert m["fused_shared_grad_rel"] <= 1e-5
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -144,6 +144,16 @@ class RowSegment:
     adapter: AdapterTensors | None
 
 
+@dataclass(frozen=True)
+class ExpertTokens:
+    """The local MoE path's view of the expert rows as copies of the token rows: ``x`` the token rows ``[T, in]``,
+    ``tok`` the token of each row ``[rows]``, ``where`` the rows of each token's k copies ``[T, k]``."""
+
+    x: torch.Tensor
+    tok: torch.Tensor
+    where: torch.Tensor
+
+
 _local = threading.local()  # the active routing, per thread
 
 
@@ -407,20 +417,31 @@ class BatchRouting:
                 g = g.sum(0, keepdim=True)
             sink.add_(g, alpha=factor) if factor != 1.0 else sink.add_(g)
 
-    def expert_lora_forward(self, target: str, position: int, route, x: torch.Tensor,
-                            out: torch.Tensor) -> torch.Tensor:
+    def expert_lora_forward(self, target: str, position: int, route, x: torch.Tensor, out: torch.Tensor,
+                            tokens: ExpertTokens | None = None) -> torch.Tensor:
         """Adds ``scale * B_e (A_e x)`` of each row's adapter and expert into the expert GEMM's output ``out`` in
         place: rows sorted by expert then adapter slot (:class:`.moe.ExpertRoute`), so each tenant x expert
         segment is one group of two grouped GEMMs (:func:`.moe.segment_mm`), whatever mix of tenants the batch
         fuses. Returns the mid ``A_e x`` (``[rows, r]``) that :meth:`expert_lora_backward` takes. Called inside
-        :class:`.moe._ExpertMLP`, whose backward calls :meth:`expert_lora_backward`."""
+        :class:`.moe._ExpertMLP`, whose backward calls :meth:`expert_lora_backward`.
+
+        ``tokens`` (the local MoE path: the rows are the k copies of the layer's token rows): a factor that every
+        expert adapter of the batch shares across its experts (the shared-outer layout's gate_up A and down B) is
+        applied to the token rows instead of their k copies. The shared A: ``mid = (x_t A_j^T)`` per token, then
+        gathered to its rows; the shared B: not added here but by :meth:`expert_lora_combine` after the k rows are
+        summed, ``B_j (sum_k mid)``, since B is linear and the same for a token's k rows."""
         from .moe import segment_mm
 
         cd = self.lora.compute_dtype
-        xc = x if x.dtype == cd else x.to(cd)
         offs, counts = route.slot_offs, _lora_counts(route, self, target)
         self.lora.expert_gemms["expert_lora_loop" if counts is not None else "expert_lora_grouped"] += 1
-        mid = segment_mm(xc, self.expert_stack(target, "A", position).transpose(1, 2), offs, counts)
+        if self.token_shared(target, "A", tokens):
+            mid = self._token_mm(tokens.x, target, "A", position, transpose=True).index_select(0, tokens.tok)
+        else:
+            xc = x if x.dtype == cd else x.to(cd)
+            mid = segment_mm(xc, self.expert_stack(target, "A", position).transpose(1, 2), offs, counts)
+        if self.token_shared(target, "B", tokens):
+            return mid
         b = self.expert_stack(target, "B", position)
         if out.dtype == cd:
             segment_mm(mid, b, offs, counts, acc=out)
@@ -428,21 +449,44 @@ class BatchRouting:
             out.add_(segment_mm(mid, b, offs, counts).to(out.dtype))
         return mid
 
-    def expert_lora_backward(self, target: str, position: int, route, x: torch.Tensor, mid: torch.Tensor,
-                             g: torch.Tensor, g_x: torch.Tensor | None) -> None:
-        """The backward of :meth:`expert_lora_forward` for the output gradient ``g``: the A and B gradients into
-        each adapter's sinks (:meth:`add_expert_grad`) and, when ``g_x`` is given, the input gradient added into
-        it in place."""
-        from .moe import segment_mm, segment_outer
+    def expert_lora_combine(self, target: str, position: int, mid: torch.Tensor, tokens: ExpertTokens,
+                            y: torch.Tensor) -> None:
+        """After the sum of each token's k rows into ``y [T, out]``: the shared B's delta ``scale_j B_j (sum_k
+        mid)`` of each token (nothing unless every expert adapter shares this target's B)."""
+        from .moe import _sum_copies
+
+        if not self.token_shared(target, "B", tokens):
+            return
+        delta = self._token_mm(_sum_copies(mid, tokens.where), target, "B", position, transpose=False)
+        y.add_(delta if delta.dtype == y.dtype else delta.to(y.dtype))
+
+    def expert_lora_backward(self, target: str, position: int, route, x: torch.Tensor | None, mid: torch.Tensor,
+                             g: torch.Tensor, g_x: torch.Tensor | None, tokens: ExpertTokens | None = None,
+                             g_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The backward of :meth:`expert_lora_forward` (and :meth:`expert_lora_combine`) for the output gradient
+        ``g`` of the rows (``g_tokens``: of the token rows, for a shared B): the A and B gradients into each
+        adapter's sinks (:meth:`add_expert_grad`) and, when ``g_x`` is given, the input gradient of the rows added
+        into it in place. A shared A's input gradient belongs to the token rows: returned (``[T, in]``), else
+        None. ``x`` (the rows) may be None where the A is shared."""
+        from .moe import _sum_copies, segment_mm, segment_outer
 
         cd = self.lora.compute_dtype
-        xc = x if x.dtype == cd else x.to(cd)
-        gc = (g if g.dtype == cd else g.to(cd)).contiguous()
         offs, counts = route.slot_offs, _lora_counts(route, self, target)
-        bt = self.expert_stack(target, "B", position)
-        self.add_expert_grad(target, "B", position, segment_outer(mid, gc, offs, counts))
-        g_mid = segment_mm(gc, bt.transpose(1, 2), offs, counts)
-        del bt
+        if self.token_shared(target, "B", tokens):
+            gt = g_tokens if g_tokens.dtype == cd else g_tokens.to(cd)
+            mid_tok = _sum_copies(mid, tokens.where)
+            g_mid = self._token_grads(mid_tok, gt, target, "B", position).index_select(0, tokens.tok)
+        else:
+            gc = (g if g.dtype == cd else g.to(cd)).contiguous()
+            bt = self.expert_stack(target, "B", position)
+            self.add_expert_grad(target, "B", position, segment_outer(mid, gc, offs, counts))
+            g_mid = segment_mm(gc, bt.transpose(1, 2), offs, counts)
+            del bt, gc
+        if self.token_shared(target, "A", tokens):
+            xt = tokens.x if tokens.x.dtype == cd else tokens.x.to(cd)
+            return self._token_grads(_sum_copies(g_mid, tokens.where), xt, target, "A", position,
+                                     input_grad=g_x is not None)
+        xc = x if x.dtype == cd else x.to(cd)
         self.add_expert_grad(target, "A", position, segment_outer(g_mid, xc, offs, counts))
         if g_x is not None:
             a = self.expert_stack(target, "A", position)
@@ -450,6 +494,69 @@ class BatchRouting:
                 segment_mm(g_mid, a, offs, counts, acc=g_x)
             else:
                 g_x.add_(segment_mm(g_mid, a, offs, counts).to(g_x.dtype))
+        return None
+
+    # -- shared factors on the token rows (the local MoE path) ----------------------------------------------------
+
+    def token_shared(self, target: str, which: str, tokens: ExpertTokens | None) -> bool:
+        """Whether ``target``'s ``which`` factor goes on the token rows: the local path, and every expert adapter of
+        the batch shares the factor across its experts (one block in its storage)."""
+        if tokens is None:
+            return False
+        name = f"{target}.{which}"
+        return all(s.adapter.params[name].shape[1] == 1 for s in self.expert_members)
+
+    def _token_factor(self, seg: RowSegment, target: str, which: str, position: int) -> torch.Tensor:
+        """One adapter's shared factor ``[r, dim]`` in the compute dtype (B transposed and times the scale, as
+        :meth:`expert_stack` stores it: the same rounding)."""
+        a = seg.adapter
+        t = a.params[f"{target}.{which}"][position][0]
+        if which == "B":
+            t = t * a.scale
+        return t if t.dtype == self.lora.compute_dtype else t.to(self.lora.compute_dtype)
+
+    def _token_mm(self, rows: torch.Tensor, target: str, which: str, position: int, transpose: bool) -> torch.Tensor:
+        """Each expert adapter's token range times its shared factor: ``rows[t] @ F_j^T`` (A: ``[T, r_max]``) or
+        ``rows[t, :r_j] @ F_j`` (B^T: ``[T, out]``); zero rows for tokens of no expert adapter."""
+        cd = self.lora.compute_dtype
+        rows = rows if rows.dtype == cd else rows.to(cd)
+        r_max = max(s.adapter.rank for s in self.expert_members)
+        dim = self.expert_members[0].adapter.params[f"{target}.{which}"].shape[-1]
+        out = rows.new_zeros(rows.shape[0], r_max if transpose else dim)
+        for seg in self.expert_members:
+            f = self._token_factor(seg, target, which, position)
+            r = seg.adapter.rank
+            if transpose:
+                out[seg.start : seg.end, :r] = rows[seg.start : seg.end] @ f.t()
+            else:
+                out[seg.start : seg.end] = rows[seg.start : seg.end, :r] @ f
+        return out
+
+    def _token_grads(self, g_mid_tok: torch.Tensor, other: torch.Tensor, target: str, which: str, position: int,
+                     input_grad: bool = True) -> torch.Tensor | None:
+        """The gradients of a shared factor from the token rows: B (``other`` = the output gradient ``[T, out]``,
+        ``g_mid_tok`` = the summed mids): ``B^T``'s gradient ``mid^T g`` into the sinks, returns the mids' gradient
+        ``g B`` (``[T, r_max]``); A (``other`` = the token rows ``[T, in]``, ``g_mid_tok`` = the mids' gradient
+        summed over each token's k rows): A's gradient ``g_mid^T x`` into the sinks, returns the token rows' input
+        gradient ``g_mid A`` (``[T, in]``, when ``input_grad``)."""
+        r_max = g_mid_tok.shape[1]
+        if which == "B":
+            back = other.new_zeros(other.shape[0], r_max)
+        else:
+            back = other.new_zeros(other.shape) if input_grad else None
+        for seg in self.expert_members:
+            a, r = seg.adapter, seg.adapter.rank
+            m, o = g_mid_tok[seg.start : seg.end, :r], other[seg.start : seg.end]
+            factor = self.expert_grad_scale * (a.scale if which == "B" else 1.0)
+            sink = a.grads[f"{target}.{which}"][position][0]
+            grad = (m.t() @ o).float()
+            sink.add_(grad, alpha=factor) if factor != 1.0 else sink.add_(grad)
+            f = self._token_factor(seg, target, which, position)
+            if which == "B":
+                back[seg.start : seg.end, :r] = o @ f.t()
+            elif back is not None:
+                back[seg.start : seg.end].add_(m @ f)
+        return back
 
     @property
     def mode(self) -> str:

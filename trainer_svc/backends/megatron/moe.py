@@ -191,6 +191,16 @@ def _sum_copies(rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, where.reshape(-1)).view(*where.shape, -1).sum(1)
 
 
+def _tokens(x: torch.Tensor, probs: torch.Tensor, plan):
+    """The local path's token view of the expert rows, for the LoRA factors shared across experts (None under the
+    dispatcher or without expert LoRA)."""
+    if plan.tok is None or plan.lora is None:
+        return None
+    from .lora import ExpertTokens
+
+    return ExpertTokens(x, plan.tok, plan.inv.view(probs.shape))
+
+
 class _ExpertMLP(torch.autograd.Function):
     """The routed experts of one MoE layer as ONE autograd node: ``out_i = E_e(p_i x_i)``-style SwiGLU experts with
     the routed adapters' expert LoRA, each row ``i`` (a token's copy for expert ``e``) weighted by its routing
@@ -217,22 +227,27 @@ class _ExpertMLP(torch.autograd.Function):
     def forward(ctx, x, probs, anchor, plan):
         experts, route, lora = plan.experts, plan.route, plan.lora
         local = plan.tok is not None
+        tokens = _tokens(x, probs, plan)
         xs = x.index_select(0, plan.tok) if local else x
         p = (probs.reshape(-1)[plan.order] if local else probs).to(x.dtype)
         h = segment_mm(xs, experts.weight1.transpose(1, 2), route.offs, route.counts)
         mid1 = mid2 = None
         if lora is not None:
-            mid1 = lora.expert_lora_forward("experts.gate_up_proj", plan.position, route, xs, h)
+            mid1 = lora.expert_lora_forward("experts.gate_up_proj", plan.position, route, xs, h, tokens)
+        del xs
         pa = _Fused.forward(h, p.unsqueeze(-1))
         out = segment_mm(pa, experts.weight2.transpose(1, 2), route.offs, route.counts)
         if lora is not None:
-            mid2 = lora.expert_lora_forward("experts.down_proj", plan.position, route, pa, out)
-        del pa, xs
+            mid2 = lora.expert_lora_forward("experts.down_proj", plan.position, route, pa, out, tokens)
+        del pa
         ctx.save_for_backward(x, probs, h, mid1, mid2)
         ctx.plan = plan
         if not local:
             return out
-        return _sum_copies(out, plan.inv.view(probs.shape))
+        y = _sum_copies(out, plan.inv.view(probs.shape))
+        if lora is not None:
+            lora.expert_lora_combine("experts.down_proj", plan.position, mid2, tokens, y)
+        return y
 
     @staticmethod
     def backward(ctx, g):
@@ -246,9 +261,10 @@ class _ExpertMLP(torch.autograd.Function):
         # The gradient of the down projection's input p*a, base and LoRA (the LoRA's A and B gradients land in the
         # adapters' sinks on the way), then SwiGLU's (with the routing weight's).
         g_pa = segment_mm(g_rows, experts.weight2, route.offs, route.counts)
+        tokens = _tokens(x, probs, plan)
         if lora is not None:
             lora.expert_lora_backward("experts.down_proj", plan.position, route, _Fused.forward(h, p), mid2, g_rows,
-                                      g_pa)
+                                      g_pa, tokens, g)
         del g_rows
         g_h, g_p = _Fused.backward(g_pa, h, p)
         del g_pa
@@ -259,11 +275,17 @@ class _ExpertMLP(torch.autograd.Function):
         g_x = None
         if ctx.needs_input_grad[0] or lora is not None:
             g_xs = segment_mm(g_h, experts.weight1, route.offs, route.counts) if ctx.needs_input_grad[0] else None
+            g_tok = None
             if lora is not None:
-                xs = x.index_select(0, plan.tok) if local else x
-                lora.expert_lora_backward("experts.gate_up_proj", plan.position, route, xs, mid1, g_h, g_xs)
+                xs = None
+                if not lora.token_shared("experts.gate_up_proj", "A", tokens):
+                    xs = x.index_select(0, plan.tok) if local else x
+                g_tok = lora.expert_lora_backward("experts.gate_up_proj", plan.position, route, xs, mid1, g_h, g_xs,
+                                                  tokens)
             if g_xs is not None:
                 g_x = _sum_copies(g_xs, plan.inv.view(probs.shape)) if local else g_xs
+                if g_tok is not None:
+                    g_x.add_(g_tok if g_tok.dtype == g_x.dtype else g_tok.to(g_x.dtype))
         return g_x, g_probs, None, None
 
 
