@@ -178,6 +178,8 @@ def main() -> None:
             for src, name in ((data_dir / "logs", "cluster"), (work / "log", "recipe")):
                 if src.exists():
                     shutil.copytree(src, Path(args.keep_logs) / name, dirs_exist_ok=True)
+            for log in data_dir.glob("**/sglang/server-*.log"):  # a sampler's SGLang servers (not their model copy)
+                shutil.copy(log, Path(args.keep_logs) / "cluster" / f"sglang-{log.name}")
     summary = summarize(work / "log", cfg, wall, device)
     shutil.rmtree(work, ignore_errors=True)
     out = Path(args.out)
