@@ -410,11 +410,11 @@ class BatchRouting:
         grad = grad.view(self.lora.local_experts, self.lora.expert_slots + 1, grad.shape[-2], grad.shape[-1])
         for j, seg in enumerate(self.expert_members):
             a = seg.adapter
-            g = grad[:, j, : a.rank].float()
+            g = grad[:, j, : a.rank]  # added into the fp32 sink as it is (no fp32 copy of a per-expert block)
             factor = self.expert_grad_scale * (a.scale if which == "B" else 1.0)
             sink = a.grads[name][position]
             if sink.shape[0] == 1 and g.shape[0] > 1:
-                g = g.sum(0, keepdim=True)
+                g = g.sum(0, keepdim=True, dtype=torch.float32)
             sink.add_(g, alpha=factor) if factor != 1.0 else sink.add_(g)
 
     def expert_lora_forward(self, target: str, position: int, route, x: torch.Tensor, out: torch.Tensor,
