@@ -474,8 +474,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lora-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--hf-experts", default="grouped_mm", help="transformers' experts_implementation for PEFT")
     ap.add_argument("--attention", default=None, choices=["sdpa", "unfused"])
-    ap.add_argument("--recompute", default="full", choices=["auto", "none", "full"],
-                    help="megatron's activation recomputation (full: as the PEFT loop's gradient checkpointing)")
+    ap.add_argument("--recompute", default="full", choices=["auto", "none", "full", "selective"],
+                    help="megatron's activation recomputation (full: as the PEFT loop's gradient checkpointing; "
+                         "selective: every layer's attention half, the experts' activations kept)")
     ap.add_argument("--peft-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--peft-loss", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--expert-slots", type=int, default=0,

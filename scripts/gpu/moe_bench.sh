@@ -19,8 +19,10 @@
 #   one call on one H100 (under 9 minutes; each case capped by its own timeout):
 #     h100    vs-peft with one profiled step of each contender (kernel families into summary.log), then fused
 #             (8 tenants x 1 x 2048 tokens against 1 tenant x 8 x 2048: the same 16k tokens per step, the 1-tenant
-#             contender being the first of the 8), then the trainer alone with --recompute auto (layers recomputed
-#             only as memory demands, against vs-peft's full recomputation), then gpu-tests
+#             contender being the first of the 8), then the trainer alone (per-expert) with --recompute selective
+#             (every layer's attention half recomputed, the experts' activations kept) and with --recompute auto
+#             (micro-batches / layers recomputed only as memory demands), against vs-peft's full recomputation,
+#             then gpu-tests
 # Single-GPU cases run on GPU 0. A case that runs past CASE_TIMEOUT seconds (default 300) is stopped; what the others
 # measured still returns. Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh
 # as for scripts/gpu/trainer_vs_peft.sh). JSON + logs come back in $OUT as one tar, with summary.log beside it.
@@ -81,16 +83,18 @@ for c in ${*:-$default}; do
                --rounds ${ROUNDS:-3} --warmup 1
              ep qwen3moe48_ep${n}_shared_outer_$((2 * n))t "$n" --shape qwen3-30b-a3b --contenders shared_outer:$((2 * n)) \
                --rounds ${ROUNDS:-3} --warmup 1 ;;
-    h100) CASE_TIMEOUT=190 single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1 \
+    h100) CASE_TIMEOUT=170 single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1 \
             --rounds ${ROUNDS:-3} --warmup 1 --profile "$OUT/profile"
           for f in "$OUT"/profile/profile_*.txt; do
             [ -f "$f" ] && { echo "-- $(basename "$f")"; head -8 "$f"; } | summary
           done
-          CASE_TIMEOUT=130 single qwen3moe24_8x2048_fused --shape qwen3-30b-a3b-24l \
+          CASE_TIMEOUT=120 single qwen3moe24_8x2048_fused --shape qwen3-30b-a3b-24l \
             --contenders shared_outer:1,shared_outer:8 --no-peft --recompute auto --rounds ${ROUNDS:-3} --warmup 1
-          CASE_TIMEOUT=90 single qwen3moe24_8x2048_trainer_recompute_auto --shape qwen3-30b-a3b-24l \
+          CASE_TIMEOUT=80 single qwen3moe24_8x2048_trainer_recompute_selective --shape qwen3-30b-a3b-24l \
+            --contenders per_expert:1 --no-peft --recompute selective --rounds ${ROUNDS:-3} --warmup 1
+          CASE_TIMEOUT=70 single qwen3moe24_8x2048_trainer_recompute_auto --shape qwen3-30b-a3b-24l \
             --contenders per_expert:1 --no-peft --recompute auto --rounds ${ROUNDS:-3} --warmup 1
-          CASE_TIMEOUT=100 gpu_tests ;;
+          CASE_TIMEOUT=90 gpu_tests ;;
     gpu-tests) gpu_tests ;;
     *) echo "unknown case $c" | summary ;;
   esac

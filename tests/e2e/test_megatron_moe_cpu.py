@@ -224,16 +224,18 @@ def single_rank(name: str, root: Path) -> dict:
     report["fused_shared_lp_max_abs"], report["fused_shared_grad_rel"] = worst_lp, worst_grad
 
     # Every layer recomputed in the backward (the router, dispatcher and expert LoRA run again inside it, with the
-    # batch's tenant slots put back in force): the same logprobs and gradients.
-    recomputing = MegatronBackend(str(directory), dtype=torch.float32, device_slots=4, recompute="full")
+    # batch's tenant slots put back in force), or only every layer's attention half (selective): the same logprobs
+    # and gradients.
     st, lp, grads = alone["per_expert"]
-    rlp, _ = logprobs_of(recomputing, make_state("r", st.spec, {k: v.detach() for k, v in st.params.items()}, "cpu"),
-                         data, backward=True)
-    (rgrads,) = recomputing.driver.call("gather", {"name": "r", "rows": [1]})
     want = flat(grads[k] for k in sorted(grads))
-    report["recompute_layers"] = recomputing.engine.stats["recomputed_layers"]
-    report["recompute_lp_max_abs"] = _max_abs(flat(rlp), flat(lp))
-    report["recompute_grad_rel"] = ((flat(rgrads[k] for k in sorted(grads)) - want).norm() / want.norm()).item()
+    for mode, key in (("full", "recompute"), ("selective", "selective")):
+        recomputing = MegatronBackend(str(directory), dtype=torch.float32, device_slots=4, recompute=mode)
+        rlp, _ = logprobs_of(recomputing, make_state("r", st.spec, {k: v.detach() for k, v in st.params.items()},
+                                                     "cpu"), data, backward=True)
+        (rgrads,) = recomputing.driver.call("gather", {"name": "r", "rows": [1]})
+        report[f"{key}_layers"] = recomputing.engine.stats["recomputed_layers"]
+        report[f"{key}_lp_max_abs"] = _max_abs(flat(rlp), flat(lp))
+        report[f"{key}_grad_rel"] = ((flat(rgrads[k] for k in sorted(grads)) - want).norm() / want.norm()).item()
     return report
 
 
@@ -418,9 +420,10 @@ def test_fused_expert_tenants_each_get_what_they_get_alone(measured, name):
 def test_recomputed_moe_layers_give_the_same_gradients(measured, name):
     m = measured[name]
     assert "failed" not in m, m.get("failed")
-    assert m["recompute_layers"] == 2
-    assert m["recompute_lp_max_abs"] <= 1e-6
-    assert m["recompute_grad_rel"] <= 1e-6
+    for key in ("recompute", "selective"):  # whole layers; attention halves only
+        assert m[f"{key}_layers"] == 2
+        assert m[f"{key}_lp_max_abs"] <= 1e-6
+        assert m[f"{key}_grad_rel"] <= 1e-6
 
 
 @pytest.mark.parametrize(("nproc", "tp"), [(2, 1), (2, 2), (4, 2)])

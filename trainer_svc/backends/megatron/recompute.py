@@ -12,6 +12,11 @@ so what remains per token and layer is the projections' and the MLP's activation
 values; ``3ffn`` with the fused SwiGLU); only whole-layer recomputation removes those. ``plan()`` picks the smallest
 number of layers to recompute (the first ``k``, like megatron's ``block`` method) so that the estimate fits the free
 device memory, so a batch that fits runs without any recomputation.
+
+``selective`` (MoE models): every layer's attention half is recomputed and its MLP half kept. An MoE layer's experts
+(:class:`.moe._ExpertMLP`) keep only fc1's output and the LoRA mids (about ``k·2F`` values per token) and would
+otherwise rerun the dispatch, both grouped GEMMs and the expert LoRA in the recomputation; the attention half is
+the cheaper one to run twice.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .layout import LlamaShape
 
-MODES = ("auto", "none", "full")
+MODES = ("auto", "none", "full", "selective")
 
 
 class LayerRecompute:
@@ -43,7 +48,13 @@ class LayerRecompute:
         self.model_config = model.config
         self.count = 0  # layers [0, count) are recomputed in the next forward
         for i, layer in enumerate(self.layers):
-            layer.forward = self._wrap(i, layer.forward)
+            if mode == "selective":
+                # Only the attention half of every layer (its norm, projections, attention): its activations are
+                # recomputed, the MLP's / experts' kept (an MoE layer's experts keep fc1's output and the LoRA mids;
+                # recomputing them would rerun the grouped GEMMs, dispatch and LoRA).
+                layer._forward_attention = self._wrap(i, layer._forward_attention)
+            else:
+                layer.forward = self._wrap(i, layer.forward)
 
     def _wrap(self, index: int, forward):
         def run(*args, **kwargs):
@@ -89,7 +100,7 @@ class LayerRecompute:
         n = len(self.layers)
         if not backward or self.mode == "none":
             self.count = 0
-        elif self.mode == "full":
+        elif self.mode in ("full", "selective"):
             self.count = n
         elif device.type != "cuda":
             self.count = 0
