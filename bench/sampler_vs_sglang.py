@@ -43,7 +43,7 @@ from loraplane.config import Settings
 from loraplane.local.processes import free_port, seaweed_s3_server, valkey_server, wait_until
 from loraplane.models import load_base_model
 from loraplane.registry_client import RegistryClient
-from loraplane.rpc import BackgroundLoop, check_health
+from loraplane.rpc import BackgroundLoop, check_health, quiet_grpc_poller
 from loraplane.v1 import common_pb2
 from registry_svc.server import start_registry_server
 from sampler_svc.engines.base import GenerationRequest, SamplingOptions
@@ -244,6 +244,8 @@ def start_synthetic(itl_ms: float) -> tuple[subprocess.Popen, str]:
 
 
 async def main_async(args) -> dict:
+    # This loop and the registry's both use grpc.aio: every completion wakes both, and one finds nothing to read.
+    quiet_grpc_poller(asyncio.get_running_loop())
     model_dir = Path(args.model_dir)
     root = Path(args.work_dir)
     shutil.rmtree(root, ignore_errors=True)  # a previous run's registry would already hold the bench adapters

@@ -211,7 +211,7 @@ async def serve(args) -> None:
     worker = Raw(args.url) if args.path == "raw" else Stubs(args.sampler) if args.path == "stubs" else \
         Client(args.sampler)
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
+    reader = asyncio.StreamReader(limit=1 << 28)  # a command carries every prompt of a run
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     print(json.dumps({"ready": args.path}), flush=True)
     try:

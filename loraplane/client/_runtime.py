@@ -132,7 +132,10 @@ class ClientRuntime:
         security = self._security_of(address)
         key = (str(address), security)
         with self._loop_lock:
-            channels = self._loop_channels.setdefault(loop, {})
+            channels = self._loop_channels.get(loop)
+            if channels is None:
+                channels = self._loop_channels[loop] = {}
+                _quiet_grpc_poller_on(loop)
             channel = channels.get(key)
             if channel is None:
                 channel = channels[key] = aio_channel(str(address), security, options=_client_channel_options())
@@ -168,6 +171,24 @@ class ClientRuntime:
                     with contextlib.suppress(Exception):
                         asyncio.run_coroutine_threadsafe(channel.close(), loop)
         self._loop.close()
+
+
+def _quiet_grpc_poller_on(loop: asyncio.AbstractEventLoop) -> None:
+    """`loraplane.rpc.quiet_grpc_poller` for a caller's loop, keeping the caller's own exception handler: with
+    grpc.aio on this loop and the runtime's, each completion wakes both and one of them finds nothing to read
+    (BlockingIOError), which asyncio would log with a traceback every time."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        if isinstance(context.get("exception"), BlockingIOError) and "PollerCompletionQueue" in repr(
+                context.get("handle", "")):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 async def stream_with_retry(open_stream: Callable[[float | None], AsyncIterator[T]], retry: RetryConfig, *,
