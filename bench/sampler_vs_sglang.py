@@ -112,10 +112,17 @@ def worker_requests(prompts, mix: Mix) -> list:
     return [[-1 if a is None else a, p] for a, p in zip(adapters, prompts, strict=True)]
 
 
-LATENCY_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s")
+LATENCY_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s",
+                   "sampler_cpu_us_per_token", "sampler_cpu_s_per_s")
 
 
-async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sampler_pid: int) -> dict:
     rng = random.Random(0)
     vocab = engine.vocab_size
     # raw, stubs and client each run in a process of their own (bench/stream_clients.py): the same process
@@ -178,9 +185,16 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str) ->
             runs: dict[str, list[dict]] = {path: [] for path in CLIENT_PATHS}
             for round_ in range(args.latency_rounds):
                 for path in CLIENT_PATHS[round_ % 3:] + CLIENT_PATHS[:round_ % 3]:
-                    runs[path].append(await on_worker(path, {
+                    before = cpu_seconds(sampler_pid)
+                    run = await on_worker(path, {
                         "op": "stream", "concurrency": concurrency, "max_tokens": args.max_tokens,
-                        "requests": worker_requests(fresh(concurrency * args.latency_waves), mix)}))
+                        "requests": worker_requests(fresh(concurrency * args.latency_waves), mix)})
+                    # The sampler's CPU time per forwarded token (near 1 s per s of wall time means its one event
+                    # loop is saturated: tokens then leave in batches and the gaps between messages grow).
+                    run["sampler_cpu_us_per_token"] = ((cpu_seconds(sampler_pid) - before) * 1e6 / run["tokens"]
+                                                       if path != "raw" else 0.0)
+                    run["sampler_cpu_s_per_s"] = (cpu_seconds(sampler_pid) - before) / run["wall_s"]
+                    runs[path].append(run)
             summary = {path: {m: statistics.median(r[m] for r in path_runs) for m in LATENCY_METRICS}
                        | {"tokens_per_message": statistics.median(r["tokens"] / max(r["messages"], 1)
                                                                   for r in path_runs)}
@@ -216,14 +230,16 @@ def table(result: dict) -> str:
     lines += ["", ("Streaming, 8 adapters (medians of per-run values; targets: TTFT p50 <= 1.10x raw, ITL p50 <= 1.20x "
               "raw, client tok/s >= 0.97x stubs)"), "",
               ("| concurrency | path | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | tok/s | tok/msg | "
-              "TTFT p50 / raw | ITL p50 / raw |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "TTFT p50 / raw | ITL p50 / raw | sampler CPU µs/token | sampler CPU s/s |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["latency"]:
         for path in CLIENT_PATHS:
             v, raw = r[path], r["raw"]
             lines.append(f"| {r['concurrency']} | {path} | {v['ttft_p50_ms']:.1f} | {v['ttft_p99_ms']:.1f} | "
                          f"{v['itl_p50_ms']:.2f} | {v['itl_p99_ms']:.2f} | {v['tpot_p50_ms']:.2f} | {v['tok_s']:.0f} | "
                          f"{v['tokens_per_message']:.2f} | {v['ttft_p50_ms'] / raw['ttft_p50_ms']:.2f} | "
-                         f"{v['itl_p50_ms'] / raw['itl_p50_ms']:.2f} |")
+                         f"{v['itl_p50_ms'] / raw['itl_p50_ms']:.2f} | {v['sampler_cpu_us_per_token']:.1f} | "
+                         f"{v['sampler_cpu_s_per_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -292,7 +308,7 @@ async def main_async(args) -> dict:
         address = f"127.0.0.1:{port}"
         wait_until(lambda: sampler.poll() is None and check_health(address, "loraplane.v1.SamplerService"), 900,
                    "sampler_svc healthy")
-        result = await measure(args, engine, url, address)
+        result = await measure(args, engine, url, address, sampler.pid)
         result["machine"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         result["model"] = {"shape": args.build_shape or str(model_dir), "dtype": "bfloat16", "adapters": ADAPTERS,
                            "rank": RANK, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,

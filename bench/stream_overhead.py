@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--out", default="stream_overhead", help="results name under bench/results/")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     parser.add_argument("--profile", action="store_true",
-                        help="run sampler_svc under cProfile; its top functions are printed at the end")
+                        help="run sampler_svc under cProfile; its top functions are printed at the end (with "
+                             "LORAPLANE_UVLOOP=0 set: under uvloop the loop's own work shows as one C call)")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--baseline-src", default="",
                         help="a copy of another version's tree (e.g. `git archive OLD sampler_svc loraplane | tar -x "
