@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import logging
@@ -230,6 +231,12 @@ class SGLangEngine(Engine):
                         if update is not None:
                             yield update
                     if done:
+                        # The response's end follows [DONE] at once; read it, so the connection goes back to the
+                        # pool for the next request instead of being closed (a TCP connect per stream otherwise).
+                        # A server that holds the response open past [DONE] only loses its connection.
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(1.0):
+                                await content.read()
                         return
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise errors.Unavailable(f"SGLang server {server.url} unreachable: {type(exc).__name__}: {exc}") from None
