@@ -93,12 +93,14 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     async def SampleStream(self, request: sampler_pb2.SampleStreamRequest, context):
         # One message per engine update: an update carries every token the engine had when the previous message
         # left (one under light load, a backlog under heavy load), so a stream never waits behind its own messages.
-        sampled = metrics.SAMPLED_TOKENS.labels(metrics.tenant_of(request.adapter.name))
+        sampled = None  # the tenant's counter, looked up at the first chunk (a refused request adds no label)
         response = sampler_pb2.SampleStreamResponse
         finish = _FINISH
         async for chunk in self.service.sample_stream(_selector(request.adapter), request.prompt_tokens,
                                                       request.num_samples, _sampling(request.sampling_params),
                                                       caller=current_caller()):
+            if sampled is None:
+                sampled = metrics.SAMPLED_TOKENS.labels(metrics.tenant_of(request.adapter.name))
             sampled.inc(len(chunk.tokens))
             yield response(sequence_index=chunk.sequence_index, tokens=chunk.tokens, logprobs=chunk.logprobs,
                            finish_reason=finish[chunk.finish_reason], served_version=chunk.served_version)
