@@ -1,16 +1,21 @@
 """The sampler against the SGLang server it wraps, side by side in one run (GPU machine with SGLang installed).
 
-One SGLang server (launched here, LoRA on, CUDA graphs on unless --disable-cuda-graph) serves three paths, driven
+One SGLang server (launched here, LoRA on, CUDA graphs on unless --disable-cuda-graph) serves four paths, driven
 alternately with the same request mix:
   raw     an aiohttp client posting straight to SGLang's /generate (what a user would run instead of loraplane);
-  engine  loraplane's SGLangEngine in this process (`generate`, what the Sample RPC calls);
-  grpc    the full path: a `sampler_svc` process (SGLang engine, attached to the same server, following a real
-          registry on Valkey + SeaweedFS) answering gRPC Sample calls.
-Concurrency 16 / 64 / 256, adapter mixes base / one adapter / 8 adapters, num_samples 1 and 8 (at 64). Throughput
-is generated tokens per second of wall time (prefill included); latency (TTFT, inter-token gaps) is measured on
-the streaming forms (SGLang `stream: true` vs gRPC SampleStream).
+  engine  loraplane's SGLangEngine in this process (`generate`, what the Sample RPC calls; throughput only);
+  grpc    the full path through bare grpc.aio stubs on one connection ("stubs"): a `sampler_svc` process (SGLang
+          engine, attached to the same server, following a real registry on Valkey + SeaweedFS);
+  client  the same sampler_svc through loraplane.client's SamplingClient (`sample_async`, `sample_stream_async`).
+raw, stubs and client each run in a process of their own (bench/stream_clients.py). Concurrency 16 / 64 / 256,
+adapter mixes base / one adapter / 8 adapters (--mixes), num_samples 8 at 64 with --multi-sample. Throughput is
+generated tokens per second of wall time (prefill included) of non-streaming calls; latency is measured on the
+streaming forms (SGLang `stream: true` vs SampleStream), 8 adapters: TTFT, ITL (gaps between a stream's
+consecutive messages), TPOT, tokens per message, and the sampler process's CPU per token and CPU s/s (near 1.0:
+its event loop is saturated).
 
     python bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b [--rounds 2]
+    python bench/sampler_vs_sglang.py --model-dir tiny --synthetic-itl-ms 10   # a dry run without a GPU
 
 Writes JSON (bench/results/sampler_vs_sglang.json) and prints a table. Random weights in the real shape; rank-16
 adapters on all seven projections with random B.
