@@ -118,7 +118,7 @@ def worker_requests(prompts, mix: Mix) -> list:
 
 
 LATENCY_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s",
-                   "sampler_cpu_us_per_token", "sampler_cpu_s_per_s")
+                   "sampler_cpu_us_per_token", "sampler_cpu_s_per_s", "client_cpu_us_per_token")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -235,8 +235,8 @@ def table(result: dict) -> str:
     lines += ["", ("Streaming, 8 adapters (medians of per-run values; targets: TTFT p50 <= 1.10x raw, ITL p50 <= 1.20x "
               "raw, client tok/s >= 0.97x stubs)"), "",
               ("| concurrency | path | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | tok/s | tok/msg | "
-              "TTFT p50 / raw | ITL p50 / raw | sampler CPU µs/token | sampler CPU s/s |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "TTFT p50 / raw | ITL p50 / raw | sampler CPU µs/token | sampler CPU s/s | client CPU µs/token |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["latency"]:
         for path in CLIENT_PATHS:
             v, raw = r[path], r["raw"]
@@ -244,7 +244,7 @@ def table(result: dict) -> str:
                          f"{v['itl_p50_ms']:.2f} | {v['itl_p99_ms']:.2f} | {v['tpot_p50_ms']:.2f} | {v['tok_s']:.0f} | "
                          f"{v['tokens_per_message']:.2f} | {v['ttft_p50_ms'] / raw['ttft_p50_ms']:.2f} | "
                          f"{v['itl_p50_ms'] / raw['itl_p50_ms']:.2f} | {v['sampler_cpu_us_per_token']:.1f} | "
-                         f"{v['sampler_cpu_s_per_s']:.2f} |")
+                         f"{v['sampler_cpu_s_per_s']:.2f} | {v['client_cpu_us_per_token']:.1f} |")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -199,12 +200,21 @@ async def run(worker, command: dict) -> dict:
                 return await worker.stream(adapter, prompt, max_tokens)
             return await worker.unary(adapter, prompt, max_tokens, n)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu()
     results = await asyncio.gather(*(one(a, p) for a, p in command["requests"]))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _cpu() - cpu
     if command["op"] == "stream":
-        return summarize(results, wall)
-    return {"requests": len(results), "tokens": sum(results), "wall_s": wall, "tok_s": sum(results) / wall}
+        summary = summarize(results, wall)
+    else:
+        summary = {"requests": len(results), "tokens": sum(results), "wall_s": wall, "tok_s": sum(results) / wall}
+    # The client's own CPU per token (all its threads): what this path costs the user's process.
+    summary["client_cpu_us_per_token"] = cpu * 1e6 / max(summary["tokens"], 1)
+    return summary
+
+
+def _cpu() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 async def serve(args) -> None:

@@ -39,7 +39,8 @@ from bench.stream_clients import PATHS, Worker
 
 ADAPTERS = 8
 RANK = 8
-METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s", "sampler_cpu_us_per_token")
+METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s", "sampler_cpu_us_per_token",
+           "client_cpu_us_per_token")
 
 
 def _wait_line(process: subprocess.Popen, prefix: str, timeout: float) -> str:
@@ -133,10 +134,12 @@ def table(rows: list[dict]) -> None:
     paths = [p for p in streams[0] if isinstance(streams[0][p], dict) and "runs_tok_s" in streams[0][p]]
     print_table("Streaming (median of rounds): TTFT and inter-message gap (ITL) p50/p99, TPOT p50 in ms; tokens/s",
                 ["concurrency", "path", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "tok/s",
-                 "tok/msg", "sampler CPU µs/token", "TTFT p50 ÷ raw", "ITL p50 ÷ raw", "tok/s ÷ raw"],
+                 "tok/msg", "sampler CPU µs/token", "client CPU µs/token", "TTFT p50 ÷ raw", "ITL p50 ÷ raw",
+                 "tok/s ÷ raw"],
                 [[r["concurrency"], p, r[p]["ttft_p50_ms"], r[p]["ttft_p99_ms"], f"{r[p]['itl_p50_ms']:.2f}",
                   f"{r[p]['itl_p99_ms']:.2f}", f"{r[p]['tpot_p50_ms']:.2f}", r[p]["tok_s"], r[p]["tokens_per_message"],
                   f"{r[p].get('sampler_cpu_us_per_token', float('nan')):.1f}",
+                  f"{r[p]['client_cpu_us_per_token']:.1f}",
                   f"{r[p]['ttft_p50_ms'] / r['raw']['ttft_p50_ms']:.2f}",
                   f"{r[p]['itl_p50_ms'] / r['raw']['itl_p50_ms']:.2f}", f"{r[p]['tok_s'] / r['raw']['tok_s']:.3f}"]
                  for r in streams for p in paths], width=200)

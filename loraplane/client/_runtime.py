@@ -191,11 +191,12 @@ def _quiet_grpc_poller_on(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_exception_handler(handler)
 
 
-async def stream_with_retry(open_stream: Callable[[float | None], AsyncIterator[T]], retry: RetryConfig, *,
-                            method: str, address: str) -> AsyncIterator[T]:
-    """The items of the stream `open_stream(timeout)` opens. A failure before its first item is retried as
-    `call_with_retry` retries a unary call; after it, it ends the stream (what was delivered stays delivered).
-    Raises the SDK's APIError subclass for the final status."""
+async def stream_with_retry(open_stream: Callable[[float | None], AsyncIterator[Any]], retry: RetryConfig, *,
+                            method: str, address: str, convert: Callable[[Any], T] | None = None
+                            ) -> AsyncIterator[T]:
+    """The items of the stream `open_stream(timeout)` opens (each passed through `convert` if given). A failure
+    before its first item is retried as `call_with_retry` retries a unary call; after it, it ends the stream (what
+    was delivered stays delivered). Raises the SDK's APIError subclass for the final status."""
     started = time.monotonic()
     backoff = retry.initial_backoff_s
     attempts = 0
@@ -205,7 +206,7 @@ async def stream_with_retry(open_stream: Callable[[float | None], AsyncIterator[
         try:
             async for item in open_stream(retry.attempt_timeout_s):
                 delivered = True
-                yield item
+                yield item if convert is None else convert(item)
             return
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

@@ -26,7 +26,7 @@ from loraplane.client.types import (
 from loraplane.v1 import sampler_pb2
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleStreamChunk:
     """Tokens of one sequence generated since its previous chunk, with their logprobs; `stop_reason` is set on the
     sequence's last chunk. A chunk may carry several tokens: those the sampler had at once."""
@@ -149,12 +149,16 @@ class SamplingClient:
         return sampler_pb2.SampleStreamRequest(adapter=self._ref(), prompt_tokens=as_model_input(prompt).tokens,
                                                num_samples=num_samples, sampling_params=params.to_proto())
 
-    def _messages(self, router: SamplerRouter, request: sampler_pb2.SampleStreamRequest):
+    def _messages(self, router: SamplerRouter | None, request: sampler_pb2.SampleStreamRequest, convert=None):
         """The stream's messages from the adapter's replica (another one, then the retry policy, before the first
-        message), on the loop `router` lives on."""
-        return stream_with_retry(
-            lambda timeout: router.stream(self.adapter, lambda stub: stub.SampleStream(request, timeout=timeout)),
-            self.retry, method="SampleStream", address=self.sampler_address)
+        message). `router` None: the running loop's own (looked up when the stream starts)."""
+
+        def open_stream(timeout: float | None):
+            on = router or _router_on(self.sampler_address, asyncio.get_running_loop())
+            return on.stream(self.adapter, lambda stub: stub.SampleStream(request, timeout=timeout))
+
+        return stream_with_retry(open_stream, self.retry, method="SampleStream", address=self.sampler_address,
+                                 convert=convert)
 
     async def _produce(self, request: sampler_pb2.SampleStreamRequest, handoff: Handoff) -> None:
         """On the runtime's loop, for a consumer on another thread: the messages into `handoff` as they arrive (no
@@ -170,18 +174,17 @@ class SamplingClient:
         else:
             handoff.finish()
 
-    async def sample_stream_async(self, prompt, num_samples: int = 1,
-                                  sampling_params: SamplingParams | None = None) -> AsyncIterator[SampleStreamChunk]:
-        """The generated tokens as the sampler produces them (SampleStream): chunks of each of the `num_samples`
-        sequences, in order per sequence, every token once. Leaving the loop early (break, an exception, the task
-        cancelled) cancels the request on the sampler. Errors are the SDK's APIError subclasses, as for `sample`.
+    def sample_stream_async(self, prompt, num_samples: int = 1,
+                            sampling_params: SamplingParams | None = None) -> AsyncIterator[SampleStreamChunk]:
+        """The generated tokens as the sampler produces them (SampleStream), to iterate with `async for`: chunks of
+        each of the `num_samples` sequences, in order per sequence, every token once. Leaving the loop early (break,
+        an exception, the task cancelled) cancels the request on the sampler. Bad input raises here; the call's
+        errors are the SDK's APIError subclasses, as for `sample`.
 
         The stream runs on the caller's own event loop (a channel and replica router of that loop), so its
-        messages reach the consumer with no hop between threads."""
+        messages reach the consumer with no hop between threads, and through one generator."""
         request = self._stream_request(prompt, num_samples, sampling_params)
-        loop = asyncio.get_running_loop()
-        async for message in self._messages(_router_on(self.sampler_address, loop), request):
-            yield SampleStreamChunk.from_proto(message)
+        return self._messages(None, request, SampleStreamChunk.from_proto)
 
     def sample_stream(self, prompt, num_samples: int = 1,
                       sampling_params: SamplingParams | None = None) -> Iterator[SampleStreamChunk]:
