@@ -5,7 +5,7 @@
 # Then, from a copy of the source tree in .gpuwork:
 #   bash scripts/gpu/sampler_vs_sglang.sh bench [bench args...] (bench/sampler_vs_sglang.py, Llama-3.2-1B shape;
 #       without args: 8 adapters at 16/64/256 concurrent, raw SGLang vs sampler_svc via bare gRPC stubs vs via
-#       SamplingClient, each client in its own process: tokens/s of Sample (2 rounds) and streaming TTFT / ITL /
+#       SamplingClient, each client in its own process: tokens/s of Sample (3 rounds) and streaming TTFT / ITL /
 #       TPOT (3 rounds); about 5 minutes on an H100)
 #   bash scripts/gpu/sampler_vs_sglang.sh load SHAPE ITERATIONS [WAY...] (bench/sampler.py: publish -> first
 #       sample per way a version reaches SGLang, transport:blob dtype, default file:float32 file:bfloat16;
@@ -31,7 +31,7 @@ case "$mode" in
     tail -25 "$OUT/sglang_server_$shape.log" ;;
   bench)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    [ $# -eq 0 ] && set -- --concurrency 16 64 256 --mixes mixed8 --rounds 2 --latency-rounds 3
+    [ $# -eq 0 ] && set -- --concurrency 16 64 256 --mixes mixed8 --rounds 3 --latency-rounds 3
     python3 -c "import uvloop" 2>/dev/null && echo "uvloop: yes (sampler_svc runs on it)" || echo "uvloop: no"
     python3 bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b "$@" 2>&1 \
       | grep -v -i -E "warn|Loading weights" | tee "$OUT/sampler_vs_sglang.log"
