@@ -18,6 +18,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,13 +79,21 @@ def run_recipe(base_url: str, model: Path, renderer: str, log_dir: Path, cfg: di
     env = {**os.environ, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     started = time.monotonic()
-    try:
-        proc = subprocess.run(args, check=False, env=env, capture_output=True, text=True, timeout=budget_s)
-    except subprocess.TimeoutExpired:
-        print(f"stopped math_rl at its {budget_s:.0f} s budget", flush=True)
-        return time.monotonic() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"math_rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    output = log_dir.parent / "recipe-output.log"
+    log_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Its own process group, output to a file: on the budget the whole group is killed at once, and nothing a
+    # surviving grandchild holds (a pipe) can keep this process waiting.
+    with output.open("w") as sink:
+        proc = subprocess.Popen(args, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=budget_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            print(f"stopped math_rl at its {budget_s:.0f} s budget", flush=True)
+            return time.monotonic() - started
+    if code != 0:
+        raise SystemExit(f"math_rl failed:\n{output.read_text()[-8000:]}")
     return time.monotonic() - started
 
 
@@ -151,6 +160,9 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int)
     parser.add_argument("--max-tokens", type=int, default=5)
     parser.add_argument("--budget-s", type=float, help="stop the recipe after this many seconds, keeping its steps")
+    parser.add_argument("--from-log", help="only summarize and plot a finished run's recipe log dir "
+                        "(its metrics.jsonl), e.g. one kept with --keep-logs")
+    parser.add_argument("--device-name", default=None, help="with --from-log: the device the run used")
     parser.add_argument("--keep-logs", help="copy the services' and the recipe's logs here before cleaning up")
     parser.add_argument("--out", default=str(ROOT / "docs" / "rl_curve"), help="writes <out>.json and <out>.png")
     args = parser.parse_args()
@@ -160,6 +172,11 @@ def main() -> None:
             cfg[key] = getattr(args, key)
     cfg.update(max_tokens=args.max_tokens, model=args.model, preset=args.preset)
     renderer = args.renderer or RENDERERS.get(args.model, "role_colon")
+
+    if args.from_log:
+        log_dir = Path(args.from_log)
+        wall = sum(r["total"] or 0.0 for r in summarize(log_dir, cfg, 0.0, "")["steps"])
+        return write(summarize(log_dir, cfg, wall, args.device_name or "unknown"), Path(args.out))
 
     import torch
 
@@ -178,11 +195,16 @@ def main() -> None:
             for src, name in ((data_dir / "logs", "cluster"), (work / "log", "recipe")):
                 if src.exists():
                     shutil.copytree(src, Path(args.keep_logs) / name, dirs_exist_ok=True)
+            if (work / "recipe-output.log").exists():
+                shutil.copy(work / "recipe-output.log", Path(args.keep_logs) / "recipe-output.log")
             for log in data_dir.glob("**/sglang/server-*.log"):  # a sampler's SGLang servers (not their model copy)
                 shutil.copy(log, Path(args.keep_logs) / "cluster" / f"sglang-{log.name}")
     summary = summarize(work / "log", cfg, wall, device)
     shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
+    write(summary, Path(args.out))
+
+
+def write(summary: dict, out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=1))
