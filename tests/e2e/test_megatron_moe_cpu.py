@@ -223,6 +223,27 @@ def single_rank(name: str, root: Path) -> dict:
         worst_grad = max(worst_grad, ((flat(fgrads[k] for k in sorted(grads)) - want).norm() / want.norm()).item())
     report["fused_shared_lp_max_abs"], report["fused_shared_grad_rel"] = worst_lp, worst_grad
 
+    # A re-created adapter state that happens to reuse a dead one's id() is still a new adapter: installed afresh,
+    # its gradients its own (keyed by id(), the backend skipped the install and added to the old slot's gradients,
+    # which made the check above fail now and then, whenever CPython reused the address).
+    n, sspec = "reborn", shared["so4"]
+    sparams = random_adapter(reference, sspec, seed=40)
+    first = make_state(n, sspec, sparams, "cpu")
+    logprobs_of(backend, first, data, backward=True)
+    (want_grads,) = backend.driver.call("gather", {"name": n, "rows": [1]})
+    dead = id(first)
+    del first
+    keep, reborn = [], make_state(n, sspec, sparams, "cpu")
+    while id(reborn) != dead and len(keep) < 10_000:
+        keep.append(reborn)
+        reborn = make_state(n, sspec, sparams, "cpu")
+    report["reborn_reused_id"] = id(reborn) == dead
+    logprobs_of(backend, reborn, data, backward=True)
+    (got,) = backend.driver.call("gather", {"name": n, "rows": [1]})
+    want = flat(want_grads[k] for k in sorted(want_grads))
+    report["reborn_grad_rel"] = ((flat(got[k] for k in sorted(want_grads)) - want).norm() / want.norm()).item()
+    del keep
+
     # Every layer recomputed in the backward (the router, dispatcher and expert LoRA run again inside it, with the
     # batch's tenant slots put back in force), or only every layer's attention half (selective): the same logprobs
     # and gradients.
@@ -414,6 +435,9 @@ def test_fused_expert_tenants_each_get_what_they_get_alone(measured, name):
     # Two shared-outer tenants of ranks 4 and 2 (their shared factors applied on the token rows).
     assert m["fused_shared_lp_max_abs"] <= 1e-5
     assert m["fused_shared_grad_rel"] <= 1e-5
+    # A new state at a dead state's address (forced) is installed afresh: one backward's gradients, not two.
+    assert m["reborn_reused_id"] is True
+    assert m["reborn_grad_rel"] <= 1e-5
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
 from datetime import timedelta
 
 import torch
@@ -153,8 +154,10 @@ class MegatronBackend(TrainerBackend):
         self.base = engine.base
         self.driver = driver or Driver(engine)
         self._lock = threading.Lock()
-        # name -> the AdapterState object the engine's copy was installed from (a re-created adapter is new).
-        self._installed: dict[str, int] = {}
+        # name -> the AdapterState object the engine's copy was installed from (a re-created adapter is new). A weak
+        # reference, not id(): a new state can reuse a dead one's id and would then skip its install, keeping the
+        # old slot's weights and gradients.
+        self._installed: dict[str, weakref.ref] = {}
 
     # -- TrainerBackend -----------------------------------------------------------------------------------------
 
@@ -244,7 +247,8 @@ class MegatronBackend(TrainerBackend):
     # -- installing adapters ----------------------------------------------------------------------------------------
 
     def _ensure(self, state) -> None:
-        if self._installed.get(state.name) == id(state) and state.name in self.engine.slots:
+        installed = self._installed.get(state.name)
+        if installed is not None and installed() is state and state.name in self.engine.slots:
             return
         self._install(state, state.params, state.exp_avg or None, state.exp_avg_sq or None, state.step)
 
@@ -257,4 +261,4 @@ class MegatronBackend(TrainerBackend):
         self.driver.call("install", {"name": state.name, "keys": keys, "with_moments": with_moments,
                                      "step": int(step), "spec": _spec_json(state.spec)},
                          [t.detach().to("cpu", torch.float32) for t in tensors])
-        self._installed[state.name] = id(state)
+        self._installed[state.name] = weakref.ref(state)
