@@ -681,8 +681,9 @@ def test_trainers_and_samplers_form_fleets_the_gateway_finds(variant, rendered, 
             pod = f"{name}-{ordinal}"
             member_id = getattr(settings, id_field)
             if kind == "sampler":  # the replica id is the command's --instance-id (LORAPLANE_SAMPLER_ID otherwise)
-                args = _in_env(env, monkeypatch, lambda: importlib.import_module("sampler_svc.__main__").parse_args(
-                    [_expand(a, env) for a in _module_and_args(container["command"])[1]]))
+                argv = [_expand(a, env) for a in _module_and_args(container["command"])[1]]
+                args = _in_env(env, monkeypatch,
+                               lambda argv=argv: importlib.import_module("sampler_svc.__main__").parse_args(argv))
                 member_id = args.instance_id
                 assert args.fleet == settings.sampler_fleet
             assert member_id == pod, f"{kind} {pod}: its fleet id must be its stable pod name, got {member_id!r}"
