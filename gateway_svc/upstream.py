@@ -5,6 +5,7 @@ gRPC error becomes a loraplane domain error (loraplane.rpc.domain_error_from_rpc
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -97,11 +98,11 @@ class Upstream:
         self._info_lock = asyncio.Lock()
         # A sampler fleet behind the configured address: each adapter's calls go to its replica (affinity with
         # bounded load), on to another at once if that one is gone. The gateway's service key sees the replicas.
-        self.sampler_router = SamplerRouter(sampler, channel=self._sampler_channel)
+        self.sampler_router = SamplerRouter(sampler, channel=functools.partial(self._member_channel, "sampler"))
         # A trainer fleet behind the configured address: each adapter's calls go to the member serving it, found
         # through any member (ResolveAdapter), and follow it when it moves (ADAPTER_MOVED, a member gone).
         self.trainer_fleet = trainer_fleet
-        self.trainer_router = TrainerRouter(trainer, channel=self._trainer_channel,
+        self.trainer_router = TrainerRouter(trainer, channel=functools.partial(self._member_channel, "trainer"),
                                             discover=self._live_trainers if trainer_fleet is not None else None)
 
     async def _live_trainers(self) -> list[str]:
@@ -113,10 +114,11 @@ class Upstream:
             self._channels[service] = aio_channel(self.addresses[service], self.security)
         return self._channels[service]
 
-    def _trainer_channel(self, address: str) -> grpc.aio.Channel:
-        if address == self.addresses["trainer"]:
-            return self._channel("trainer")
-        key = f"trainer {address}"
+    def _member_channel(self, service: str, address: str) -> grpc.aio.Channel:
+        """The channel to one fleet member of `service` (the configured address shares the service's channel)."""
+        if address == self.addresses[service]:
+            return self._channel(service)
+        key = f"{service} {address}"
         if key not in self._channels:
             self._channels[key] = aio_channel(address, self.security)
         return self._channels[key]
@@ -133,14 +135,6 @@ class Upstream:
                     self.trainer_router.forget(adapter)
                 raise
         return attempt
-
-    def _sampler_channel(self, address: str) -> grpc.aio.Channel:
-        if address == self.addresses["sampler"]:
-            return self._channel("sampler")
-        key = f"sampler {address}"
-        if key not in self._channels:
-            self._channels[key] = aio_channel(address, self.security)
-        return self._channels[key]
 
     @property
     def sampler(self) -> sampler_pb2_grpc.SamplerServiceStub:
