@@ -442,11 +442,7 @@ class BatchRouting:
             mid = segment_mm(xc, self.expert_stack(target, "A", position).transpose(1, 2), offs, counts)
         if self.token_shared(target, "B", tokens):
             return mid
-        b = self.expert_stack(target, "B", position)
-        if out.dtype == cd:
-            segment_mm(mid, b, offs, counts, acc=out)
-        else:
-            out.add_(segment_mm(mid, b, offs, counts).to(out.dtype))
+        segment_mm(mid, self.expert_stack(target, "B", position), offs, counts, acc=out)  # casts into out's dtype
         return mid
 
     def expert_lora_combine(self, target: str, position: int, mid: torch.Tensor, tokens: ExpertTokens,
@@ -489,11 +485,7 @@ class BatchRouting:
         xc = x if x.dtype == cd else x.to(cd)
         self.add_expert_grad(target, "A", position, segment_outer(g_mid, xc, offs, counts))
         if g_x is not None:
-            a = self.expert_stack(target, "A", position)
-            if g_x.dtype == cd:
-                segment_mm(g_mid, a, offs, counts, acc=g_x)
-            else:
-                g_x.add_(segment_mm(g_mid, a, offs, counts).to(g_x.dtype))
+            segment_mm(g_mid, self.expert_stack(target, "A", position), offs, counts, acc=g_x)
         return None
 
     # -- shared factors on the token rows (the local MoE path) ----------------------------------------------------
