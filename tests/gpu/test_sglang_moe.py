@@ -59,7 +59,7 @@ from loraplane.client import AdamParams, ModelInput, RetryConfig, SamplingParams
 from loraplane.rpc import BackgroundLoop
 from loraplane.v1 import common_pb2, sampler_pb2, trainer_pb2
 from tests.e2e.test_sampler_e2e import sample
-from tests.fixtures.sampler import start_live_sampler
+from tests.fixtures.sampler import adapter_blob, start_live_sampler
 from tests.fixtures.trainer import start_live_trainer
 
 pytestmark = [
@@ -151,16 +151,8 @@ def served_names(url: str) -> set[str]:
 def moe_blob(base, seed: int, *, layout: str = "per_expert", rank: int = RANK, scale: float = 0.3) -> bytes:
     """A PEFT target_parameters blob (the registry's canonical layout) with random non-zero B on attention and
     experts, so every version visibly changes the model."""
-    from loraplane.adapter_format import serialize_adapter
-    from loraplane.lora import LoraSpec, init_lora_params
-
-    spec = LoraSpec.create(rank, 2 * rank, MOE_TARGETS, seed=seed, expert_layout=layout)
-    params = init_lora_params(base, spec)
-    generator = torch.Generator().manual_seed(seed + 1_000_003)
-    for key in params:
-        if key.endswith("lora_B.weight"):
-            params[key] = torch.randn(params[key].shape, generator=generator) * scale
-    return serialize_adapter(params, spec, base.name)
+    return adapter_blob(seed, rank=rank, alpha=2 * rank, base=base, scale=scale, targets=MOE_TARGETS,
+                        expert_layout=layout)
 
 
 def create_moe_adapter(live, name: str, *, rank: int = RANK, layout=common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT,
