@@ -35,6 +35,7 @@ would fit beside the measured peak.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -319,6 +320,9 @@ def run_ep(args, device: torch.device, dtype: torch.dtype) -> dict | None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = args.ep or world
+    if args.stack_dump_s:
+        # A rank that hangs (a build that never finishes, a collective one rank never joins) shows where it is.
+        faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)
     megatron_model.init_parallel(1, expert_parallel_size=ep)
     from bench.trainer_multigpu import random_shards
 
@@ -330,6 +334,7 @@ def run_ep(args, device: torch.device, dtype: torch.dtype) -> dict | None:
     engine = Engine(base, device_slots=max(8, tenants), dtype=dtype, expert_lora_slots=args.expert_slots or tenants,
                     recompute=args.recompute or "auto")
     build_s = time.perf_counter() - t0
+    print(f"rank {os.environ.get('RANK', '0')}: model built in {build_s:.1f} s", flush=True)
     driver = Driver(engine)
     datums = args.datums * world  # --datums per rank: every data-parallel rank packs its own
     result = None
@@ -491,6 +496,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cpu-dev", action="store_true", help="ep mode on CPU ranks over gloo (scripts/gpu/cpu_shims.py)")
     ap.add_argument("--profile", default=None,
                     help="single mode: a folder for one profiled step per contender (kernel families, top ops)")
+    ap.add_argument("--stack-dump-s", type=float, default=0.0,
+                    help="ep mode: every N seconds each rank prints its Python stacks to stderr (0: never)")
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     args.shape = args.shape or ("qwen3-30b-a3b" if args.mode == "ep" else "qwen3-30b-a3b-24l")

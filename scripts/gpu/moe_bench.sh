@@ -15,6 +15,7 @@
 #   if vs-peft runs out of memory (PEFT's fp32 logits beside the trainer's slots):
 #     vs-peft-bf16  vs-peft with PEFT's loss on bf16 logits;  peft-alone  the PEFT loop by itself;
 #     trainer-alone  the trainer's contenders by themselves
+#     profile-alone  one profiled step of each layout, no PEFT (recompute auto; kernel families, top ops)
 #     gpu-tests  tests/gpu/test_megatron_moe.py (bf16 MoE logits and expert LoRA against fp32 references)
 #   one call on one H100 (under 9 minutes; each case capped by its own timeout):
 #     h100    vs-peft with one profiled step of each contender (kernel families into summary.log), then fused
@@ -46,7 +47,7 @@ single() {  # label, then bench args: one process on GPU 0
 ep() {  # label nproc, then bench args: one torchrun job on the first nproc GPUs
   local label=$1 nproc=$2; shift 2
   echo "== $label: $nproc GPUs, EP=$nproc $*" | summary
-  timeout -k 10 "${CASE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$nproc" bench/trainer_moe.py --mode ep \
+  timeout -k 10 "${CASE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$nproc" bench/trainer_moe.py --mode ep --stack-dump-s 100 \
     --out "$OUT/$label.json" "$@" > "$OUT/$label.log" 2>&1
   local rc=$?
   grep -v -i -E "warn|^\s*$|^RESULT" "$OUT/$label.log" | grep -v "^\[rank" | tail -8 | summary
@@ -95,6 +96,13 @@ for c in ${*:-$default}; do
           CASE_TIMEOUT=70 single qwen3moe24_8x2048_trainer_recompute_auto --shape qwen3-30b-a3b-24l \
             --contenders per_expert:1 --no-peft --recompute auto --rounds ${ROUNDS:-3} --warmup 1
           CASE_TIMEOUT=90 gpu_tests ;;
+    # One profiled step of each layout by itself (no PEFT in the process: the profiled vs-peft case runs out of memory).
+    profile-alone) CASE_TIMEOUT=${CASE_TIMEOUT:-240} single qwen3moe24_8x2048_trainer_profile --shape qwen3-30b-a3b-24l \
+                     --contenders per_expert:1,shared_outer:1 --no-peft --recompute auto --rounds 2 --warmup 1 \
+                     --profile "$OUT/profile"
+                   for f in "$OUT"/profile/profile_*.txt; do
+                     [ -f "$f" ] && { echo "-- $(basename "$f")"; head -40 "$f"; } | summary
+                   done ;;
     gpu-tests) gpu_tests ;;
     *) echo "unknown case $c" | summary ;;
   esac
