@@ -16,6 +16,7 @@ from loraplane_cli.local_cluster import (
     SERVICE_NAMES,
     ClusterState,
     component_health,
+    gpu_assignment,
     pid_alive,
     read_cluster_state,
     start_cluster,
@@ -78,6 +79,14 @@ def up(
     sampler_engine: str = typer.Option(None, help="torch (in-process; the default) or sglang (each sampler launches "
                                        "an SGLang server on a GPU; LORAPLANE_SAMPLER_ENGINE). Extra SGLang server "
                                        "arguments: LORAPLANE_SAMPLER_SGLANG_ARGS."),
+    trainer_gpus: str = typer.Option(None, envvar="LORAPLANE_TRAINER_GPUS",
+                                     help="GPUs the trainer may use, e.g. 0 or 0,1 (nvidia-smi indices or UUIDs; "
+                                     "its CUDA_VISIBLE_DEVICES). With --trainers N the list is split evenly over "
+                                     "the members; one GPU is shared by all. Default: every GPU this shell sees."),
+    sampler_gpus: str = typer.Option(None, envvar="LORAPLANE_SAMPLER_GPUS",
+                                     help="GPUs the sampler and the SGLang server it launches may use, e.g. 1; "
+                                     "split over --samplers N replicas as --trainer-gpus is. Trainer on 0 and "
+                                     "sampler on 1 is the disaggregated shape; the same GPU for both shares it."),
 ) -> None:
     """Start Valkey + SeaweedFS S3 (unless LORAPLANE_REDIS_URL / LORAPLANE_S3_ENDPOINT point elsewhere) and the
     services, wait until each is healthy, and print their endpoints. On a cluster that already runs, starts only
@@ -95,13 +104,21 @@ def up(
             raise typer.BadParameter(f"unknown engine {sampler_engine!r}: use torch or sglang",
                                      param_hint="--sampler-engine")
         extra_env["LORAPLANE_SAMPLER_ENGINE"] = sampler_engine
+    gpus = {"trainer": trainer_gpus, "sampler": sampler_gpus}
+    for service, count in (("trainer", trainers), ("sampler", samplers)):
+        if gpus[service] is not None:
+            try:
+                gpu_assignment(gpus[service], count)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint=f"--{service}-gpus") from exc
     try:
         with console.status("starting cluster") as status:
             state, started = start_cluster(settings, wanted, extra_env, on_progress=status.update, auth=auth,
                                            tls=tls or mtls, mtls=mtls,
                                            gateway=gateway and set(wanted) == set(SERVICE_NAMES),
-                                           trainers=trainers, samplers=samplers)
-    except ProcessStartError as exc:
+                                           trainers=trainers, samplers=samplers,
+                                           gpus={k: v for k, v in gpus.items() if v is not None})
+    except (ProcessStartError, ValueError) as exc:  # ValueError: a GPU list that does not split over the fleet
         console.print(f"[red]failed:[/red] {exc}")
         raise typer.Exit(1) from exc
     console.print(_endpoint_table(state, with_health=False))

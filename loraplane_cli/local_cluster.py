@@ -76,13 +76,40 @@ LOCAL_SAMPLER_FLEET = "sampler"
 # Per service: the environment that makes an instance a member of its local fleet, and the setting naming it.
 _FLEET_ENV = {"trainer": ("LORAPLANE_TRAINER_FLEET", LOCAL_FLEET, "LORAPLANE_TRAINER_ID"),
               "sampler": ("LORAPLANE_SAMPLER_FLEET", LOCAL_SAMPLER_FLEET, "LORAPLANE_SAMPLER_ID")}
+# Services that may be pinned to GPUs (`up --trainer-gpus / --sampler-gpus`): the registry and gateway use none.
+GPU_SERVICES = ("trainer", "sampler")
+
+
+def gpu_assignment(gpus: str, instances: int) -> list[str]:
+    """Splits a service's GPU list ("0,1,2,3": indices as nvidia-smi numbers them, or GPU UUIDs) over its
+    `instances` (a fleet's members, in order): each gets an equal run of consecutive GPUs ("0,1" and "2,3" for two),
+    and one GPU alone is shared by all of them. Returns each instance's CUDA_VISIBLE_DEVICES; ValueError when the
+    list is malformed or does not split evenly."""
+    ids = [g.strip() for g in gpus.split(",")]
+    if not gpus.strip() or any(not g or any(c.isspace() for c in g) for g in ids):
+        raise ValueError(f"{gpus!r} is not a comma-separated list of GPU indices or UUIDs (e.g. 0 or 0,1)")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{gpus!r} names a GPU twice")
+    if len(ids) == 1:
+        return ids * instances
+    if len(ids) % instances:
+        raise ValueError(f"{len(ids)} GPUs ({gpus}) do not split evenly over {instances} instances")
+    per = len(ids) // instances
+    return [",".join(ids[i * per:(i + 1) * per]) for i in range(instances)]
+
+
+def gpu_env(gpus: str) -> dict[str, str]:
+    """The environment that confines a process (and its children: torchrun's ranks, a launched SGLang server) to
+    these GPUs. CUDA numbers devices fastest first by default; PCI bus order makes the indices nvidia-smi's."""
+    return {"CUDA_VISIBLE_DEVICES": gpus, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                   extra_env: dict[str, str] | None = None, on_progress=None, *, auth: bool = False,
                   tls: bool = False, mtls: bool = False, gateway: bool = False,
                   commands: dict[str, list[str]] | None = None,
-                  trainers: int = 1, samplers: int = 1) -> tuple[ClusterState, list[str]]:
+                  trainers: int = 1, samplers: int = 1,
+                  gpus: dict[str, str] | None = None) -> tuple[ClusterState, list[str]]:
     """Brings the cluster of this data dir up: starts what was never started, restarts (exactly as first started,
     same ports, data, keys and certificates) what has died, leaves running components alone, then hands the whole
     cluster to a fresh supervisor. Returns the state and the names started. On a failure stops what this call
@@ -92,11 +119,20 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
     service another argv than `python -m <module>` (the megatron trainer under torchrun, a sampler on SGLang); it
     gets the same environment, health check and supervision. `trainers` > 1 runs that many trainers as one fleet
     (docs/architecture.md, "Trainer fleet"); clients find each adapter's trainer through any of them. `samplers` > 1
-    runs that many samplers as one sampler fleet ("Sampler fleet"); clients route each adapter to one of them."""
+    runs that many samplers as one sampler fleet ("Sampler fleet"); clients route each adapter to one of them.
+    `gpus` pins services to GPUs: {"trainer": "0", "sampler": "1"} starts the trainer (torchrun and its ranks) with
+    only GPU 0 visible and the sampler (and the SGLang servers it launches) with only GPU 1; a fleet's list is split
+    over its members (`gpu_assignment`). Unpinned services see what this process sees. Restarts keep the pin."""
     data_dir = Path(settings.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     existing = read_cluster_state(data_dir)
     state = existing or ClusterState(data_dir=str(data_dir))
+    unknown = sorted(set(gpus or {}) - set(GPU_SERVICES))
+    if unknown:
+        raise ValueError(f"only {' and '.join(GPU_SERVICES)} can be pinned to GPUs, not {', '.join(unknown)}")
+    # Checked before anything starts: a list that does not split over the fleet leaves nothing half started.
+    pins = {service: gpu_assignment(spec, len(_instance_names(service, state, trainers, samplers)))
+            for service, spec in (gpus or {}).items() if spec}
     # While this call starts things the supervisor must not restart them too.
     stop_supervisor(state)
     progress = on_progress or (lambda _msg: None)
@@ -154,7 +190,7 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
             names = _instance_names(spec.name, state, trainers, samplers)
             fleet = spec.name in _FLEET_ENV and len(names) > 1
             fleet_env, fleet_name, id_env = _FLEET_ENV.get(spec.name, ("", "", ""))
-            for name in names:
+            for index, name in enumerate(names):
                 component = state.component(name)
                 if component is not None and fleet and component.env.get(fleet_env) != fleet_name:
                     raise ProcessStartError(f"{name} runs as a lone {spec.name}; to run {len(names)} {spec.name}s as "
@@ -167,6 +203,8 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                     instance_env = dict(env)
                     if fleet:
                         instance_env.update({fleet_env: fleet_name, id_env: name})
+                    if spec.name in pins:
+                        instance_env.update(gpu_env(pins[spec.name][index]))
                     component = ComponentState(name, "service", f"{LOOPBACK}:{port}",
                                                metrics=f"http://{LOOPBACK}:{metrics_port}/metrics")
                     argv = (commands or {}).get(spec.name) or [sys.executable, "-m", spec.module]
