@@ -94,6 +94,11 @@ BF16_MEAN_ABS = 0.15
 # maximum is not bounded). The torch trainer runs fp32 there, so only one side rounds: the same bounds have room.
 MOE_BF16_MEAN_ABS = 0.1
 MOE_BF16_P90_ABS = 0.3
+# SGLang's --mem-fraction-static: beside the trainer on one GPU it leaves the trainer the rest (SmolLM2's megatron
+# trainer takes a few GB; 0.4 of an H100 is 32 GB for SGLang, far more KV cache than 2 x 128 short samples need);
+# alone on its GPU (the disaggregated shape) it takes what SGLang's own default would on a large GPU.
+COLOCATED_MEM_FRACTION = 0.4
+DISAGGREGATED_MEM_FRACTION = 0.8
 # The --moe reward: the share of sampled tokens in this set (a random model's policy can learn it from scratch).
 MOE_REWARD_TOKENS = frozenset(range(100, 116))
 
@@ -207,8 +212,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=1, help="trainer ranks under torchrun")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--keep-versions", type=int, default=2, help="the sampler's retention per adapter")
-    p.add_argument("--mem-fraction-static", type=float, default=0.4,
-                   help="SGLang's share of the GPU (weights + KV cache); the trainer uses the rest")
+    p.add_argument("--trainer-gpus", default="",
+                   help="GPUs of the trainer's torchrun job (its CUDA_VISIBLE_DEVICES, as `loraplane up "
+                        "--trainer-gpus`), e.g. 0; default: what this process sees")
+    p.add_argument("--sampler-gpus", default="",
+                   help="GPUs of the sampler and its SGLang server, e.g. 1 for the disaggregated shape (trainer on "
+                        "0, sampler on 1) or 0 beside --trainer-gpus 0 for the colocated one")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help=f"SGLang's share of its GPU (weights + KV cache): default {COLOCATED_MEM_FRACTION} when it "
+                        f"shares the GPU with the trainer (the trainer uses the rest), {DISAGGREGATED_MEM_FRACTION} "
+                        "when --trainer-gpus and --sampler-gpus name different GPUs")
+    p.add_argument("--warmup-iterations", type=int, default=2,
+                   help="iterations left out of the steady-state timings (first CUDA graphs, kernels compiled on "
+                        "first use, the allocator growing)")
     p.add_argument("--sglang-eager", action="store_true",
                    help="turn SGLang's CUDA graphs off (--disable-cuda-graph). They are on by default: decode "
                         "batches of two tenants mix adapters, whose graph replay had a csgmv bug upstream "
@@ -237,6 +253,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "MoE logprob bounds; --model, if given, names an existing Qwen3-MoE directory instead")
     p.add_argument("--trainer-backend", choices=["megatron", "torch"], default="",
                    help="default: megatron (torchrun), torch with --moe (python -m trainer_svc, fp32)")
+    p.add_argument("--compare", nargs="+", metavar="LABEL=REPORT", default=None,
+                   help="no run: compare the steady-state timings of earlier reports (e.g. colocated=a.json "
+                        "disaggregated=b.json) side by side, print the table and write it to --out")
     args = p.parse_args(argv)
     if args.moe:
         # The MoE run's own defaults where the flag was not given: a quick run (a few minutes on one GPU).
@@ -245,12 +264,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             ("--learning-rate", 2e-2), ("--window", 3)):
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
+    if args.compare:
+        return args
     args.trainer_backend = args.trainer_backend or ("torch" if args.moe else "megatron")
+    args.shape_name = placement_shape(args.trainer_gpus, args.sampler_gpus)
+    if args.mem_fraction_static is None:
+        args.mem_fraction_static = (DISAGGREGATED_MEM_FRACTION if args.shape_name == "disaggregated"
+                                    else COLOCATED_MEM_FRACTION)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return args
 
 
 # ---- the cluster ------------------------------------------------------------------------------------------------
+
+
+def placement_shape(trainer_gpus: str, sampler_gpus: str) -> str:
+    """disaggregated: trainer and sampler pinned to different GPUs; colocated: pinned with a GPU in common;
+    unpinned: either one sees every GPU (on a one-GPU machine, the colocated shape)."""
+    if not trainer_gpus or not sampler_gpus:
+        return "unpinned"
+    trainer = {g.strip() for g in trainer_gpus.split(",")}
+    sampler = {g.strip() for g in sampler_gpus.split(",")}
+    return "colocated" if trainer & sampler else "disaggregated"
+
+
+def cluster_gpus(args: argparse.Namespace) -> dict[str, str]:
+    """start_cluster's `gpus`: what `loraplane up --trainer-gpus / --sampler-gpus` passes."""
+    return {service: gpus for service, gpus in (("trainer", args.trainer_gpus), ("sampler", args.sampler_gpus))
+            if gpus}
 
 
 def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -382,9 +423,10 @@ def moe_rollout(rl: ModuleType, sampler, rng: random.Random, params, args):
 
 
 def tenant_loop(rl: ModuleType, service, tokenizer, run, args, probe: SamplerProbe, bound: int,
-                print_lock: threading.Lock) -> None:
+                print_lock: threading.Lock, t0: float | None = None) -> None:
     """examples/rl_loop.py's iteration (publish, rollout, train_on) with a measurement or a check between steps."""
     rng = random.Random(run.seed)
+    t0 = time.monotonic() if t0 is None else t0  # the loop's start, common to the tenants: their windows overlap
     training, params, adam = rl.tenant_clients(service, tokenizer, run, args)
     for iteration in range(1, args.iterations + 1):
         started = time.monotonic()
@@ -407,6 +449,9 @@ def tenant_loop(rl: ModuleType, service, tokenizer, run, args, probe: SamplerPro
             "sampling_s": sampled - loaded, "forward_check_s": checked - sampled, "training_s": trained - checked,
             "seconds": trained - started,
             "samples": sum(len(r.sequences) for r in batch.replies),
+            "sampled_tokens": sum(len(seq.tokens) for r in batch.replies for seq in r.sequences),
+            # Seconds since the loop began: both tenants sample at once, so aggregate tokens/s is over the union.
+            "sampling_window": [loaded - t0, sampled - t0], "iteration_window": [started - t0, trained - t0],
             "served_versions": sorted({r.served_version for r in batch.replies}),
             "served_mismatches": sum(1 for r in batch.replies if r.served_version != sampler.version),
             "tokens_compared": len(diffs), "sequences_without_logprobs": missing,
@@ -484,13 +529,103 @@ def evaluate(runs, args, final: dict, bound: int) -> dict[str, dict]:
     return checks
 
 
+TIMING_FIELDS = ("publish_s", "publish_to_loaded_s", "sampling_s", "forward_check_s", "training_s", "seconds")
+
+
 def timing_summary(runs) -> dict:
-    fields = ("publish_s", "publish_to_loaded_s", "sampling_s", "forward_check_s", "training_s", "seconds")
     out = {}
     for run in runs:
-        out[run.name] = {f"median_{f}": statistics.median(r[f] for r in run.history) for f in fields
+        out[run.name] = {f"median_{f}": statistics.median(r[f] for r in run.history) for f in TIMING_FIELDS
                          if run.history}
     return out
+
+
+def union_seconds(windows) -> float:
+    """The time covered by any of these [start, end] intervals."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(windows):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def steady_state(history: dict[str, list[dict]], warmup: int) -> dict:
+    """Both tenants' iterations after the first `warmup` (all of them when there are no more): medians of each
+    phase, and sampling throughput as sampled tokens over the time in which any tenant was sampling (they sample at
+    once, so per-tenant rates do not add up), and end to end over the span of those iterations."""
+    every = [r for rows in history.values() for r in rows]
+    rows = [r for r in every if r["iteration"] > warmup] or every
+    if not rows:
+        return {}
+    out: dict = {"rows": len(rows), "warmup_iterations": warmup if len(rows) < len(every) else 0}
+    out.update({f"median_{f}": statistics.median(r[f] for r in rows) for f in TIMING_FIELDS})
+    tokens = sum(r["sampled_tokens"] for r in rows)
+    sampling = union_seconds(r["sampling_window"] for r in rows)
+    span = max(r["iteration_window"][1] for r in rows) - min(r["iteration_window"][0] for r in rows)
+    out.update(sampled_tokens=tokens, sampling_busy_s=sampling, span_s=span,
+               sampling_tokens_per_s=tokens / sampling if sampling > 0 else math.nan,
+               median_tenant_sampling_tokens_per_s=statistics.median(
+                   r["sampled_tokens"] / r["sampling_s"] for r in rows if r["sampling_s"] > 0),
+               end_to_end_tokens_per_s=tokens / span if span > 0 else math.nan,
+               tenant_iterations_per_s=len(rows) / span if span > 0 else math.nan)
+    return out
+
+
+def gpu_processes(state) -> dict | None:
+    """Which GPUs each service's processes (and their children: torchrun's ranks, SGLang's server and scheduler)
+    hold a context on, from nvidia-smi; None without nvidia-smi. In a container whose PID namespace hides the
+    processes from nvidia-smi the lists come back empty."""
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+
+    def query(*fields: str) -> list[list[str]]:
+        try:
+            reply = subprocess.run(["nvidia-smi", *fields, "--format=csv,noheader,nounits"], capture_output=True,
+                                   text=True, timeout=30, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return [[c.strip() for c in line.split(",")] for line in reply.stdout.splitlines() if line.strip()]
+
+    index = {uuid: i for i, uuid, *_ in query("--query-gpu=index,uuid")}
+    used = {i: float(mb) for i, mb in query("--query-gpu=index,memory.used") if mb.replace(".", "").isdigit()}
+    apps = [(int(pid), index.get(uuid, uuid), mb) for pid, uuid, mb in
+            query("--query-compute-apps=pid,gpu_uuid,used_memory") if pid.isdigit()]
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    out = {"memory_used_mib": used, "services": {}}
+    for component in state.components:
+        if component.kind != "service" or component.pid is None:
+            continue
+        tree, grew = {component.pid}, True
+        while grew:
+            found = {pid for pid, parent in parents.items() if parent in tree} - tree
+            tree |= found
+            grew = bool(found)
+        out["services"][component.name] = sorted({gpu for pid, gpu, _ in apps if pid in tree})
+    return out
+
+
+def placement_check(args: argparse.Namespace, gpus: dict | None) -> dict:
+    """Not required: nvidia-smi may not see the processes. Passes when every pinned service was seen on its GPUs
+    and on no other."""
+    if gpus is None:
+        return check(False, "no nvidia-smi", required=False)
+    wrong = []
+    for service, pinned in cluster_gpus(args).items():
+        seen = set(gpus["services"].get(service, []))
+        allowed = {g.strip() for g in pinned.split(",")}
+        if not seen or not seen <= allowed:
+            wrong.append(f"{service} on {sorted(seen) or 'no GPU nvidia-smi shows'}, pinned to {sorted(allowed)}")
+    return check(not wrong,
+                 f"{args.shape_name}: " + ("; ".join(wrong) if wrong else json.dumps(gpus["services"])),
+                 required=False)
 
 
 def print_table(runs, checks: dict) -> None:
@@ -507,6 +642,90 @@ def print_table(runs, checks: dict) -> None:
     for name, c in checks.items():
         verdict = "PASS" if c["passed"] else ("FAIL" if c["required"] else "fail (not required)")
         print(f"{verdict:<4} {name}: {c['detail']}")
+
+
+# The side-by-side table of --compare: (row label, steady_state key or report key, format).
+COMPARED = (("iteration wall s (median)", "median_seconds", ".3f"),
+            ("publish s", "median_publish_s", ".3f"),
+            ("publish -> loaded s", "median_publish_to_loaded_s", ".3f"),
+            ("sampling s", "median_sampling_s", ".3f"),
+            ("forward check s", "median_forward_check_s", ".3f"),
+            ("training s", "median_training_s", ".3f"),
+            ("sampling tok/s (both tenants)", "sampling_tokens_per_s", ".0f"),
+            ("sampling tok/s (per tenant, median)", "median_tenant_sampling_tokens_per_s", ".0f"),
+            ("end-to-end tok/s", "end_to_end_tokens_per_s", ".0f"),
+            ("tenant iterations/s", "tenant_iterations_per_s", ".3f"),
+            ("iterations counted (both tenants)", "rows", "d"),
+            ("cluster start s", "startup_s", ".0f"),
+            ("loop s (all iterations)", "loop_s", ".1f"))
+
+
+def compare_reports(labelled: list[tuple[str, dict]]) -> dict:
+    """The steady-state timings of several runs side by side, with each run's ratio to the first."""
+    shapes = {}
+    for label, report in labelled:
+        values = dict(report.get("steady_state") or {})
+        values.update({k: report[k] for k in ("startup_s", "loop_s") if k in report})
+        shapes[label] = {"passed": report.get("passed", False), "placement": report.get("placement"),
+                         "gpus": report.get("gpus"), "values": values,
+                         "failed_checks": [n for n, c in report.get("checks", {}).items()
+                                           if c["required"] and not c["passed"]]}
+    base = labelled[0][0]
+    ratios = {}
+    for label in shapes:
+        ratios[label] = {}
+        for _, key, _ in COMPARED:
+            a, b = shapes[base]["values"].get(key), shapes[label]["values"].get(key)
+            ratios[label][key] = (b / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a
+                                  and math.isfinite(a) and math.isfinite(b) else None)
+    return {"baseline": base, "shapes": shapes, "ratio_to_baseline": ratios}
+
+
+def print_comparison(comparison: dict) -> None:
+    labels = list(comparison["shapes"])
+    width = max(14, *(len(label) + 2 for label in labels))
+    ratio_width = max(12, *(len(label) + len(comparison["baseline"]) + 3 for label in labels))
+    header = f"{'':<38}" + "".join(f"{label:>{width}}" for label in labels) + "".join(
+        f"{label + '/' + comparison['baseline']:>{ratio_width}}" for label in labels[1:])
+    print(header)
+    print("-" * len(header))
+    for name, key, fmt in COMPARED:
+        cells = []
+        for label in labels:
+            value = comparison["shapes"][label]["values"].get(key)
+            ok = isinstance(value, (int, float)) and (not isinstance(value, float) or math.isfinite(value))
+            cells.append(f"{format(value, fmt) if ok else '-':>{width}}")
+        for label in labels[1:]:
+            ratio = comparison["ratio_to_baseline"][label][key]
+            cells.append(f"{'-' if ratio is None else format(ratio, '.2f') + 'x':>{ratio_width}}")
+        print(f"{name:<38}" + "".join(cells))
+    for label, shape in comparison["shapes"].items():
+        placement = shape["placement"] or {}
+        seen = (shape["gpus"] or {}).get("services")
+        verdict = "passed" if shape["passed"] else f"FAILED {shape['failed_checks']}"
+        print(f"{label}: {placement.get('shape')}, trainer GPUs {placement.get('trainer_gpus') or 'all'}, sampler "
+              f"GPUs {placement.get('sampler_gpus') or 'all'}, SGLang mem fraction "
+              f"{placement.get('mem_fraction_static')}; nvidia-smi saw {seen}; checks {verdict}")
+
+
+def compare_main(args: argparse.Namespace) -> int:
+    labelled = []
+    for item in args.compare:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            print(f"--compare takes LABEL=REPORT, not {item!r}")
+            return 2
+        try:
+            labelled.append((label, json.loads(Path(path).read_text())))
+        except (OSError, ValueError) as exc:
+            print(f"--compare: {label}: cannot read {path}: {exc}")
+            labelled.append((label, {}))
+    comparison = compare_reports(labelled)
+    print_comparison(comparison)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(comparison, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0 if all(shape["values"] for shape in comparison["shapes"].values()) else 1
 
 
 def prepare_moe_model(args: argparse.Namespace, data_dir: Path) -> None:
@@ -529,11 +748,16 @@ def run_e2e(args: argparse.Namespace) -> dict:
     env = {"LORAPLANE_DEVICE": args.device,
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     report: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    "placement": {"shape": args.shape_name, "trainer_gpus": args.trainer_gpus,
+                                  "sampler_gpus": args.sampler_gpus,
+                                  "mem_fraction_static": args.mem_fraction_static},
                     "data_dir": str(data_dir), "logs": str(data_dir / "logs")}
     state = None
     started = time.monotonic()
     try:
-        state, _ = start_cluster(settings, extra_env=env, commands=service_commands(args),
+        print(f"[cluster] {args.shape_name}: trainer GPUs {args.trainer_gpus or 'all'}, sampler GPUs "
+              f"{args.sampler_gpus or 'all'}, SGLang --mem-fraction-static {args.mem_fraction_static}", flush=True)
+        state, _ = start_cluster(settings, extra_env=env, commands=service_commands(args), gpus=cluster_gpus(args),
                                  on_progress=lambda message: print(f"[cluster] {message}", flush=True))
         report["startup_s"] = time.monotonic() - started
         addresses = state.addresses()
@@ -554,8 +778,10 @@ def run_e2e(args: argparse.Namespace) -> dict:
         runs = rl.tenant_runs(args.ops)
         bound = args.keep_versions * len(runs)
         lock = threading.Lock()
+        t0 = time.monotonic()
         report["loop_s"] = rl.run_tenants(
-            runs, lambda run: tenant_loop(rl, service, tokenizer, run, args, probe, bound, lock))
+            runs, lambda run: tenant_loop(rl, service, tokenizer, run, args, probe, bound, lock, t0))
+        report["gpus"] = gpu_processes(state)
         expected = {f"{run.name}@v{row['version']}" for run in runs
                     for row in run.history[-args.keep_versions:]}
         final = probe.settled(expected, timeout=30.0)
@@ -564,9 +790,11 @@ def run_e2e(args: argparse.Namespace) -> dict:
         checks = {"production_shape": check(
             shape == {"trainer_backend": args.trainer_backend, "trainer_base_model": args.model,
                       "sampler_engine": args.engine, "sampler_base_model": args.model}, json.dumps(shape)),
-                  **evaluate(runs, args, final, bound)}
-        report.update(history={run.name: run.history for run in runs}, summary=final.pop("summary"),
-                      final_loaded=final, timings=timing_summary(runs), checks=checks)
+                  **evaluate(runs, args, final, bound), "placement": placement_check(args, report["gpus"])}
+        history = {run.name: run.history for run in runs}
+        report.update(history=history, summary=final.pop("summary"), final_loaded=final,
+                      timings=timing_summary(runs), steady_state=steady_state(history, args.warmup_iterations),
+                      checks=checks)
         print_table(runs, checks)
     except Exception as exc:  # noqa: BLE001 - a start or loop failure is the report's verdict
         report["checks"] = {"ran": check(False, f"{type(exc).__name__}: {exc}")}
@@ -590,6 +818,8 @@ def run_e2e(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare:
+        return compare_main(args)
     report = run_e2e(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str))
