@@ -266,6 +266,40 @@ def adapter_header(blob: bytes) -> tuple[LoraSpec, str, dict[str, str]]:
     return spec, base_name, dtypes
 
 
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def adapter_tensor_views(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
+    """(tensors, spec, base model name) of a weights blob whose digest was checked (the registry checked its
+    values): each tensor a read-only view of the blob's bytes in its stored dtype, nothing copied or upcast (a
+    Qwen3-30B-A3B expert adapter is 2.6 GB of bf16: parse_adapter's float32 copy is 5.1 GB more and seconds of
+    work). Keys and shapes checked as :func:`adapter_header` checks them; shared-outer factors stay expanded, as
+    the blob stores them. The views keep `blob` alive."""
+    import warnings
+
+    header = _header(blob, "adapter blob")
+    spec, base_name = _adapter_config(_pop_metadata(header))
+    start = 8 + int.from_bytes(bytes(blob[:8]), "little")
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        entries = {name: (_TORCH_DTYPES[entry["dtype"]], tuple(int(n) for n in entry["shape"]),
+                          [int(o) for o in entry["data_offsets"]]) for name, entry in header.items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataLoss(f"adapter blob: malformed safetensors header entry: {exc}", field="blob") from None
+    _check_shapes({name: shape for name, (_, shape, _) in entries.items()}, spec, field="blob")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a bytes blob is not writable; the views are only read
+        for name, (dtype, shape, (begin, end)) in entries.items():
+            count = math.prod(shape)
+            if end - begin != count * _ITEMSIZE[dtype] or start + end > len(blob):
+                raise DataLoss(f"adapter blob: {name} data_offsets do not hold shape {list(shape)}", field="blob")
+            tensors[name] = torch.frombuffer(blob, dtype=dtype, count=count, offset=start + begin).view(shape)
+    return tensors, spec, base_name
+
+
+_ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _TORCH_DTYPES.values()}
+
+
 def _adapter_config(metadata: Mapping[str, str]) -> tuple[LoraSpec, str]:
     raw = metadata.get(ADAPTER_CONFIG_KEY)
     if raw is None:
@@ -420,18 +454,37 @@ def fold_shared_outer(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> dic
 # ------------------------------------------------------------------------------------------------ SGLang layout
 
 _SGLANG_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+# The 3-D ("stacked") expert keys: one tensor per layer and projection with the expert dimension first.
+_SGLANG_STACKED_PROJ = ("gate_up_proj", "down_proj")
+SGLANG_EXPERT_FORMS = ("per_expert", "stacked")
 
 
 def sglang_expert_key(layer: int, expert: int, proj: str, which: str) -> str:
     return f"{PEFT_PREFIX}.{layer}.mlp.experts.{expert}.{proj}.lora_{which}.weight"
 
 
-def to_sglang(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> tuple[dict[str, torch.Tensor], dict]:
-    """The adapter in the layout SGLang 0.5.17 serves: dense keys as they are, each expert's LoRA under per-expert
-    keys ``...layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight`` (PEFT's transformers-4
-    names) with the PEFT config's target_modules naming gate_proj/up_proj/down_proj. Lossless: gate and up get
-    the expert's one gate_up A each, B is split at its gate|up rows; a shared-outer factor is every expert's.
-    `params`: the trainer's tensors (either layout, compact or expanded)."""
+def sglang_stacked_key(layer: int, proj: str, which: str) -> str:
+    return f"{PEFT_PREFIX}.{layer}.mlp.experts.{proj}.lora_{which}.weight"
+
+
+def to_sglang(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: str = "per_expert"
+              ) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapter in a layout SGLang 0.5.17 serves, dense keys as they are, each layer's expert LoRA either
+    - "per_expert": under per-expert keys ``...layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}
+      .weight`` (PEFT's transformers-4 names; gate and up get the expert's one gate_up A, B is split at its gate|up
+      rows), the config's target_modules naming gate_proj/up_proj/down_proj; or
+    - "stacked": as 3-D tensors with the expert dimension first, ``...layers.{i}.mlp.experts.gate_up_proj.lora_A
+      .weight`` [E, r, in] (SGLang repeats a gate_up A for gate and up), ``...gate_up_proj.lora_B.weight``
+      [E, 2 ffn, r] (gate rows first), ``...down_proj.lora_{A,B}.weight`` [E, r, ffn] / [E, hidden, r], the config
+      naming gate_up_proj/down_proj: 4 tensors per layer instead of 6 per expert (37k keys for Qwen3-30B-A3B, each
+      costing SGLang a Python round of regexes and a torch.cat).
+    Lossless either way; a shared-outer factor is every expert's. The tensors are VIEWS of `params` (A as it is,
+    B permuted, not contiguous; gate and up share one A object): nothing is copied here, a consumer copies each once
+    (into a file, a transfer buffer). `params`: the trainer's tensors (either layout, compact or expanded) or a
+    blob's."""
+    if form not in SGLANG_EXPERT_FORMS:
+        raise InvalidArgument(f"form must be one of {SGLANG_EXPERT_FORMS}, not {form!r}", field="form")
+    stacked = form == "stacked"
     params = expand_shared_outer(params, spec)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in params.items():
@@ -441,34 +494,40 @@ def to_sglang(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> tuple[dict[
             continue
         experts = tensor.shape[0] // spec.rank if which == "A" else tensor.shape[1] // spec.rank
         if which == "A":
-            per = tensor.view(experts, spec.rank, tensor.shape[1])
+            per = tensor.view(experts, spec.rank, tensor.shape[1])  # expert e's rows [e r, (e+1) r)
         else:
-            per = tensor.view(tensor.shape[0], spec.rank, experts).permute(2, 0, 1)
+            per = tensor.view(tensor.shape[0], spec.rank, experts).permute(2, 0, 1)  # column j*E + e
+        if stacked:
+            proj = "down_proj" if module == "experts.down_proj" else "gate_up_proj"
+            out[sglang_stacked_key(layer, proj, which)] = per
+            continue
         for e in range(experts):
-            factor = per[e].contiguous()
+            factor = per[e]
             if module == "experts.down_proj":
                 out[sglang_expert_key(layer, e, "down_proj", which)] = factor
             elif which == "A":
                 out[sglang_expert_key(layer, e, "gate_proj", "A")] = factor
-                out[sglang_expert_key(layer, e, "up_proj", "A")] = factor.clone()
+                out[sglang_expert_key(layer, e, "up_proj", "A")] = factor
             else:
                 half = factor.shape[0] // 2
-                out[sglang_expert_key(layer, e, "gate_proj", "B")] = factor[:half].contiguous()
-                out[sglang_expert_key(layer, e, "up_proj", "B")] = factor[half:].contiguous()
+                out[sglang_expert_key(layer, e, "gate_proj", "B")] = factor[:half]
+                out[sglang_expert_key(layer, e, "up_proj", "B")] = factor[half:]
     config = {k: v for k, v in peft_adapter_config(spec, "").items() if k != "target_parameters"}
     targets = [t for t in spec.target_modules if t not in EXPERT_TARGETS]
     if spec.has_experts:
-        targets += [p for p in _SGLANG_EXPERT_PROJ if p not in targets]
+        targets += [p for p in (_SGLANG_STACKED_PROJ if stacked else _SGLANG_EXPERT_PROJ) if p not in targets]
     config["target_modules"] = targets
     return out, config
 
 
 def from_sglang(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`to_sglang`: per-expert keys back to PEFT's fused-expert tensors (folded to the compact
-    shared-outer form when `spec` says so). gate and up must share their A in every expert (what PEFT's fused
-    gate_up LoRA is); an adapter trained with separate gate and up A does not fit it: InvalidArgument."""
+    """The inverse of :func:`to_sglang` (either form): SGLang's expert keys back to PEFT's fused-expert tensors
+    (folded to the compact shared-outer form when `spec` says so). gate and up must share their A in every expert
+    (what PEFT's fused gate_up LoRA is); an adapter trained with separate gate and up A does not fit it:
+    InvalidArgument."""
     dense: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
+    stacked: dict[tuple[int, str, str], torch.Tensor] = {}
     for key, tensor in tensors.items():
         parts = key.split(".")
         if len(parts) == 11 and parts[5:7] == ["mlp", "experts"] and parts[7].isdigit():
@@ -476,10 +535,24 @@ def from_sglang(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str
             if proj not in _SGLANG_EXPERT_PROJ or parts[9] not in ("lora_A", "lora_B"):
                 raise InvalidArgument(f"not an expert LoRA key: {key!r}", field="tensors")
             experts.setdefault((layer, proj, which), {})[expert] = tensor
+        elif len(parts) == 10 and parts[5:7] == ["mlp", "experts"] and parts[7] in _SGLANG_STACKED_PROJ:
+            if parts[8] not in ("lora_A", "lora_B") or tensor.dim() != 3 or not parts[4].isdigit():
+                raise InvalidArgument(f"not a 3-D expert LoRA key: {key!r} {tuple(tensor.shape)}", field="tensors")
+            stacked[(int(parts[4]), parts[7], parts[8][-1])] = tensor
         else:
             parse_peft_key(key)
             dense[key] = tensor
     out = dict(dense)
+
+    def put_b(layer: int, module: str, b: torch.Tensor) -> None:  # [E, out, r] -> [out, r E], column j*E + e
+        out[peft_key(layer, module, "B")] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
+
+    for (layer, proj, which), tensor in stacked.items():
+        module = "experts.down_proj" if proj == "down_proj" else "experts.gate_up_proj"
+        if which == "A":
+            out[peft_key(layer, module, "A")] = tensor.reshape(-1, tensor.shape[2])
+        else:
+            put_b(layer, module, tensor)
     layers = sorted({layer for layer, _, _ in experts})
     for layer in layers:
         def stack(proj: str, which: str, layer: int = layer) -> list[torch.Tensor]:
@@ -496,12 +569,11 @@ def from_sglang(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str
                                       "gate_up LoRA shares one A", field="tensors")
             gate_b, up_b = stack("gate_proj", "B"), stack("up_proj", "B")
             out[peft_key(layer, "experts.gate_up_proj", "A")] = torch.cat(gate_a)
-            b = torch.stack([torch.cat([g, u]) for g, u in zip(gate_b, up_b)])  # [E, out, r]
-            out[peft_key(layer, "experts.gate_up_proj", "B")] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
+            put_b(layer, "experts.gate_up_proj", torch.stack([torch.cat([g, u]) for g, u in zip(gate_b, up_b)]))
         if (layer, "down_proj", "A") in experts:
             out[peft_key(layer, "experts.down_proj", "A")] = torch.cat(stack("down_proj", "A"))
-            b = torch.stack(stack("down_proj", "B"))
-            out[peft_key(layer, "experts.down_proj", "B")] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
+            put_b(layer, "experts.down_proj", torch.stack(stack("down_proj", "B")))
+    out = {key: tensor.contiguous() for key, tensor in out.items()}
     _check_params(out, spec, field="tensors")
     return fold_shared_outer(out, spec)
 
