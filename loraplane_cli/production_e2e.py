@@ -49,6 +49,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -752,7 +753,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
                                   "sampler_gpus": args.sampler_gpus,
                                   "mem_fraction_static": args.mem_fraction_static},
                     "data_dir": str(data_dir), "logs": str(data_dir / "logs")}
-    state = None
+    state, runs = None, []
     started = time.monotonic()
     try:
         print(f"[cluster] {args.shape_name}: trainer GPUs {args.trainer_gpus or 'all'}, sampler GPUs "
@@ -798,6 +799,9 @@ def run_e2e(args: argparse.Namespace) -> dict:
         print_table(runs, checks)
     except Exception as exc:  # noqa: BLE001 - a start or loop failure is the report's verdict
         report["checks"] = {"ran": check(False, f"{type(exc).__name__}: {exc}")}
+        if any(run.history for run in runs):  # a run stopped by its time limit still reports what it measured
+            history = {run.name: list(run.history) for run in runs}
+            report.update(history=history, steady_state=steady_state(history, args.warmup_iterations))
         print(f"FAIL ran: {type(exc).__name__}: {exc}", flush=True)
     finally:
         if state is not None:
@@ -816,10 +820,22 @@ def run_e2e(args: argparse.Namespace) -> dict:
     return report
 
 
+class Terminated(Exception):
+    """SIGTERM (a `timeout` around the run): the run stops, the cluster is stopped and the report still written."""
+
+
+def _terminate(signum, _frame) -> None:
+    raise Terminated(f"signal {signum} after {time.monotonic() - _STARTED:.0f}s")
+
+
+_STARTED = time.monotonic()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compare:
         return compare_main(args)
+    signal.signal(signal.SIGTERM, _terminate)
     report = run_e2e(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str))

@@ -25,12 +25,26 @@
 #                                          (tvp_extra: googleapis-common-protos and grpcio-status of
 #                                          scripts/gpu/trainer_vs_peft-wheels.txt)
 #   bash scripts/gpu/e2e.sh test           the same run as the gpu-marked test (tests/gpu/test_production_shape.py)
+#   bash scripts/gpu/e2e.sh install        carry [".gpuwh/lpx", ".gpuwh/megatron", ".gpuwh/tvp_extra"]  install only
+#                                          (SGLang, the project's deps, megatron-core; env.log), so that the next
+#                                          call has its whole time for measuring
+#   bash scripts/gpu/e2e.sh disagg         on the 2-GPU machine (issue 23, item 3), after `install` (or with its
+#                                          carry: it installs what is missing): the colocated shape (trainer and
+#                                          SGLang on GPU 0, --mem-fraction-static 0.4) and then the disaggregated one
+#                                          (trainer on GPU 0, sampler + SGLang on GPU 1, 0.8), each a fresh cluster
+#                                          running the same $ITERATIONS (default 12) iterations, each under its own
+#                                          timeout (the whole call stays under $BUDGET s, default 555); then the
+#                                          side-by-side table of their steady-state timings (iterations after the
+#                                          first 2): per-iteration wall time, publish, publish -> loaded, sampling,
+#                                          Forward check and training times, sampling tokens/s.
 #   bash scripts/gpu/e2e.sh install-sglang carry [".gpuwh/lpx", ".gpuwh/tvp_extra"]  SGLang + the project's deps only
 #                                          (the sampler benchmarks of scripts/gpu/sampler_vs_sglang.sh)
 # The last two install whatever is not installed yet, then run. Results in $OUT: production_e2e.json (the report:
 # per iteration and tenant publish, publish -> loaded, sampling, Forward check and training times, rewards,
 # logprob differences, loaded adapters; the checks), production_e2e.log (its table) and e2e_logs.tgz (every
-# service's log and SGLang's).
+# service's log and SGLang's). disagg mode writes those per shape (production_e2e_colocated.json,
+# production_e2e_disaggregated.json, e2e_logs_<shape>.tgz, ...) and the comparison: disagg_compare.json and
+# disagg_compare.log (the table; each shape's GPUs as nvidia-smi saw its processes).
 set -uo pipefail
 mode=${1:-run}
 OUT=${OUT:-/tmp/out}
@@ -81,8 +95,40 @@ install_all() {
     git log -1 --format='%h %s' 2>/dev/null || true
   } 2>&1 | grep -v -i warn | tee "$OUT/env.log"
 }
-collect_logs() {
-  tar czf "$OUT/e2e_logs.tgz" -C /tmp/e2e-data logs sglang/server-0.log 2>/dev/null
+collect_logs() {  # [data dir] [archive name]
+  tar czf "$OUT/${2:-e2e_logs.tgz}" -C "${1:-/tmp/e2e-data}" logs sglang/server-0.log 2>/dev/null
+}
+reap_cluster() {  # what a run killed by its timeout left behind: the cluster of that data dir, SGLang's processes too
+  local dir=$1 pid
+  timeout -k 5 40 python3 -c "from loraplane_cli import app; app()" down --data-dir "$dir" >/dev/null 2>&1
+  # Every process the cluster started carries its data dir in LORAPLANE_DATA_DIR (SGLang's server and schedulers
+  # inherit it from the sampler), which no other process here has.
+  for pid in $(grep -l -a -x -F "LORAPLANE_DATA_DIR=$dir" --null-data /proc/[0-9]*/environ 2>/dev/null \
+               | cut -d/ -f3); do
+    [ "$pid" = "$$" ] && continue
+    echo "reaping $pid: $(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -c1-100)"
+    kill -9 "$pid" 2>/dev/null
+  done
+  for _ in $(seq 30); do  # the next run must find its GPUs empty
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
+    sleep 1
+  done
+  echo "GPU processes still there after the run:"; nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv
+}
+run_shape() {  # label trainer_gpus sampler_gpus timeout_s: one production_e2e run in its own cluster
+  local label=$1 dir=/tmp/e2e-$1
+  rm -rf "$dir"
+  echo "=== $label: trainer GPUs $2, sampler GPUs $3, $ITERATIONS iterations, timeout $4 s ($(date +%T))"
+  timeout -k 20 "$4" python3 -m loraplane_cli.production_e2e --trainer-gpus "$2" --sampler-gpus "$3" \
+      --iterations "$ITERATIONS" --data-dir "$dir" --out "$OUT/production_e2e_$label.json" 2>&1 \
+    | grep --line-buffered -v -i -E "warn|Loading weights" | tee "$OUT/production_e2e_$label.log" \
+    | grep -E "cluster|iter|PASS|FAIL|wrote"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && echo "$label: killed by its $4 s timeout"
+  reap_cluster "$dir"
+  collect_logs "$dir" "e2e_logs_$label.tgz"
+  echo "=== $label: exit $rc ($(date +%T))"
+  return "$rc"
 }
 case "$mode" in
   part)
@@ -95,6 +141,26 @@ case "$mode" in
       cat /tmp/stage/p00 "$WH"/gguf_b/p01 > "$GGUF"
       echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c || exit 5
     fi ;;
+  install)
+    install_all ;;
+  disagg)
+    started=$(date +%s)
+    BUDGET=${BUDGET:-555} ITERATIONS=${ITERATIONS:-12}
+    gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+    [ "$gpus" -ge 2 ] || { echo "disagg needs 2 GPUs, nvidia-smi shows $gpus"; exit 6; }
+    install_all
+    # The first run may take up to RUN_TIMEOUT (its cluster start, SGLang's included, took 170-205 s on a fresh H100
+    # before, the loop 2-3 s per iteration); the second gets what is left.
+    run_shape colocated 0 0 "${RUN_TIMEOUT:-270}"; rc1=$?
+    left=$(( BUDGET - ($(date +%s) - started) - 10 ))
+    [ "$left" -gt 60 ] || { echo "no time left for the disaggregated run ($left s)"; left=60; }
+    run_shape disaggregated 0 1 "$left"; rc2=$?
+    python3 -m loraplane_cli.production_e2e --compare "colocated=$OUT/production_e2e_colocated.json" \
+      "disaggregated=$OUT/production_e2e_disaggregated.json" --out "$OUT/disagg_compare.json" 2>&1 \
+      | grep -v -i warn | tee "$OUT/disagg_compare.log"
+    rc3=${PIPESTATUS[0]}
+    echo "colocated exit $rc1, disaggregated exit $rc2, comparison exit $rc3; $(( $(date +%s) - started )) s in all"
+    [ "$rc1$rc2$rc3" = 000 ] ;;
   install-sglang)
     install_sglang
     python3 -c "import sglang, aiohttp, redis, minio, torch; from loraplane.local.processes import valkey_binary, weed_binary; print(sglang.__version__, aiohttp.__version__, torch.__version__, valkey_binary(), weed_binary())" ;;
@@ -112,5 +178,5 @@ case "$mode" in
     python3 -m pytest tests/gpu/test_production_shape.py -m gpu -o addopts="" -p no:cacheprovider -q -rA -s 2>&1 \
       | grep --line-buffered -v -i warn | tee "$OUT/gpu_test_production_shape.log" | tail -40
     exit "${PIPESTATUS[0]}" ;;
-  *) echo "unknown mode $mode (part pNN | gguf a|b | install-sglang | run | test)"; exit 2 ;;
+  *) echo "unknown mode $mode (part pNN | gguf a|b | install-sglang | install | run | test | disagg)"; exit 2 ;;
 esac
