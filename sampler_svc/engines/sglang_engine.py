@@ -3,9 +3,12 @@
 Each adapter version is loaded under its own name (`<adapter>@v<N>`: SGLang cannot replace a loaded name), one of
 two ways (`adapter_transport`):
 - "file": written as a PEFT directory and loaded with `/load_lora_adapter` (the server must see this filesystem);
-- "tensors": sent in the request body to `/load_lora_adapter_from_tensors` (SGLang >= 0.5.8; nothing is written or
-  read, so it works for a server on another host). A server without that endpoint (HTTP 404/405, or 422 from the
-  older request shape) gets files from then on.
+- "tensors": sent to `/load_lora_adapter_from_tensors` (SGLang >= 0.5.8): to a server on another host with their
+  bytes in the request body; to a server this engine launched (`shared_memory_tensors`) as the name of a /dev/shm
+  segment holding them, which SGLang's ranks map (a 2.6 GB Qwen3-30B-A3B expert adapter: a 100 KB request instead
+  of 3.4 GB of base64 that SGLang decodes, copies to its scheduler and unpickles). Nothing is written to a file
+  system, so it works where SGLang cannot read adapter files (`--load-format dummy`). A server without that
+  endpoint (HTTP 404/405, or 422 from the older request shape) gets files from then on.
 - "auto" (default): files for servers on this host, tensors for the others. On SGLang 0.5.17 over HTTP the tensor
   path is the slower one on one host (H100, 8B-shape rank-32 adapter: 4.0 s vs 1.2 s; docs/benchmarks.md): the
   tensors travel base64 in JSON and are pickled twice on the way, while the file path reads the page cache. Requests go to `/generate` with `input_ids`, `lora_path`
@@ -49,8 +52,8 @@ from loraplane import errors
 from loraplane.adapter_format import (
     adapter_header,
     materialize_peft_dir,
+    adapter_tensor_views,
     materialize_sglang_dir,
-    parse_adapter,
     peft_adapter_config,
     to_sglang,
 )
@@ -369,18 +372,24 @@ class SGLangEngine(Engine):
     def _adapter_dir(self, key: str) -> Path:
         return self.work_dir / "adapters" / key.replace("/", "__")
 
+    # The form expert LoRA travels in as tensors (adapter_format.to_sglang): "per_expert" keys (the form the GPU tests
+    # verified) or "stacked" 3-D tensors (4 per layer instead of 6 per expert: 288 keys for Qwen3-30B-A3B, not 37k).
+    tensor_expert_form = "per_expert"
+    # Which servers get tensors through shared memory instead of in the request body: "launched" (the servers this
+    # engine started, on this host for sure), "loopback" (also those given by a loopback URL), "never". Only where
+    # the server surely shares this host's /dev/shm: SGLang 0.5.17 unpickles in its scheduler without a guard, so a
+    # segment it cannot open would end the server, not fail the request.
+    shared_memory_tensors = "launched"
+
     async def load_adapter(self, key: str, blob: bytes) -> LoadedAdapterInfo:
         if key in self._route:
             raise errors.AlreadyExists(f"{key} is already loaded", field="adapter")
         server = min(self.servers, key=lambda s: len(s.adapters))
         tensors = self._sends_tensors(server)
-        # A file is the blob's own bytes: its header is all that must be read (the digest was checked on download).
-        header = None
-        if tensors:
-            params, spec, base_name = await asyncio.to_thread(parse_adapter, blob)
-        else:
-            header = await asyncio.to_thread(adapter_header, blob)
-            spec, base_name, _dtypes = header
+        # The digest was checked on download and the values by the registry: the header is all that must be read (a
+        # file is the blob's own bytes; tensors go as views of them, in their stored dtype, until packed).
+        header = await asyncio.to_thread(adapter_header, blob)
+        spec, base_name, _dtypes = header
         if base_name and base_name != self._base_model_name:
             raise errors.FailedPrecondition(
                 f"{key} was trained on {base_name!r}; this sampler serves {self._base_model_name!r}", field="adapter")
@@ -395,9 +404,7 @@ class SGLangEngine(Engine):
                 f"unload some or raise the limit", field="adapter")
         status, body = None, None
         if tensors:
-            request = await asyncio.to_thread(self._tensor_request, key, params, spec, base_name, server)
-            del params
-            status, body = await self._load_call(server, key, "/load_lora_adapter_from_tensors", request)
+            status, body = await self._load_tensors(server, key, blob)
             if _no_tensor_endpoint(status, body):
                 log.warning("SGLang %s has no usable /load_lora_adapter_from_tensors (HTTP %s: %s); adapter versions "
                             "go to it as files from now on", server.url, status, str(body)[:200])
@@ -449,25 +456,58 @@ class SGLangEngine(Engine):
         power_of_two = scale > 0 and math.frexp(scale)[0] == 0.5
         return torch.bfloat16 if serving == "bfloat16" and power_of_two else torch.float32
 
+    def _shares_memory(self, server: SGLangServer) -> bool:
+        """Whether tensors reach `server` through shared memory (see shared_memory_tensors)."""
+        if self.shared_memory_tensors == "never":
+            return False
+        if server.process is not None:
+            return True
+        from urllib.parse import urlsplit
+
+        return self.shared_memory_tensors == "loopback" and urlsplit(server.url).hostname in _LOOPBACK_HOSTS
+
+    async def _load_tensors(self, server: SGLangServer, key: str, blob: bytes) -> tuple[int, object]:
+        """/load_lora_adapter_from_tensors with the blob's tensors, through shared memory where the server shares
+        this host's. The segment lives until SGLang has answered (its ranks have mapped it by then) and is unlinked
+        when its last holder lets go: SGLang's copy lives as long as SGLang keeps the adapter, and a call SGLang
+        refused before unpickling leaves nothing in /dev/shm."""
+
+        def build() -> tuple[bytes, _PackedTensors]:
+            params, spec, base_name = adapter_tensor_views(blob)
+            return self._tensor_body(key, params, spec, base_name, server, self._shares_memory(server))
+
+        request, packed = await asyncio.to_thread(build)
+        try:
+            return await self._load_call(server, key, "/load_lora_adapter_from_tensors", request)
+        finally:
+            packed.release()
+
     def _tensor_request(self, key: str, params: dict, spec, base_name: str, server: SGLangServer) -> bytes:
-        """The JSON body of /load_lora_adapter_from_tensors: the PEFT config, and the PEFT-named tensors pickled
-        with their bytes inline (plain pickle: the server may be on another host, so no shared-memory handles;
-        every class it names is torch's, which SGLang's restricted unpickler admits), once per TP rank."""
+        """The JSON body of /load_lora_adapter_from_tensors with the tensors' bytes inline (for a server on another
+        host: no shared memory)."""
+        return self._tensor_body(key, params, spec, base_name, server, shared=False)[0]
+
+    def _tensor_body(self, key: str, params: dict, spec, base_name: str, server: SGLangServer, shared: bool
+                     ) -> tuple[bytes, _PackedTensors]:
+        """The JSON body of /load_lora_adapter_from_tensors: the PEFT config and the PEFT-named tensors (expert
+        LoRA in the form SGLang serves, tensor_expert_form) in the transfer dtype, pickled as views of one buffer
+        (_PackedTensors), the same pickle once per TP rank; and the buffer, which must outlive the call when shared."""
         dtype = self._transfer_dtype(spec, server)
         config = peft_adapter_config(spec, base_name)
         if spec.has_experts:
-            # SGLang serves expert LoRA from per-expert keys; PEFT's target_parameters layout would be accepted
-            # with its experts silently dropped (adapter_format.to_sglang).
-            params, config = to_sglang(params, spec)
+            # SGLang serves expert LoRA from per-expert keys or 3-D expert tensors; PEFT's target_parameters layout
+            # would be accepted with its experts silently dropped (adapter_format.to_sglang).
+            params, config = to_sglang(params, spec, form=self.tensor_expert_form)
             config["base_model_name_or_path"] = base_name
-        tensors = {name: tensor.to(dtype).contiguous() for name, tensor in params.items()}
-        encoded = base64.b64encode(pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL))
-        del tensors
+        packed = _PackedTensors(params, dtype, shared)
+        encoded = base64.b64encode(packed.pickled())
+        if not packed.shared:
+            packed.release()  # its bytes are in the pickle
         config.pop("loraplane_seed", None)
         config.pop("loraplane_expert_layout", None)
         head = json.dumps({"lora_name": key, "config_dict": config}).encode()[:-1]
         copies = b",".join([b'"' + encoded + b'"'] * server.tp_size)
-        return head + b', "serialized_named_tensors": [' + copies + b"]}"
+        return head + b', "serialized_named_tensors": [' + copies + b"]}", packed
 
     async def unload_adapter(self, key: str) -> None:
         server = self._route.pop(key, None)  # first: from now on no request can name it
@@ -699,6 +739,109 @@ def _write_peft_dir(blob: bytes, directory: Path, header: tuple | None = None) -
         temporary.write_bytes(data)
         temporary.replace(directory / name)
     return directory
+
+
+class _PackedTensors:
+    """Named tensors copied, cast to one dtype, into one flat buffer (a tensor object named twice, such as the A
+    gate_proj and up_proj share, is stored once), and pickled as views of it that SGLang's restricted unpickler
+    rebuilds (torch.multiprocessing.reductions.rebuild_tensor: every name the pickle needs is torch's). The buffer
+    is pickled once (the pickle memo), not per tensor: plain pickle of 37k tensors costs a torch.save per tensor
+    on each side, and a view pickles its whole storage.
+
+    shared: the buffer is a POSIX shared-memory segment (torch's file_system sharing, /dev/shm) and the pickle
+    carries its name, not its bytes; each SGLang rank maps it (torch.multiprocessing.reductions.
+    rebuild_storage_filename). The reader's rebuild drops one reference, as for torch's own reductions, but none
+    is added for it here: the segment is unlinked when this buffer is released if nobody mapped it (the call
+    failed), else when the last mapping goes (SGLang's unload). Falls back to private memory when /dev/shm has no
+    room for it (a full tmpfs would kill this process with SIGBUS mid-copy)."""
+
+    def __init__(self, named: dict, dtype, shared: bool):
+        import torch
+
+        slots: dict[int, tuple[int, torch.Tensor]] = {}
+        self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}
+        total = 0
+        for name, tensor in named.items():
+            slot = slots.get(id(tensor))
+            if slot is None:
+                slot = slots[id(tensor)] = (total, tensor)
+                total += tensor.numel()
+            self.layout[name] = (slot[0], tuple(tensor.shape))
+        nbytes = max(1, total * torch.empty((), dtype=dtype).element_size())
+        self.shared = shared and _shm_room(nbytes)
+        storage = torch.UntypedStorage._new_using_filename_cpu(nbytes) if self.shared else torch.UntypedStorage(nbytes)
+        self.dtype = dtype
+        self.flat = torch.empty(0, dtype=dtype).set_(storage, 0, (total,), (1,))
+        for offset, tensor in slots.values():
+            self.flat[offset:offset + tensor.numel()].view(tensor.shape).copy_(tensor)
+        self.nbytes = nbytes
+
+    def pickled(self) -> bytes:
+        import torch
+
+        if self.shared:
+            manager, handle, nbytes = self.flat.untyped_storage()._share_filename_cpu_()
+            storage = _SharedStorage(manager, handle, nbytes, self.dtype)
+        else:
+            storage = torch.TypedStorage(wrap_storage=self.flat.untyped_storage(), dtype=self.dtype, _internal=True)
+        views = {name: _View(storage, offset, shape) for name, (offset, shape) in self.layout.items()}
+        return pickle.dumps(views, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def release(self) -> None:
+        self.flat = None
+
+
+class _View:
+    """Pickles as rebuild_tensor(Tensor, storage, (offset, shape, contiguous strides, no grad)); one `storage`
+    object shared by every view, so the pickle holds it once."""
+
+    __slots__ = ("storage", "offset", "shape")
+
+    def __init__(self, storage, offset: int, shape: tuple[int, ...]):
+        self.storage, self.offset, self.shape = storage, offset, shape
+
+    def __reduce__(self):
+        import torch
+        from torch.multiprocessing.reductions import rebuild_tensor
+
+        strides, step = [], 1
+        for size in reversed(self.shape):
+            strides.append(step)
+            step *= size
+        return rebuild_tensor, (torch.Tensor, self.storage, (self.offset, self.shape, tuple(reversed(strides)), False))
+
+
+class _SharedStorage:
+    """Pickles as a typed storage mapped from shared-memory segment `handle` (torch's manager socket `manager`)."""
+
+    def __init__(self, manager: bytes, handle: bytes, nbytes: int, dtype):
+        self.args = (manager, handle, nbytes)
+        self.dtype = dtype
+
+    def __reduce__(self):
+        from torch.multiprocessing.reductions import rebuild_typed_storage
+
+        return rebuild_typed_storage, (_SharedSegment(*self.args), self.dtype)
+
+
+class _SharedSegment:
+    def __init__(self, manager: bytes, handle: bytes, nbytes: int):
+        self.args = (manager, handle, nbytes)
+
+    def __reduce__(self):
+        import torch
+        from torch.multiprocessing.reductions import rebuild_storage_filename
+
+        return rebuild_storage_filename, (torch.UntypedStorage, *self.args)
+
+
+def _shm_room(nbytes: int) -> bool:
+    """Whether /dev/shm has room for `nbytes` more (with 256 MB to spare)."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize >= nbytes + (256 << 20)
 
 
 def _base_model_facts(name: str):
