@@ -1,7 +1,8 @@
 """A load generator that speaks the part of SGLang's HTTP API the sampler's SGLang engine uses, with no model.
 
 It answers `/generate` (streaming and not, single and batched, `lora_path` accepted), `/load_lora_adapter`,
-`/unload_lora_adapter`, `/health`, `/server_info` and `/v1/models`. Generation is a clock: every `--itl-ms` one
+`/unload_lora_adapter`, `/health`, `/server_info` and `/v1/models`, and `/synthetic_stats` (its own: requests running
+and decode steps so far). Generation is a clock: every `--itl-ms` one
 "decode step" appends one token to every running request (a batch, as SGLang's scheduler does), and a request
 joins at the next step (its first token is its TTFT). Tokens are pseudo-random ids with made-up logprobs; the chunks
 have the shape of SGLang 0.5's `--incremental-streaming-output` chunks with `return_logprob` (each carries only its
@@ -180,6 +181,9 @@ class Connection(asyncio.Protocol):
             return self.respond(200, b"")
         if path == "/server_info":
             return self.respond(200, json.dumps({"tp_size": 1, "dtype": "bfloat16", "max_loaded_loras": 0}).encode())
+        if path == "/synthetic_stats":  # not SGLang's: how many requests are running (tests watch aborts with it)
+            running = sum(1 for group in self.server.running + self.server.joining if not group[0].conn.closed)
+            return self.respond(200, json.dumps({"running": running, "steps": self.server.steps}).encode())
         if path == "/v1/models":
             return self.respond(200, b'{"object":"list","data":[]}')
         if path in ("/load_lora_adapter", "/unload_lora_adapter"):

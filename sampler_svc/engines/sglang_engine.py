@@ -66,6 +66,7 @@ from sampler_svc.engines.base import (
     LoadedAdapterInfo,
     TopkRows,
 )
+from sampler_svc.engines.sglang_streams import EventBuffer, StreamReaders, default_readers, new_tokens
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class SGLangEngine(Engine):
         startup_timeout_s: float = 900.0,
         send_seed: bool = True,
         adapter_transport: str = "auto",
+        stream_readers: int | None = None,
     ):
         if not urls and launch_servers < 1:
             raise errors.InvalidArgument("the sglang engine needs server URLs or launch_servers >= 1",
@@ -133,6 +135,12 @@ class SGLangEngine(Engine):
         self.startup_timeout_s = startup_timeout_s
         self.send_seed = send_seed
         self.adapter_transport = adapter_transport
+        # Helper processes that read SGLang's token streams (sglang_streams.py); None: LORAPLANE_SGLANG_STREAM_READERS
+        # or one per 4 cores (at most 4). 0: every stream is read on the serving loop itself.
+        self.stream_readers = default_readers() if stream_readers is None else stream_readers
+        if self.stream_readers < 0:
+            raise errors.InvalidArgument(f"stream_readers must be >= 0, not {stream_readers}", field="stream_readers")
+        self._readers: StreamReaders | None = None
         self._checkpoint_dtype = ""
         self.servers: list[SGLangServer] = []
         # The authority: version name -> the server that has it loaded.
@@ -199,10 +207,18 @@ class SGLangEngine(Engine):
         except ValueError:
             return status, body.decode(errors="replace")
 
-    async def _stream_sample(self, request: GenerationRequest, index: int) -> AsyncIterator[GenerationUpdate]:
-        """Sample `index` of a streamed request: one streaming /generate call (server-sent events `data: {...}` up
-        to `data: [DONE]`). Each read takes every event that has arrived and leaves as one update (their chunks
-        parsed with one json.loads): a consumer that keeps up gets one token at a time; one that falls behind
+    def _stream_sample(self, request: GenerationRequest, index: int) -> AsyncIterator[GenerationUpdate]:
+        """Sample `index` of a streamed request, read by a stream reader process when there are some
+        (sglang_streams.py), else on this loop."""
+        if self._readers is not None and self._readers.running:
+            # The readers' generator itself, not one that re-yields it: a streamed token crosses one layer fewer.
+            return self._readers.stream(self, request, index)
+        return self._stream_here(request, index)
+
+    async def _stream_here(self, request: GenerationRequest, index: int) -> AsyncIterator[GenerationUpdate]:
+        """Sample `index` of a streamed request on this loop: one streaming /generate call (server-sent events
+        `data: {...}` up to `data: [DONE]`). Each read takes every event that has arrived and leaves as one update
+        (their chunks parsed with one json.loads): a consumer that keeps up gets one token at a time; one that falls behind
         (hundreds of streams on one event loop) gets the backlog in one piece instead of paying a loop round trip
         and a gRPC message per token. This generator is the whole engine-side path of a one-sample stream (each
         layer between SGLang and the servicer costs a frame switch per message)."""
@@ -221,16 +237,11 @@ class SGLangEngine(Engine):
                     raise errors.Unavailable(f"SGLang {server.url} /generate failed with HTTP {reply.status}: "
                                              f"{body[:500]}")
                 content = reply.content
-                pending = b""
+                events = EventBuffer()
                 while data := await content.readany():
-                    pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
-                    end = pending.rfind(b"\n\n")
-                    if end < 0:
-                        continue  # no complete event yet
-                    events, pending = pending[:end], pending[end + 2:]
-                    bodies, done = _event_data(events)
-                    if bodies:
-                        update = follower.update(json.loads(b"[" + b",".join(bodies) + b"]"))
+                    chunks, done = events.feed(data)
+                    if chunks:
+                        update = follower.update(chunks)
                         if update is not None:
                             yield update
                     if done:
@@ -278,6 +289,9 @@ class SGLangEngine(Engine):
             await self._read_server_info(server)
             if server.process is None:
                 await self._drop_leftovers(server)
+        if self.stream_readers:
+            self._readers = StreamReaders(self.stream_readers, request_timeout_s=self.request_timeout_s)
+            await self._readers.start()
 
     async def _read_server_info(self, server: SGLangServer) -> None:
         """Tensor parallel size (a tensor load carries one copy per rank) and the serving dtype."""
@@ -351,6 +365,9 @@ class SGLangEngine(Engine):
         raise errors.Unavailable(f"SGLang server {server.url} not healthy after {self.startup_timeout_s:.0f}s")
 
     async def stop(self) -> None:
+        if self._readers is not None:
+            await self._readers.stop()
+            self._readers = None
         for key in list(self._route):
             try:
                 await self.unload_adapter(key)
@@ -656,37 +673,10 @@ class _Follower:
 
     def update(self, chunks: list[dict]) -> GenerationUpdate | None:
         """The new tokens of `chunks` (in order) as one update, None when they carry none and no finish."""
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        finish = None
-        for chunk in chunks:
-            meta = chunk.get("meta_info", {})
-            pairs = meta.get("output_token_logprobs") or []
-            produced = int(meta.get("completion_tokens", self.sent + len(pairs)))
-            if len(pairs) == produced:
-                pairs = pairs[self.sent:]
-            self.sent = produced
-            for pair in pairs:
-                tokens.append(int(pair[1]))
-                logprobs.append(float(pair[0]) if pair[0] is not None else math.nan)
-            if meta.get("finish_reason"):
-                finish = _finish_reason(meta)
+        tokens, logprobs, finish, self.sent = new_tokens(chunks, self.sent)
         if not tokens and finish is None:
             return None
         return GenerationUpdate(sequence_index=self.index, tokens=tokens, logprobs=logprobs, finish_reason=finish)
-
-
-def _event_data(events: bytes) -> tuple[list[bytes], bool]:
-    """The `data:` payloads of complete server-sent events (blank-line separated), and whether `[DONE]` ended
-    them (what follows it is ignored)."""
-    bodies = []
-    for line in events.split(b"\n"):
-        if line.startswith(b"data:"):
-            body = line[5:].strip()
-            if body == b"[DONE]":
-                return bodies, True
-            bodies.append(body)
-    return bodies, False
 
 
 def _coalesced(items: list) -> list:

@@ -16,10 +16,14 @@ from tests.unit.test_sampler_sglang_routing import FakeSGLang
 TOKENS = 12
 
 
-@pytest.fixture(params=[False, True], ids=["cumulative-chunks", "incremental-chunks"])
+@pytest.fixture(params=[(False, 0), (True, 0), (False, 2), (True, 2)],
+                ids=["cumulative-chunks", "incremental-chunks", "cumulative-chunks-readers",
+                     "incremental-chunks-readers"])
 async def engine(request, tmp_path):
-    fake = FakeSGLang(incremental_streaming=request.param, chunk_interval_s=0.04)
-    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path)
+    """On the serving loop (0 stream readers) and through 2 reader processes (sglang_streams.py)."""
+    incremental, readers = request.param
+    fake = FakeSGLang(incremental_streaming=incremental, chunk_interval_s=0.04)
+    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path, stream_readers=readers)
     await engine.start()
     yield engine
     await engine.stop()
