@@ -590,10 +590,11 @@ def gpu_processes(state) -> dict | None:
             return []
         return [[c.strip() for c in line.split(",")] for line in reply.stdout.splitlines() if line.strip()]
 
-    index = {uuid: i for i, uuid, *_ in query("--query-gpu=index,uuid")}
-    used = {i: float(mb) for i, mb in query("--query-gpu=index,memory.used") if mb.replace(".", "").isdigit()}
-    apps = [(int(pid), index.get(uuid, uuid), mb) for pid, uuid, mb in
-            query("--query-compute-apps=pid,gpu_uuid,used_memory") if pid.isdigit()]
+    index = {row[1]: row[0] for row in query("--query-gpu=index,uuid") if len(row) == 2}
+    used = {row[0]: float(row[1]) for row in query("--query-gpu=index,memory.used")
+            if len(row) == 2 and row[1].replace(".", "", 1).isdigit()}
+    apps = [(int(row[0]), index.get(row[1], row[1])) for row in query("--query-compute-apps=pid,gpu_uuid")
+            if len(row) == 2 and row[0].isdigit()]
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -609,7 +610,7 @@ def gpu_processes(state) -> dict | None:
             found = {pid for pid, parent in parents.items() if parent in tree} - tree
             tree |= found
             grew = bool(found)
-        out["services"][component.name] = sorted({gpu for pid, gpu, _ in apps if pid in tree})
+        out["services"][component.name] = sorted({gpu for pid, gpu in apps if pid in tree})
     return out
 
 
@@ -703,10 +704,12 @@ def print_comparison(comparison: dict) -> None:
     for label, shape in comparison["shapes"].items():
         placement = shape["placement"] or {}
         seen = (shape["gpus"] or {}).get("services")
+        memory = (shape["gpus"] or {}).get("memory_used_mib")
         verdict = "passed" if shape["passed"] else f"FAILED {shape['failed_checks']}"
         print(f"{label}: {placement.get('shape')}, trainer GPUs {placement.get('trainer_gpus') or 'all'}, sampler "
               f"GPUs {placement.get('sampler_gpus') or 'all'}, SGLang mem fraction "
-              f"{placement.get('mem_fraction_static')}; nvidia-smi saw {seen}; checks {verdict}")
+              f"{placement.get('mem_fraction_static')}; nvidia-smi saw {seen}, MiB used per GPU {memory}; "
+              f"checks {verdict}")
 
 
 def compare_main(args: argparse.Namespace) -> int:
@@ -782,7 +785,10 @@ def run_e2e(args: argparse.Namespace) -> dict:
         t0 = time.monotonic()
         report["loop_s"] = rl.run_tenants(
             runs, lambda run: tenant_loop(rl, service, tokenizer, run, args, probe, bound, lock, t0))
-        report["gpus"] = gpu_processes(state)
+        try:
+            report["gpus"] = gpu_processes(state)
+        except Exception as exc:  # noqa: BLE001 - where the processes ran is informative; it must not fail the run
+            report["gpus"] = {"error": f"{type(exc).__name__}: {exc}", "services": {}}
         expected = {f"{run.name}@v{row['version']}" for run in runs
                     for row in run.history[-args.keep_versions:]}
         final = probe.settled(expected, timeout=30.0)

@@ -119,7 +119,8 @@ run_shape() {  # label trainer_gpus sampler_gpus timeout_s: one production_e2e r
   local label=$1 dir=/tmp/e2e-$1
   rm -rf "$dir"
   echo "=== $label: trainer GPUs $2, sampler GPUs $3, $ITERATIONS iterations, timeout $4 s ($(date +%T))"
-  timeout -k 20 "$4" python3 -m loraplane_cli.production_e2e --trainer-gpus "$2" --sampler-gpus "$3" \
+  # On the timeout's SIGTERM the driver stops its cluster and writes what it measured; SIGKILL 40 s later.
+  timeout -k 40 "$4" python3 -m loraplane_cli.production_e2e --trainer-gpus "$2" --sampler-gpus "$3" \
       --iterations "$ITERATIONS" --data-dir "$dir" --out "$OUT/production_e2e_$label.json" 2>&1 \
     | grep --line-buffered -v -i -E "warn|Loading weights" | tee "$OUT/production_e2e_$label.log" \
     | grep -E "cluster|iter|PASS|FAIL|wrote"
