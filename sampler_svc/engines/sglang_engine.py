@@ -485,9 +485,10 @@ class SGLangEngine(Engine):
 
     async def _load_tensors(self, server: SGLangServer, key: str, blob: bytes) -> tuple[int, object]:
         """/load_lora_adapter_from_tensors with the blob's tensors, through shared memory where the server shares
-        this host's. The segment lives until SGLang has answered (its ranks have mapped it by then) and is unlinked
-        when its last holder lets go: SGLang's copy lives as long as SGLang keeps the adapter, and a call SGLang
-        refused before unpickling leaves nothing in /dev/shm."""
+        this host's. The segment's name is unlinked when this engine lets go of it, right after SGLang answered
+        (its rank has mapped it by then; the mapping lives on as long as SGLang keeps the adapter), so nothing is
+        left in /dev/shm whatever SGLang did with the call. With several TP ranks, SGLang answers when rank 0 has
+        loaded: the name is kept _LATE_RANKS_S longer for the others to map it."""
 
         def build() -> tuple[bytes, _PackedTensors]:
             params, spec, base_name = adapter_tensor_views(blob)
@@ -497,7 +498,10 @@ class SGLangEngine(Engine):
         try:
             return await self._load_call(server, key, "/load_lora_adapter_from_tensors", request)
         finally:
-            packed.release()
+            if packed.shared and server.tp_size > 1:
+                asyncio.get_running_loop().call_later(_LATE_RANKS_S, packed.release)
+            else:
+                packed.release()
 
     def _tensor_request(self, key: str, params: dict, spec, base_name: str, server: SGLangServer) -> bytes:
         """The JSON body of /load_lora_adapter_from_tensors with the tensors' bytes inline (for a server on another
@@ -739,11 +743,12 @@ class _PackedTensors:
     on each side, and a view pickles its whole storage.
 
     shared: the buffer is a POSIX shared-memory segment (torch's file_system sharing, /dev/shm) and the pickle
-    carries its name, not its bytes; each SGLang rank maps it (torch.multiprocessing.reductions.
-    rebuild_storage_filename). The reader's rebuild drops one reference, as for torch's own reductions, but none
-    is added for it here: the segment is unlinked when this buffer is released if nobody mapped it (the call
-    failed), else when the last mapping goes (SGLang's unload). Falls back to private memory when /dev/shm has no
-    room for it (a full tmpfs would kill this process with SIGBUS mid-copy)."""
+    carries its name, not its bytes; each SGLang rank (a process of its own) maps it once (torch.multiprocessing.
+    reductions.rebuild_storage_filename, one storage object per pickle). torch's own reduction adds a reference
+    for each reader, which leaks the segment when the reader never comes (a refused call, a dead server); none is
+    added here, so the segment's name goes when release() drops this buffer (a reader's rebuild takes back the
+    reference its mapping added), and the memory when the last mapping goes. Falls back to private memory when
+    /dev/shm has no room for it (a full tmpfs would kill this process with SIGBUS mid-copy)."""
 
     def __init__(self, named: dict, dtype, shared: bool):
         import torch
@@ -823,6 +828,10 @@ class _SharedSegment:
         from torch.multiprocessing.reductions import rebuild_storage_filename
 
         return rebuild_storage_filename, (torch.UntypedStorage, *self.args)
+
+
+# How long a shared segment's name outlives SGLang's answer when the server has several TP ranks (see _load_tensors).
+_LATE_RANKS_S = 60.0
 
 
 def _shm_room(nbytes: int) -> bool:

@@ -1,0 +1,277 @@
+"""How adapter tensors reach SGLang (`/load_lora_adapter_from_tensors`): a tiny random Qwen3-MoE adapter of either
+expert layout, in either SGLang expert form (per-expert keys, stacked 3-D tensors), inline in the request body or
+through a /dev/shm segment, arrives with exactly the values the conversion defines, and converts back losslessly.
+
+The receiver is a FAKE SGLang in a process of its own (not a child of this one, its own session, as a launched
+SGLang is): it unpickles what it gets with what SGLang 0.5.17's SafeUnpickler admits (torch, builtins,
+collections) and reports what it holds. The real server is covered by tests/gpu/test_sglang_moe.py and
+bench/sampler.py --shape qwen3moe.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from loraplane.adapter_format import adapter_tensor_views, from_sglang, parse_adapter, to_sglang
+from loraplane.models import load_base_model
+from sampler_svc.engines.sglang_engine import SGLangEngine, _PackedTensors
+from tests.fixtures.sampler import adapter_blob
+
+MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
+
+FAKE = textwrap.dedent('''
+    import base64, hashlib, io, json, pickle, sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import torch
+
+    class TorchOnly(pickle.Unpickler):
+        def find_class(self, module, name):
+            if not any((module + ".").startswith(p) for p in ("torch.", "builtins.", "collections.")):
+                raise pickle.UnpicklingError(f"Blocked unsafe class loading ({module}.{name})")
+            return super().find_class(module, name)
+
+    held = {}  # name -> the tensors rank 0 holds
+
+    def digests(tensors):
+        return {k: [str(t.dtype), list(t.shape),
+                    hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+                for k, t in tensors.items()}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, status, body):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/server_info":
+                return self.reply(200, {"tp_size": TP, "dtype": DTYPE, "max_loaded_loras": 8})
+            if self.path.startswith("/held/"):  # digests computed now, from what the server still maps
+                tensors = held.get(self.path[len("/held/"):])
+                return self.reply(200, digests(tensors) if tensors is not None else None)
+            self.reply(200, {"data": []} if self.path == "/v1/models" else {})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/load_lora_adapter_from_tensors":
+                # SGLang's TP ranks are processes of their own, each unpickling its own copy: this one process
+                # plays rank 0 and checks that the other ranks' copies are the same pickle.
+                copies = body["serialized_named_tensors"]
+                assert all(c == copies[0] for c in copies), "TP ranks got different payloads"
+                held[body["lora_name"]] = TorchOnly(io.BytesIO(base64.b64decode(copies[0], validate=True))).load()
+                return self.reply(200, {"success": True, "config": body["config_dict"],
+                                        "request_bytes": int(self.headers["Content-Length"])})
+            if self.path == "/unload_lora_adapter":
+                held.pop(body["lora_name"], None)
+                return self.reply(200, {"success": True})
+            self.reply(404, {"detail": "Not Found"})
+
+    TP, DTYPE = int(sys.argv[1]), sys.argv[2]
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+''')
+
+
+class FakeProcess:
+    def __init__(self, tp: int = 1, dtype: str = "auto"):
+        self.process = subprocess.Popen([sys.executable, "-c", FAKE, str(tp), dtype], stdout=subprocess.PIPE,
+                                        text=True, start_new_session=True)
+        self.url = f"http://127.0.0.1:{int(self.process.stdout.readline())}"
+
+    def held(self, name: str) -> dict | None:
+        with urllib.request.urlopen(f"{self.url}/held/{name}", timeout=30) as reply:
+            return json.loads(reply.read())
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def moe_base():
+    return load_base_model("tiny-moe")
+
+
+def moe_adapter(base, seed: int, layout: str) -> bytes:
+    return adapter_blob(seed, base=base, targets=MOE_TARGETS, expert_layout=layout)
+
+
+def digests(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+    out = {}
+    for key, tensor in tensors.items():
+        data = tensor.to(dtype).contiguous()
+        out[key] = [str(dtype), list(data.shape),
+                    hashlib.sha256(data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+    return out
+
+
+def shm_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/torch_*"))
+
+
+class TorchOnly(pickle.Unpickler):
+    def find_class(self, module, name):
+        if not any((module + ".").startswith(p) for p in ("torch.", "builtins.", "collections.")):
+            raise pickle.UnpicklingError(f"Blocked unsafe class loading ({module}.{name})")
+        return super().find_class(module, name)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+@pytest.mark.parametrize("form", ["per_expert", "stacked"])
+def test_both_forms_convert_back_exactly_and_carry_the_same_numbers(moe_base, layout, form):
+    blob = moe_adapter(moe_base, 5, layout)
+    params, spec, _ = parse_adapter(blob)
+    tensors, config = to_sglang(params, spec, form=form)
+    back = from_sglang(tensors, spec)
+    assert set(back) == set(params) and all(torch.equal(back[k], params[k]) for k in params)
+    experts = [k for k in tensors if ".mlp.experts." in k]
+    layer1 = "base_model.model.model.layers.1.mlp.experts"
+    if form == "stacked":
+        assert config["target_modules"][-2:] == ["gate_up_proj", "down_proj"]
+        assert len(experts) == 4 * spec_layers(params)  # 4 tensors per layer, whatever the number of experts
+        per, _ = to_sglang(params, spec, form="per_expert")
+        gate_up_a, gate_up_b = tensors[f"{layer1}.gate_up_proj.lora_A.weight"], tensors[f"{layer1}.gate_up_proj.lora_B.weight"]
+        assert gate_up_a.dim() == 3 and gate_up_a.shape[1] == spec.rank
+        for e in range(gate_up_a.shape[0]):
+            assert torch.equal(gate_up_a[e], per[f"{layer1}.{e}.gate_proj.lora_A.weight"])
+            assert torch.equal(gate_up_b[e], torch.cat([per[f"{layer1}.{e}.gate_proj.lora_B.weight"],
+                                                        per[f"{layer1}.{e}.up_proj.lora_B.weight"]]))
+            assert torch.equal(tensors[f"{layer1}.down_proj.lora_B.weight"][e],
+                               per[f"{layer1}.{e}.down_proj.lora_B.weight"])
+    else:
+        assert config["target_modules"][-3:] == ["gate_proj", "up_proj", "down_proj"]
+        # gate and up share their A: one tensor, so a transfer carries it once
+        assert tensors[f"{layer1}.3.gate_proj.lora_A.weight"] is tensors[f"{layer1}.3.up_proj.lora_A.weight"]
+
+
+def spec_layers(params) -> int:
+    return len({int(k.split(".")[4]) for k in params if ".mlp.experts." in k})
+
+
+def test_blob_views_are_the_blob_in_its_own_dtype(moe_base):
+    blob = moe_adapter(moe_base, 6, "shared_outer")
+    views, spec, base_name = adapter_tensor_views(blob)
+    params, spec2, base2 = parse_adapter(blob)
+    assert (spec, base_name) == (spec2, base2)
+    # shared-outer factors stay expanded, as stored; folded they are the parsed params
+    assert from_sglang(to_sglang(views, spec)[0], spec).keys() == params.keys()
+    assert all(torch.equal(from_sglang(to_sglang(views, spec)[0], spec)[k], params[k]) for k in params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inline_pickle_holds_each_tensor_once_and_rebuilds_under_sglangs_allowlist(moe_base, dtype):
+    params, spec, _ = parse_adapter(moe_adapter(moe_base, 7, "per_expert"))
+    tensors, _ = to_sglang(params, spec)
+    packed = _PackedTensors(tensors, dtype, shared=False)
+    payload = packed.pickled()
+    unique = {id(t): t.numel() for t in tensors.values()}
+    data_bytes = sum(unique.values()) * torch.empty((), dtype=dtype).element_size()
+    # The buffer once: plain pickle of these views would carry A's whole storage once per expert.
+    assert data_bytes < len(payload) < data_bytes + 160 * len(tensors) + 4096  # names, offsets, shapes
+    rebuilt = TorchOnly(__import__("io").BytesIO(payload)).load()
+    assert digests(rebuilt, dtype) == digests(tensors, dtype)
+
+
+async def test_tensors_reach_a_server_process_exactly_inline_and_through_shared_memory(moe_base, tmp_path):
+    fake = FakeProcess()
+    engine = SGLangEngine("tiny-moe", urls=[fake.url], work_dir=tmp_path, adapter_transport="tensors")
+    await engine.start()
+    try:
+        before = shm_segments()
+        sizes = {}
+        for n, (sharing, form, layout) in enumerate([("never", "per_expert", "per_expert"),
+                                                     ("loopback", "per_expert", "shared_outer"),
+                                                     ("loopback", "stacked", "per_expert")]):
+            engine.shared_memory_tensors, engine.tensor_expert_form = sharing, form
+            blob = moe_adapter(moe_base, 10 + n, layout)
+            key = f"a{n}@v1"
+            request_bytes = []
+            real_call = engine._load_call
+
+            async def spy(server, name, path, request, real_call=real_call, request_bytes=request_bytes):
+                request_bytes.append(len(request))
+                return await real_call(server, name, path, request)
+
+            engine._load_call = spy
+            await engine.load_adapter(key, blob)
+            engine._load_call = real_call
+            sizes[sharing, form] = request_bytes[0]
+            # Released by the engine once SGLang answered: nothing is left in /dev/shm ...
+            assert shm_segments() == before
+            # ... while the server still maps what it got, byte for byte the conversion's output (fp32: the server
+            # serves this model's float32).
+            params, spec, _ = parse_adapter(blob)
+            expected = digests(to_sglang(params, spec, form=form)[0], torch.float32)
+            assert fake.held(key) == expected
+        blob_bytes = len(blob)
+        assert sizes["never", "per_expert"] > blob_bytes  # inline: the tensors' bytes, base64
+        assert sizes["loopback", "per_expert"] < blob_bytes / 4  # shared: names and offsets only
+        assert sizes["loopback", "stacked"] < sizes["loopback", "per_expert"]
+        await engine.unload_adapter("a1@v1")
+        assert fake.held("a1@v1") is None
+    finally:
+        await engine.stop()
+        fake.stop()
+
+
+async def test_launched_servers_share_memory_url_servers_only_when_asked(tmp_path):
+    fake = FakeProcess()
+    engine = SGLangEngine("tiny-moe", urls=[fake.url], work_dir=tmp_path, adapter_transport="tensors")
+    try:
+        await engine.start()
+        [server] = engine.servers
+        assert not engine._shares_memory(server)  # a URL: maybe another host's port, whose /dev/shm is not ours
+        engine.shared_memory_tensors = "loopback"
+        assert engine._shares_memory(server)
+        server.url = "http://10.1.2.3:30000"
+        assert not engine._shares_memory(server)
+        engine.shared_memory_tensors = "launched"
+        server.process = fake.process  # what a launched server's record holds
+        assert engine._shares_memory(server)
+        engine.shared_memory_tensors = "never"
+        assert not engine._shares_memory(server)
+        server.process = None
+    finally:
+        await engine.stop()
+        fake.stop()
+
+
+async def test_bf16_serving_tp2_server_gets_bf16_and_late_ranks_can_still_map_it(moe_base, tmp_path):
+    fake = FakeProcess(tp=2, dtype="bfloat16")
+    engine = SGLangEngine("tiny-moe", urls=[fake.url], work_dir=tmp_path, adapter_transport="tensors")
+    engine.shared_memory_tensors = "loopback"
+    await engine.start()
+    try:
+        before = shm_segments()
+        blob = moe_adapter(moe_base, 21, "per_expert")  # alpha / rank = 2: bf16 rounding commutes with it
+        await engine.load_adapter("b@v1", blob)
+        params, spec, _ = parse_adapter(blob)
+        assert fake.held("b@v1") == digests(to_sglang(params, spec)[0], torch.bfloat16)
+        # SGLang answers when rank 0 has loaded: the name stays a while for the other ranks.
+        [late] = shm_segments() - before
+        payload = engine._tensor_body("probe@v1", params, spec, "tiny-moe", engine.servers[0], shared=True)[1]
+        assert payload.shared and payload.flat.dtype == torch.bfloat16
+        payload.release()
+        assert os.path.exists(late)
+    finally:
+        await engine.stop()
+        fake.stop()
