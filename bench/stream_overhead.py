@@ -40,7 +40,7 @@ from bench.stream_clients import PATHS, Worker
 ADAPTERS = 8
 RANK = 8
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s", "sampler_cpu_us_per_token",
-           "client_cpu_us_per_token")
+           "readers_cpu_us_per_token", "client_cpu_us_per_token")
 
 
 def _wait_line(process: subprocess.Popen, prefix: str, timeout: float) -> str:
@@ -83,6 +83,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children_cpu_seconds(pid: int) -> float:
+    """CPU time so far of a process's live children (the sampler's stream reader processes)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in task.read_text().split():
+            try:
+                total += cpu_seconds(int(child))
+            except (OSError, ValueError):
+                pass
+    return total
+
+
 def measure(args, workers: dict[str, Worker], vocab: int, sampler_pids: dict[str, int]) -> list[dict]:
     """sampler_pids: path -> the sampler process it calls, whose CPU time per token is reported (a figure the
     other tenants of a shared machine barely move, unlike the latencies)."""
@@ -106,10 +118,13 @@ def measure(args, workers: dict[str, Worker], vocab: int, sampler_pids: dict[str
                     count = concurrency * args.waves
                     pid = sampler_pids.get(path)
                     before = cpu_seconds(pid) if pid else 0.0
+                    readers_before = children_cpu_seconds(pid) if pid else 0.0
                     result = workers[path].run({"op": op, "concurrency": concurrency, "requests": requests(count),
                                                 "max_tokens": args.max_tokens})
                     if pid:
                         result["sampler_cpu_us_per_token"] = (cpu_seconds(pid) - before) * 1e6 / result["tokens"]
+                        result["readers_cpu_us_per_token"] = ((children_cpu_seconds(pid) - readers_before) * 1e6
+                                                              / result["tokens"])
                     runs[path].append(result)
             row = {"concurrency": concurrency, "op": op, "rounds": args.rounds,
                    "load_average_1m": round(os.getloadavg()[0], 2)}
@@ -134,11 +149,12 @@ def table(rows: list[dict]) -> None:
     paths = [p for p in streams[0] if isinstance(streams[0][p], dict) and "runs_tok_s" in streams[0][p]]
     print_table("Streaming (median of rounds): TTFT and inter-message gap (ITL) p50/p99, TPOT p50 in ms; tokens/s",
                 ["concurrency", "path", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "tok/s",
-                 "tok/msg", "sampler CPU µs/token", "client CPU µs/token", "TTFT p50 ÷ raw", "ITL p50 ÷ raw",
+                 "tok/msg", "sampler CPU µs/token", "readers CPU µs/token", "client CPU µs/token", "TTFT p50 ÷ raw", "ITL p50 ÷ raw",
                  "tok/s ÷ raw"],
                 [[r["concurrency"], p, r[p]["ttft_p50_ms"], r[p]["ttft_p99_ms"], f"{r[p]['itl_p50_ms']:.2f}",
                   f"{r[p]['itl_p99_ms']:.2f}", f"{r[p]['tpot_p50_ms']:.2f}", r[p]["tok_s"], r[p]["tokens_per_message"],
                   f"{r[p].get('sampler_cpu_us_per_token', float('nan')):.1f}",
+                  f"{r[p].get('readers_cpu_us_per_token', float('nan')):.1f}",
                   f"{r[p]['client_cpu_us_per_token']:.1f}",
                   f"{r[p]['ttft_p50_ms'] / r['raw']['ttft_p50_ms']:.2f}",
                   f"{r[p]['itl_p50_ms'] / r['raw']['itl_p50_ms']:.2f}", f"{r[p]['tok_s'] / r['raw']['tok_s']:.3f}"]

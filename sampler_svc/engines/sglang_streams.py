@@ -163,6 +163,7 @@ class _Reader:
         self.process = process
         self.slots: dict[int, _Slot] = {}
         self.alive = True
+        self.started = 0  # streams sent to it so far
         self.pump: asyncio.Task | None = None
 
     def send(self, value) -> None:
@@ -253,6 +254,7 @@ class StreamReaders:
         reader = min(alive, key=lambda r: len(r.slots))
         sid = next(self._ids)
         slot = reader.slots[sid] = _Slot()
+        reader.started += 1
         loop = asyncio.get_running_loop()
         reader.send(("s", sid, server.url + "/generate", json.dumps(payload).encode(), self.request_timeout_s))
         ended = False

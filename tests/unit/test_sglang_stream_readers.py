@@ -1,0 +1,186 @@
+"""The SGLang engine's stream readers (sampler_svc/engines/sglang_streams.py): helper processes that read SGLang's
+token streams and hand the serving loop one frame per decode step. Against bench/synthetic_sglang.py (a real HTTP
+server that streams SGLang's chunks on a clock) in a process of its own: the readers deliver exactly what the
+in-process path delivers, a consumer that leaves aborts its request on the server, a reader that dies fails only its
+own streams (UNAVAILABLE) while new streams go to the others and, when none is left, back to the serving loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from loraplane import errors
+from loraplane.local.processes import free_port
+from sampler_svc.engines.base import GenerationRequest, SamplingOptions
+from sampler_svc.engines.sglang_engine import SGLangEngine
+from sampler_svc.engines.sglang_streams import ENV, default_readers
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def synthetic():
+    process = subprocess.Popen([sys.executable, str(REPO / "bench/synthetic_sglang.py"), "--port", str(free_port()),
+                                "--itl-ms", "5"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("SYNTHETIC_SGLANG_READY"), line
+        yield line.split()[-1]
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def running_on(url: str) -> int:
+    with urllib.request.urlopen(url + "/synthetic_stats", timeout=5) as reply:
+        return json.loads(reply.read())["running"]
+
+
+def streamed(prompt: tuple[int, ...], max_tokens: int = 16, num_samples: int = 1) -> GenerationRequest:
+    return GenerationRequest(prompt_tokens=prompt, options=SamplingOptions(max_tokens=max_tokens),
+                             num_samples=num_samples, stream=True)
+
+
+async def collect(engine: SGLangEngine, request: GenerationRequest) -> dict[int, tuple]:
+    out: dict[int, tuple[list, list, list]] = {}
+    async for update in engine.generate(request):
+        tokens, logprobs, finishes = out.setdefault(update.sequence_index, ([], [], []))
+        tokens += update.tokens
+        logprobs += update.logprobs
+        if update.finish_reason is not None:
+            finishes.append(update.finish_reason)
+    return out
+
+
+async def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_readers_deliver_exactly_what_the_serving_loop_does(synthetic, tmp_path):
+    here = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / "a", stream_readers=0)
+    readers = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / "b", stream_readers=2)
+    await here.start()
+    await readers.start()
+    try:
+        assert here._readers is None and len(readers._readers.readers) == 2
+        # 40 streams at once (one sample each) and a 3-sample stream; the synthetic server's tokens and logprobs
+        # depend only on the prompt, so both paths must agree token for token.
+        requests = [streamed((20 + i, 7, 9), max_tokens=12 + i % 5) for i in range(40)]
+        requests.append(streamed((3, 4, 5), max_tokens=10, num_samples=3))
+        expected = await asyncio.gather(*(collect(here, r) for r in requests))
+        got = await asyncio.gather(*(collect(readers, r) for r in requests))
+        assert got == expected
+        for request, result in zip(requests, got, strict=True):
+            assert sorted(result) == list(range(request.num_samples))
+            for tokens, logprobs, finishes in result.values():
+                assert len(tokens) == len(logprobs) == request.options.max_tokens and finishes == ["length"]
+        # Both readers took streams (the one with fewer open streams gets the next).
+        assert all(r.started > 0 for r in readers._readers.readers)
+        assert readers.running_requests == 0 and readers.queue_depth == 0 and readers._readers.open_streams == 0
+    finally:
+        await readers.stop()
+        await here.stop()
+
+
+async def test_a_consumer_that_leaves_aborts_its_request_on_the_server(synthetic, tmp_path):
+    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1)
+    await engine.start()
+    try:
+        stream = engine.generate(streamed((1, 2, 3), max_tokens=100_000))
+        first = await anext(stream)
+        assert first.tokens
+        assert running_on(synthetic) == 1 and engine.running_requests == 1
+        await stream.aclose()
+        assert engine.running_requests == 0 and engine._readers.open_streams == 0
+        # The reader dropped the HTTP request: the server stops generating for it.
+        await wait_for(lambda: running_on(synthetic) == 0)
+        # And the reader goes on serving.
+        result = await collect(engine, streamed((1, 2, 3), max_tokens=5))
+        assert len(result[0][0]) == 5
+    finally:
+        await engine.stop()
+
+
+async def test_a_reader_that_dies_fails_its_own_streams_and_the_others_carry_on(synthetic, tmp_path):
+    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=2)
+    await engine.start()
+    try:
+        first, second = engine._readers.readers
+        streams = [engine.generate(streamed((i, 5), max_tokens=100_000)) for i in range(4)]
+        for stream in streams:
+            await anext(stream)
+        assert len(first.slots) == 2 and len(second.slots) == 2
+        on_first = [s for s in streams if s.ag_frame.f_locals.get("reader") is first]
+        on_second = [s for s in streams if s not in on_first]
+        first.process.kill()
+        for stream in on_first:
+            with pytest.raises(errors.Unavailable, match="stream reader process 0 exited"):
+                while True:
+                    await anext(stream)
+        for stream in on_second:  # still streaming
+            assert (await anext(stream)).tokens
+            await stream.aclose()
+        assert not first.alive and engine._readers.running
+        result = await collect(engine, streamed((9, 9), max_tokens=6))  # on the reader left
+        assert len(result[0][0]) == 6 and second.started == 3
+        second.process.kill()
+        await wait_for(lambda: not engine._readers.running)
+        result = await collect(engine, streamed((9, 9), max_tokens=6))  # back on the serving loop
+        assert len(result[0][0]) == 6
+        assert engine.running_requests == 0 and engine.queue_depth == 0
+        await wait_for(lambda: running_on(synthetic) == 0)
+    finally:
+        await engine.stop()
+
+
+async def test_an_unreachable_server_is_unavailable_on_both_paths(synthetic, tmp_path):
+    for readers in (0, 1):
+        engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / str(readers), stream_readers=readers)
+        await engine.start()
+        try:
+            engine.servers[0].url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+            with pytest.raises(errors.Unavailable, match="unreachable"):
+                await collect(engine, streamed((1, 2)))
+            assert engine.running_requests == 0 and engine.queue_depth == 0
+        finally:
+            await engine.stop()
+
+
+async def test_an_unknown_version_is_refused_before_anything_is_sent(synthetic, tmp_path):
+    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1)
+    await engine.start()
+    try:
+        request = GenerationRequest(prompt_tokens=(1, 2), options=SamplingOptions(max_tokens=3), stream=True,
+                                    adapter_key="nobody/x@v1")
+        with pytest.raises(errors.NotFound):
+            await collect(engine, request)
+        assert engine._readers.readers[0].started == 0
+    finally:
+        await engine.stop()
+
+
+def test_the_reader_count_comes_from_the_argument_the_environment_or_the_cores(monkeypatch):
+    monkeypatch.setenv(ENV, "3")
+    assert default_readers() == 3
+    assert SGLangEngine("tiny", urls=["http://x"]).stream_readers == 3
+    assert SGLangEngine("tiny", urls=["http://x"], stream_readers=0).stream_readers == 0
+    monkeypatch.setenv(ENV, "many")
+    with pytest.raises(ValueError, match=ENV):
+        default_readers()
+    monkeypatch.setenv(ENV, "-1")
+    with pytest.raises(ValueError, match=">= 0"):
+        default_readers()
+    monkeypatch.delenv(ENV)
+    assert 0 <= default_readers() <= 4
+    with pytest.raises(errors.InvalidArgument) as refused:
+        SGLangEngine("tiny", urls=["http://x"], stream_readers=-2)
+    assert refused.value.field == "stream_readers"
