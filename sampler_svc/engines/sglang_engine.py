@@ -51,8 +51,8 @@ from pathlib import Path
 from loraplane import errors
 from loraplane.adapter_format import (
     adapter_header,
-    materialize_peft_dir,
     adapter_tensor_views,
+    materialize_peft_dir,
     materialize_sglang_dir,
     peft_adapter_config,
     to_sglang,
@@ -790,7 +790,7 @@ class _View:
     """Pickles as rebuild_tensor(Tensor, storage, (offset, shape, contiguous strides, no grad)); one `storage`
     object shared by every view, so the pickle holds it once."""
 
-    __slots__ = ("storage", "offset", "shape")
+    __slots__ = ("offset", "shape", "storage")
 
     def __init__(self, storage, offset: int, shape: tuple[int, ...]):
         self.storage, self.offset, self.shape = storage, offset, shape

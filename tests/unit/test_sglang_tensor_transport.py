@@ -18,7 +18,6 @@ import pickle
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.request
 
 import pytest
