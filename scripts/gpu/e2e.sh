@@ -36,7 +36,10 @@
 #                                          timeout (the whole call stays under $BUDGET s, default 555); then the
 #                                          side-by-side table of their steady-state timings (iterations after the
 #                                          first 2): per-iteration wall time, publish, publish -> loaded, sampling,
-#                                          Forward check and training times, sampling tokens/s.
+#                                          Forward check and training times, sampling tokens/s. All calls of the
+#                                          session on the 2-GPU kind (nvidia-h100-x2): part x8, gguf a, gguf b,
+#                                          install, disagg (no carry needed once installed). ITERATIONS, RUN_TIMEOUT
+#                                          (the first run's limit, default 270 s) and BUDGET override the defaults.
 #   bash scripts/gpu/e2e.sh install-sglang carry [".gpuwh/lpx", ".gpuwh/tvp_extra"]  SGLang + the project's deps only
 #                                          (the sampler benchmarks of scripts/gpu/sampler_vs_sglang.sh)
 # The last two install whatever is not installed yet, then run. Results in $OUT: production_e2e.json (the report:
@@ -78,7 +81,7 @@ install_sglang() {  # SGLang and the project's own deps into /tmp/sgsite (also w
     || pip_target "$WH"/tvp_extra/wheels/googleapis_common_protos-*.whl "$WH"/tvp_extra/wheels/grpcio_status-*.whl \
     || { echo "googleapis-common-protos / grpcio-status install failed"; exit 3; }
 }
-install_all() {
+install_parts() {
   install_sglang
   if [ ! -d /tmp/sgsite/megatron ]; then
     local work; work=$(mktemp -d)
@@ -87,6 +90,9 @@ install_all() {
     rm -rf "$work"
   fi
   [ -f "$GGUF" ] || { echo "SmolLM2 GGUF missing: run the two gguf calls first"; exit 4; }
+}
+install_all() {
+  install_parts
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import sys, torch, transformers, sglang, megatron.core; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'transformers', transformers.__version__, 'sglang', sglang.__version__, 'megatron-core', megatron.core.__version__)"
     python3 -c "from loraplane.local.processes import valkey_binary, weed_binary; print(valkey_binary(), weed_binary())"
@@ -126,6 +132,7 @@ run_shape() {  # label trainer_gpus sampler_gpus timeout_s: one production_e2e r
     | grep -E "cluster|iter|PASS|FAIL|wrote"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "$label: killed by its $4 s timeout"
+  [ "$rc" = 0 ] || tail -25 "$OUT/production_e2e_$label.log"
   reap_cluster "$dir"
   collect_logs "$dir" "e2e_logs_$label.tgz"
   echo "=== $label: exit $rc ($(date +%T))"
@@ -149,7 +156,12 @@ case "$mode" in
     BUDGET=${BUDGET:-555} ITERATIONS=${ITERATIONS:-12}
     gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
     [ "$gpus" -ge 2 ] || { echo "disagg needs 2 GPUs, nvidia-smi shows $gpus"; exit 6; }
-    install_all
+    install_parts
+    # The versions are in the install call's env.log; this call spends its seconds on the runs.
+    { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+      python3 -c "from loraplane.models.base import ensure_smollm2_cache as e; print(e())"
+      git log -1 --format='%h %s' 2>/dev/null || true
+    } 2>&1 | grep -v -i warn | tee "$OUT/env.log"
     # The first run may take up to RUN_TIMEOUT (its cluster start, SGLang's included, took 170-205 s on a fresh H100
     # before, the loop 2-3 s per iteration); the second gets what is left.
     run_shape colocated 0 0 "${RUN_TIMEOUT:-270}"; rc1=$?
