@@ -374,6 +374,13 @@ def run_ep(args, device: torch.device, dtype: torch.dtype) -> dict | None:
         backend.close()  # releases the followers
     # Every rank's peak memory and slot bytes (per-expert factors are split over the EP ranks).
     cuda = device.type == "cuda"
+    if result is not None:
+        print(f"tok/s before the memory report: {json.dumps({k: v.get('tokens_per_s') for k, v in result['contenders'].items()})}",
+              flush=True)
+    if cuda:
+        # NCCL's own small allocations come from outside torch's cache: a card the step filled has none left
+        # (run s23: "Failed to CUDA calloc async 72 bytes" at the barrier after a per-expert 48-layer step).
+        torch.cuda.empty_cache()
     mine = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                          slot_bytes(engine, "t0") / 2**30 if "t0" in engine.slots else 0.0,
                          torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else 0.0])

@@ -47,6 +47,9 @@ single() {  # label, then bench args: one process on GPU 0
 ep() {  # label nproc, then bench args: one torchrun job on the first nproc GPUs
   local label=$1 nproc=$2; shift 2
   echo "== $label: $nproc GPUs, EP=$nproc $*" | summary
+  # Adapters are drawn and laid out on the host (as the trainer does): torchrun's one OpenMP thread per rank made 8
+  # tenants of 48 layers take minutes (run s23).
+  OMP_NUM_THREADS=$(( $(nproc) / nproc > 1 ? $(nproc) / nproc : 1 )) \
   timeout -k 10 "${CASE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$nproc" bench/trainer_moe.py --mode ep --stack-dump-s 100 \
     --out "$OUT/$label.json" "$@" > "$OUT/$label.log" 2>&1
   local rc=$?

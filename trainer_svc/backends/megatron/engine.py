@@ -47,6 +47,8 @@ from .model import build_from_hf, forward_logits, target_logprobs
 from .recompute import LayerRecompute
 
 ROWS = 4  # params, grads, exp_avg, exp_avg_sq
+# The smallest micro-batch (tokens per rank) worth a pass of its own; below it one pass recomputes instead.
+MIN_MICRO_BATCH_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -415,6 +417,11 @@ class Engine:
                 agreed = torch.tensor([limit], dtype=torch.int64, device=self.device)
                 dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp_group)
                 limit = int(agreed.item())
+            if limit and limit < MIN_MICRO_BATCH_TOKENS:
+                # Passes this small cost more than the recomputation they avoid: Llama-3-70B on 4 H100s (TP=4,
+                # 8 x 2048) ran 2,992 tok/s in passes of one datum against 4,070 in one pass recomputing 75 of 80
+                # layers (docs/benchmarks.md, runs mg3 and s23); 8B on one GPU gains 1.36x from passes of 8,192.
+                limit = 0
         if not order or not limit or self.ep > 1 or sum(lengths) <= limit:
             return [order] if order else []
         chunks, current, used = [], [], 0
