@@ -24,7 +24,7 @@
 #             (every layer's attention half recomputed, the experts' activations kept) and with --recompute auto
 #             (micro-batches / layers recomputed only as memory demands), against vs-peft's full recomputation,
 #             then gpu-tests
-# Single-GPU cases run on GPU 0. A case that runs past CASE_TIMEOUT seconds (default 300) is stopped; what the others
+# Single-GPU cases run on GPU $GPU (default 0). A case that runs past CASE_TIMEOUT seconds (default 300) is stopped; what the others
 # measured still returns. Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh
 # as for scripts/gpu/trainer_vs_peft.sh). JSON + logs come back in $OUT as one tar, with summary.log beside it.
 set -uo pipefail
@@ -37,7 +37,7 @@ GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
 single() {  # label, then bench args: one process on GPU 0
   local label=$1; shift
   echo "== $label: $*" | summary
-  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "${CASE_TIMEOUT:-300}" python3 bench/trainer_moe.py --out "$OUT/$label.json" \
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -k 10 "${CASE_TIMEOUT:-300}" python3 bench/trainer_moe.py --out "$OUT/$label.json" \
     "$@" > "$OUT/$label.log" 2>&1
   local rc=$?
   grep -v -i -E "warn|^\s*$|^RESULT" "$OUT/$label.log" | tail -10 | summary
@@ -59,7 +59,7 @@ ep() {  # label nproc, then bench args: one torchrun job on the first nproc GPUs
 }
 gpu_tests() {  # tests/gpu/test_megatron_moe.py on GPU 0
   echo "== gpu-tests" | summary
-  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "${CASE_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_megatron_moe.py -m gpu \
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -k 10 "${CASE_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_megatron_moe.py -m gpu \
     -o addopts="" --noconftest -p no:cacheprovider -q -rA 2>&1 | tee -a "$OUT/gpu_tests.log" \
     | grep -E "PASSED|FAILED|ERROR|passed|failed|measured" | summary
   finish
