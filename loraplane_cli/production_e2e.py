@@ -659,6 +659,8 @@ COMPARED = (("iteration wall s (median)", "median_seconds", ".3f"),
             ("tenant iterations/s", "tenant_iterations_per_s", ".3f"),
             ("iterations counted (both tenants)", "rows", "d"),
             ("cluster start s", "startup_s", ".0f"),
+            ("  trainer start s", "trainer_start_s", ".0f"),
+            ("  sampler + SGLang start s", "sampler_start_s", ".0f"),
             ("loop s (all iterations)", "loop_s", ".1f"))
 
 
@@ -668,6 +670,8 @@ def compare_reports(labelled: list[tuple[str, dict]]) -> dict:
     for label, report in labelled:
         values = dict(report.get("steady_state") or {})
         values.update({k: report[k] for k in ("startup_s", "loop_s") if k in report})
+        values.update({f"{k}_start_s": v for k, v in (report.get("startup_phases") or {}).items()
+                       if k in ("trainer", "sampler")})
         shapes[label] = {"passed": report.get("passed", False), "placement": report.get("placement"),
                          "gpus": report.get("gpus"), "values": values,
                          "failed_checks": [n for n, c in report.get("checks", {}).items()
@@ -759,11 +763,22 @@ def run_e2e(args: argparse.Namespace) -> dict:
     state, runs = None, []
     started = time.monotonic()
     try:
+        steps: list[tuple[str, float]] = []
+
+        def progress(message: str) -> None:
+            steps.append((message, time.monotonic() - started))
+            print(f"[cluster +{steps[-1][1]:.0f}s] {message}", flush=True)
+
         print(f"[cluster] {args.shape_name}: trainer GPUs {args.trainer_gpus or 'all'}, sampler GPUs "
               f"{args.sampler_gpus or 'all'}, SGLang --mem-fraction-static {args.mem_fraction_static}", flush=True)
         state, _ = start_cluster(settings, extra_env=env, commands=service_commands(args), gpus=cluster_gpus(args),
-                                 on_progress=lambda message: print(f"[cluster] {message}", flush=True))
+                                 on_progress=progress)
         report["startup_s"] = time.monotonic() - started
+        steps.append(("ready", report["startup_s"]))
+        # Each component's start, to its health check (the next one starts only then): the trainer's and SGLang's
+        # dominate the run's fixed cost.
+        report["startup_phases"] = {name.removeprefix("starting "): round(steps[i + 1][1] - at, 2)
+                                    for i, (name, at) in enumerate(steps[:-1])}
         addresses = state.addresses()
         service = ServiceClient(trainer=addresses["trainer"], sampler=addresses["sampler"],
                                 registry=addresses["registry"], data_dir=data_dir)
