@@ -115,6 +115,7 @@ class SGLangEngine(Engine):
         send_seed: bool = True,
         adapter_transport: str = "auto",
         stream_readers: int | None = None,
+        stream_readers_from: int = 16,
     ):
         if not urls and launch_servers < 1:
             raise errors.InvalidArgument("the sglang engine needs server URLs or launch_servers >= 1",
@@ -141,6 +142,10 @@ class SGLangEngine(Engine):
         if self.stream_readers < 0:
             raise errors.InvalidArgument(f"stream_readers must be >= 0, not {stream_readers}", field="stream_readers")
         self._readers: StreamReaders | None = None
+        # Streams go to the readers only once this many are open: below it the serving loop has time to spare and
+        # the hop through a reader would only add its latency (about 1 ms to the first token on a loaded machine).
+        self.stream_readers_from = stream_readers_from
+        self._streams_here = 0
         self._checkpoint_dtype = ""
         self.servers: list[SGLangServer] = []
         # The authority: version name -> the server that has it loaded.
@@ -210,7 +215,8 @@ class SGLangEngine(Engine):
     def _stream_sample(self, request: GenerationRequest, index: int) -> AsyncIterator[GenerationUpdate]:
         """Sample `index` of a streamed request, read by a stream reader process when there are some
         (sglang_streams.py), else on this loop."""
-        if self._readers is not None and self._readers.running:
+        if (self._readers is not None and self._readers.running
+                and self._streams_here + self._readers.open_streams >= self.stream_readers_from):
             # The readers' generator itself, not one that re-yields it: a streamed token crosses one layer fewer.
             return self._readers.stream(self, request, index)
         return self._stream_here(request, index)
@@ -229,6 +235,7 @@ class SGLangEngine(Engine):
         follower = _Follower(index)
         self._waiting += 1
         server.in_flight += 1
+        self._streams_here += 1
         try:
             async with self._session.post(server.url + "/generate", json=payload,
                                           timeout=aiohttp.ClientTimeout(total=self.request_timeout_s)) as reply:
@@ -257,6 +264,7 @@ class SGLangEngine(Engine):
         finally:
             self._waiting -= 1
             server.in_flight -= 1
+            self._streams_here -= 1
 
     async def start(self) -> None:
         import aiohttp

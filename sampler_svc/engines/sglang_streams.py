@@ -164,11 +164,23 @@ class _Reader:
         self.slots: dict[int, _Slot] = {}
         self.alive = True
         self.started = 0  # streams sent to it so far
+        self.commands: list[bytes] = []
         self.pump: asyncio.Task | None = None
 
     def send(self, value) -> None:
-        if self.alive:
-            self.process.stdin.write(_frame(value))
+        """Queues a command; this turn's commands leave in one write when the turn is done (a write to the pipe
+        costs a wake-up of the reader: 256 streams that start together are one write, not 256)."""
+        if not self.alive:
+            return
+        self.commands.append(_frame(value))
+        if len(self.commands) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        commands, self.commands = self.commands, []
+        if self.alive and commands:
+            with contextlib.suppress(ConnectionError, RuntimeError):  # the reader is gone: its pump fails its streams
+                self.process.stdin.write(b"".join(commands))
 
     async def run_pump(self) -> None:
         """Frames from the reader into its streams' slots, until its pipe ends."""

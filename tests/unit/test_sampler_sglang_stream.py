@@ -23,7 +23,7 @@ async def engine(request, tmp_path):
     """On the serving loop (0 stream readers) and through 2 reader processes (sglang_streams.py)."""
     incremental, readers = request.param
     fake = FakeSGLang(incremental_streaming=incremental, chunk_interval_s=0.04)
-    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path, stream_readers=readers)
+    engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path, stream_readers=readers, stream_readers_from=0)
     await engine.start()
     yield engine
     await engine.stop()

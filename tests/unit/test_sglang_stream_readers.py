@@ -67,7 +67,7 @@ async def wait_for(condition, timeout: float = 5.0) -> None:
 
 async def test_readers_deliver_exactly_what_the_serving_loop_does(synthetic, tmp_path):
     here = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / "a", stream_readers=0)
-    readers = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / "b", stream_readers=2)
+    readers = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / "b", stream_readers=2, stream_readers_from=0)
     await here.start()
     await readers.start()
     try:
@@ -92,7 +92,7 @@ async def test_readers_deliver_exactly_what_the_serving_loop_does(synthetic, tmp
 
 
 async def test_a_consumer_that_leaves_aborts_its_request_on_the_server(synthetic, tmp_path):
-    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1)
+    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1, stream_readers_from=0)
     await engine.start()
     try:
         stream = engine.generate(streamed((1, 2, 3), max_tokens=100_000))
@@ -111,7 +111,7 @@ async def test_a_consumer_that_leaves_aborts_its_request_on_the_server(synthetic
 
 
 async def test_a_reader_that_dies_fails_its_own_streams_and_the_others_carry_on(synthetic, tmp_path):
-    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=2)
+    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=2, stream_readers_from=0)
     await engine.start()
     try:
         first, second = engine._readers.readers
@@ -144,7 +144,8 @@ async def test_a_reader_that_dies_fails_its_own_streams_and_the_others_carry_on(
 
 async def test_an_unreachable_server_is_unavailable_on_both_paths(synthetic, tmp_path):
     for readers in (0, 1):
-        engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / str(readers), stream_readers=readers)
+        engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / str(readers), stream_readers=readers,
+                              stream_readers_from=0)
         await engine.start()
         try:
             engine.servers[0].url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -156,7 +157,7 @@ async def test_an_unreachable_server_is_unavailable_on_both_paths(synthetic, tmp
 
 
 async def test_an_unknown_version_is_refused_before_anything_is_sent(synthetic, tmp_path):
-    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1)
+    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1, stream_readers_from=0)
     await engine.start()
     try:
         request = GenerationRequest(prompt_tokens=(1, 2), options=SamplingOptions(max_tokens=3), stream=True,
@@ -164,6 +165,25 @@ async def test_an_unknown_version_is_refused_before_anything_is_sent(synthetic, 
         with pytest.raises(errors.NotFound):
             await collect(engine, request)
         assert engine._readers.readers[0].started == 0
+    finally:
+        await engine.stop()
+
+
+async def test_streams_stay_on_the_serving_loop_until_enough_are_open(synthetic, tmp_path):
+    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1, stream_readers_from=3)
+    await engine.start()
+    try:
+        reader = engine._readers.readers[0]
+        streams = []
+        for i in range(5):  # each started before the next is asked for, as the servicer's calls do
+            streams.append(engine.generate(streamed((i, 5), max_tokens=100_000)))
+            assert (await anext(streams[-1])).tokens
+        # The first three on the loop (0, 1, 2 open before each), the next two through the reader.
+        assert engine._streams_here == 3 and reader.started == 2 and len(reader.slots) == 2
+        for stream in streams:
+            await stream.aclose()
+        assert engine._streams_here == 0 and engine._readers.open_streams == 0 and engine.running_requests == 0
+        await wait_for(lambda: running_on(synthetic) == 0)
     finally:
         await engine.stop()
 
