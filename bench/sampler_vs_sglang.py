@@ -14,7 +14,19 @@ streaming forms (SGLang `stream: true` vs SampleStream), 8 adapters: TTFT, ITL (
 consecutive messages), TPOT, tokens per message, and the sampler process's CPU per token and CPU s/s (near 1.0:
 its event loop is saturated).
 
+The streaming rows also run `stubs_old`: a second sampler_svc on the same SGLang server with its streams read on its
+serving loop (LORAPLANE_SGLANG_STREAM_READERS=0), while the first reads them in --stream-readers helper processes
+(sampler_svc/engines/sglang_streams.py); it follows its own copies of the adapters (bench/bN, same bytes) so neither
+sampler unloads the other's names. --no-old-path leaves it out.
+
+--two-servers (a machine with 2 GPUs): SGLang servers on GPU 0 and GPU 1, and two samplers side by side: `one`
+(sampler_svc with the GPU 0 server) and `two` (ONE sampler_svc with both servers: what an operator runs on one
+2-GPU host, `sampler_svc --sglang-launch 2`; each adapter version lives on one server, placed on the emptier one),
+with raw SGLang on GPU 0 for reference, alternated: tokens/s of Sample and of streams at --concurrency (default 256)
+over 8 adapters, and two / one (issue 23's target: >= 1.8).
+
     python bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b [--rounds 2]
+    python bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b --two-servers
     python bench/sampler_vs_sglang.py --model-dir tiny --synthetic-itl-ms 10   # a dry run without a GPU
 
 Writes JSON (bench/results/sampler_vs_sglang.json) and prints a table. Random weights in the real shape; rank-16
@@ -118,7 +130,8 @@ def worker_requests(prompts, mix: Mix) -> list:
 
 
 LATENCY_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s",
-                   "sampler_cpu_us_per_token", "sampler_cpu_s_per_s", "client_cpu_us_per_token")
+                   "sampler_cpu_us_per_token", "sampler_cpu_s_per_s", "readers_cpu_us_per_token",
+                   "client_cpu_us_per_token")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -127,12 +140,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sampler_pid: int) -> dict:
+def children_cpu_seconds(pid: int) -> float:
+    """CPU time so far of a process's live children (a sampler's stream reader processes)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in task.read_text().split():
+            try:
+                total += cpu_seconds(int(child))
+            except (OSError, ValueError):
+                pass
+    return total
+
+
+async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sampler_pid: int,
+                  old: tuple[str, int] | None = None) -> dict:
+    """old: (address, pid) of the sampler that reads its streams on its serving loop (path stubs_old)."""
     rng = random.Random(0)
     vocab = engine.vocab_size
     # raw, stubs and client each run in a process of their own (bench/stream_clients.py): the same process
     # separation a user has, and no path pays for another's event loops and threads.
     workers = {path: Worker(path, url=url, sampler=sampler_address) for path in CLIENT_PATHS}
+    latency_paths = CLIENT_PATHS
+    pids = {"stubs": sampler_pid, "client": sampler_pid}
+    if old is not None:
+        workers["stubs_old"] = Worker("stubs", sampler=old[0], adapter_prefix="bench/b")
+        latency_paths = (*CLIENT_PATHS, "stubs_old")
+        pids["stubs_old"] = old[1]
     loop = asyncio.get_running_loop()
 
     async def on_worker(path: str, command: dict) -> dict:
@@ -146,7 +179,7 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sa
         # Warm-up: every adapter through every path (SGLang's first LoRA batch configures its kernels).
         for mix in (Mix("base"), Mix("mixed8")):
             await run_engine(engine, fresh(ADAPTERS), mix, 1, 8, ADAPTERS)
-            for path in CLIENT_PATHS:
+            for path in workers:
                 for op in ("unary", "stream"):
                     await on_worker(path, {"op": op, "concurrency": ADAPTERS, "max_tokens": 8,
                                            "requests": worker_requests(fresh(ADAPTERS), mix)})
@@ -187,18 +220,22 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sa
         # first-to-last time over its tokens - 1.
         for concurrency in args.concurrency:
             mix = Mix("mixed8")
-            runs: dict[str, list[dict]] = {path: [] for path in CLIENT_PATHS}
+            runs: dict[str, list[dict]] = {path: [] for path in latency_paths}
+            turns = len(latency_paths)
             for round_ in range(args.latency_rounds):
-                for path in CLIENT_PATHS[round_ % 3:] + CLIENT_PATHS[:round_ % 3]:
-                    before = cpu_seconds(sampler_pid)
+                for path in latency_paths[round_ % turns:] + latency_paths[:round_ % turns]:
+                    pid = pids.get(path, sampler_pid)
+                    before, readers_before = cpu_seconds(pid), children_cpu_seconds(pid)
                     run = await on_worker(path, {
                         "op": "stream", "concurrency": concurrency, "max_tokens": args.max_tokens,
                         "requests": worker_requests(fresh(concurrency * args.latency_waves), mix)})
                     # The sampler's CPU time per forwarded token (near 1 s per s of wall time means its one event
-                    # loop is saturated: tokens then leave in batches and the gaps between messages grow).
-                    run["sampler_cpu_us_per_token"] = ((cpu_seconds(sampler_pid) - before) * 1e6 / run["tokens"]
-                                                       if path != "raw" else 0.0)
-                    run["sampler_cpu_s_per_s"] = (cpu_seconds(sampler_pid) - before) / run["wall_s"]
+                    # loop is saturated: tokens then leave in batches and the gaps between messages grow), and
+                    # its stream readers' apart.
+                    spent, readers_spent = cpu_seconds(pid) - before, children_cpu_seconds(pid) - readers_before
+                    run["sampler_cpu_us_per_token"] = spent * 1e6 / run["tokens"] if path != "raw" else 0.0
+                    run["sampler_cpu_s_per_s"] = spent / run["wall_s"] if path != "raw" else 0.0
+                    run["readers_cpu_us_per_token"] = readers_spent * 1e6 / run["tokens"] if path != "raw" else 0.0
                     runs[path].append(run)
             summary = {path: {m: statistics.median(r[m] for r in path_runs) for m in LATENCY_METRICS}
                        | {"tokens_per_message": statistics.median(r["tokens"] / max(r["messages"], 1)
@@ -212,6 +249,9 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sa
                    "client_ttft_p50_ratio": summary["client"]["ttft_p50_ms"] / raw["ttft_p50_ms"],
                    "client_itl_p50_ratio": summary["client"]["itl_p50_ms"] / raw["itl_p50_ms"],
                    "client_over_stubs_tok_s": summary["client"]["tok_s"] / summary["stubs"]["tok_s"],
+                   **({"old_ttft_p50_ratio": summary["stubs_old"]["ttft_p50_ms"] / raw["ttft_p50_ms"],
+                       "old_itl_p50_ratio": summary["stubs_old"]["itl_p50_ms"] / raw["itl_p50_ms"]}
+                      if "stubs_old" in summary else {}),
                    "ttft_p50_runs_ms": {path: [round(r["ttft_p50_ms"], 1) for r in path_runs]
                                         for path, path_runs in runs.items()},
                    "itl_p50_runs_ms": {path: [round(r["itl_p50_ms"], 2) for r in path_runs]
@@ -235,27 +275,122 @@ def table(result: dict) -> str:
     lines += ["", ("Streaming, 8 adapters (medians of per-run values; targets: TTFT p50 <= 1.10x raw, ITL p50 <= 1.20x "
               "raw, client tok/s >= 0.97x stubs)"), "",
               ("| concurrency | path | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | tok/s | tok/msg | "
-              "TTFT p50 / raw | ITL p50 / raw | sampler CPU µs/token | sampler CPU s/s | client CPU µs/token |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "TTFT p50 / raw | ITL p50 / raw | sampler CPU µs/token | sampler CPU s/s | readers CPU µs/token | "
+              "client CPU µs/token |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["latency"]:
-        for path in CLIENT_PATHS:
+        for path in [p for p in (*CLIENT_PATHS, "stubs_old") if p in r]:
             v, raw = r[path], r["raw"]
             lines.append(f"| {r['concurrency']} | {path} | {v['ttft_p50_ms']:.1f} | {v['ttft_p99_ms']:.1f} | "
                          f"{v['itl_p50_ms']:.2f} | {v['itl_p99_ms']:.2f} | {v['tpot_p50_ms']:.2f} | {v['tok_s']:.0f} | "
                          f"{v['tokens_per_message']:.2f} | {v['ttft_p50_ms'] / raw['ttft_p50_ms']:.2f} | "
                          f"{v['itl_p50_ms'] / raw['itl_p50_ms']:.2f} | {v['sampler_cpu_us_per_token']:.1f} | "
-                         f"{v['sampler_cpu_s_per_s']:.2f} | {v['client_cpu_us_per_token']:.1f} |")
+                         f"{v['sampler_cpu_s_per_s']:.2f} | {v['readers_cpu_us_per_token']:.1f} | "
+                         f"{v['client_cpu_us_per_token']:.1f} |")
     return "\n".join(lines)
 
 
-def start_sampler_process(root: Path, model_dir: Path, url: str, registry_address: str, port: int):
-    env = dict(os.environ, LORAPLANE_REGISTRY_ADDRESS=registry_address, PYTHONUNBUFFERED="1")
-    with open(root / "sampler.log", "wb") as log:
+def start_sampler_process(root: Path, model_dir: Path, urls: list[str], registry_address: str, port: int, *,
+                          name: str = "sampler", stream_readers: int | None = None):
+    env = dict(os.environ, LORAPLANE_REGISTRY_ADDRESS=registry_address, PYTHONUNBUFFERED="1",
+               LORAPLANE_DATA_DIR=str(root / name))
+    if stream_readers is not None:
+        env["LORAPLANE_SGLANG_STREAM_READERS"] = str(stream_readers)
+    with open(root / f"{name}.log", "wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "sampler_svc", "--engine", "sglang", "--sglang-url", url, "--base-model",
-             str(model_dir), "--port", str(port), "--keep-versions", "2", "--max-loaded", str(4 * ADAPTERS),
-             "--sglang-max-lora-rank", str(RANK), "--sglang-max-loras-per-batch", str(ADAPTERS + 1)],
+            [sys.executable, "-m", "sampler_svc", "--engine", "sglang", *(a for u in urls for a in ("--sglang-url", u)),
+             "--base-model", str(model_dir), "--port", str(port), "--keep-versions", "2", "--max-loaded",
+             str(4 * ADAPTERS), "--sglang-max-lora-rank", str(RANK), "--sglang-max-loras-per-batch",
+             str(ADAPTERS + 1)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def start_samplers(root: Path, model_dir: Path, registry_address: str, specs: list[tuple]) -> list:
+    """specs: (name, urls, stream_readers) -> [(process, address)], all started at once: each drops what it finds
+    loaded on its servers as it starts, so none may have loaded anything before the last one is up."""
+    started = []
+    for name, urls, readers in specs:
+        port = free_port()
+        started.append((start_sampler_process(root, model_dir, urls, registry_address, port, name=name,
+                                              stream_readers=readers), f"127.0.0.1:{port}"))
+    for process, address in started:
+        await asyncio.to_thread(wait_until, lambda p=process, a=address: p.poll() is None and check_health(
+            a, "loraplane.v1.SamplerService"), 900, "sampler_svc healthy")
+    return started
+
+
+async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], two: tuple[str, int]) -> dict:
+    """`one` / `two`: (address, pid) of the sampler with the GPU 0 server / with both. Per concurrency, Sample
+    (tokens/s) and streams (tokens/s, TTFT, ITL) through bare stubs, raw SGLang on GPU 0 beside them, in rotating
+    order with fresh prompts."""
+    rng = random.Random(1)
+    vocab = engine.vocab_size
+    url = engine.servers[0].url
+    workers = {"raw": Worker("raw", url=url), "one": Worker("stubs", sampler=one[0]),
+               "two": Worker("stubs", sampler=two[0], adapter_prefix="bench/b")}
+    pids = {"one": one[1], "two": two[1]}
+    loop = asyncio.get_running_loop()
+    mix = Mix("mixed8")
+
+    def fresh(count: int) -> list[list[int]]:
+        return [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(count)]
+
+    async def on_worker(path: str, command: dict) -> dict:
+        return await loop.run_in_executor(None, workers[path].run, command)
+
+    rows = []
+    try:
+        for path in workers:  # every adapter loaded (the two-server sampler spreads them over both servers)
+            for op in ("unary", "stream"):
+                await on_worker(path, {"op": op, "concurrency": 2 * ADAPTERS, "max_tokens": 8,
+                                       "requests": worker_requests(fresh(2 * ADAPTERS), mix)})
+        paths = tuple(workers)
+        for concurrency in args.concurrency:
+            for op in ("unary", "stream"):
+                count = 2 * concurrency if op == "unary" else concurrency * args.latency_waves
+                runs: dict[str, list[dict]] = {p: [] for p in paths}
+                for round_ in range(args.rounds):
+                    for path in paths[round_ % 3:] + paths[:round_ % 3]:
+                        pid = pids.get(path)
+                        before = cpu_seconds(pid) + children_cpu_seconds(pid) if pid else 0.0
+                        run = await on_worker(path, {"op": op, "concurrency": concurrency,
+                                                     "max_tokens": args.max_tokens,
+                                                     "requests": worker_requests(fresh(count), mix)})
+                        run["sampler_cpu_s_per_s"] = ((cpu_seconds(pid) + children_cpu_seconds(pid) - before)
+                                                      / run["wall_s"] if pid else 0.0)
+                        runs[path].append(run)
+                metrics = ["tok_s", "sampler_cpu_s_per_s"] + (
+                    ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms"] if op == "stream" else [])
+                row = {"concurrency": concurrency, "op": op, "mix": "mixed8", "rounds": args.rounds,
+                       **{p: {m: statistics.median(r[m] for r in runs[p]) for m in metrics} for p in paths},
+                       "runs_tok_s": {p: [round(r["tok_s"]) for r in runs[p]] for p in paths}}
+                row["two_over_one_tok_s"] = row["two"]["tok_s"] / row["one"]["tok_s"]
+                row["one_over_raw_tok_s"] = row["one"]["tok_s"] / row["raw"]["tok_s"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return {"two_servers": rows}
+
+
+def two_servers_table(result: dict) -> str:
+    lines = [("Two SGLang servers (GPU 0 + GPU 1) behind one sampler_svc vs one (GPU 0), 8 adapters; target "
+              "two/one >= 1.8"), "",
+             ("| concurrency | op | raw (GPU 0) tok/s | one tok/s | two tok/s | two / one | one / raw | one TTFT p50 | "
+              "two TTFT p50 | one ITL p50 | two ITL p50 | one sampler CPU s/s | two sampler CPU s/s |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(row: dict, path: str, metric: str) -> str:
+        return f"{row[path][metric]:.1f}" if metric in row[path] else "-"
+
+    for r in result["two_servers"]:
+        lines.append(f"| {r['concurrency']} | {r['op']} | {r['raw']['tok_s']:.0f} | {r['one']['tok_s']:.0f} | "
+                     f"{r['two']['tok_s']:.0f} | {r['two_over_one_tok_s']:.2f} | {r['one_over_raw_tok_s']:.2f} | "
+                     f"{ms(r, 'one', 'ttft_p50_ms')} | {ms(r, 'two', 'ttft_p50_ms')} | {ms(r, 'one', 'itl_p50_ms')} | "
+                     f"{ms(r, 'two', 'itl_p50_ms')} | {r['one']['sampler_cpu_s_per_s']:.2f} | "
+                     f"{r['two']['sampler_cpu_s_per_s']:.2f} |")
+    return "\n".join(lines)
 
 
 def start_synthetic(itl_ms: float) -> tuple[subprocess.Popen, str]:
@@ -282,49 +417,73 @@ async def main_async(args) -> dict:
     server_args = ["--mem-fraction-static", str(args.mem_fraction), "--skip-tokenizer-init"]
     if args.disable_cuda_graph:
         server_args.append("--disable-cuda-graph")
-    synthetic = None
+    synthetics = []
+    servers = 2 if args.two_servers else 1
     if args.synthetic_itl_ms:
         # A dry run of this script on a machine without a GPU: bench/synthetic_sglang.py in SGLang's place.
-        synthetic, synthetic_url = start_synthetic(args.synthetic_itl_ms)
-        engine = SGLangEngine(str(model_dir), urls=[synthetic_url],
+        synthetics = [start_synthetic(args.synthetic_itl_ms) for _ in range(servers)]
+        engine = SGLangEngine(str(model_dir), urls=[u for _, u in synthetics], stream_readers=0,
                               work_dir=root / "sglang", max_lora_rank=RANK, max_loaded_loras=4 * ADAPTERS)
     else:
-        engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=root / "sglang", max_lora_rank=RANK,
+        engine = SGLangEngine(str(model_dir), launch_servers=servers, work_dir=root / "sglang", max_lora_rank=RANK,
                               max_loras_per_batch=ADAPTERS + 1, max_loaded_loras=4 * ADAPTERS,
-                              extra_server_args=server_args)
-    sampler = None
+                              extra_server_args=server_args, stream_readers=0)
+    samplers = []
     try:
         await engine.start()
         url = engine.servers[0].url
         base = load_base_model(str(model_dir), "cpu")
         blobs = [random_adapter_blob(base, 100 + i, RANK) for i in range(ADAPTERS)]
         del base
+        # bench/aN for the first sampler, bench/bN (the same bytes) for the second: each sampler unloads the names
+        # it finds on its servers as it starts, and owns what it loads.
+        prefixes = ["bench/a"] + (["bench/b"] if args.two_servers or args.old_path else [])
         async with RegistryClient(registry_address) as client:
-            for i, blob in enumerate(blobs):
-                await client.create_adapter(f"bench/a{i}", lora_config=common_pb2.LoraConfig(rank=RANK, alpha=2 * RANK),
-                                            base_model=str(model_dir))
-                await client.publish(f"bench/a{i}", blob)
+            for prefix in prefixes:
+                for i, blob in enumerate(blobs):
+                    await client.create_adapter(f"{prefix}{i}", base_model=str(model_dir),
+                                                lora_config=common_pb2.LoraConfig(rank=RANK, alpha=2 * RANK))
+                    await client.publish(f"{prefix}{i}", blob)
+        if args.two_servers:
+            urls = [server.url for server in engine.servers]
+            samplers = await start_samplers(root, model_dir, registry_address, [
+                ("sampler", urls[:1], args.stream_readers), ("sampler-two", urls, args.stream_readers)])
+            (one, one_address), (two, two_address) = samplers
+            result = await measure_two_servers(args, engine, (one_address, one.pid), (two_address, two.pid))
+            result["stream_readers"] = args.stream_readers
+            result["machine"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                                 if torch.cuda.is_available() else "cpu")
+            result["model"] = {"shape": args.build_shape or str(model_dir), "dtype": "bfloat16",
+                               "adapters": ADAPTERS, "rank": RANK, "prompt_len": args.prompt_len,
+                               "max_tokens": args.max_tokens, "cuda_graph": not args.disable_cuda_graph}
+            return result
         # The engine-alone path uses the names the sampler gives the same versions (`bench/aN@v1`), loaded from the
         # same bytes; the sampler process unloads and reloads them as it starts, SGLang keeps serving them.
         for i, blob in enumerate(blobs):
             await engine.load_adapter(key_of(i), blob)
-        port = free_port()
-        sampler = start_sampler_process(root, model_dir, url, registry_address, port)
-        address = f"127.0.0.1:{port}"
-        wait_until(lambda: sampler.poll() is None and check_health(address, "loraplane.v1.SamplerService"), 900,
-                   "sampler_svc healthy")
-        result = await measure(args, engine, url, address, sampler.pid)
+        specs = [("sampler", [url], args.stream_readers)]
+        if args.old_path:
+            specs.append(("sampler-old", [url], 0))
+        samplers = await start_samplers(root, model_dir, registry_address, specs)
+        sampler, address = samplers[0]
+        old = (samplers[1][1], samplers[1][0].pid) if args.old_path else None
+        result = await measure(args, engine, url, address, sampler.pid, old)
+        result["stream_readers"] = args.stream_readers
         result["machine"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         result["model"] = {"shape": args.build_shape or str(model_dir), "dtype": "bfloat16", "adapters": ADAPTERS,
                            "rank": RANK, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                            "cuda_graph": not args.disable_cuda_graph}
         return result
     finally:
-        if sampler is not None:
-            sampler.terminate()
-            sampler.wait(30)
+        for process, _ in samplers:
+            process.terminate()
+        for process, _ in samplers:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
         await engine.stop()
-        if synthetic is not None:
+        for synthetic, _ in synthetics:
             synthetic.terminate()
             synthetic.wait(10)
         loop.run(registry.stop())
@@ -348,16 +507,24 @@ def main() -> None:
     parser.add_argument("--latency-rounds", type=int, default=3)
     parser.add_argument("--latency-waves", type=int, default=1, help="streams per latency run = concurrency x this")
     parser.add_argument("--multi-sample", action="store_true", help="add num_samples=8 throughput rows at 64")
+    parser.add_argument("--stream-readers", type=int, default=4,
+                        help="stream reader processes of the sampler measured (LORAPLANE_SGLANG_STREAM_READERS)")
+    parser.add_argument("--old-path", action=argparse.BooleanOptionalAction, default=True,
+                        help="also stream through a second sampler with no readers (path stubs_old)")
+    parser.add_argument("--two-servers", action="store_true",
+                        help="GPU 0 + GPU 1: one sampler with both servers vs one with GPU 0's (module docstring)")
     parser.add_argument("--synthetic-itl-ms", type=float, default=0.0,
                         help="no SGLang: a dry run against bench/synthetic_sglang.py (--model-dir tiny)")
     parser.add_argument("--out", default=str(REPO / "bench/results/sampler_vs_sglang.json"))
     args = parser.parse_args()
     if args.build_shape:
         build_model(args.build_shape, Path(args.model_dir))
+    if args.two_servers and args.concurrency == parser.get_default("concurrency"):
+        args.concurrency = [256]
     result = asyncio.run(main_async(args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(table(result))
+    print(two_servers_table(result) if args.two_servers else table(result))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ if str(REPO) not in sys.path:
 from bench.common import percentile  # after the path set-up: this file also runs as a script
 
 PATHS = ("raw", "stubs", "client")
+# The adapters' names are PREFIX0 .. PREFIX7 (--adapter-prefix: a second sampler beside the first follows its own set,
+# so neither unloads the other's names on the SGLang server they share).
+PREFIX = "bench/a"
 
 
 def summarize(per_request: list[tuple[float, list[tuple[float, int]]]], wall_s: float) -> dict:
@@ -63,7 +66,7 @@ def summarize(per_request: list[tuple[float, list[tuple[float, int]]]], wall_s: 
 
 
 def adapter_key(index: int) -> str | None:
-    return None if index < 0 else f"bench/a{index}@v1"
+    return None if index < 0 else f"{PREFIX}{index}@v1"
 
 
 class Raw:
@@ -108,7 +111,7 @@ class Raw:
 def _request(adapter: int, prompt: list[int], max_tokens: int):
     from loraplane.v1 import common_pb2, sampler_pb2
 
-    ref = common_pb2.AdapterRef(name="" if adapter < 0 else f"bench/a{adapter}")
+    ref = common_pb2.AdapterRef(name="" if adapter < 0 else f"{PREFIX}{adapter}")
     if adapter >= 0:
         ref.version = 1
     params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0)
@@ -157,7 +160,7 @@ class Client:
         client = self.clients.get(adapter)
         if client is None:
             client = self.clients[adapter] = (SamplingClient(self.address) if adapter < 0 else
-                                              SamplingClient(self.address, f"bench/a{adapter}", version=1))
+                                              SamplingClient(self.address, f"{PREFIX}{adapter}", version=1))
         return client
 
     async def stream(self, adapter: int, prompt: list[int], max_tokens: int):
@@ -234,25 +237,39 @@ def main() -> None:
     parser.add_argument("--url", default="", help="the SGLang (or synthetic) server, for raw")
     parser.add_argument("--sampler", default="", help="sampler_svc's address, for stubs and client")
     parser.add_argument("--uvloop", action="store_true", help="run this worker's event loop on uvloop")
+    parser.add_argument("--adapter-prefix", default="bench/a")
     args = parser.parse_args()
+    global PREFIX
+    PREFIX = args.adapter_prefix
     if args.uvloop:
         import uvloop
 
         uvloop.install()
-    asyncio.run(serve(args))
+    profile_dir = os.environ.get("LORAPLANE_BENCH_PROFILE_DIR")
+    if not profile_dir:
+        asyncio.run(serve(args))
+        return
+    # Where a client's time goes (bench/stream_overhead.py --profile-clients): its whole life under cProfile.
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(asyncio.run, serve(args))
+    finally:
+        profiler.dump_stats(str(Path(profile_dir) / f"client-{args.path}.prof"))
 
 
 class Worker:
     """The driver's handle on one worker process."""
 
     def __init__(self, path: str, *, url: str = "", sampler: str = "", env: dict | None = None,
-                 python: str = sys.executable):
+                 python: str = sys.executable, adapter_prefix: str = PREFIX):
         import subprocess
 
         self.path = path
         self.process = subprocess.Popen([python, str(Path(__file__).resolve()), "--path", path, "--url", url,
-                                         "--sampler", sampler], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, cwd=REPO, env=env)
+                                         "--sampler", sampler, "--adapter-prefix", adapter_prefix],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
         ready = self.process.stdout.readline()
         if not ready:
             raise RuntimeError(f"the {path} worker exited with {self.process.wait()}")

@@ -180,6 +180,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="run sampler_svc under cProfile; its top functions are printed at the end (with "
                              "LORAPLANE_UVLOOP=0 set: under uvloop the loop's own work shows as one C call)")
+    parser.add_argument("--profile-clients", action="store_true",
+                        help="run the client workers under cProfile; their top functions are printed at the end")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--baseline-src", default="",
                         help="a copy of another version's tree (e.g. `git archive OLD sampler_svc loraplane | tar -x "
@@ -227,8 +229,10 @@ def main() -> None:
                 from loraplane.models import load_base_model
 
                 vocab = load_base_model("tiny", "cpu").vocab_size
+                client_env = (dict(os.environ, LORAPLANE_BENCH_PROFILE_DIR=str(work)) if args.profile_clients
+                              else None)
                 for path in args.paths:
-                    workers[path] = Worker(path, url=url, sampler=address)
+                    workers[path] = Worker(path, url=url, sampler=address, env=client_env)
                 if args.baseline_src:
                     baseline_env = dict(item.split("=", 1) for item in args.baseline_env)
                     workers["stubs_baseline"] = Worker("stubs", sampler=start_sampler(
@@ -255,7 +259,7 @@ def main() -> None:
                         proc.kill()
                 loop.run(registry.stop())
                 loop.close()
-        if args.profile:
+        if args.profile or args.profile_clients:
             import pstats
 
             for prof in sorted(work.glob("*.prof")):
