@@ -39,6 +39,9 @@ if str(REPO) not in sys.path:
 from bench.common import percentile  # after the path set-up: this file also runs as a script
 
 PATHS = ("raw", "stubs", "client")
+# Diagnostic, not in the default set: bare stubs in a process whose SDK runtime loop (a thread) has also made a gRPC
+# call, as in any process that uses the SDK's synchronous API or sample_async beside its own async streams.
+DIAGNOSTIC_PATHS = ("stubs_rt",)
 # The adapters' names are PREFIX0 .. PREFIX7 (--adapter-prefix: a second sampler beside the first follows its own set,
 # so neither unloads the other's names on the SGLang server they share).
 PREFIX = "bench/a"
@@ -147,6 +150,19 @@ class Stubs:
         await self.channel.close()
 
 
+class StubsBesideRuntime(Stubs):
+    def __init__(self, address: str):
+        super().__init__(address)
+        from loraplane.client._runtime import runtime
+        from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+
+        async def touch():
+            stub = sampler_pb2_grpc.SamplerServiceStub(runtime().channel(address))
+            await stub.GetStatus(sampler_pb2.GetStatusRequest(), timeout=30)
+
+        runtime().run(touch())
+
+
 class Client:
     def __init__(self, address: str):
         from loraplane.client import SamplingClient
@@ -213,8 +229,8 @@ def _cpu() -> float:
 
 
 async def serve(args) -> None:
-    worker = Raw(args.url) if args.path == "raw" else Stubs(args.sampler) if args.path == "stubs" else \
-        Client(args.sampler)
+    worker = (Raw(args.url) if args.path == "raw" else Stubs(args.sampler) if args.path == "stubs" else
+              StubsBesideRuntime(args.sampler) if args.path == "stubs_rt" else Client(args.sampler))
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 28)  # a command carries every prompt of a run
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -233,7 +249,7 @@ async def serve(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--path", choices=PATHS, required=True)
+    parser.add_argument("--path", choices=PATHS + DIAGNOSTIC_PATHS, required=True)
     parser.add_argument("--url", default="", help="the SGLang (or synthetic) server, for raw")
     parser.add_argument("--sampler", default="", help="sampler_svc's address, for stubs and client")
     parser.add_argument("--uvloop", action="store_true", help="run this worker's event loop on uvloop")

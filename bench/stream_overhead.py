@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import embedded_storage, environment, print_table, random_adapter_blob, write_results
-from bench.stream_clients import PATHS, Worker
+from bench.stream_clients import DIAGNOSTIC_PATHS, PATHS, Worker
 
 ADAPTERS = 8
 RANK = 8
@@ -182,7 +182,7 @@ def main() -> None:
                              "LORAPLANE_UVLOOP=0 set: under uvloop the loop's own work shows as one C call)")
     parser.add_argument("--profile-clients", action="store_true",
                         help="run the client workers under cProfile; their top functions are printed at the end")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS + DIAGNOSTIC_PATHS)
     parser.add_argument("--baseline-src", default="",
                         help="a copy of another version's tree (e.g. `git archive OLD sampler_svc loraplane | tar -x "
                              "-C DIR`): its sampler_svc runs beside this one on the same synthetic server, measured "

@@ -87,3 +87,26 @@ async def test_leaving_a_stream_early_cancels_it_on_the_sampler(sampler):
     while service.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     assert service.in_flight == 0 and 0 < received < 400
+
+
+async def test_async_calls_run_on_the_callers_loop_and_leave_the_client_loop_out_of_grpc(sampler):
+    """sample_async and sample_stream_async use a channel of the caller's loop: the client's I/O loop never calls
+    the sampler, so grpc.aio does not hand it the completions of the caller's streams (a thread hop per message)."""
+    from loraplane.client._runtime import runtime
+
+    sampler.create_adapter("t/loop")
+    sampler.publish("t/loop", adapter_blob(5))
+    client = SamplingClient(sampler.address, "t/loop", version=1)
+    params = SamplingParams(max_tokens=8, seed=2)
+    reply = await client.sample_async(PROMPT, num_samples=2, sampling_params=params)
+    streamed = gather([c async for c in client.sample_stream_async(PROMPT, num_samples=2, sampling_params=params)])
+    expected = unary(sampler, "t/loop", 1, max_tokens=8, seed=2)
+    assert [s.tokens for s in reply.sequences] == [list(s.tokens) for s in expected.sequences]
+    assert_same(streamed, expected, 1)
+    assert reply.served_version == 1
+    on_client_loop = [key for key in runtime()._channels if key[0] == str(sampler.address)]
+    assert on_client_loop == []
+    # The synchronous form still runs on the client's loop (and gives the same samples).
+    assert [s.tokens for s in client.sample(PROMPT, num_samples=2, sampling_params=params).result(30).sequences] == \
+        [s.tokens for s in reply.sequences]
+    assert [key for key in runtime()._channels if key[0] == str(sampler.address)] != []
