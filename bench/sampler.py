@@ -262,17 +262,16 @@ def random_moe_adapter_blob(base, seed: int, rank: int, dtype: str, layout: str)
     return serialize_adapter(params, spec, base.name, dtype)
 
 
-async def sglang_load_paths(shape: str, iterations: int, workdir: Path, ways: Sequence[str],
-                            expert_layout: str = "per_expert", layers: int = 0) -> dict:
+async def sglang_load_paths(shape: str, iterations: int, workdir: Path, ways: Sequence[str], layers: int = 0) -> dict:
     """publish -> first sample for each way a version can reach SGLang (`transport:blob dtype`), rotated every
-    iteration, on one server."""
+    iteration, on one server (a dense shape; MoE shapes: moe_load_variants)."""
     model_dir = workdir.parent / f"lp-model-{shape}{f'-{layers}l' if layers else ''}"  # kept across runs
     started = time.perf_counter()
     write_shape_dir(shape, model_dir, layers)
     model_write_s = time.perf_counter() - started
     with embedded_storage(workdir, "bench-sampler") as storage:
         return await _sglang_load_paths(storage.model_copy(update={"data_dir": workdir}), shape, iterations,
-                                        workdir, model_dir, model_write_s, list(ways), expert_layout)
+                                        workdir, model_dir, model_write_s, list(ways))
 
 
 def sglang_engine_options(shape: str) -> dict:
@@ -290,27 +289,22 @@ def sglang_engine_options(shape: str) -> dict:
 
 
 async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Path, model_dir: Path,
-                             model_write_s: float, ways: list[str], expert_layout: str = "per_expert") -> dict:
+                             model_write_s: float, ways: list[str]) -> dict:
     from sampler_svc.engines.base import GenerationRequest, SamplingOptions
     from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
 
-    moe = shape in MOE_SHAPES
-    rank = (MOE_SHAPES if moe else SHAPES)[shape][1]
+    rank = SHAPES[shape][1]
     registry = await start_registry_server(settings)
     engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=workdir / "sglang",
                           **sglang_engine_options(shape))
     started = time.perf_counter()
-    # A MoE version is 2.6-5.1 GB: one kept per adapter (SGLang holds at most 4 in host memory).
-    retention = {"keep_versions": 1, "max_loaded": 3} if moe else {"keep_versions": 2, "max_loaded": 6}
     sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=str(model_dir),
-                                         instance_id="bench", engine=engine, **retention)
+                                         instance_id="bench", engine=engine, keep_versions=2, max_loaded=6)
     startup_s = time.perf_counter() - started
     client = RegistryClient(registry.address)
     facts = _base_model_facts(str(model_dir))
 
     def make_blob(seed: int, dtype: str) -> bytes:
-        if moe:
-            return random_moe_adapter_blob(facts, seed, rank, dtype, expert_layout)
         return random_adapter_blob(facts, seed, rank, dtype)
     load_s: dict[str, float] = {}
     load_done: dict[str, float] = {}
@@ -376,13 +370,8 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
             return end - began, end - committed, version.version
 
         dtype_enum = {"float32": common_pb2.WEIGHTS_DTYPE_FLOAT32, "bfloat16": common_pb2.WEIGHTS_DTYPE_BFLOAT16}
-        layout_enum = {"per_expert": common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT,
-                       "shared_outer": common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER}
         for way in ways:
             config = common_pb2.LoraConfig(rank=rank, alpha=2 * rank, weights_dtype=dtype_enum[way.split(":")[1]])
-            if moe:
-                config.target_modules.extend(MOE_TARGETS)
-                config.expert_layout = layout_enum[expert_layout]
             await client.create_adapter(adapter_of[way], base_model=str(model_dir), lora_config=config)
         # Warm-up every way: the first load of a shape configures SGLang's LoRA kernels (~20 s).
         for n, way in enumerate(ways):
@@ -391,8 +380,7 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
             await publish_and_sample(adapter_of[way], make_blob(10_000 + n, dtype))
 
         # The same bytes every way -> the same greedy tokens and logprobs (the transfer is exact, see the engine);
-        # bf16 blobs are the float32 one rounded, so they are compared among themselves. One way: nothing to compare
-        # (a MoE version costs tens of seconds to load).
+        # bf16 blobs are the float32 one rounded, so they are compared among themselves. One way: nothing to compare.
         outputs = {}
         for way in ways if len(ways) > 1 else []:
             transport, dtype = way.split(":")
@@ -447,7 +435,6 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
 
     return {
         "shape": shape, "rank": rank, "ways": ways, "iterations": iterations,
-        "expert_layout": expert_layout if moe else None, "target_s": 2.0 if moe else None,
         "server": {"tp_size": server.tp_size, "dtype": server.dtype, "tensor_loads": server.tensor_loads},
         "sampler_startup_s": round(startup_s, 1), "model_write_s": round(model_write_s, 1),
         "same_greedy_tokens_both_ways": same_tokens, "max_logprob_diff_both_ways": max_logprob_diff,
@@ -456,6 +443,204 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
         "raw_ms": {way: {name: [round(v * 1e3, 1) for v in values] for name, values in parts.items()
                          if isinstance(values, list)} for way, parts in results.items()},
     }
+
+
+# ------------------------------------------------------------------------------------------------ qwen3moe
+
+EXPERT_FORMS = ("per_expert", "stacked")
+MOE_PHASES = ("publish", "event", "download", "convert", "pack", "sglang_call", "first_token", "committed", "total")
+
+
+def _say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+async def moe_load_variants(shape: str, iterations: int, workdir: Path, layouts: Sequence[str],
+                            forms: Sequence[str], layers: int = 0, deadline_s: float = 0.0,
+                            sglang_url: str = "") -> dict:
+    """publish -> first sample of a MoE expert adapter for every (expert layout, SGLang expert form) on ONE SGLang
+    server (dummy weights), each version's phases printed as it completes, so a run cut short still explains its
+    time. `deadline_s` (from the start of this call, 0: none): no version is started after it."""
+    started = time.perf_counter()
+    model_dir = workdir.parent / f"lp-model-{shape}{f'-{layers}l' if layers else ''}"  # kept across runs
+    write_shape_dir(shape, model_dir, layers)
+    _say(f"model directory {model_dir} ready ({time.perf_counter() - started:.1f} s)")
+    with embedded_storage(workdir, "bench-sampler") as storage:
+        return await _moe_load_variants(storage.model_copy(update={"data_dir": workdir}), shape, iterations, workdir,
+                                        model_dir, list(layouts), list(forms),
+                                        started + deadline_s if deadline_s else float("inf"), sglang_url)
+
+
+async def _moe_load_variants(settings, shape: str, iterations: int, workdir: Path, model_dir: Path,
+                             layouts: list[str], forms: list[str], deadline: float, sglang_url: str) -> dict:
+    from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
+
+    rank = MOE_SHAPES[shape][1]
+    registry = await start_registry_server(settings)
+    options = sglang_engine_options(shape)
+    if sglang_url:  # a server already running on this host (a smoke run against a stand-in)
+        engine = SGLangEngine(str(model_dir), urls=[sglang_url], work_dir=workdir / "sglang",
+                              **{k: v for k, v in options.items() if k != "extra_server_args"})
+        engine.shared_memory_tensors = "loopback"
+    else:
+        engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=workdir / "sglang", **options)
+    began = time.perf_counter()
+    # A version is 2.6 GB: one kept per adapter; SGLang holds at most 4 in host memory.
+    sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=str(model_dir),
+                                         instance_id="bench", engine=engine, keep_versions=1, max_loaded=3)
+    startup_s = time.perf_counter() - began
+    server = engine.servers[0]
+    _say(f"SGLang + sampler up in {startup_s:.1f} s (tp {server.tp_size}, dtype {server.dtype}, tensors through "
+         f"shared memory: {engine._shares_memory(server)})")
+    client = RegistryClient(registry.address)
+    facts = _base_model_facts(str(model_dir))
+
+    # Per version key: phase -> seconds, and the moments between them.
+    phases: dict[str, dict[str, float]] = {}
+    moments: dict[str, dict[str, float]] = {}
+    notes: dict[str, dict] = {}
+
+    def phase(key: str, name: str, seconds: float) -> None:
+        phases.setdefault(key, {})[name] = phases.get(key, {}).get(name, 0.0) + seconds
+
+    real_load, real_call, real_body = engine.load_adapter, engine._load_call, engine._tensor_body
+
+    async def timed_load(key, blob):
+        t = time.perf_counter()
+        try:
+            return await real_load(key, blob)
+        finally:
+            moments.setdefault(key, {})["loaded"] = time.perf_counter()
+            phase(key, "engine_load", time.perf_counter() - t)
+
+    async def timed_call(server, key, path, request):
+        t = time.perf_counter()
+        notes.setdefault(key, {})["request_mb"] = round(len(request) / 1e6, 3)
+        try:
+            return await real_call(server, key, path, request)
+        finally:
+            phase(key, "sglang_call", time.perf_counter() - t)
+
+    def timed_body(key, params, spec, base_name, server, shared):
+        t = time.perf_counter()
+        request, packed = real_body(key, params, spec, base_name, server, shared)
+        phase(key, "pack", time.perf_counter() - t)
+        notes.setdefault(key, {}).update(shared_memory=packed.shared, packed_mb=round(packed.nbytes / 1e6, 1),
+                                         tensors=len(packed.layout))
+        return request, packed
+
+    engine.load_adapter, engine._load_call, engine._tensor_body = timed_load, timed_call, timed_body
+    real_download = RegistryClient.download
+
+    async def timed_download(self, name, version=0, alias=""):
+        key = f"{name}@v{version}"
+        moments.setdefault(key, {})["download"] = time.perf_counter()
+        try:
+            return await real_download(self, name, version, alias)
+        finally:
+            phase(key, "download", time.perf_counter() - moments[key]["download"])
+
+    RegistryClient.download = timed_download
+    prompt = list(range(100, 132))
+    variants = [(layout, form) for form in forms for layout in layouts]
+    records: list[dict] = []
+    same: dict = {}
+    try:
+        channel = grpc.aio.insecure_channel(sampler.address, options=channel_options())
+        stub = sampler_pb2_grpc.SamplerServiceStub(channel)
+        layout_enum = {"per_expert": common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT,
+                       "shared_outer": common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER}
+        for layout in layouts:
+            config = common_pb2.LoraConfig(rank=rank, alpha=2 * rank, weights_dtype=common_pb2.WEIGHTS_DTYPE_BFLOAT16,
+                                           expert_layout=layout_enum[layout])
+            config.target_modules.extend(MOE_TARGETS)
+            await client.create_adapter(f"moe-{layout}", base_model=str(model_dir), lora_config=config)
+
+        async def one(layout: str, form: str, seed: int, label: str) -> dict:
+            engine.tensor_expert_form = form
+            t = time.perf_counter()
+            blob = random_moe_adapter_blob(facts, seed, rank, "bfloat16", layout)
+            made_s = time.perf_counter() - t
+            name = f"moe-{layout}"
+            t0 = time.perf_counter()
+            version = await client.publish(name, blob)
+            committed = time.perf_counter()
+            key = f"{name}@v{version.version}"
+            reply = await stub.Sample(sampler_pb2.SampleRequest(
+                adapter=common_pb2.AdapterRef(name=name, version=version.version), prompt_tokens=prompt,
+                sampling_params=common_pb2.SamplingParams(max_tokens=1)))
+            end = time.perf_counter()
+            assert reply.served_version == version.version
+            got = dict(phases.get(key, {}))
+            at = moments.get(key, {})
+            got.update(publish=committed - t0, committed=end - committed, total=end - t0,
+                       event=at.get("download", float("nan")) - committed,
+                       first_token=end - at.get("loaded", float("nan")))
+            got["convert"] = got.get("engine_load", float("nan")) - got.get("sglang_call", 0.0) - got.get("pack", 0.0)
+            record = {"variant": f"{layout}/{form}", "label": label, "key": key, "blob_mb": round(len(blob) / 1e6, 1),
+                      "blob_make_s": round(made_s, 2), **notes.get(key, {}),
+                      **{p: round(got.get(p, float("nan")), 3) for p in (*MOE_PHASES, "engine_load")}}
+            _say(f"{record['variant']:<24} {label:<7} {record['blob_mb']} MB, {record.get('tensors', '?')} tensors, "
+                 f"request {record.get('request_mb', '?')} MB, shared memory {record.get('shared_memory', '?')}: "
+                 f"publish {got['publish']:.2f} s | event {got['event']:.3f} | download {got.get('download', 0):.2f} "
+                 f"| convert {got['convert']:.2f} | pack {got.get('pack', 0):.2f} | SGLang load call "
+                 f"{got.get('sglang_call', 0):.2f} | first token {got['first_token']:.2f} || committed->sample "
+                 f"{got['committed']:.2f} s, publish->sample {got['total']:.2f} s")
+            return record
+
+        # The first load of the shape configures SGLang's LoRA kernels: one warm-up version, not measured.
+        records.append(await one(variants[0][0], variants[0][1], 10_000, "warm-up"))
+        for index in range(iterations):
+            shift = index % len(variants)
+            for layout, form in variants[shift:] + variants[:shift]:
+                if time.perf_counter() > deadline:
+                    _say(f"deadline reached: {layout}/{form} iteration {index + 1} not run")
+                    continue
+                records.append(await one(layout, form, 1000 * (1 + variants.index((layout, form))) + index,
+                                         f"iter {index + 1}"))
+        # Both forms of one blob serve the same greedy tokens and logprobs (their SGLang buffers hold the same
+        # numbers): the stacked form is checked against the per-expert one the GPU tests verified.
+        if len(forms) > 1 and time.perf_counter() < deadline:
+            blob = random_moe_adapter_blob(facts, 77, rank, "bfloat16", layouts[0])
+            outputs = {}
+            for form in forms:
+                engine.tensor_expert_form = form
+                key = f"same-{form}@v1"
+                await real_load(key, blob)
+                request = GenerationRequest(prompt_tokens=tuple(prompt), adapter_key=key,
+                                            options=SamplingOptions(max_tokens=16, temperature=0.0))
+                updates = [u async for u in engine.generate(request)]
+                outputs[form] = ([t for u in updates for t in u.tokens], [x for u in updates for x in u.logprobs])
+                await engine.unload_adapter(key)
+            reference = outputs[forms[0]]
+            same = {"same_greedy_tokens": all(o[0] == reference[0] for o in outputs.values()),
+                    "max_logprob_diff": max(abs(a - b) for o in outputs.values() for a, b in zip(o[1], reference[1]))}
+            _say(f"forms {forms} on one blob: {same}")
+        await channel.close()
+    finally:
+        RegistryClient.download = real_download
+        await client.close()
+        await sampler.stop()
+        await registry.stop()
+
+    summary = {}
+    for layout, form in variants:
+        rows = [r for r in records if r["variant"] == f"{layout}/{form}" and r["label"] != "warm-up"]
+        if rows:
+            summary[f"{layout}/{form}"] = {p: round(statistics.median(r[p] for r in rows), 3) for p in MOE_PHASES}
+            summary[f"{layout}/{form}"]["n"] = len(rows)
+    return {"shape": shape, "rank": rank, "iterations": iterations, "layouts": layouts, "forms": forms,
+            "target_s": 2.0, "sampler_startup_s": round(startup_s, 1),
+            "server": {"tp_size": server.tp_size, "dtype": server.dtype, "tensor_loads": server.tensor_loads},
+            "median_s": summary, "forms_agree": same, "versions": records}
+
+
+def print_moe_summary(result: dict) -> None:
+    print(f"\n{result['shape']} rank {result['rank']}, median seconds per version (target publish->sample <= "
+          f"{result['target_s']} s):")
+    print(f"{'layout/form':<26}" + "".join(f"{p:>12}" for p in MOE_PHASES) + f"{'n':>4}")
+    for variant, values in result["median_s"].items():
+        print(f"{variant:<26}" + "".join(f"{values[p]:>12.3f}" for p in MOE_PHASES) + f"{values['n']:>4}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -473,31 +658,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=None,
                         help="with --shape: transport:blob dtype of the versions compared (default file:float32 "
                              "file:bfloat16; qwen3moe: tensors:bfloat16)")
-    parser.add_argument("--expert-layout", choices=["per_expert", "shared_outer"], default="per_expert",
-                        help="qwen3moe: the adapter's expert layout (both reach SGLang per expert)")
+    parser.add_argument("--expert-layouts", nargs="+", choices=["per_expert", "shared_outer"],
+                        default=["per_expert", "shared_outer"], help="qwen3moe: the adapters' expert layouts")
+    parser.add_argument("--expert-forms", nargs="+", choices=EXPERT_FORMS, default=list(EXPERT_FORMS),
+                        help="qwen3moe: the forms expert LoRA reaches SGLang in (SGLangEngine.tensor_expert_form)")
+    parser.add_argument("--deadline-s", type=float, default=0.0,
+                        help="qwen3moe: start no version after this many seconds (0: no limit)")
+    parser.add_argument("--sglang-url", default="",
+                        help="qwen3moe: use this SGLang server on this host instead of launching one")
     parser.add_argument("--layers", type=int, default=0,
                         help="qwen3moe: the first N layers only (default all 48; the adapter shrinks with them)")
     args = parser.parse_args(argv)
-    if args.shape in MOE_SHAPES:
-        args.ways = args.ways or ["tensors:bfloat16"]
-        if any(not way.startswith("tensors:") for way in args.ways):
-            parser.error(f"--shape {args.shape} is served with --load-format dummy, whose SGLang cannot read "
-                         "adapter files: use tensors:* ways")
-        if "tensors:float32" in args.ways and (args.layers or 48) > 32:
-            parser.error("a float32 blob of more than 32 layers (5.1 GB at 48) exceeds the registry's 4 GiB "
-                         "max_blob_bytes: use tensors:bfloat16 or --layers 32 or fewer")
+    if args.shape in MOE_SHAPES and args.ways:
+        parser.error(f"--shape {args.shape} is served with --load-format dummy, whose SGLang cannot read adapter "
+                     "files: its versions go as bf16 tensors (--expert-forms, --expert-layouts choose what is compared)")
     args.ways = args.ways or ["file:float32", "file:bfloat16"]
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.shape in MOE_SHAPES:
+        workdir = Path(tempfile.gettempdir()) / f"lp-bench-load-{args.shape}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        result = asyncio.run(moe_load_variants(args.shape, args.iterations, workdir, args.expert_layouts,
+                                               args.expert_forms, args.layers, args.deadline_s, args.sglang_url))
+        result["layers"] = args.layers or None
+        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        out = REPO / "bench" / "results" / f"sampler_sglang_load_{args.shape}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print_moe_summary(result)
+        return
     if args.shape:
         # A fixed folder, kept: the SGLang server's log is there when something fails.
         workdir = Path(tempfile.gettempdir()) / f"lp-bench-load-{args.shape}"
         shutil.rmtree(workdir, ignore_errors=True)
-        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir, args.ways, args.expert_layout,
-                                               args.layers))
+        result = asyncio.run(sglang_load_paths(args.shape, args.iterations, workdir, args.ways, args.layers))
         result["layers"] = args.layers or None
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         print(json.dumps(result, indent=2))
