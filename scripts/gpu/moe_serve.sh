@@ -4,13 +4,16 @@
 # `part pNN` calls; scripts/gpu/e2e.sh's header lists them). Each mode stays well inside the 10-minute call limit.
 #   bash scripts/gpu/moe_serve.sh tests [PYTEST -k EXPR]   tests/gpu/test_sglang_moe.py (a small random Qwen3-MoE,
 #                                                         trainer Forward vs sampler, batches, layouts, retention)
-#   bash scripts/gpu/moe_serve.sh load [ITER] [LAYOUT] [LAYERS]
-#                                                         bench/sampler.py --shape qwen3moe: publish -> first
-#                                                         sample of a Qwen3-30B-A3B rank-32 expert adapter
-#                                                         (dummy weights; ITER 2 after a warm-up version, each
-#                                                         version 2.6 GB in the registry and 4.5 GB on its way to
-#                                                         SGLang; LAYOUT per_expert (default)|shared_outer; LAYERS
-#                                                         the first N of the 48 only, e.g. 24 if 48 fails)
+#   bash scripts/gpu/moe_serve.sh load [ITER] [LAYERS]    bench/sampler.py --shape qwen3moe: publish -> first
+#                                                         sample of a Qwen3-30B-A3B rank-32 expert adapter (dummy
+#                                                         weights, one SGLang server): both expert layouts
+#                                                         (per_expert, shared_outer) x both forms the experts reach
+#                                                         SGLang in (per-expert keys, stacked 3-D tensors), ITER
+#                                                         versions each (default 2) after one warm-up version, each
+#                                                         2.6 GB bf16 in the registry and handed to SGLang through
+#                                                         /dev/shm; every version's phases are printed as it
+#                                                         completes, no version starts after 430 s; LAYERS the
+#                                                         first N of the 48 only
 #   bash scripts/gpu/moe_serve.sh e2e [ITER]              python -m loraplane_cli.production_e2e --moe: torch
 #                                                         trainer + SGLang sampler (eager) on a 3-layer random
 #                                                         Qwen3-MoE, two tenants' GRPO loop (ITER 12)
@@ -55,16 +58,17 @@ case "$mode" in
       --null -T - 2>/dev/null
     exit "$rc" ;;
   load)
-    iterations=${1:-2}; layout=${2:-per_expert}; layers=${3:-0}
+    iterations=${1:-2}; layers=${2:-0}
     reap /tmp/lp-model-qwen3moe
+    df -h /dev/shm /tmp | tee -a "$OUT/env.log"  # the versions reach SGLang through /dev/shm
     timeout -k 20 560 python3 bench/sampler.py --engine sglang --shape qwen3moe --iterations "$iterations" \
-      --expert-layout "$layout" --layers "$layers" 2>&1 | filter | tee "$OUT/load_qwen3moe_$layout.log" | grep -v "^\s*[\"{}\[]"
+      --layers "$layers" --deadline-s 430 2>&1 | filter | tee "$OUT/load_qwen3moe.log"
     rc=${PIPESTATUS[0]}
     reap /tmp/lp-model-qwen3moe
-    cp bench/results/sampler_sglang_load_qwen3moe.json "$OUT/sampler_sglang_load_qwen3moe_$layout.json" 2>/dev/null
-    grep -v -E "^\s*$" /tmp/lp-bench-load-qwen3moe/sglang/server-0.log 2>/dev/null | tail -200 \
-      > "$OUT/sglang_server_qwen3moe_$layout.log"
-    tail -25 "$OUT/sglang_server_qwen3moe_$layout.log"
+    cp bench/results/sampler_sglang_load_qwen3moe.json "$OUT/sampler_sglang_load_qwen3moe.json" 2>/dev/null
+    grep -v -E "^\s*$" /tmp/lp-bench-load-qwen3moe/sglang/server-0.log 2>/dev/null | tail -300 \
+      > "$OUT/sglang_server_qwen3moe.log"
+    tail -25 "$OUT/sglang_server_qwen3moe.log"
     exit "$rc" ;;
   e2e)
     stop_e2e_cluster() {  # what a killed run left: the supervised cluster (trainer on the GPU) and SGLang
@@ -82,5 +86,5 @@ state and stop_cluster(state, timeout=5.0)" 2>&1 | tail -3
     stop_e2e_cluster
     tar czf "$OUT/e2e_moe_logs.tgz" --exclude=adapters -C /tmp/e2e-moe logs sglang 2>/dev/null
     exit "$rc" ;;
-  *) echo "unknown mode '$mode' (tests [-k EXPR] | load [ITER] [per_expert|shared_outer] | e2e [ITER])"; exit 2 ;;
+  *) echo "unknown mode '$mode' (tests [-k EXPR] | load [ITER] [LAYERS] | e2e [ITER])"; exit 2 ;;
 esac
