@@ -772,7 +772,15 @@ class _PackedTensors:
             self.layout[name] = (slot[0], tuple(tensor.shape))
         nbytes = max(1, total * torch.empty((), dtype=dtype).element_size())
         self.shared = shared and _shm_room(nbytes)
-        storage = torch.UntypedStorage._new_using_filename_cpu(nbytes) if self.shared else torch.UntypedStorage(nbytes)
+        storage = None
+        if self.shared:
+            try:
+                storage = torch.UntypedStorage._new_using_filename_cpu(nbytes)
+            except RuntimeError as exc:  # no torch_shm_manager, no /dev/shm: the bytes go inline
+                log.warning("no shared memory for adapter tensors (%s); sending them in the request", exc)
+                self.shared = False
+        if storage is None:
+            storage = torch.UntypedStorage(nbytes)
         self.dtype = dtype
         self.flat = torch.empty(0, dtype=dtype).set_(storage, 0, (total,), (1,))
         for offset, tensor in slots.values():
