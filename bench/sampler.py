@@ -20,14 +20,17 @@ it first checks that one blob loaded both ways gives identical greedy tokens and
     python bench/sampler.py --engine sglang --shape llama8b --iterations 6
 
 `--shape qwen3moe` is Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts top-8, expert FFN 768, 32/4 heads of 128,
-vocab 151936) with a rank-32 adapter on q,k,v,o and the experts (`--expert-layout per_expert|shared_outer`). Its
-61 GB of base weights never touch the disk: the model directory holds config.json and a tokenizer only and SGLang
-makes random weights on the GPU (`--load-format dummy`). SGLang's LoRA file loader reads with the server's load
-format (a dummy server cannot read adapter files: DefaultModelLoader refuses LoadFormat.DUMMY), so every version
-travels as tensors (`/load_lora_adapter_from_tensors`, per-expert keys after adapter_format.to_sglang); the parts
-reported are the registry upload (publish), the event, the sampler's download and the engine load (conversion,
-transfer and SGLang's own load), and the rest of committed -> sample is the first token.
-    python bench/sampler.py --engine sglang --shape qwen3moe --iterations 3
+vocab 151936) with rank-32 adapters on q,k,v,o and the experts, one per expert layout (`--expert-layouts`), each
+version 2.6 GB of bf16. Its 61 GB of base weights never touch the disk: the model directory holds config.json and a
+tokenizer only and SGLang makes random weights on the GPU (`--load-format dummy`). SGLang's LoRA file loader reads
+with the server's load format (a dummy server cannot read adapter files: DefaultModelLoader refuses
+LoadFormat.DUMMY), so every version travels as tensors (`/load_lora_adapter_from_tensors`, through /dev/shm: the
+server is this process's), its experts in each of `--expert-forms` (per-expert keys, stacked 3-D tensors). Each
+version's phases are printed as it completes: publish (the trainer side: upload, registry check, S3 write, commit),
+event (commit -> the sampler starts downloading), download (S3 read + digest), convert (header, views), pack (the
+one copy into the shared buffer, pickling), SGLang's load call (its unpickle and LoRA processing), first token
+(load done -> the sample's reply: SGLang moves the adapter into its GPU buffers on its first batch).
+    python bench/sampler.py --engine sglang --shape qwen3moe --iterations 2 --deadline-s 430
 """
 
 from __future__ import annotations
