@@ -16,8 +16,9 @@ its event loop is saturated).
 
 The streaming rows also run `stubs_old`: a second sampler_svc on the same SGLang server with its streams read on its
 serving loop (LORAPLANE_SGLANG_STREAM_READERS=0), while the first reads them in --stream-readers helper processes
-(sampler_svc/engines/sglang_streams.py); it follows its own copies of the adapters (bench/bN, same bytes) so neither
-sampler unloads the other's names. --no-old-path leaves it out.
+(sampler_svc/engines/sglang_streams.py). Both serve the same adapter versions under the same SGLang names, loaded from
+the same bytes (a sampler drops what it finds on its servers as it starts, so they start one after the other, each
+loading everything before the next starts). --no-old-path leaves it out.
 
 --two-servers (a machine with 2 GPUs): SGLang servers on GPU 0 and GPU 1, and two samplers side by side: `one`
 (sampler_svc with the GPU 0 server) and `two` (ONE sampler_svc with both servers: what an operator runs on one
@@ -163,7 +164,7 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sa
     latency_paths = CLIENT_PATHS
     pids = {"stubs": sampler_pid, "client": sampler_pid}
     if old is not None:
-        workers["stubs_old"] = Worker("stubs", sampler=old[0], adapter_prefix="bench/b")
+        workers["stubs_old"] = Worker("stubs", sampler=old[0])
         latency_paths = (*CLIENT_PATHS, "stubs_old")
         pids["stubs_old"] = old[1]
     loop = asyncio.get_running_loop()
@@ -291,7 +292,7 @@ def table(result: dict) -> str:
 
 
 def start_sampler_process(root: Path, model_dir: Path, urls: list[str], registry_address: str, port: int, *,
-                          name: str = "sampler", stream_readers: int | None = None):
+                          name: str = "sampler", stream_readers: int | None = None, watch_prefix: str = ""):
     env = dict(os.environ, LORAPLANE_REGISTRY_ADDRESS=registry_address, PYTHONUNBUFFERED="1",
                LORAPLANE_DATA_DIR=str(root / name))
     if stream_readers is not None:
@@ -299,23 +300,49 @@ def start_sampler_process(root: Path, model_dir: Path, urls: list[str], registry
     with open(root / f"{name}.log", "wb") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "sampler_svc", "--engine", "sglang", *(a for u in urls for a in ("--sglang-url", u)),
-             "--base-model", str(model_dir), "--port", str(port), "--keep-versions", "2", "--max-loaded",
+             "--base-model", str(model_dir), "--port", str(port), "--watch-prefix", watch_prefix,
+             "--keep-versions", "2", "--max-loaded",
              str(4 * ADAPTERS), "--sglang-max-lora-rank", str(RANK), "--sglang-max-loras-per-batch",
              str(ADAPTERS + 1)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def gpu_memory_used() -> str:
+    """nvidia-smi's memory in use per GPU ("" without it)."""
+    if not shutil.which("nvidia-smi"):
+        return ""
+    return subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader"], check=False,
+                          capture_output=True, text=True).stdout.strip()
+
+
 async def start_samplers(root: Path, model_dir: Path, registry_address: str, specs: list[tuple]) -> list:
-    """specs: (name, urls, stream_readers) -> [(process, address)], all started at once: each drops what it finds
-    loaded on its servers as it starts, so none may have loaded anything before the last one is up."""
+    """specs: (name, urls, stream_readers, watch_prefix) -> [(process, address)], started one after the other in
+    this order. A sampler given server URLs unloads whatever it finds there as it starts, then loads the versions it
+    follows (watch_prefix; "bench/" = all eight): so each waits until the one before has loaded all of them, and
+    the last to start reloads any name it dropped (same name, same bytes) before the measurement begins."""
+    from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+
     started = []
-    for name, urls, readers in specs:
+    for name, urls, readers, prefix in specs:
         port = free_port()
-        started.append((start_sampler_process(root, model_dir, urls, registry_address, port, name=name,
-                                              stream_readers=readers), f"127.0.0.1:{port}"))
-    for process, address in started:
+        process = start_sampler_process(root, model_dir, urls, registry_address, port, name=name,
+                                        stream_readers=readers, watch_prefix=prefix)
+        address = f"127.0.0.1:{port}"
+        started.append((process, address))
         await asyncio.to_thread(wait_until, lambda p=process, a=address: p.poll() is None and check_health(
-            a, "loraplane.v1.SamplerService"), 900, "sampler_svc healthy")
+            a, "loraplane.v1.SamplerService"), 900, f"{name} healthy")
+        if not prefix.startswith("bench/"):
+            continue  # follows nothing: loads on demand
+
+        def loaded(address: str = address) -> bool:
+            import grpc
+
+            with grpc.insecure_channel(address) as channel:
+                status = sampler_pb2_grpc.SamplerServiceStub(channel).GetStatus(sampler_pb2.GetStatusRequest(),
+                                                                                timeout=10)
+            return len(status.loaded) >= ADAPTERS
+
+        await asyncio.to_thread(wait_until, loaded, 300, f"{name} loaded the {ADAPTERS} adapters")
     return started
 
 
@@ -327,7 +354,7 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
     vocab = engine.vocab_size
     url = engine.servers[0].url
     workers = {"raw": Worker("raw", url=url), "one": Worker("stubs", sampler=one[0]),
-               "two": Worker("stubs", sampler=two[0], adapter_prefix="bench/b")}
+               "two": Worker("stubs", sampler=two[0])}
     pids = {"one": one[1], "two": two[1]}
     loop = asyncio.get_running_loop()
     mix = Mix("mixed8")
@@ -339,11 +366,22 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
         return await loop.run_in_executor(None, workers[path].run, command)
 
     rows = []
+    placement: dict[str, list[str]] = {}
     try:
+        # The two-server sampler places each version on the server with fewer of its versions when the load starts;
+        # loads that run side by side all see the same counts (and would all land on GPU 0), so the first request of
+        # each adapter goes alone.
+        await on_worker("two", {"op": "unary", "concurrency": 1, "max_tokens": 4,
+                                "requests": worker_requests(fresh(ADAPTERS), mix)})
         for path in workers:  # every adapter loaded (the two-server sampler spreads them over both servers)
             for op in ("unary", "stream"):
                 await on_worker(path, {"op": op, "concurrency": 2 * ADAPTERS, "max_tokens": 8,
                                        "requests": worker_requests(fresh(2 * ADAPTERS), mix)})
+        for server in engine.servers:  # where the versions ended up (SGLang's own list)
+            status, body = await engine._request(server, "/v1/models", timeout=30)
+            placement[server.url] = sorted(m.get("id", "") for m in (body or {}).get("data", [])
+                                           if m.get("parent")) if status == 200 and isinstance(body, dict) else []
+        print(f"adapter versions per SGLang server: {json.dumps(placement)}", flush=True)
         paths = tuple(workers)
         for concurrency in args.concurrency:
             for op in ("unary", "stream"):
@@ -371,7 +409,7 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
     finally:
         for worker in workers.values():
             worker.close()
-    return {"two_servers": rows}
+    return {"two_servers": rows, "placement": placement}
 
 
 def two_servers_table(result: dict) -> str:
@@ -425,6 +463,10 @@ async def main_async(args) -> dict:
         engine = SGLangEngine(str(model_dir), urls=[u for _, u in synthetics], stream_readers=0,
                               work_dir=root / "sglang", max_lora_rank=RANK, max_loaded_loras=4 * ADAPTERS)
     else:
+        if args.two_servers:
+            # The engine gives launched server i CUDA_VISIBLE_DEVICES=i unless the variable is set already (then
+            # every server would share the GPUs it names).
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         engine = SGLangEngine(str(model_dir), launch_servers=servers, work_dir=root / "sglang", max_lora_rank=RANK,
                               max_loras_per_batch=ADAPTERS + 1, max_loaded_loras=4 * ADAPTERS,
                               extra_server_args=server_args, stream_readers=0)
@@ -435,22 +477,25 @@ async def main_async(args) -> dict:
         base = load_base_model(str(model_dir), "cpu")
         blobs = [random_adapter_blob(base, 100 + i, RANK) for i in range(ADAPTERS)]
         del base
-        # bench/aN for the first sampler, bench/bN (the same bytes) for the second: each sampler unloads the names
-        # it finds on its servers as it starts, and owns what it loads.
-        prefixes = ["bench/a"] + (["bench/b"] if args.two_servers or args.old_path else [])
         async with RegistryClient(registry_address) as client:
-            for prefix in prefixes:
-                for i, blob in enumerate(blobs):
-                    await client.create_adapter(f"{prefix}{i}", base_model=str(model_dir),
-                                                lora_config=common_pb2.LoraConfig(rank=RANK, alpha=2 * RANK))
-                    await client.publish(f"{prefix}{i}", blob)
+            for i, blob in enumerate(blobs):
+                await client.create_adapter(f"bench/a{i}", lora_config=common_pb2.LoraConfig(rank=RANK, alpha=2 * RANK),
+                                            base_model=str(model_dir))
+                await client.publish(f"bench/a{i}", blob)
         if args.two_servers:
+            gpus = await asyncio.to_thread(gpu_memory_used)
+            print(f"GPU memory with both SGLang servers up (each should hold one server):\n{gpus}", flush=True)
             urls = [server.url for server in engine.servers]
+            # `two` first and following nothing (it loads each version on its first request: measure_two_servers
+            # sends those one at a time, so they alternate between the servers), then `one`, which loads all eight
+            # on GPU 0's server.
             samplers = await start_samplers(root, model_dir, registry_address, [
-                ("sampler", urls[:1], args.stream_readers), ("sampler-two", urls, args.stream_readers)])
-            (one, one_address), (two, two_address) = samplers
+                ("sampler-two", urls, args.stream_readers, "none/"), ("sampler", urls[:1], args.stream_readers,
+                                                                     "bench/")])
+            (two, two_address), (one, one_address) = samplers
             result = await measure_two_servers(args, engine, (one_address, one.pid), (two_address, two.pid))
             result["stream_readers"] = args.stream_readers
+            result["gpu_memory_used"] = gpus.splitlines()
             result["machine"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                                  if torch.cuda.is_available() else "cpu")
             result["model"] = {"shape": args.build_shape or str(model_dir), "dtype": "bfloat16",
@@ -461,12 +506,11 @@ async def main_async(args) -> dict:
         # same bytes; the sampler process unloads and reloads them as it starts, SGLang keeps serving them.
         for i, blob in enumerate(blobs):
             await engine.load_adapter(key_of(i), blob)
-        specs = [("sampler", [url], args.stream_readers)]
-        if args.old_path:
-            specs.append(("sampler-old", [url], 0))
-        samplers = await start_samplers(root, model_dir, registry_address, specs)
-        sampler, address = samplers[0]
-        old = (samplers[1][1], samplers[1][0].pid) if args.old_path else None
+        specs = [("sampler-old", [url], 0, "bench/")] if args.old_path else []
+        samplers = await start_samplers(root, model_dir, registry_address,
+                                        [*specs, ("sampler", [url], args.stream_readers, "bench/")])
+        sampler, address = samplers[-1]
+        old = (samplers[0][1], samplers[0][0].pid) if args.old_path else None
         result = await measure(args, engine, url, address, sampler.pid, old)
         result["stream_readers"] = args.stream_readers
         result["machine"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"

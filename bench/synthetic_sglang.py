@@ -67,6 +67,7 @@ class Server:
         self.joining: list[list[_Request]] = []
         self.ticker: asyncio.Task | None = None
         self.steps = 0
+        self.loras: set[str] = set()  # names loaded (listed by /v1/models as SGLang lists its LoRA adapters)
 
     def add(self, group: list[_Request]) -> None:
         self.joining.append(group)
@@ -185,8 +186,14 @@ class Connection(asyncio.Protocol):
             running = sum(1 for group in self.server.running + self.server.joining if not group[0].conn.closed)
             return self.respond(200, json.dumps({"running": running, "steps": self.server.steps}).encode())
         if path == "/v1/models":
-            return self.respond(200, b'{"object":"list","data":[]}')
+            data = [{"id": name, "object": "model", "parent": "base"} for name in sorted(self.server.loras)]
+            return self.respond(200, json.dumps({"object": "list", "data": data}).encode())
         if path in ("/load_lora_adapter", "/unload_lora_adapter"):
+            name = json.loads(body or b"{}").get("lora_name", "")
+            if path == "/load_lora_adapter":
+                self.server.loras.add(name)
+            else:
+                self.server.loras.discard(name)
             return self.respond(200, b'{"success":true,"error_message":""}')
         return self.respond(404, b'{"detail":"Not Found"}')
 
