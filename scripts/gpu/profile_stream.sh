@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Where the sampler's time goes at 256 concurrent streams (issue 12's TTFT miss): bench/sampler_vs_sglang.py at
 # 256 x 8 adapters, with py-spy (carried in SGLang's wheel set) sampling the sampler_svc process and the bench
-# process (the clients) while it runs. GRPC_CHANNELS=8 spreads the bench's gRPC requests over 8 connections (the
-# next suspect for the 256-stream TTFT: 256 streams on one HTTP/2 connection). Needs the SGLang install of
+# process (the clients) while it runs; the sampler's stream reader processes (STREAM_READERS, default 4; 0: none) are
+# sampled with it (--subprocesses: their stacks carry their own pid). Needs the SGLang install of
 # scripts/gpu/e2e.sh (its parts and `install-sglang`). Folded stacks land in $OUT (sampler.folded, bench.folded).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -19,11 +19,12 @@ open('/tmp/pyspy/py-spy', 'wb').write(z.read(next(n for n in z.namelist() if n.e
   PYSPY=/tmp/pyspy/py-spy
 fi
 python3 bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b --concurrency 256 --mixes mixed8 \
-  --rounds 1 --grpc-channels "${GRPC_CHANNELS:-1}" > "$OUT/bench.log" 2>&1 &
+  --rounds 1 --no-old-path --stream-readers "${STREAM_READERS:-4}" > "$OUT/bench.log" 2>&1 &
 bench=$!
-until pid=$(pgrep -f "python3 -m sampler_svc" | head -1) && [ -n "$pid" ]; do kill -0 $bench 2>/dev/null || { tail -5 "$OUT/bench.log"; exit 1; }; sleep 1; done
+until pid=$(pgrep -f -- "-m sampler_svc --engine" | head -1) && [ -n "$pid" ]; do kill -0 $bench 2>/dev/null || { tail -5 "$OUT/bench.log"; exit 1; }; sleep 1; done
 until grep -q '"concurrency": 256' "$OUT/bench.log"; do sleep 0.5; done  # the throughput row: latency comes next
-"$PYSPY" record -r 200 -d 12 -p "$pid" -f raw -o "$OUT/sampler.folded" --nonblocking > "$OUT/pyspy_sampler.log" 2>&1 &
+"$PYSPY" record -r 200 -d 12 -p "$pid" --subprocesses -f raw -o "$OUT/sampler.folded" --nonblocking \
+  > "$OUT/pyspy_sampler.log" 2>&1 &
 "$PYSPY" record -r 200 -d 12 -p "$bench" -f raw -o "$OUT/bench.folded" --nonblocking > "$OUT/pyspy_bench.log" 2>&1 &
 wait $bench
 wait
