@@ -51,7 +51,7 @@ ENV = "LORAPLANE_SGLANG_STREAM_READERS"
 
 def default_readers() -> int:
     """Readers when neither the engine's argument nor LORAPLANE_SGLANG_STREAM_READERS names a count: one per 4
-    cores, at most 4 (a reader pays only where it has a core of its own: on a 2-core machine the main process
+    cores this process may run on, at most 4 (a reader pays only where it has a core of its own: on a 2-core machine the main process
     would compete with it), 0 below 4 cores."""
     value = os.environ.get(ENV, "").strip()
     if value:
@@ -62,7 +62,8 @@ def default_readers() -> int:
         if count < 0:
             raise ValueError(f"{ENV} must be >= 0, not {count}")
         return count
-    return min(4, (os.cpu_count() or 1) // 4)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cores // 4)
 
 
 # ---------------------------------------------------------------------------------------------- parsing (shared)
