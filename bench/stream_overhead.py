@@ -149,7 +149,8 @@ def table(rows: list[dict]) -> None:
     paths = [p for p in streams[0] if isinstance(streams[0][p], dict) and "runs_tok_s" in streams[0][p]]
     print_table("Streaming (median of rounds): TTFT and inter-message gap (ITL) p50/p99, TPOT p50 in ms; tokens/s",
                 ["concurrency", "path", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "tok/s",
-                 "tok/msg", "sampler CPU µs/token", "readers CPU µs/token", "client CPU µs/token", "TTFT p50 ÷ raw", "ITL p50 ÷ raw",
+                 "tok/msg", "sampler CPU µs/token", "readers CPU µs/token", "client CPU µs/token", "TTFT p50 ÷ raw",
+                 "ITL p50 ÷ raw",
                  "tok/s ÷ raw"],
                 [[r["concurrency"], p, r[p]["ttft_p50_ms"], r[p]["ttft_p99_ms"], f"{r[p]['itl_p50_ms']:.2f}",
                   f"{r[p]['itl_p99_ms']:.2f}", f"{r[p]['tpot_p50_ms']:.2f}", r[p]["tok_s"], r[p]["tokens_per_message"],

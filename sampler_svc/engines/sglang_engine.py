@@ -224,9 +224,9 @@ class SGLangEngine(Engine):
     async def _stream_here(self, request: GenerationRequest, index: int) -> AsyncIterator[GenerationUpdate]:
         """Sample `index` of a streamed request on this loop: one streaming /generate call (server-sent events
         `data: {...}` up to `data: [DONE]`). Each read takes every event that has arrived and leaves as one update
-        (their chunks parsed with one json.loads): a consumer that keeps up gets one token at a time; one that falls behind
-        (hundreds of streams on one event loop) gets the backlog in one piece instead of paying a loop round trip
-        and a gRPC message per token. This generator is the whole engine-side path of a one-sample stream (each
+        (their chunks parsed with one json.loads): a consumer that keeps up gets one token at a time; one that falls
+        behind (hundreds of streams on one event loop) gets the backlog in one piece instead of paying a loop round
+        trip and a gRPC message per token. This generator is the whole engine-side path of a one-sample stream (each
         layer between SGLang and the servicer costs a frame switch per message)."""
         import aiohttp
 

@@ -51,8 +51,8 @@ ENV = "LORAPLANE_SGLANG_STREAM_READERS"
 
 def default_readers() -> int:
     """Readers when neither the engine's argument nor LORAPLANE_SGLANG_STREAM_READERS names a count: one per 4
-    cores this process may run on, at most 4 (a reader pays only where it has a core of its own: on a 2-core machine the main process
-    would compete with it), 0 below 4 cores."""
+    cores this process may run on, at most 4 (a reader pays only where it has a core of its own: on a 2-core
+    machine the main process would compete with it), 0 below 4 cores."""
     value = os.environ.get(ENV, "").strip()
     if value:
         try:
