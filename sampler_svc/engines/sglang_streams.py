@@ -91,7 +91,9 @@ class EventBuffer:
         self.pending = b""
 
     def feed(self, data: bytes) -> tuple[list | None, bool]:
-        self.pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+        self.pending += data
+        if b"\r" in self.pending:  # CRLF line ends (a CR and its LF may come in two reads: the CR waits here)
+            self.pending = self.pending.replace(b"\r\n", b"\n")
         end = self.pending.rfind(b"\n\n")
         if end < 0:
             return None, False  # no complete event yet

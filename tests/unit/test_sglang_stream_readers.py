@@ -204,3 +204,33 @@ def test_the_reader_count_comes_from_the_argument_the_environment_or_the_cores(m
     with pytest.raises(errors.InvalidArgument) as refused:
         SGLangEngine("tiny", urls=["http://x"], stream_readers=-2)
     assert refused.value.field == "stream_readers"
+
+
+def test_events_split_anywhere_with_either_line_ending_parse_to_the_same_tokens():
+    """The parser both paths share: SSE bytes cut at arbitrary points, CRLF or LF, SGLang's cumulative or incremental
+    chunks, and `[DONE]` ending it (anything after it ignored)."""
+    from sampler_svc.engines.sglang_streams import EventBuffer, new_tokens
+
+    def chunk(i: int, cumulative: bool, last: bool) -> bytes:
+        pairs = [[-(k + 1) / 10, 10 + k, None] for k in range(i + 1)] if cumulative else [[-(i + 1) / 10, 10 + i, None]]
+        meta = {"output_token_logprobs": pairs, "completion_tokens": i + 1,
+                "finish_reason": {"type": "stop"} if last else None}
+        return b"data: " + json.dumps({"meta_info": meta}).encode()
+
+    for cumulative in (False, True):
+        for newline in (b"\n", b"\r\n"):
+            body = b"".join(chunk(i, cumulative, i == 5) + newline * 2 for i in range(6))
+            body += b"data: [DONE]" + newline * 2 + b"data: {junk"
+            for cut in (1, 7, 50, len(body)):
+                events, sent, tokens, logprobs, finishes, done = EventBuffer(), 0, [], [], [], False
+                for start in range(0, len(body), cut):
+                    chunks, done = events.feed(body[start:start + cut])
+                    if chunks:
+                        new, values, finish, sent = new_tokens(chunks, sent)
+                        tokens += new
+                        logprobs += values
+                        finishes += [finish] if finish else []
+                    if done:
+                        break
+                assert done and tokens == [10 + k for k in range(6)], (cumulative, newline, cut)
+                assert logprobs == [-(k + 1) / 10 for k in range(6)] and finishes == ["stop"]
