@@ -372,6 +372,7 @@ async def _reader_main() -> None:
     commands = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(commands), sys.stdin.buffer)
     transport, _ = await loop.connect_write_pipe(asyncio.Protocol, sys.stdout.buffer)
+    sys.stdout = sys.stderr  # the pipe carries frames only: a stray print goes to the sampler's log instead
     outbox = _Outbox(transport)
     # As the engine's own session: no connection cap (SGLang's scheduler decides the batch), idle connections
     # dropped before uvicorn's 5 s keep-alive closes them on its side.
