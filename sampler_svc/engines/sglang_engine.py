@@ -77,6 +77,9 @@ class SGLangServer:
     process: subprocess.Popen | None = None
     adapters: set[str] = field(default_factory=set)
     in_flight: int = 0
+    # Versions on their way to this server (chosen, not yet answered): counted with `adapters` when choosing one, so
+    # loads that overlap spread over the servers instead of all picking the one that was emptiest when they began.
+    loading: int = 0
     # Whether /load_lora_adapter_from_tensors works there: None until first tried, False once it was missing.
     tensor_loads: bool | None = None
     tp_size: int = 1
@@ -150,6 +153,7 @@ class SGLangEngine(Engine):
         self.servers: list[SGLangServer] = []
         # The authority: version name -> the server that has it loaded.
         self._route: dict[str, SGLangServer] = {}
+        self._loading: set[str] = set()  # versions whose load is under way
         self._round_robin = itertools.count()
         self._vocab_size = 0
         self._max_context = 0
@@ -407,9 +411,18 @@ class SGLangEngine(Engine):
     shared_memory_tensors = "launched"
 
     async def load_adapter(self, key: str, blob: bytes) -> LoadedAdapterInfo:
-        if key in self._route:
+        if key in self._route or key in self._loading:
             raise errors.AlreadyExists(f"{key} is already loaded", field="adapter")
-        server = min(self.servers, key=lambda s: len(s.adapters))
+        server = min(self.servers, key=lambda s: len(s.adapters) + s.loading)
+        self._loading.add(key)
+        server.loading += 1
+        try:
+            return await self._load_on(server, key, blob)
+        finally:
+            server.loading -= 1
+            self._loading.discard(key)
+
+    async def _load_on(self, server: SGLangServer, key: str, blob: bytes) -> LoadedAdapterInfo:
         tensors = self._sends_tensors(server)
         # The digest was checked on download and the values by the registry: the header is all that must be read (a
         # file is the blob's own bytes; tensors go as views of them, in their stored dtype, until packed).
@@ -421,7 +434,7 @@ class SGLangEngine(Engine):
         if spec.rank > self.max_lora_rank:
             raise errors.FailedPrecondition(
                 f"{key} has rank {spec.rank}; the SGLang servers allow at most {self.max_lora_rank}", field="adapter")
-        if server.max_loaded and len(server.adapters) >= server.max_loaded:
+        if server.max_loaded and len(server.adapters) + server.loading > server.max_loaded:
             # SGLang would make room by evicting a name on its own, behind the manager's back (and a version that
             # came as tensors cannot be reloaded from anywhere): the manager's max_loaded must stay within this.
             raise errors.ResourceExhausted(

@@ -157,6 +157,24 @@ async def test_routes_to_the_owning_server_and_never_sends_unloaded_names(fakes,
     await engine.stop()
 
 
+async def test_loads_that_overlap_spread_over_the_servers_and_a_name_loads_once(fakes, tmp_path):
+    """Each load picks its server before it awaits SGLang: without counting the loads under way, eight overlapping
+    loads all chose the server that was emptiest when they began (8/0 over two servers)."""
+    engine = SGLangEngine("tiny", urls=[f.url for f in fakes], work_dir=tmp_path)
+    await engine.start()
+    keys = [f"t{i}@v1" for i in range(8)]
+    blob = adapter_blob(1)
+    await asyncio.gather(*(engine.load_adapter(key, blob) for key in keys))
+    counts = sorted(sum(key in f.loaded for key in keys) for f in fakes)
+    assert counts == [4, 4]
+    results = await asyncio.gather(engine.load_adapter("twice@v1", blob), engine.load_adapter("twice@v1", blob),
+                                   return_exceptions=True)
+    assert sum(isinstance(r, errors.AlreadyExists) for r in results) == 1
+    assert sum(("twice@v1" in f.loaded) for f in fakes) == 1
+    assert all(f_server.loading == 0 for f_server in engine.servers)
+    await engine.stop()
+
+
 def adapter_dirs(tmp_path) -> list:
     root = tmp_path / "adapters"
     return sorted(root.iterdir()) if root.exists() else []
