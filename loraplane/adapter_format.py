@@ -467,56 +467,83 @@ def sglang_stacked_key(layer: int, proj: str, which: str) -> str:
     return f"{PEFT_PREFIX}.{layer}.mlp.experts.{proj}.lora_{which}.weight"
 
 
-def to_sglang(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: str = "per_expert"
-              ) -> tuple[dict[str, torch.Tensor], dict]:
-    """The adapter in a layout SGLang 0.5.17 serves, dense keys as they are, each layer's expert LoRA either
-    - "per_expert": under per-expert keys ``...layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}
-      .weight`` (PEFT's transformers-4 names; gate and up get the expert's one gate_up A, B is split at its gate|up
-      rows), the config's target_modules naming gate_proj/up_proj/down_proj; or
-    - "stacked": as 3-D tensors with the expert dimension first, ``...layers.{i}.mlp.experts.gate_up_proj.lora_A
-      .weight`` [E, r, in] (SGLang repeats a gate_up A for gate and up), ``...gate_up_proj.lora_B.weight``
-      [E, 2 ffn, r] (gate rows first), ``...down_proj.lora_{A,B}.weight`` [E, r, ffn] / [E, hidden, r], the config
-      naming gate_up_proj/down_proj: 4 tensors per layer instead of 6 per expert (37k keys for Qwen3-30B-A3B, each
-      costing SGLang a Python round of regexes and a torch.cat).
+# A per-expert key as a slice of its layer's stacked tensor [E, rows, cols]: (key, expert, first row, end row).
+ExpertPart = tuple[str, int, int, int]
+
+
+def sglang_packing(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: str = "per_expert"
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, list[ExpertPart]], dict]:
+    """The adapter in a layout SGLang 0.5.17 serves, as whole tensors plus how to name their parts: dense keys as
+    they are, each layer's expert LoRA as 3-D tensors with the expert dimension first,
+    ``...layers.{i}.mlp.experts.gate_up_proj.lora_A.weight`` [E, r, in] (SGLang repeats a gate_up A for gate and
+    up), ``...gate_up_proj.lora_B.weight`` [E, 2 ffn, r] (gate rows first), ``...down_proj.lora_{A,B}.weight``
+    [E, r, ffn] / [E, hidden, r]. `form`:
+    - "stacked": SGLang gets those 3-D tensors (4 per layer; the config names gate_up_proj/down_proj);
+    - "per_expert": SGLang gets per-expert keys ``...layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}
+      .lora_{A,B}.weight`` (PEFT's transformers-4 names, the config naming gate_proj/up_proj/down_proj): each a
+      slice ``[e, first:end]`` of its stacked tensor, listed in the returned parts (gate and up name the same A
+      slice; B is split at its gate|up rows). A consumer that lays a stacked tensor out contiguously has every part
+      of it contiguous too: one copy per layer tensor instead of one per expert (37k for Qwen3-30B-A3B).
     Lossless either way; a shared-outer factor is every expert's. The tensors are VIEWS of `params` (A as it is,
-    B permuted, not contiguous; gate and up share one A object): nothing is copied here, a consumer copies each once
-    (into a file, a transfer buffer). `params`: the trainer's tensors (either layout, compact or expanded) or a
-    blob's."""
+    B permuted, not contiguous): nothing is copied here. `params`: the trainer's tensors (either layout, compact or
+    expanded) or a blob's."""
     if form not in SGLANG_EXPERT_FORMS:
         raise InvalidArgument(f"form must be one of {SGLANG_EXPERT_FORMS}, not {form!r}", field="form")
-    stacked = form == "stacked"
     params = expand_shared_outer(params, spec)
-    out: dict[str, torch.Tensor] = {}
+    whole: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[ExpertPart]] = {}
     for key, tensor in params.items():
         layer, module, which = parse_peft_key(key)
         if module not in EXPERT_TARGETS:
-            out[key] = tensor
+            whole[key] = tensor
             continue
         experts = tensor.shape[0] // spec.rank if which == "A" else tensor.shape[1] // spec.rank
         if which == "A":
-            per = tensor.view(experts, spec.rank, tensor.shape[1])  # expert e's rows [e r, (e+1) r)
+            stacked = tensor.view(experts, spec.rank, tensor.shape[1])  # expert e's rows [e r, (e+1) r)
         else:
-            per = tensor.view(tensor.shape[0], spec.rank, experts).permute(2, 0, 1)  # column j*E + e
-        if stacked:
-            proj = "down_proj" if module == "experts.down_proj" else "gate_up_proj"
-            out[sglang_stacked_key(layer, proj, which)] = per
-            continue
-        for e in range(experts):
-            factor = per[e]
-            if module == "experts.down_proj":
-                out[sglang_expert_key(layer, e, "down_proj", which)] = factor
-            elif which == "A":
-                out[sglang_expert_key(layer, e, "gate_proj", "A")] = factor
-                out[sglang_expert_key(layer, e, "up_proj", "A")] = factor
-            else:
-                half = factor.shape[0] // 2
-                out[sglang_expert_key(layer, e, "gate_proj", "B")] = factor[:half]
-                out[sglang_expert_key(layer, e, "up_proj", "B")] = factor[half:]
+            stacked = tensor.view(tensor.shape[0], spec.rank, experts).permute(2, 0, 1)  # column j*E + e
+        proj = "down_proj" if module == "experts.down_proj" else "gate_up_proj"
+        stacked_key = sglang_stacked_key(layer, proj, which)
+        whole[stacked_key] = stacked
+        if form == "per_expert":
+            parts[stacked_key] = list(_expert_parts(layer, proj, which, experts, stacked.shape[1]))
     config = {k: v for k, v in peft_adapter_config(spec, "").items() if k != "target_parameters"}
     targets = [t for t in spec.target_modules if t not in EXPERT_TARGETS]
     if spec.has_experts:
-        targets += [p for p in (_SGLANG_STACKED_PROJ if stacked else _SGLANG_EXPERT_PROJ) if p not in targets]
+        names = _SGLANG_EXPERT_PROJ if form == "per_expert" else _SGLANG_STACKED_PROJ
+        targets += [p for p in names if p not in targets]
     config["target_modules"] = targets
+    return whole, parts, config
+
+
+def _expert_parts(layer: int, proj: str, which: str, experts: int, rows: int):
+    for e in range(experts):
+        if proj == "down_proj":
+            yield sglang_expert_key(layer, e, "down_proj", which), e, 0, rows
+        elif which == "A":
+            yield sglang_expert_key(layer, e, "gate_proj", "A"), e, 0, rows
+            yield sglang_expert_key(layer, e, "up_proj", "A"), e, 0, rows
+        else:
+            yield sglang_expert_key(layer, e, "gate_proj", "B"), e, 0, rows // 2
+            yield sglang_expert_key(layer, e, "up_proj", "B"), e, rows // 2, rows
+
+
+def to_sglang(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: str = "per_expert"
+              ) -> tuple[dict[str, torch.Tensor], dict]:
+    """:func:`sglang_packing` as named tensors (views of `params`; the per-expert parts as views of their stacked
+    tensors, one object for a slice two keys name, such as gate's and up's A) and the PEFT config."""
+    whole, parts, config = sglang_packing(params, spec, form=form)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in whole.items():
+        if key not in parts:
+            out[key] = tensor
+            continue
+        views: dict[tuple[int, int, int], torch.Tensor] = {}
+        for name, e, first, end in parts[key]:
+            view = views.get((e, first, end))
+            if view is None:
+                view = views[(e, first, end)] = tensor[e, first:end]
+            out[name] = view
     return out, config
 
 

@@ -55,7 +55,7 @@ from loraplane.adapter_format import (
     materialize_peft_dir,
     materialize_sglang_dir,
     peft_adapter_config,
-    to_sglang,
+    sglang_packing,
 )
 from sampler_svc.engines.base import (
     FINISH_LENGTH,
@@ -401,7 +401,7 @@ class SGLangEngine(Engine):
     def _adapter_dir(self, key: str) -> Path:
         return self.work_dir / "adapters" / key.replace("/", "__")
 
-    # The form expert LoRA travels in as tensors (adapter_format.to_sglang): "per_expert" keys (the form the GPU tests
+    # The form expert LoRA travels in as tensors (adapter_format.sglang_packing): "per_expert" keys (the form the GPU tests
     # verified) or "stacked" 3-D tensors (4 per layer instead of 6 per expert: 288 keys for Qwen3-30B-A3B, not 37k).
     tensor_expert_form = "per_expert"
     # Which servers get tensors through shared memory instead of in the request body: "launched" (the servers this
@@ -538,10 +538,12 @@ class SGLangEngine(Engine):
         config = peft_adapter_config(spec, base_name)
         if spec.has_experts:
             # SGLang serves expert LoRA from per-expert keys or 3-D expert tensors; PEFT's target_parameters layout
-            # would be accepted with its experts silently dropped (adapter_format.to_sglang).
-            params, config = to_sglang(params, spec, form=self.tensor_expert_form)
+            # would be accepted with its experts silently dropped (adapter_format.sglang_packing).
+            params, parts, config = sglang_packing(params, spec, form=self.tensor_expert_form)
             config["base_model_name_or_path"] = base_name
-        packed = _PackedTensors(params, dtype, shared)
+        else:
+            parts = None
+        packed = _PackedTensors(params, dtype, shared, parts)
         encoded = base64.b64encode(packed.pickled())
         if not packed.shared:
             packed.release()  # its bytes are in the pickle
@@ -771,7 +773,7 @@ class _PackedTensors:
     reference its mapping added), and the memory when the last mapping goes. Falls back to private memory when
     /dev/shm has no room for it (a full tmpfs would kill this process with SIGBUS mid-copy)."""
 
-    def __init__(self, named: dict, dtype, shared: bool):
+    def __init__(self, named: dict, dtype, shared: bool, parts: dict | None = None):
         import torch
 
         slots: dict[int, tuple[int, torch.Tensor]] = {}
@@ -782,7 +784,16 @@ class _PackedTensors:
             if slot is None:
                 slot = slots[id(tensor)] = (total, tensor)
                 total += tensor.numel()
-            self.layout[name] = (slot[0], tuple(tensor.shape))
+            split = parts.get(name) if parts else None
+            if split is None:
+                self.layout[name] = (slot[0], tuple(tensor.shape))
+                continue
+            # A stacked expert tensor [E, rows, cols] goes in with one copy and is named by its per-expert slices
+            # (adapter_format.sglang_packing): 37k copies of strided slices took 7 s at 48 layers on an idle H100
+            # host and 100 s beside a busy process, against 0.8 s for the 576 stacked copies (docs/benchmarks.md).
+            _, rows, cols = tensor.shape
+            for part, expert, first, end in split:
+                self.layout[part] = (slot[0] + (expert * rows + first) * cols, (end - first, cols))
         nbytes = max(1, total * torch.empty((), dtype=dtype).element_size())
         self.shared = shared and _shm_room(nbytes)
         storage = None

@@ -23,7 +23,7 @@ import urllib.request
 import pytest
 import torch
 
-from loraplane.adapter_format import adapter_tensor_views, from_sglang, parse_adapter, to_sglang
+from loraplane.adapter_format import adapter_tensor_views, from_sglang, parse_adapter, sglang_packing, to_sglang
 from loraplane.models import load_base_model
 from sampler_svc.engines.sglang_engine import SGLangEngine, _PackedTensors
 from tests.fixtures.sampler import adapter_blob
@@ -188,6 +188,34 @@ def test_inline_pickle_holds_each_tensor_once_and_rebuilds_under_sglangs_allowli
     assert data_bytes < len(payload) < data_bytes + 160 * len(tensors) + 4096  # names, offsets, shapes
     rebuilt = TorchOnly(__import__("io").BytesIO(payload)).load()
     assert digests(rebuilt, dtype) == digests(tensors, dtype)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+def test_per_expert_keys_are_slices_of_stacked_tensors_copied_once(moe_base, layout):
+    """The engine packs each layer's stacked expert tensor with one copy and names its per-expert slices: the same
+    names and bytes as the per-expert form of to_sglang, with as many copies as the stacked form makes."""
+    params, spec, _ = parse_adapter(moe_adapter(moe_base, 8, layout))
+    per_expert, _ = to_sglang(params, spec, form="per_expert")
+    whole, parts, config = sglang_packing(params, spec, form="per_expert")
+    stacked, _ = to_sglang(params, spec, form="stacked")
+    assert whole.keys() == stacked.keys() and parts.keys() <= whole.keys() and parts
+    assert config == to_sglang(params, spec, form="per_expert")[1]
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def counting_copy(self, src, *args, **kwargs):
+        copies.append(tuple(src.shape))
+        return real_copy(self, src, *args, **kwargs)
+
+    torch.Tensor.copy_ = counting_copy
+    try:
+        packed = _PackedTensors(whole, torch.float32, shared=False, parts=parts)
+    finally:
+        torch.Tensor.copy_ = real_copy
+    assert len(copies) == len(stacked)
+    rebuilt = TorchOnly(__import__("io").BytesIO(packed.pickled())).load()
+    assert rebuilt.keys() == per_expert.keys()
+    assert digests(rebuilt, torch.float32) == digests(per_expert, torch.float32)
 
 
 async def test_tensors_reach_a_server_process_exactly_inline_and_through_shared_memory(moe_base, tmp_path):
