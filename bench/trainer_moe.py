@@ -375,7 +375,7 @@ def run_ep(args, device: torch.device, dtype: torch.dtype) -> dict | None:
     # Every rank's peak memory and slot bytes (per-expert factors are split over the EP ranks).
     cuda = device.type == "cuda"
     if result is not None:
-        print(f"tok/s before the memory report: {json.dumps({k: v.get('tokens_per_s') for k, v in result['contenders'].items()})}",
+        print(f"tok/s before the memory report: {json.dumps({k: v.get('tokens_per_s_median') for k, v in result['contenders'].items()})}",
               flush=True)
     if cuda:
         # NCCL's own small allocations come from outside torch's cache: a card the step filled has none left
