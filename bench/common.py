@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import time
 from collections.abc import Iterable, Sequence
@@ -125,3 +126,21 @@ def embedded_storage(work: Path, bucket: str, key_prefix: str = "bench:"):
             seaweed.stop()
     finally:
         valkey.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds(pid: int) -> float:
+    """CPU time so far of a process's live children (a sampler's stream reader processes)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in task.read_text().split():
+            try:
+                total += cpu_seconds(int(child))
+            except (OSError, ValueError):
+                pass
+    return total

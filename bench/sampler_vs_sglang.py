@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from bench.common import random_adapter_blob
+from bench.common import children_cpu_seconds, cpu_seconds, random_adapter_blob
 from bench.stream_clients import PATHS as CLIENT_PATHS
 from bench.stream_clients import Worker
 from loraplane.config import Settings
@@ -133,24 +133,6 @@ def worker_requests(prompts, mix: Mix) -> list:
 LATENCY_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s",
                    "sampler_cpu_us_per_token", "sampler_cpu_s_per_s", "readers_cpu_us_per_token",
                    "client_cpu_us_per_token")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_seconds(pid: int) -> float:
-    """CPU time so far of a process's live children (a sampler's stream reader processes)."""
-    total = 0.0
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in task.read_text().split():
-            try:
-                total += cpu_seconds(int(child))
-            except (OSError, ValueError):
-                pass
-    return total
 
 
 async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sampler_pid: int,

@@ -34,7 +34,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import embedded_storage, environment, print_table, random_adapter_blob, write_results
+from bench.common import (
+    children_cpu_seconds,
+    cpu_seconds,
+    embedded_storage,
+    environment,
+    print_table,
+    random_adapter_blob,
+    write_results,
+)
 from bench.stream_clients import DIAGNOSTIC_PATHS, PATHS, Worker
 
 ADAPTERS = 8
@@ -75,24 +83,6 @@ def publish_adapters(registry_address: str) -> None:
         loop.run(publish())
     finally:
         loop.close()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_seconds(pid: int) -> float:
-    """CPU time so far of a process's live children (the sampler's stream reader processes)."""
-    total = 0.0
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in task.read_text().split():
-            try:
-                total += cpu_seconds(int(child))
-            except (OSError, ValueError):
-                pass
-    return total
 
 
 def measure(args, workers: dict[str, Worker], vocab: int, sampler_pids: dict[str, int]) -> list[dict]:
