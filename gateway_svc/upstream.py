@@ -34,6 +34,7 @@ from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2
 
 log = logging.getLogger(__name__)
 _TRANSIENT = (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted)
+LOG_EVERY_S = 10.0  # a failing service's address and status at WARNING at most this often
 # Statuses grpc itself produces for a connection that failed (their details name the peer's address) or that the
 # caller cannot act on; their details stay in the gateway's log.
 _TRANSPORT_CODES = {
@@ -93,6 +94,9 @@ class Upstream:
         self.security = security or ClientSecurity()
         self.registry = RegistryClient(registry, timeout=60.0, security=self.security)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # When each (service, status) last went to the log at WARNING: a service that is down fails every attempt
+        # of every waiting call, and the operator needs its address once per LOG_EVERY_S, not per attempt.
+        self._logged: dict[tuple[str, str], float] = {}
         self._info: ServerInfo | None = None
         self._tokenizer = None
         self._info_lock = asyncio.Lock()
@@ -169,21 +173,32 @@ class Upstream:
         error = domain_error_from_rpc(exc, f"{service}: {what}")
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         if code in _TRANSPORT_CODES:
-            log.warning("%s %s: %s: %s %s", service, self.addresses[service], what, code.name,
-                        exc.details() if hasattr(exc, "details") else exc)
+            now, key = time.monotonic(), (service, code.name)
+            level = logging.WARNING if now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S else logging.DEBUG
+            if level == logging.WARNING:
+                self._logged[key] = now
+            log.log(level, "%s %s: %s: %s %s", service, self.addresses[service], what, code.name,
+                    exc.details() if hasattr(exc, "details") else exc)
             error = type(error)(f"{service}: {what}: {_TRANSPORT_CODES[code]}", field=error.field)
         return self._hidden(error)
 
     async def _retrying(self, what: str, attempt):
         deadline = time.monotonic() + self.retry_s
         delay = 0.1
+        retries = 0
         while True:
             try:
                 return await attempt()
             except _TRANSIENT as exc:
                 if time.monotonic() + delay > deadline:
+                    if retries:
+                        log.info("%s: %s after %d retries; giving up", what, type(exc).__name__, retries)
                     raise self._hidden(exc) from None
-                log.info("%s: %s; retrying in %.1f s", what, type(exc).__name__, delay)
+                # A call's first retry at INFO, the rest of its backoff at DEBUG: under load every waiting call
+                # retries (15k INFO lines in one RL run against a busy trainer).
+                log.log(logging.INFO if retries == 0 else logging.DEBUG, "%s: %s; retrying in %.1f s", what,
+                        type(exc).__name__, delay)
+                retries += 1
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
             except errors.LoraplaneError as exc:
