@@ -3,6 +3,7 @@ ServiceClients with different keys live in one process."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -176,6 +177,15 @@ def test_each_service_client_keeps_its_own_identity(secured: Secured):
         assert version.sample([5, 6], 1).result(60).sequences
         assert acme.create_sampling_client(name, version.version).sample([5, 6], 1).result(60).sequences
         assert acme.get_adapter(name).name == name
+
+        async def on_my_loop():  # sample_async runs on the caller's loop, on channels of that loop: same identities
+            reply = await acme.create_sampling_client(name, version.version).sample_async([5, 6], 1)
+            with pytest.raises(APIError) as denied:
+                await globex.create_sampling_client(name, version.version).sample_async([5, 6], 1)
+            return reply, denied.value.code
+
+        reply, code = asyncio.run(on_my_loop())
+        assert reply.sequences and code == grpc.StatusCode.PERMISSION_DENIED
         assert training.forward_backward(data).result(60).loss_fn_outputs
         assert name in [a.name for a in acme.list_training_adapters()]
     finally:
