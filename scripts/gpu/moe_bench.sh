@@ -9,7 +9,8 @@
 #     trainer-alone  the trainer with a per-expert and with a shared-outer adapter, no PEFT in the process
 #     fused    the same shape, no PEFT: 8 fused shared-outer tenants (1 datum each) against 1 tenant (8 datums; the
 #              first of the 8: the same 16k tokens per step), recomputation / micro-batches as memory demands
-#     ep2/ep4  the full 48 layers, experts over 2 / 4 GPUs (EP = world, TP 1), 8 x 2048 tokens per GPU: one
+#     ep2/ep4  the full 48 layers, experts over 2 / 4 GPUs (EP = world, TP 1), 4 x 2048 tokens per GPU ($EP_DATUMS),
+#              every layer recomputed ($EP_RECOMPUTE): one
 #              per-expert tenant, then fused shared-outer tenants (4 on 2 GPUs, 8 on 4) (tokens/s per GPU, MFU on
 #              active params, memory per tenant slot, how many more slots fit)
 #   if vs-peft runs out of memory (PEFT's fp32 logits beside the trainer's slots):
@@ -83,10 +84,12 @@ for c in ${*:-$default}; do
              --no-peft --recompute auto --rounds ${ROUNDS:-4} --warmup 1 ;;
     ep2|ep4) n=${c#ep}
              [ "$GPUS" -ge "$n" ] || { echo "== $c: needs $n GPUs, this machine has $GPUS" | summary; continue; }
+             # 4 x 2048 tokens per GPU with every layer recomputed: the automatic plan for 8 x 2048 ran out of memory
+             # at EP=2 (run s23: it does not count the all-to-all's buffers).
              ep qwen3moe48_ep${n}_per_expert_1t "$n" --shape qwen3-30b-a3b --contenders per_expert:1 \
-               --rounds ${ROUNDS:-3} --warmup 1
+               --datums ${EP_DATUMS:-4} --recompute ${EP_RECOMPUTE:-full} --rounds ${ROUNDS:-3} --warmup 1
              ep qwen3moe48_ep${n}_shared_outer_$((2 * n))t "$n" --shape qwen3-30b-a3b --contenders shared_outer:$((2 * n)) \
-               --rounds ${ROUNDS:-3} --warmup 1 ;;
+               --datums ${EP_DATUMS:-4} --recompute ${EP_RECOMPUTE:-full} --rounds ${ROUNDS:-3} --warmup 1 ;;
     h100) CASE_TIMEOUT=170 single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1 \
             --rounds ${ROUNDS:-3} --warmup 1 --profile "$OUT/profile"
           for f in "$OUT"/profile/profile_*.txt; do
