@@ -5,16 +5,14 @@ values computed from the real `tiny` model; the result must equal the direct com
 
 from __future__ import annotations
 
-import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
 from sampler_svc.engines.base import GenerationRequest, SamplingOptions
 from sampler_svc.engines.sglang_engine import SGLangEngine
+from tests.fixtures.http import JsonHandler, serve
 from tests.fixtures.sampler import tiny_base
 
 PROMPT = (17, 42, 99, 7, 120, 64, 5)
@@ -34,24 +32,13 @@ class ModelBackedSGLang:
         self.bodies: list[dict] = []
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, body):
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
-                self._reply({"tp_size": 1, "dtype": "auto", "max_loaded_loras": 8} if self.path == "/server_info"
-                            else {})
+                self.reply(200, {"tp_size": 1, "dtype": "auto", "max_loaded_loras": 8} if self.path == "/server_info"
+                           else {})
 
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = self.json_body()
                 fake.bodies.append(body)
                 prompt = body["input_ids"][0]
                 meta = {"output_token_logprobs": [[-1.0, 7, None]], "finish_reason": {"type": "length"}}
@@ -71,11 +58,9 @@ class ModelBackedSGLang:
                             top = torch.topk(lp[i - 1], k)
                             rows.append([[float(v), int(t), None] for v, t in zip(top.values, top.indices)])
                         meta["input_top_logprobs"] = rows
-                self._reply([{"output_ids": [7], "meta_info": meta}] * len(body["input_ids"]))
+                self.reply(200, [{"output_ids": [7], "meta_info": meta}] * len(body["input_ids"]))
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.http, self.url = serve(Handler)
 
 
 @pytest.fixture

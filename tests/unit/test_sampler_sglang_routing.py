@@ -12,9 +12,7 @@ import base64
 import io
 import json
 import pickle
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from loraplane import errors
 from loraplane.adapter_format import parse_adapter, peft_adapter_config
 from sampler_svc.engines.base import GenerationRequest, SamplingOptions
 from sampler_svc.engines.sglang_engine import SGLangEngine
+from tests.fixtures.http import JsonHandler, serve
 from tests.fixtures.sampler import adapter_blob
 
 
@@ -49,50 +48,39 @@ class FakeSGLang:
         self.configs: dict[str, dict] = {}
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, status, body):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if self.path == "/server_info":
-                    return self._reply(200, {"tp_size": tp_size, "dtype": dtype,
-                                             "max_loaded_loras": max_loaded_loras})
-                self._reply(200, {})
+                    return self.reply(200, {"tp_size": tp_size, "dtype": dtype,
+                                            "max_loaded_loras": max_loaded_loras})
+                self.reply(200, {})
 
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = self.json_body()
                 fake.calls.append((self.path, body))
                 if self.path in ("/load_lora_adapter", "/load_lora_adapter_from_tensors"):
                     if self.path.endswith("tensors") and not tensor_endpoint:
-                        return self._reply(404, {"detail": "Not Found"})
+                        return self.reply(404, {"detail": "Not Found"})
                     if body["lora_name"] in fake.loaded:
-                        return self._reply(400, {"success": False, "error_message":
-                                                 f"Failed to load LoRA adapter {body['lora_name']} because it is "
-                                                 "already loaded"})
+                        return self.reply(400, {"success": False, "error_message":
+                                                f"Failed to load LoRA adapter {body['lora_name']} because it is "
+                                                "already loaded"})
                     if self.path.endswith("tensors"):
                         fake.tensors[body["lora_name"]] = [
                             TorchOnlyUnpickler(io.BytesIO(base64.b64decode(copy, validate=True))).load()
                             for copy in body["serialized_named_tensors"]]
                         fake.configs[body["lora_name"]] = body["config_dict"]
                     fake.loaded.add(body["lora_name"])
-                    return self._reply(200, {"success": True})
+                    return self.reply(200, {"success": True})
                 if self.path == "/unload_lora_adapter":
                     fake.loaded.discard(body["lora_name"])
-                    return self._reply(200, {"success": True})
+                    return self.reply(200, {"success": True})
                 if body.get("stream"):
                     return self._stream(body["sampling_params"]["max_new_tokens"])
                 count = len(body["input_ids"]) if isinstance(body["input_ids"][0], list) else 1
                 out = [{"output_ids": [7], "meta_info": {"output_token_logprobs": [[-1.0, 7, None]],
                                                          "finish_reason": {"type": "length"}}}] * count
-                return self._reply(200, out)
+                return self.reply(200, out)
 
             def _stream(self, tokens):
                 """Server-sent events as SGLang 0.5.17 writes them: token i is 10 + i with logprob -(i + 1) / 10;
@@ -111,9 +99,7 @@ class FakeSGLang:
                     time.sleep(chunk_interval_s)  # a decode step
                 self.wfile.write(b"data: [DONE]\n\n")
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.http, self.url = serve(Handler)
 
     def names_sent(self) -> list:
         return [body.get("lora_path") for path, body in self.calls if path == "/generate"]

@@ -5,46 +5,32 @@ token, None at position 0). A fake on purpose and only an addition: it pins the 
 
 from __future__ import annotations
 
-import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from sampler_svc.engines.sglang_engine import SGLangEngine
+from tests.fixtures.http import JsonHandler, serve
 
 
 @pytest.fixture
 def scoring_server():
     calls: list[dict] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _reply(self, body):
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self):
-            self._reply({"data": []} if self.path == "/v1/models" else {})
+            self.reply(200, {"data": []} if self.path == "/v1/models" else {})
 
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.json_body()
             calls.append(body)
             ids = body["input_ids"]
             pairs = [[None if i == 0 else -0.5 * i, t, None] for i, t in enumerate(ids)]
-            self._reply({"output_ids": [7], "meta_info": {"input_token_logprobs": pairs,
-                                                          "output_token_logprobs": [[-1.0, 7, None]]}})
+            self.reply(200, {"output_ids": [7], "meta_info": {"input_token_logprobs": pairs,
+                                                               "output_token_logprobs": [[-1.0, 7, None]]}})
 
-    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{http.server_address[1]}", calls
+    http, url = serve(Handler)
+    yield url, calls
     http.shutdown()
 
 
