@@ -58,7 +58,6 @@ from loraplane.adapter_format import (
     sglang_packing,
 )
 from sampler_svc.engines.base import (
-    FINISH_LENGTH,
     FINISH_STOP,
     Engine,
     GenerationRequest,
@@ -66,7 +65,13 @@ from sampler_svc.engines.base import (
     LoadedAdapterInfo,
     TopkRows,
 )
-from sampler_svc.engines.sglang_streams import EventBuffer, StreamReaders, default_readers, new_tokens
+from sampler_svc.engines.sglang_streams import (
+    EventBuffer,
+    StreamReaders,
+    default_readers,
+    finish_reason,
+    new_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -524,11 +529,6 @@ class SGLangEngine(Engine):
             else:
                 packed.release()
 
-    def _tensor_request(self, key: str, params: dict, spec, base_name: str, server: SGLangServer) -> bytes:
-        """The JSON body of /load_lora_adapter_from_tensors with the tensors' bytes inline (for a server on another
-        host: no shared memory)."""
-        return self._tensor_body(key, params, spec, base_name, server, shared=False)[0]
-
     def _tensor_body(self, key: str, params: dict, spec, base_name: str, server: SGLangServer, shared: bool
                      ) -> tuple[bytes, _PackedTensors]:
         """The JSON body of /load_lora_adapter_from_tensors: the PEFT config and the PEFT-named tensors (expert
@@ -633,7 +633,7 @@ class SGLangEngine(Engine):
             pairs = meta.get("output_token_logprobs") or []
             tokens = [int(p[1]) for p in pairs] or list(output.get("output_ids", []))
             update = GenerationUpdate(sequence_index=index, tokens=tokens, logprobs=_logprob_values(pairs),
-                                      finish_reason=_finish_reason(meta))
+                                      finish_reason=finish_reason(meta) or FINISH_STOP)
             if index == 0 and request.include_prompt_logprobs:
                 update.prompt_logprobs = _input_logprobs(meta, request)
             if index == 0 and request.topk_prompt_logprobs:
@@ -908,10 +908,6 @@ def _base_model_facts(name: str):
 
 def _logprob_values(pairs: list) -> list[float]:
     return [float(p[0]) if p[0] is not None else math.nan for p in pairs]
-
-
-def _finish_reason(meta: dict) -> str:
-    return FINISH_LENGTH if (meta.get("finish_reason") or {}).get("type") == "length" else FINISH_STOP
 
 
 def _logprob_start_len(request: GenerationRequest) -> int:

@@ -41,7 +41,7 @@ import sys
 from collections.abc import AsyncIterator
 
 from loraplane import errors
-from sampler_svc.engines.base import GenerationUpdate
+from sampler_svc.engines.base import FINISH_LENGTH, FINISH_STOP, GenerationUpdate
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +120,17 @@ def new_tokens(chunks: list[dict], sent: int) -> tuple[list[int], list[float], s
         for pair in pairs:
             tokens.append(int(pair[1]))
             logprobs.append(float(pair[0]) if pair[0] is not None else math.nan)
-        reason = meta.get("finish_reason")
-        if reason:
-            finish = "length" if isinstance(reason, dict) and reason.get("type") == "length" else "stop"
+        finish = finish_reason(meta) or finish
     return tokens, logprobs, finish, sent
+
+
+def finish_reason(meta: dict) -> str | None:
+    """SGLang's meta_info.finish_reason as ours: FINISH_LENGTH when it stopped at max_new_tokens, FINISH_STOP for
+    any other end; None while the sample runs."""
+    reason = meta.get("finish_reason")
+    if not reason:
+        return None
+    return FINISH_LENGTH if isinstance(reason, dict) and reason.get("type") == "length" else FINISH_STOP
 
 
 def _frame(value) -> bytes:

@@ -288,7 +288,7 @@ def test_peft_target_parameters_layout_never_reaches_sglang(registry, background
     try:
         # What the tensor transport sends: per-expert keys only (decoded from the request body the engine builds).
         params, spec, base_name = parse_adapter(blob)
-        body = json.loads(engine._tensor_request("probe@v1", params, spec, base_name, engine.servers[0]))
+        body = json.loads(engine._tensor_body("probe@v1", params, spec, base_name, engine.servers[0], shared=False)[0])
         sent = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
         expert_keys = [k for k in sent if ".mlp.experts." in k]
         assert expert_keys and all(k.split(".mlp.experts.")[1].split(".")[0].isdigit() for k in expert_keys)
