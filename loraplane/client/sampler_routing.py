@@ -217,10 +217,12 @@ class SamplerRouter:
 router_for = RouterCache(SamplerRouter)
 
 
-async def routed_call(seed: str, adapter: str, method: str, request, retry: RetryConfig) -> Any:
+async def routed_call(seed: str, adapter: str, method: str, request, retry: RetryConfig,
+                      router: SamplerRouter | None = None) -> Any:
     """SamplerService.`method` for `adapter` on its replica, failing over between replicas at once and, when every
-    replica failed, retrying with the client's backoff policy."""
-    router = router_for(seed)
+    replica failed, retrying with the client's backoff policy. `router`: the replica router of the loop the call
+    runs on (default: the client I/O loop's, `router_for(seed)`)."""
+    router = router or router_for(seed)
 
     async def attempt(timeout: float | None):
         return await router.call(adapter, lambda stub: getattr(stub, method)(request, timeout=timeout))

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from loraplane.client._runtime import Handoff, RetryConfig, call_with_retry, runtime, stream_with_retry
+from loraplane.client._runtime import Handoff, RetryConfig, runtime, stream_with_retry
 from loraplane.client.futures import APIFuture
 from loraplane.client.sampler_routing import SamplerRouter, routed_call, router_for
 from loraplane.client.tokenizer import fetch_tokenizer
@@ -119,8 +119,9 @@ class SamplingClient:
                                          topk_prompt_logprobs=topk_prompt_logprobs,
                                          prompt_logprobs_last_n=prompt_logprobs_last_n or 0)
 
-    async def _sample(self, request: sampler_pb2.SampleRequest) -> SampleResponse:
-        reply = await routed_call(self.sampler_address, self.adapter, "Sample", request, self.retry)
+    async def _sample(self, request: sampler_pb2.SampleRequest, router: SamplerRouter | None = None
+                      ) -> SampleResponse:
+        reply = await routed_call(self.sampler_address, self.adapter, "Sample", request, self.retry, router)
         return SampleResponse.from_proto(reply)
 
     def sample(self, prompt, num_samples: int = 1, sampling_params: SamplingParams | None = None,
@@ -143,16 +144,7 @@ class SamplingClient:
         CPU per streamed token (bench/stream_overhead.py --paths stubs stubs_rt)."""
         request = self._sample_request(prompt, num_samples, sampling_params, include_prompt_logprobs,
                                        topk_prompt_logprobs, prompt_logprobs_last_n)
-        loop = asyncio.get_running_loop()
-        if loop is runtime().loop:
-            return await self._sample(request)
-        router = _router_on(self.sampler_address, loop)
-
-        async def attempt(timeout: float | None):
-            return await router.call(self.adapter, lambda stub: stub.Sample(request, timeout=timeout))
-
-        reply = await call_with_retry(attempt, self.retry, method="Sample", address=self.sampler_address)
-        return SampleResponse.from_proto(reply)
+        return await self._sample(request, _router_on(self.sampler_address, asyncio.get_running_loop()))
 
     # ---- streaming ------------------------------------------------------------------------------------------
 
