@@ -24,7 +24,8 @@ loading everything before the next starts). --no-old-path leaves it out.
 (sampler_svc with the GPU 0 server) and `two` (ONE sampler_svc with both servers: what an operator runs on one
 2-GPU host, `sampler_svc --sglang-launch 2`; each adapter version lives on one server, placed on the emptier one),
 with raw SGLang on GPU 0 for reference, alternated: tokens/s of Sample and of streams at --concurrency (default 256)
-over 8 adapters, and two / one (issue 23's target: >= 1.8).
+over 8 adapters, and two / one (issue 23's target: >= 1.8). `raw2`, raw SGLang over both servers (odd adapters to
+GPU 1's server, where `two` puts them), is the engine's own two-GPU ceiling: two / raw2 is what the sampler leaves.
 
     python bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b [--rounds 2]
     python bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b --two-servers
@@ -330,13 +331,15 @@ async def start_samplers(root: Path, model_dir: Path, registry_address: str, spe
 
 async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], two: tuple[str, int]) -> dict:
     """`one` / `two`: (address, pid) of the sampler with the GPU 0 server / with both. Per concurrency, Sample
-    (tokens/s) and streams (tokens/s, TTFT, ITL) through bare stubs, raw SGLang on GPU 0 beside them, in rotating
-    order with fresh prompts."""
+    (tokens/s) and streams (tokens/s, TTFT, ITL) through bare stubs, raw SGLang on GPU 0 and raw SGLang over both
+    servers (raw2) beside them, in rotating order with fresh prompts."""
     rng = random.Random(1)
     vocab = engine.vocab_size
     url = engine.servers[0].url
     workers = {"raw": Worker("raw", url=url), "one": Worker("stubs", sampler=one[0]),
-               "two": Worker("stubs", sampler=two[0])}
+               "two": Worker("stubs", sampler=two[0]),
+               # adapter i to servers[i % 2]: where `two` placed it (checked below, after the first loads)
+               "raw2": Worker("raw", url=",".join(server.url for server in engine.servers))}
     pids = {"one": one[1], "two": two[1]}
     loop = asyncio.get_running_loop()
     mix = Mix("mixed8")
@@ -355,22 +358,28 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
         # each adapter goes alone.
         await on_worker("two", {"op": "unary", "concurrency": 1, "max_tokens": 4,
                                 "requests": worker_requests(fresh(ADAPTERS), mix)})
-        for path in workers:  # every adapter loaded (the two-server sampler spreads them over both servers)
-            for op in ("unary", "stream"):
-                await on_worker(path, {"op": op, "concurrency": 2 * ADAPTERS, "max_tokens": 8,
-                                       "requests": worker_requests(fresh(2 * ADAPTERS), mix)})
-        for server in engine.servers:  # where the versions ended up (SGLang's own list)
+        # Where the versions ended up (SGLang's own list), before raw2's first requests rely on it.
+        for server in engine.servers:
             status, body = await engine._request(server, "/v1/models", timeout=30)
             placement[server.url] = sorted(m.get("id", "") for m in (body or {}).get("data", [])
                                            if m.get("parent")) if status == 200 and isinstance(body, dict) else []
         print(f"adapter versions per SGLang server: {json.dumps(placement)}", flush=True)
+        urls = [server.url for server in engine.servers]
+        misplaced = [key_of(i) for i in range(ADAPTERS) if key_of(i) not in placement.get(urls[i % len(urls)], [])]
+        if misplaced:
+            print(f"WARNING: {', '.join(misplaced)} not on the server raw2 sends them to (adapter i -> server i % "
+                  f"{len(urls)}): raw2 routes those requests to a server that lacks the adapter", flush=True)
+        for path in workers:  # every adapter loaded (the two-server sampler spreads them over both servers)
+            for op in ("unary", "stream"):
+                await on_worker(path, {"op": op, "concurrency": 2 * ADAPTERS, "max_tokens": 8,
+                                       "requests": worker_requests(fresh(2 * ADAPTERS), mix)})
         paths = tuple(workers)
         for concurrency in args.concurrency:
             for op in ("unary", "stream"):
                 count = 2 * concurrency if op == "unary" else concurrency * args.latency_waves
                 runs: dict[str, list[dict]] = {p: [] for p in paths}
                 for round_ in range(args.rounds):
-                    for path in paths[round_ % 3:] + paths[:round_ % 3]:
+                    for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
                         pid = pids.get(path)
                         before = cpu_seconds(pid) + children_cpu_seconds(pid) if pid else 0.0
                         run = await on_worker(path, {"op": op, "concurrency": concurrency,
@@ -386,6 +395,8 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
                        "runs_tok_s": {p: [round(r["tok_s"]) for r in runs[p]] for p in paths}}
                 row["two_over_one_tok_s"] = row["two"]["tok_s"] / row["one"]["tok_s"]
                 row["one_over_raw_tok_s"] = row["one"]["tok_s"] / row["raw"]["tok_s"]
+                row["raw2_over_raw_tok_s"] = row["raw2"]["tok_s"] / row["raw"]["tok_s"]
+                row["two_over_raw2_tok_s"] = row["two"]["tok_s"] / row["raw2"]["tok_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -397,16 +408,19 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
 def two_servers_table(result: dict) -> str:
     lines = [("Two SGLang servers (GPU 0 + GPU 1) behind one sampler_svc vs one (GPU 0), 8 adapters; target "
               "two/one >= 1.8"), "",
-             ("| concurrency | op | raw (GPU 0) tok/s | one tok/s | two tok/s | two / one | one / raw | one TTFT p50 | "
-              "two TTFT p50 | one ITL p50 | two ITL p50 | one sampler CPU s/s | two sampler CPU s/s |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("| concurrency | op | raw (GPU 0) tok/s | raw2 (GPU 0+1) tok/s | one tok/s | two tok/s | two / one | "
+              "one / raw | raw2 / raw | two / raw2 | one TTFT p50 | two TTFT p50 | one ITL p50 | two ITL p50 | "
+              "one sampler CPU s/s | two sampler CPU s/s |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(row: dict, path: str, metric: str) -> str:
         return f"{row[path][metric]:.1f}" if metric in row[path] else "-"
 
     for r in result["two_servers"]:
-        lines.append(f"| {r['concurrency']} | {r['op']} | {r['raw']['tok_s']:.0f} | {r['one']['tok_s']:.0f} | "
-                     f"{r['two']['tok_s']:.0f} | {r['two_over_one_tok_s']:.2f} | {r['one_over_raw_tok_s']:.2f} | "
+        lines.append(f"| {r['concurrency']} | {r['op']} | {r['raw']['tok_s']:.0f} | {r['raw2']['tok_s']:.0f} | "
+                     f"{r['one']['tok_s']:.0f} | {r['two']['tok_s']:.0f} | {r['two_over_one_tok_s']:.2f} | "
+                     f"{r['one_over_raw_tok_s']:.2f} | {r['raw2_over_raw_tok_s']:.2f} | "
+                     f"{r['two_over_raw2_tok_s']:.2f} | "
                      f"{ms(r, 'one', 'ttft_p50_ms')} | {ms(r, 'two', 'ttft_p50_ms')} | {ms(r, 'one', 'itl_p50_ms')} | "
                      f"{ms(r, 'two', 'itl_p50_ms')} | {r['one']['sampler_cpu_s_per_s']:.2f} | "
                      f"{r['two']['sampler_cpu_s_per_s']:.2f} |")

@@ -76,7 +76,10 @@ class Raw:
     def __init__(self, url: str):
         import aiohttp
 
-        self.url = url
+        # Several servers (comma-separated): adapter i goes to urls[i % len(urls)], the base model to urls[0], as
+        # the two-server sampler places the versions (odd adapters on the second server): raw SGLang spread over
+        # both servers, the engine's own ceiling beside the sampler that spreads them.
+        self.urls = url.split(",")
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
 
     def _payload(self, adapter: int, prompt: list[int], max_tokens: int, stream: bool, n: int = 1) -> dict:
@@ -87,10 +90,13 @@ class Raw:
         return {"input_ids": prompt, "sampling_params": params, "return_logprob": True,
                 "lora_path": adapter_key(adapter), "stream": stream}
 
+    def _url(self, adapter: int) -> str:
+        return self.urls[adapter % len(self.urls)] if adapter >= 0 else self.urls[0]
+
     async def stream(self, adapter: int, prompt: list[int], max_tokens: int):
         arrivals = []
         start = time.perf_counter()
-        async with self.session.post(f"{self.url}/generate", json=self._payload(adapter, prompt, max_tokens, True)
+        async with self.session.post(f"{self._url(adapter)}/generate", json=self._payload(adapter, prompt, max_tokens, True)
                                      ) as reply:
             async for line in reply.content:
                 if line.startswith(b"data:"):
@@ -102,8 +108,8 @@ class Raw:
         return start, arrivals
 
     async def unary(self, adapter: int, prompt: list[int], max_tokens: int, n: int = 1) -> int:
-        async with self.session.post(f"{self.url}/generate", json=self._payload(adapter, prompt, max_tokens, False, n)
-                                     ) as reply:
+        async with self.session.post(f"{self._url(adapter)}/generate",
+                                     json=self._payload(adapter, prompt, max_tokens, False, n)) as reply:
             body = await reply.json()
         return sum(len(o["meta_info"]["output_token_logprobs"]) for o in (body if isinstance(body, list) else [body]))
 
@@ -250,7 +256,7 @@ async def serve(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--path", choices=PATHS + DIAGNOSTIC_PATHS, required=True)
-    parser.add_argument("--url", default="", help="the SGLang (or synthetic) server, for raw")
+    parser.add_argument("--url", default="", help="the SGLang (or synthetic) server(s), comma-separated, for raw")
     parser.add_argument("--sampler", default="", help="sampler_svc's address, for stubs and client")
     parser.add_argument("--uvloop", action="store_true", help="run this worker's event loop on uvloop")
     parser.add_argument("--adapter-prefix", default="bench/a")
