@@ -16,7 +16,9 @@ path and sends it one JSON command per line on stdin; the worker answers one JSO
 stream's consecutive messages: an SSE chunk for raw, a SampleStreamResponse for the others; a message that carries
 several tokens makes one gap, so a path that falls behind and delivers tokens in batches shows longer gaps, not
 shorter), time per output token (TPOT: a stream's first-to-last time over its tokens - 1), tokens per message and
-tokens/s; "unary" sends non-streaming requests and reports tokens/s.
+tokens/s; "unary" sends non-streaming requests and reports tokens/s. With "raw_records": true the worker answers its
+per-request results, its start and end (perf_counter) and its CPU seconds instead of a summary: what Worker(...,
+processes=N) merges when it spreads one command over N worker processes.
 
     python bench/stream_clients.py --path stubs --sampler 127.0.0.1:50051 --url http://127.0.0.1:30000
 """
@@ -219,8 +221,18 @@ async def run(worker, command: dict) -> dict:
 
     start, cpu = time.perf_counter(), _cpu()
     results = await asyncio.gather(*(one(a, p) for a, p in command["requests"]))
-    wall, cpu = time.perf_counter() - start, _cpu() - cpu
-    if command["op"] == "stream":
+    end, cpu = time.perf_counter(), _cpu() - cpu
+    if command.get("raw_records"):
+        # For a Worker that spread one command over several processes: it summarizes the union itself, since
+        # percentiles of parts do not combine. Times are perf_counter, like the arrivals (see Worker.run).
+        return {"results": results, "start": start, "end": end, "cpu_s": cpu}
+    return _summary(command["op"], results, end - start, cpu)
+
+
+def _summary(op: str, results: list, wall: float, cpu: float) -> dict:
+    """results: run's per-request results (stream: summarize's records; unary: tokens), of one or several processes;
+    cpu: their CPU seconds together."""
+    if op == "stream":
         summary = summarize(results, wall)
     else:
         summary = {"requests": len(results), "tokens": sum(results), "wall_s": wall, "tok_s": sum(results) / wall}
@@ -282,39 +294,84 @@ def main() -> None:
 
 
 class Worker:
-    """The driver's handle on one worker process."""
+    """The driver's handle on one path's worker process, or on several (processes=N): one Python process saturates
+    near 1 CPU s/s at a few hundred concurrent streams (bare stubs: ~100 us of CPU per token, so ~9k tok/s), and
+    past that its own event loop, not the server, sets the inter-token gaps. N processes, each with its own
+    connection (channel or session), share one command's requests and report as one."""
 
     def __init__(self, path: str, *, url: str = "", sampler: str = "", env: dict | None = None,
-                 python: str = sys.executable, adapter_prefix: str = PREFIX):
+                 python: str = sys.executable, adapter_prefix: str = PREFIX, processes: int = 1):
         import subprocess
 
+        if processes < 1:
+            raise ValueError(f"processes must be at least 1, got {processes}")
         self.path = path
-        self.process = subprocess.Popen([python, str(Path(__file__).resolve()), "--path", path, "--url", url,
-                                         "--sampler", sampler, "--adapter-prefix", adapter_prefix],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
-        ready = self.process.stdout.readline()
-        if not ready:
-            raise RuntimeError(f"the {path} worker exited with {self.process.wait()}")
+        # All started before any is waited for: their imports overlap.
+        self.processes = [subprocess.Popen([python, str(Path(__file__).resolve()), "--path", path, "--url", url,
+                                            "--sampler", sampler, "--adapter-prefix", adapter_prefix],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                           env=env)
+                          for _ in range(processes)]
+        self.process = self.processes[0]
+        try:
+            for process in self.processes:
+                if not process.stdout.readline():
+                    raise RuntimeError(f"the {path} worker exited with {process.wait()}")
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, command: dict) -> dict:
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
+        if len(self.processes) == 1:
+            self._send(self.process, command)
+            return self._checked(self._read(self.process))
+        # Split round-robin, and the concurrency as evenly (the first concurrency % N parts take one more), so the
+        # processes together keep `concurrency` requests open. Fewer processes than N when concurrency < N: a
+        # part with no slot would never run its requests.
+        procs = self.processes[:max(1, min(len(self.processes), command["concurrency"]))]
+        count = len(procs)
+        parts = [{**command, "raw_records": True, "requests": command["requests"][i::count],
+                  "concurrency": command["concurrency"] // count + (i < command["concurrency"] % count)}
+                 for i in range(count)]
+        # Every part is sent before any reply is read, so they run at the same time.
+        for process, part in zip(procs, parts, strict=True):
+            self._send(process, part)
+        replies = [self._read(process) for process in procs]  # all read, an error or not, to keep the pipes in step
+        for reply in replies:
+            self._checked(reply)
+        # perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process of the host, so the processes'
+        # start, end and arrival times compare directly: the wall is the first start to the last end.
+        wall = max(r["end"] for r in replies) - min(r["start"] for r in replies)
+        summary = _summary(command["op"], [x for r in replies for x in r["results"]], wall,
+                           sum(r["cpu_s"] for r in replies))
+        summary["client_processes"] = count
+        return summary
+
+    def _send(self, process, command: dict) -> None:
+        process.stdin.write(json.dumps(command) + "\n")
+        process.stdin.flush()
+
+    def _read(self, process) -> dict:
+        line = process.stdout.readline()
         if not line:
-            raise RuntimeError(f"the {self.path} worker exited with {self.process.wait()}")
-        result = json.loads(line)
+            raise RuntimeError(f"the {self.path} worker exited with {process.wait()}")
+        return json.loads(line)
+
+    def _checked(self, result: dict) -> dict:
         if "error" in result:
             raise RuntimeError(f"{self.path}: {result['error']}")
         return result
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
+        for process in self.processes:
+            if process.poll() is None:
+                process.stdin.close()
+        for process in self.processes:
             try:
-                self.process.wait(20)
+                process.wait(20)
             except Exception:  # noqa: BLE001
-                self.process.kill()
-                self.process.wait()
+                process.kill()
+                process.wait()
 
 
 if __name__ == "__main__":
