@@ -27,9 +27,20 @@ with raw SGLang on GPU 0 for reference, alternated: tokens/s of Sample and of st
 over 8 adapters, and two / one (issue 23's target: >= 1.8). `raw2`, raw SGLang over both servers (odd adapters to
 GPU 1's server, where `two` puts them), is the engine's own two-GPU ceiling: two / raw2 is what the sampler leaves.
 
+--two-servers --fleet: the production answer on a 2-GPU host, a sampler fleet (README "More than one sampler"):
+replicas `fleet-a` (GPU 0's server) and `fleet-b` (GPU 1's), each a sampler_svc of its own in fleet `bench-fleet`
+(membership in the bench's Valkey, every replica preloading all eight versions), against `one` (GPU 0's server, not
+in a fleet), with raw SGLang on GPU 0 and raw2 over both servers (both hold all eight; left out with a note if
+not), alternated. `one` and `fleet` both go through the SamplingClient (bench/stream_clients.py `client`), seeded
+with one's / fleet-a's address: for `fleet` the client lists the replicas and routes each adapter (consistent
+hashing with bounded load). Rows give fleet / one (issue 23: >= 1.8), fleet / raw2, each sampler's CPU s/s (the
+fleet's per replica) and the Sample/SampleStream calls each replica served (its Prometheus counters). The existing
+samplers `one`/`two` of --two-servers are not started in this mode.
+
     python bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b [--rounds 2]
-    python bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b --two-servers
+    python bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b --two-servers [--fleet]
     python bench/sampler_vs_sglang.py --model-dir tiny --synthetic-itl-ms 10   # a dry run without a GPU
+    python bench/sampler_vs_sglang.py --model-dir tiny --synthetic-itl-ms 10 --two-servers --fleet --concurrency 32
 
 Writes JSON (bench/results/sampler_vs_sglang.json) and prints a table. Random weights in the real shape; rank-16
 adapters on all seven projections with random B.
@@ -275,9 +286,10 @@ def table(result: dict) -> str:
 
 
 def start_sampler_process(root: Path, model_dir: Path, urls: list[str], registry_address: str, port: int, *,
-                          name: str = "sampler", stream_readers: int | None = None, watch_prefix: str = ""):
+                          name: str = "sampler", stream_readers: int | None = None, watch_prefix: str = "",
+                          extra_env: dict[str, str] | None = None):
     env = dict(os.environ, LORAPLANE_REGISTRY_ADDRESS=registry_address, PYTHONUNBUFFERED="1",
-               LORAPLANE_DATA_DIR=str(root / name))
+               LORAPLANE_DATA_DIR=str(root / name), **(extra_env or {}))
     if stream_readers is not None:
         env["LORAPLANE_SGLANG_STREAM_READERS"] = str(stream_readers)
     with open(root / f"{name}.log", "wb") as log:
@@ -299,17 +311,18 @@ def gpu_memory_used() -> str:
 
 
 async def start_samplers(root: Path, model_dir: Path, registry_address: str, specs: list[tuple]) -> list:
-    """specs: (name, urls, stream_readers, watch_prefix) -> [(process, address)], started one after the other in
-    this order. A sampler given server URLs unloads whatever it finds there as it starts, then loads the versions it
+    """specs: (name, urls, stream_readers, watch_prefix[, extra env]) -> [(process, address)], started one after the
+    other in this order. A sampler given server URLs unloads whatever it finds there as it starts, then loads the versions it
     follows (watch_prefix; "bench/" = all eight): so each waits until the one before has loaded all of them, and
     the last to start reloads any name it dropped (same name, same bytes) before the measurement begins."""
     from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
 
     started = []
-    for name, urls, readers, prefix in specs:
+    for name, urls, readers, prefix, *extra in specs:
         port = free_port()
         process = start_sampler_process(root, model_dir, urls, registry_address, port, name=name,
-                                        stream_readers=readers, watch_prefix=prefix)
+                                        stream_readers=readers, watch_prefix=prefix,
+                                        extra_env=extra[0] if extra else None)
         address = f"127.0.0.1:{port}"
         started.append((process, address))
         await asyncio.to_thread(wait_until, lambda p=process, a=address: p.poll() is None and check_health(
@@ -427,10 +440,216 @@ def two_servers_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+FLEET = "bench-fleet"
+
+
+def fleet_env(valkey_url: str, replica_id: str, metrics_port: int) -> dict[str, str]:
+    """What makes a sampler_svc a replica of the bench's sampler fleet (as `loraplane up --samplers N` starts its
+    members: LORAPLANE_SAMPLER_FLEET + LORAPLANE_SAMPLER_ID, the membership in Redis), every replica preloading every
+    version (so both SGLang servers hold all eight and raw2 is valid), and a Prometheus endpoint for its request
+    counts (the per-replica spread)."""
+    return {"LORAPLANE_REDIS_URL": valkey_url, "LORAPLANE_SAMPLER_FLEET": FLEET, "LORAPLANE_SAMPLER_ID": replica_id,
+            "LORAPLANE_SAMPLER_FLEET_PRELOAD": "0", "LORAPLANE_METRICS_PORT": str(metrics_port)}
+
+
+def replica_counters(metrics_url: str) -> dict[str, float]:
+    """A sampler's Sample + SampleStream calls handled and tokens generated so far (its Prometheus counters)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    counts = {"requests": 0.0, "tokens": 0.0}
+    for line in text.splitlines():
+        if line.startswith("loraplane_sampler_tokens_total{"):
+            counts["tokens"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("loraplane_rpc_total{") and re.search(r'method="(Sample|SampleStream)"', line):
+            counts["requests"] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def fleet_replicas_listed(address: str) -> list[str]:
+    """The replica ids a sampler lists (ListReplicas: what a SamplingClient seeded with it learns)."""
+    import grpc
+
+    from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = sampler_pb2_grpc.SamplerServiceStub(channel).ListReplicas(sampler_pb2.ListReplicasRequest(), timeout=10)
+    return [r.replica_id for r in reply.replicas]
+
+
+async def measure_fleet(args, engine: SGLangEngine, one: tuple[str, int], replicas: list[tuple[str, str, int, str]]
+                        ) -> dict:
+    """`one`: (address, pid) of the lone sampler on GPU 0's server; `replicas`: (replica id, address, pid, metrics
+    URL) of the fleet, the first on GPU 0's server, the second on GPU 1's. Per concurrency, Sample (tokens/s) and
+    streams (tokens/s, TTFT, ITL), all four paths through the same client kind where a sampler is in the path
+    (SamplingClient: for `fleet` it is what routes each adapter to a replica), raw SGLang on GPU 0 and over both
+    servers (raw2) beside them, in rotating order with fresh prompts. The fleet's Sample/SampleStream calls and tokens
+    per replica (their counters' change over the fleet's measured runs) show how the client spread the adapters."""
+    rng = random.Random(2)
+    vocab = engine.vocab_size
+    urls = [server.url for server in engine.servers]
+    workers = {"raw": Worker("raw", url=urls[0]), "raw2": Worker("raw", url=",".join(urls)),
+               "one": Worker("client", sampler=one[0]), "fleet": Worker("client", sampler=replicas[0][1])}
+    pids = {"one": {"one": one[1]}, "fleet": {rid: pid for rid, _, pid, _ in replicas}}
+    loop = asyncio.get_running_loop()
+    mix = Mix("mixed8")
+
+    def fresh(count: int) -> list[list[int]]:
+        return [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(count)]
+
+    async def on_worker(path: str, command: dict) -> dict:
+        return await loop.run_in_executor(None, workers[path].run, command)
+
+    async def counters() -> dict[str, dict[str, float]]:
+        found = await asyncio.gather(*(asyncio.to_thread(replica_counters, url) for *_, url in replicas))
+        return {rid: c for (rid, *_), c in zip(replicas, found, strict=True)}
+
+    rows = []
+    placement: dict[str, list[str]] = {}
+    try:
+        # Where the versions are (SGLang's own list): raw2 sends adapter i to server i % 2, right only where that
+        # server holds it. Every replica preloads all eight (fleet_env), and `one` reloads all eight on GPU 0's.
+        for server in engine.servers:
+            status, body = await engine._request(server, "/v1/models", timeout=30)
+            placement[server.url] = sorted(m.get("id", "") for m in (body or {}).get("data", [])
+                                           if m.get("parent")) if status == 200 and isinstance(body, dict) else []
+        print(f"adapter versions per SGLang server: {json.dumps(placement)}", flush=True)
+        misplaced = [key_of(i) for i in range(ADAPTERS) if key_of(i) not in placement.get(urls[i % len(urls)], [])]
+        if misplaced:
+            print(f"NOTE: raw2 left out: {', '.join(misplaced)} not on the server raw2 sends them to (adapter i -> "
+                  f"server i % {len(urls)})", flush=True)
+            workers.pop("raw2").close()
+        for path in workers:  # warm-up: every adapter through every path
+            for op in ("unary", "stream"):
+                await on_worker(path, {"op": op, "concurrency": 2 * ADAPTERS, "max_tokens": 8,
+                                       "requests": worker_requests(fresh(2 * ADAPTERS), mix)})
+        paths = tuple(workers)
+        for concurrency in args.concurrency:
+            for op in ("unary", "stream"):
+                count = 2 * concurrency if op == "unary" else concurrency * args.latency_waves
+                runs: dict[str, list[dict]] = {p: [] for p in paths}
+                spread = {rid: {"requests": 0.0, "tokens": 0.0} for rid, *_ in replicas}
+                for round_ in range(args.rounds):
+                    for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
+                        watched = pids.get(path, {})
+                        before = {n: cpu_seconds(pid) + children_cpu_seconds(pid) for n, pid in watched.items()}
+                        counts = await counters() if path == "fleet" else {}
+                        run = await on_worker(path, {"op": op, "concurrency": concurrency,
+                                                     "max_tokens": args.max_tokens,
+                                                     "requests": worker_requests(fresh(count), mix)})
+                        # Each sampler's CPU (with its stream readers) per second of the run: one process near
+                        # 1.0 s/s has its serving loop saturated; the fleet's is the sum over its replicas.
+                        per = {n: (cpu_seconds(pid) + children_cpu_seconds(pid) - before[n]) / run["wall_s"]
+                               for n, pid in watched.items()}
+                        run["sampler_cpu_s_per_s"] = sum(per.values())
+                        if path == "fleet":
+                            after = await counters()
+                            for rid, total in spread.items():
+                                for key in total:
+                                    total[key] += after[rid][key] - counts[rid][key]
+                                run[f"{rid}_cpu_s_per_s"] = per[rid]
+                        runs[path].append(run)
+                metrics = ["tok_s", "sampler_cpu_s_per_s"] + (
+                    ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms"] if op == "stream" else [])
+                row = {"concurrency": concurrency, "op": op, "mix": "mixed8", "rounds": args.rounds,
+                       **{p: {m: statistics.median(r[m] for r in runs[p]) for m in metrics} for p in paths},
+                       "runs_tok_s": {p: [round(r["tok_s"]) for r in runs[p]] for p in paths}}
+                total_requests = sum(c["requests"] for c in spread.values()) or 1.0
+                row["fleet_replicas"] = {
+                    rid: {"requests": round(c["requests"]), "tokens": round(c["tokens"]),
+                          "request_share": c["requests"] / total_requests,
+                          "cpu_s_per_s": statistics.median(r[f"{rid}_cpu_s_per_s"] for r in runs["fleet"])}
+                    for rid, c in spread.items()}
+                row["fleet_over_one_tok_s"] = row["fleet"]["tok_s"] / row["one"]["tok_s"]
+                row["one_over_raw_tok_s"] = row["one"]["tok_s"] / row["raw"]["tok_s"]
+                row["fleet_over_raw_tok_s"] = row["fleet"]["tok_s"] / row["raw"]["tok_s"]
+                if "raw2" in row:
+                    row["raw2_over_raw_tok_s"] = row["raw2"]["tok_s"] / row["raw"]["tok_s"]
+                    row["fleet_over_raw2_tok_s"] = row["fleet"]["tok_s"] / row["raw2"]["tok_s"]
+                idle = [rid for rid, c in spread.items() if not c["requests"]]
+                print(f"fleet {op} at {concurrency}: requests per replica "
+                      f"{ {rid: round(c['requests']) for rid, c in spread.items()} }, tokens per replica "
+                      f"{ {rid: round(c['tokens']) for rid, c in spread.items()} }"
+                      + (f"; WARNING: {', '.join(idle)} got no requests" if idle else ""), flush=True)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return {"fleet": rows, "placement": placement, "raw2": "raw2" in workers}
+
+
+def fleet_table(result: dict) -> str:
+    lines = [("A sampler fleet (replica fleet-a with GPU 0's SGLang server, fleet-b with GPU 1's; the SamplingClient "
+              "routes each adapter) vs one sampler_svc (GPU 0's server), 8 adapters; issue 23: fleet/one >= 1.8"), "",
+             ("| concurrency | op | raw (GPU 0) tok/s | raw2 (GPU 0+1) tok/s | one tok/s | fleet tok/s | fleet / one | "
+              "fleet / raw2 | one / raw | one TTFT p50 | fleet TTFT p50 | one ITL p50 | fleet ITL p50 | "
+              "one sampler CPU s/s | fleet CPU s/s per replica | fleet requests per replica |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(row: dict, path: str, metric: str) -> str:
+        return f"{row[path][metric]:.1f}" if metric in row[path] else "-"
+
+    for r in result["fleet"]:
+        raw2 = f"{r['raw2']['tok_s']:.0f}" if "raw2" in r else "-"
+        over_raw2 = f"{r['fleet_over_raw2_tok_s']:.2f}" if "raw2" in r else "-"
+        replicas = r["fleet_replicas"]
+        cpu = " + ".join(f"{v['cpu_s_per_s']:.2f}" for v in replicas.values())
+        spread = " / ".join(f"{rid} {v['requests']} ({100 * v['request_share']:.0f}%)" for rid, v in replicas.items())
+        lines.append(f"| {r['concurrency']} | {r['op']} | {r['raw']['tok_s']:.0f} | {raw2} | {r['one']['tok_s']:.0f} | "
+                     f"{r['fleet']['tok_s']:.0f} | {r['fleet_over_one_tok_s']:.2f} | {over_raw2} | "
+                     f"{r['one_over_raw_tok_s']:.2f} | {ms(r, 'one', 'ttft_p50_ms')} | {ms(r, 'fleet', 'ttft_p50_ms')} | "
+                     f"{ms(r, 'one', 'itl_p50_ms')} | {ms(r, 'fleet', 'itl_p50_ms')} | "
+                     f"{r['one']['sampler_cpu_s_per_s']:.2f} | {cpu} | {spread} |")
+    return "\n".join(lines)
+
+
 def start_synthetic(itl_ms: float) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen([sys.executable, str(REPO / "bench/synthetic_sglang.py"), "--port", str(free_port()),
                                 "--itl-ms", str(itl_ms)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     return process, process.stdout.readline().split()[-1]
+
+
+async def run_fleet(args, root: Path, model_dir: Path, registry_address: str, valkey_url: str,
+                    engine: SGLangEngine, urls: list[str], gpus: str, samplers: list) -> dict:
+    """--fleet: `fleet-b` (GPU 1's server), `fleet-a` (GPU 0's), both of fleet FLEET, then `one` (GPU 0's, not in a
+    fleet). `one` and `fleet-a` share GPU 0's server, which is sound here: a sampler drops what it finds on its servers
+    as it starts and then loads the versions it follows, so they start one after the other (start_samplers), each
+    having loaded all eight before the next starts; `one`, last, reloads the names fleet-a had loaded there under the
+    same names from the same bytes (`bench/aN@v1`), so fleet-a's routes stay valid. Neither unloads anything
+    afterwards (max_loaded and keep_versions keep all eight) and only one path runs at a time, so neither loses its
+    GPU or its adapters to the other: measuring them in sequence would add a second pair of server starts for
+    nothing. `samplers` (the caller's list, which it stops) gets the processes as they start."""
+    specs = []
+    metrics = {}
+    for rid, server_urls in (("fleet-b", urls[1:2]), ("fleet-a", urls[:1])):
+        metrics[rid] = free_port()
+        specs.append((f"sampler-{rid}", server_urls, args.stream_readers, "bench/",
+                      fleet_env(valkey_url, rid, metrics[rid])))
+    specs.append(("sampler", urls[:1], args.stream_readers, "bench/"))
+    samplers.extend(await start_samplers(root, model_dir, registry_address, specs))
+    (fleet_b, fleet_b_address), (fleet_a, fleet_a_address), (one, one_address) = samplers
+    # Both replicas listed before the client's first ListReplicas (a heartbeat each; TTL/3 apart).
+    await asyncio.to_thread(wait_until, lambda: len(fleet_replicas_listed(fleet_a_address)) >= 2, 60,
+                            "both fleet replicas listed")
+    print(f"fleet {FLEET}: {fleet_replicas_listed(fleet_a_address)} (seed fleet-a {fleet_a_address})", flush=True)
+    replicas = [(rid, address, process.pid, f"http://127.0.0.1:{metrics[rid]}/metrics")
+                for rid, (process, address) in (("fleet-a", (fleet_a, fleet_a_address)),
+                                                ("fleet-b", (fleet_b, fleet_b_address)))]
+    result = await measure_fleet(args, engine, (one_address, one.pid), replicas)
+    idle = {rid for row in result["fleet"] for rid, v in row["fleet_replicas"].items() if not v["requests"]}
+    print(f"both fleet replicas received requests in every row: {'yes' if not idle else 'NO (' + ', '.join(sorted(idle)) + ')'}",
+          flush=True)
+    result["stream_readers"] = args.stream_readers
+    result["gpu_memory_used"] = gpus.splitlines()
+    result["machine"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                         if torch.cuda.is_available() else "cpu")
+    result["model"] = {"shape": args.build_shape or str(model_dir), "dtype": "bfloat16", "adapters": ADAPTERS,
+                       "rank": RANK, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                       "cuda_graph": not args.disable_cuda_graph}
+    return result
 
 
 async def main_async(args) -> dict:
@@ -482,6 +701,9 @@ async def main_async(args) -> dict:
             gpus = await asyncio.to_thread(gpu_memory_used)
             print(f"GPU memory with both SGLang servers up (each should hold one server):\n{gpus}", flush=True)
             urls = [server.url for server in engine.servers]
+            if args.fleet:
+                return await run_fleet(args, root, model_dir, registry_address, valkey.url, engine, urls, gpus,
+                                       samplers)
             # `two` first and following nothing (it loads each version on its first request: measure_two_servers
             # sends those one at a time, so they alternate between the servers), then `one`, which loads all eight
             # on GPU 0's server.
@@ -553,10 +775,15 @@ def main() -> None:
                         help="also stream through a second sampler with no readers (path stubs_old)")
     parser.add_argument("--two-servers", action="store_true",
                         help="GPU 0 + GPU 1: one sampler with both servers vs one with GPU 0's (module docstring)")
+    parser.add_argument("--fleet", action="store_true",
+                        help="with --two-servers: a sampler fleet of two replicas (one per server) vs one sampler "
+                             "(module docstring)")
     parser.add_argument("--synthetic-itl-ms", type=float, default=0.0,
                         help="no SGLang: a dry run against bench/synthetic_sglang.py (--model-dir tiny)")
     parser.add_argument("--out", default=str(REPO / "bench/results/sampler_vs_sglang.json"))
     args = parser.parse_args()
+    if args.fleet and not args.two_servers:
+        parser.error("--fleet is a --two-servers mode: add --two-servers")
     if args.build_shape:
         build_model(args.build_shape, Path(args.model_dir))
     if args.two_servers and args.concurrency == parser.get_default("concurrency"):
@@ -564,7 +791,7 @@ def main() -> None:
     result = asyncio.run(main_async(args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(two_servers_table(result) if args.two_servers else table(result))
+    print(fleet_table(result) if args.fleet else two_servers_table(result) if args.two_servers else table(result))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@
 #       one sampler_svc with both servers vs one with GPU 0's, alternated with raw SGLang on GPU 0: Sample and
 #       stream tokens/s, TTFT, ITL at 256 concurrent over 8 adapters, 3 rounds; issue 23's target two/one >= 1.8;
 #       about 5 minutes)
+#   bash scripts/gpu/sampler_vs_sglang.sh fleet [bench args...] (2-GPU machine: SGLang on GPU 0 and GPU 1; a sampler
+#       fleet of two sampler_svc replicas, fleet-a with GPU 0's server and fleet-b with GPU 1's, reached through one
+#       SamplingClient that routes each adapter, vs one sampler_svc with GPU 0's, alternated with raw SGLang on GPU 0
+#       and over both servers: Sample and stream tokens/s, TTFT, ITL, per-replica requests at 256 concurrent over 8
+#       adapters, 3 rounds; issue 23's target fleet/one >= 1.8)
 #   bash scripts/gpu/sampler_vs_sglang.sh load SHAPE ITERATIONS [WAY...] (bench/sampler.py: publish -> first
 #       sample per way a version reaches SGLang, transport:blob dtype, default file:float32 file:bfloat16;
 #       SHAPE smollm2 | llama8b)
@@ -54,6 +59,18 @@ case "$mode" in
     cp bench/results/sampler_two_servers.json "$OUT/" 2>/dev/null
     for name in sampler sampler-two; do tail -50 /tmp/lp-bench-sglang/$name.log > "$OUT/$name.log" 2>/dev/null; done
     for i in 0 1; do tail -60 /tmp/lp-bench-sglang/sglang/server-$i.log > "$OUT/sglang_server_$i.log" 2>/dev/null; done ;;
+  fleet)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "fleet needs 2 GPUs"; exit 2; }
+    [ $# -eq 0 ] && set -- --concurrency 256 --rounds 3
+    python3 bench/sampler_vs_sglang.py --build-shape llama1b --model-dir /tmp/llama1b --two-servers --fleet \
+      --out bench/results/sampler_fleet.json "$@" 2>&1 \
+      | grep -v -i -E "warn|Loading weights" | tee "$OUT/sampler_fleet.log"
+    cp bench/results/sampler_fleet.json "$OUT/" 2>/dev/null
+    for name in sampler sampler-fleet-a sampler-fleet-b; do
+      tail -50 /tmp/lp-bench-sglang/$name.log > "$OUT/$name.log" 2>/dev/null
+    done
+    for i in 0 1; do tail -60 /tmp/lp-bench-sglang/sglang/server-$i.log > "$OUT/sglang_server_$i.log" 2>/dev/null; done ;;
   tests)  # /tmp/pkgs holds the `valkey` stub pytest needs, made by e2e.sh's install
     python3 -m pytest tests/gpu/test_sglang_engine.py -m gpu -o addopts="" -p no:cacheprovider -q -rA ${1:+-k "$1"} 2>&1 \
       | grep --line-buffered -v -i warn | tee "$OUT/sglang_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error"
@@ -62,7 +79,7 @@ case "$mode" in
     python3 bench/publish.py --shapes llama3-8b-r32,smollm2-135m-r16 --rounds "${1:-6}" 2>&1 \
       | grep -v -i warn | tee "$OUT/publish.log" | tail -20
     cp bench/results/publish.json "$OUT/" 2>/dev/null ;;
-  *) echo "unknown mode $mode (bench [args] | two-servers [args] | load SHAPE ITERATIONS [WAY...] | tests [-k EXPR] |"
+  *) echo "unknown mode $mode (bench [args] | two-servers [args] | fleet [args] | load SHAPE ITERATIONS [WAY...] | tests [-k EXPR] |"
      echo "  publish [ROUNDS];"
      echo "installing is scripts/gpu/e2e.sh's)"
      exit 2 ;;
