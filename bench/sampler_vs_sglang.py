@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -154,11 +155,12 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sa
     vocab = engine.vocab_size
     # raw, stubs and client each run in a process of their own (bench/stream_clients.py): the same process
     # separation a user has, and no path pays for another's event loops and threads.
-    workers = {path: Worker(path, url=url, sampler=sampler_address) for path in CLIENT_PATHS}
+    workers = {path: Worker(path, url=url, sampler=sampler_address, processes=args.client_processes)
+               for path in CLIENT_PATHS}
     latency_paths = CLIENT_PATHS
     pids = {"stubs": sampler_pid, "client": sampler_pid}
     if old is not None:
-        workers["stubs_old"] = Worker("stubs", sampler=old[0])
+        workers["stubs_old"] = Worker("stubs", sampler=old[0], processes=args.client_processes)
         latency_paths = (*CLIENT_PATHS, "stubs_old")
         pids["stubs_old"] = old[1]
     loop = asyncio.get_running_loop()
@@ -349,10 +351,11 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
     rng = random.Random(1)
     vocab = engine.vocab_size
     url = engine.servers[0].url
-    workers = {"raw": Worker("raw", url=url), "one": Worker("stubs", sampler=one[0]),
-               "two": Worker("stubs", sampler=two[0]),
+    worker = functools.partial(Worker, processes=args.client_processes)
+    workers = {"raw": worker("raw", url=url), "one": worker("stubs", sampler=one[0]),
+               "two": worker("stubs", sampler=two[0]),
                # adapter i to servers[i % 2]: where `two` placed it (checked below, after the first loads)
-               "raw2": Worker("raw", url=",".join(server.url for server in engine.servers))}
+               "raw2": worker("raw", url=",".join(server.url for server in engine.servers))}
     pids = {"one": one[1], "two": two[1]}
     loop = asyncio.get_running_loop()
     mix = Mix("mixed8")
@@ -490,8 +493,9 @@ async def measure_fleet(args, engine: SGLangEngine, one: tuple[str, int], replic
     rng = random.Random(2)
     vocab = engine.vocab_size
     urls = [server.url for server in engine.servers]
-    workers = {"raw": Worker("raw", url=urls[0]), "raw2": Worker("raw", url=",".join(urls)),
-               "one": Worker("client", sampler=one[0]), "fleet": Worker("client", sampler=replicas[0][1])}
+    worker = functools.partial(Worker, processes=args.client_processes)
+    workers = {"raw": worker("raw", url=urls[0]), "raw2": worker("raw", url=",".join(urls)),
+               "one": worker("client", sampler=one[0]), "fleet": worker("client", sampler=replicas[0][1])}
     pids = {"one": {"one": one[1]}, "fleet": {rid: pid for rid, _, pid, _ in replicas}}
     loop = asyncio.get_running_loop()
     mix = Mix("mixed8")
@@ -643,6 +647,7 @@ async def run_fleet(args, root: Path, model_dir: Path, registry_address: str, va
     print(f"both fleet replicas received requests in every row: {'yes' if not idle else 'NO (' + ', '.join(sorted(idle)) + ')'}",
           flush=True)
     result["stream_readers"] = args.stream_readers
+    result["client_processes"] = args.client_processes
     result["gpu_memory_used"] = gpus.splitlines()
     result["machine"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                          if torch.cuda.is_available() else "cpu")
@@ -713,6 +718,7 @@ async def main_async(args) -> dict:
             (two, two_address), (one, one_address) = samplers
             result = await measure_two_servers(args, engine, (one_address, one.pid), (two_address, two.pid))
             result["stream_readers"] = args.stream_readers
+            result["client_processes"] = args.client_processes
             result["gpu_memory_used"] = gpus.splitlines()
             result["machine"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                                  if torch.cuda.is_available() else "cpu")
@@ -731,6 +737,7 @@ async def main_async(args) -> dict:
         old = (samplers[0][1], samplers[0][0].pid) if args.old_path else None
         result = await measure(args, engine, url, address, sampler.pid, old)
         result["stream_readers"] = args.stream_readers
+        result["client_processes"] = args.client_processes
         result["machine"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         result["model"] = {"shape": args.build_shape or str(model_dir), "dtype": "bfloat16", "adapters": ADAPTERS,
                            "rank": RANK, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -780,6 +787,9 @@ def main() -> None:
                              "(module docstring)")
     parser.add_argument("--synthetic-itl-ms", type=float, default=0.0,
                         help="no SGLang: a dry run against bench/synthetic_sglang.py (--model-dir tiny)")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="measuring processes per path (each its own connection): one Python process receiving "
+                             "256 streams saturates its own core (bench/stream_clients.py, Worker(processes=N))")
     parser.add_argument("--out", default=str(REPO / "bench/results/sampler_vs_sglang.json"))
     args = parser.parse_args()
     if args.fleet and not args.two_servers:

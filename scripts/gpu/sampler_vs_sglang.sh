@@ -8,6 +8,8 @@
 #       SamplingClient, each client in its own process: tokens/s of Sample (3 rounds) and streaming TTFT / ITL /
 #       TPOT (3 rounds), the sampler reading SGLang's streams in 4 reader processes (stubs, client) and, alternated
 #       with them, a second sampler reading them on its serving loop (stubs_old); about 6 minutes on an H100)
+#       (--client-processes N: N measuring processes per path, each its own connection; one Python process
+#       receiving 256 streams saturates its core)
 #   bash scripts/gpu/sampler_vs_sglang.sh two-servers [bench args...] (2-GPU machine: SGLang on GPU 0 and GPU 1;
 #       one sampler_svc with both servers vs one with GPU 0's, alternated with raw SGLang on GPU 0: Sample and
 #       stream tokens/s, TTFT, ITL at 256 concurrent over 8 adapters, 3 rounds; issue 23's target two/one >= 1.8;
