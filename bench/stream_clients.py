@@ -1,8 +1,11 @@
-"""The three clients the sampler benchmarks compare, each in a process of its own (a worker).
+"""The clients the sampler benchmarks compare, each in a process of its own (a worker).
 
   raw     aiohttp straight to the SGLang server's /generate (what a user would run instead of loraplane);
   stubs   bare grpc.aio SamplerService stubs on one channel (one HTTP/2 connection) to sampler_svc;
-  client  loraplane.client's SamplingClient (`sample_stream` / `sample_async`) to the same sampler_svc.
+  client  loraplane.client's SamplingClient (`sample_stream` / `sample_async`) to the same sampler_svc;
+  openai  aiohttp straight to the HTTP gateway's OpenAI `/v1/completions` (stream: true), which calls the same
+          sampler_svc: what an agent speaking OpenAI's protocol pays for the gateway (not in PATHS: the driver
+          starts a gateway only when asked for this path).
 
 Each runs in its own process so that no path pays for another's threads and event loops (grpc.aio wakes every
 event loop of a process that has used it on each completion: a SamplingClient measured beside bare stubs in one
@@ -21,6 +24,7 @@ per-request results, its start and end (perf_counter) and its CPU seconds instea
 processes=N) merges when it spreads one command over N worker processes.
 
     python bench/stream_clients.py --path stubs --sampler 127.0.0.1:50051 --url http://127.0.0.1:30000
+    python bench/stream_clients.py --path openai --gateway http://127.0.0.1:8900
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ PATHS = ("raw", "stubs", "client")
 # Diagnostic, not in the default set: bare stubs in a process whose SDK runtime loop (a thread) has also made a gRPC
 # call, as in any process that uses the SDK's synchronous API or sample_async beside its own async streams.
 DIAGNOSTIC_PATHS = ("stubs_rt",)
+# Through the HTTP gateway (gateway_svc): opt-in, since it needs a gateway (and the trainer it asks for the base
+# model's tokenizer) beside the sampler.
+GATEWAY_PATHS = ("openai",)
 # The adapters' names are PREFIX0 .. PREFIX7 (--adapter-prefix: a second sampler beside the first follows its own set,
 # so neither unloads the other's names on the SGLang server they share).
 PREFIX = "bench/a"
@@ -171,6 +178,66 @@ class StubsBesideRuntime(Stubs):
         runtime().run(touch())
 
 
+class OpenAI:
+    """The gateway's OpenAI completions endpoint by hand (aiohttp, no SDK: the server is what is measured). Every
+    request asks for `"logprobs": 1`, as the other paths return logprobs too (raw sets return_logprob; the sampler
+    always sends them): a stream chunk's token count is len(choices[0].logprobs.tokens), exact even when the gateway
+    holds a partial UTF-8 character back and sends two tokens in one chunk (a streamed completion carries no
+    `usage`); a non-streaming reply's is usage.completion_tokens."""
+
+    def __init__(self, gateway: str):
+        import aiohttp
+
+        self.url = gateway.rstrip("/")
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
+        self.base_model = ""
+
+    async def _model(self, adapter: int) -> str:
+        if adapter >= 0:
+            return f"{PREFIX}{adapter}@v1"  # version 1, as the other paths ask for
+        if not self.base_model:  # the gateway lists the base model's own name first
+            async with self.session.get(f"{self.url}/v1/models") as reply:
+                reply.raise_for_status()
+                self.base_model = (await reply.json())["data"][0]["id"]
+        return self.base_model
+
+    async def _payload(self, adapter: int, prompt: list[int], max_tokens: int, stream: bool, n: int = 1) -> dict:
+        return {"model": await self._model(adapter), "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+                "n": n, "logprobs": 1, "stream": stream}
+
+    async def _refused(self, reply) -> None:
+        if reply.status != 200:
+            raise RuntimeError(f"gateway answered {reply.status}: {(await reply.text())[:300]}")
+
+    async def stream(self, adapter: int, prompt: list[int], max_tokens: int):
+        payload = await self._payload(adapter, prompt, max_tokens, True)
+        arrivals = []
+        start = time.perf_counter()
+        async with self.session.post(f"{self.url}/v1/completions", json=payload) as reply:
+            await self._refused(reply)
+            async for line in reply.content:
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:  # an error after the headers went out comes in-stream
+                        raise RuntimeError(f"gateway stream error: {chunk['error']}")
+                    logprobs = chunk["choices"][0]["logprobs"]
+                    arrivals.append((time.perf_counter(), len(logprobs["tokens"]) if logprobs else 0))
+        return start, arrivals
+
+    async def unary(self, adapter: int, prompt: list[int], max_tokens: int, n: int = 1) -> int:
+        payload = await self._payload(adapter, prompt, max_tokens, False, n)
+        async with self.session.post(f"{self.url}/v1/completions", json=payload) as reply:
+            await self._refused(reply)
+            body = await reply.json()
+        return body["usage"]["completion_tokens"]
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
 class Client:
     def __init__(self, address: str):
         from loraplane.client import SamplingClient
@@ -248,7 +315,8 @@ def _cpu() -> float:
 
 async def serve(args) -> None:
     worker = (Raw(args.url) if args.path == "raw" else Stubs(args.sampler) if args.path == "stubs" else
-              StubsBesideRuntime(args.sampler) if args.path == "stubs_rt" else Client(args.sampler))
+              StubsBesideRuntime(args.sampler) if args.path == "stubs_rt" else
+              OpenAI(args.gateway) if args.path == "openai" else Client(args.sampler))
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 28)  # a command carries every prompt of a run
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -267,9 +335,10 @@ async def serve(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--path", choices=PATHS + DIAGNOSTIC_PATHS, required=True)
+    parser.add_argument("--path", choices=PATHS + DIAGNOSTIC_PATHS + GATEWAY_PATHS, required=True)
     parser.add_argument("--url", default="", help="the SGLang (or synthetic) server(s), comma-separated, for raw")
     parser.add_argument("--sampler", default="", help="sampler_svc's address, for stubs and client")
+    parser.add_argument("--gateway", default="", help="the gateway's base URL (http://host:port), for openai")
     parser.add_argument("--uvloop", action="store_true", help="run this worker's event loop on uvloop")
     parser.add_argument("--adapter-prefix", default="bench/a")
     args = parser.parse_args()
@@ -299,7 +368,7 @@ class Worker:
     past that its own event loop, not the server, sets the inter-token gaps. N processes, each with its own
     connection (channel or session), share one command's requests and report as one."""
 
-    def __init__(self, path: str, *, url: str = "", sampler: str = "", env: dict | None = None,
+    def __init__(self, path: str, *, url: str = "", sampler: str = "", gateway: str = "", env: dict | None = None,
                  python: str = sys.executable, adapter_prefix: str = PREFIX, processes: int = 1):
         import subprocess
 
@@ -308,7 +377,8 @@ class Worker:
         self.path = path
         # All started before any is waited for: their imports overlap.
         self.processes = [subprocess.Popen([python, str(Path(__file__).resolve()), "--path", path, "--url", url,
-                                            "--sampler", sampler, "--adapter-prefix", adapter_prefix],
+                                            "--sampler", sampler, "--gateway", gateway,
+                                            "--adapter-prefix", adapter_prefix],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
                                            env=env)
                           for _ in range(processes)]

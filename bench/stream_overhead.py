@@ -6,12 +6,16 @@ pointed at it, following a real registry (Valkey + SeaweedFS on loopback) that h
 each in its own process (bench/stream_clients.py), alternate in rotating order with fresh prompts each run:
   raw     aiohttp straight to the synthetic server;
   stubs   bare grpc.aio stubs, one connection, to sampler_svc;
-  client  loraplane.client's SamplingClient to sampler_svc.
+  client  loraplane.client's SamplingClient to sampler_svc;
+  openai  (opt-in: --paths ... openai) aiohttp to the HTTP gateway's OpenAI /v1/completions (stream: true), the
+          gateway (one uvicorn process) calling the same sampler_svc; its CPU per token is reported beside the
+          sampler's. The gateway asks a trainer for the base model's tokenizer, so one runs too (idle after that).
 Per concurrency (16 / 64 / 256 streams over 8 adapters): TTFT and per-token inter-token gaps (p50/p99), time per
 output token and tokens/s of streams; then tokens/s of non-streaming Sample calls. Each value is the median over
 --rounds runs. Since the synthetic server's own timing is fixed, every difference from raw is the path's overhead.
 
     python bench/stream_overhead.py [--concurrency 16 64 256] [--rounds 3] [--itl-ms 10] [--max-tokens 64]
+    python bench/stream_overhead.py --paths raw stubs openai [--gateway-baseline-src DIR]
 
 Writes bench/results/stream_overhead.json and prints a table. The load average is recorded: on a shared machine
 the other tenants' work shows up in every path alike, since the paths alternate.
@@ -43,12 +47,12 @@ from bench.common import (
     random_adapter_blob,
     write_results,
 )
-from bench.stream_clients import DIAGNOSTIC_PATHS, PATHS, Worker
+from bench.stream_clients import DIAGNOSTIC_PATHS, GATEWAY_PATHS, PATHS, Worker
 
 ADAPTERS = 8
 RANK = 8
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tok_s", "sampler_cpu_us_per_token",
-           "readers_cpu_us_per_token", "client_cpu_us_per_token")
+           "readers_cpu_us_per_token", "gateway_cpu_us_per_token", "client_cpu_us_per_token")
 
 
 def _wait_line(process: subprocess.Popen, prefix: str, timeout: float) -> str:
@@ -85,9 +89,63 @@ def publish_adapters(registry_address: str) -> None:
         loop.close()
 
 
-def measure(args, workers: dict[str, Worker], vocab: int, sampler_pids: dict[str, int]) -> list[dict]:
+def start_gateways(work: Path, procs: list, registry: str, redis_url: str, sampler: str,
+                   gateways: list[tuple[str, Path, dict]], pids: dict[str, int]) -> dict[str, str]:
+    """A trainer on `tiny` (the gateway asks it once for the base model's name and tokenizer; idle afterwards), then
+    one gateway process per (path, source tree, extra env), each in front of `sampler`, with its state in the
+    bench's Valkey under a key prefix of its own. Returns path -> base URL; pids gets path -> gateway pid."""
+    from loraplane.local.processes import free_port
+
+    env = dict(os.environ, LORAPLANE_REGISTRY_ADDRESS=registry, PYTHONUNBUFFERED="1")
+    log = open(work / "trainer.log", "w")  # noqa: SIM115 - closed with the process
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "trainer_svc", "--base-model", "tiny", "--device", "cpu", "--port", str(free_port()),
+         "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO,
+        env=dict(env, LORAPLANE_DATA_DIR=str(work / "trainer")))
+    procs.append(trainer)
+    trainer_address = _wait_line(trainer, "TRAINER_READY", 300)
+    urls, started = {}, []
+    for path, cwd, extra_env in gateways:
+        port = free_port()
+        gateway_env = dict(env, PYTHONPATH=str(cwd), LORAPLANE_DATA_DIR=str(work / path),
+                           LORAPLANE_GATEWAY_HOST="127.0.0.1", LORAPLANE_GATEWAY_PORT=str(port),
+                           LORAPLANE_GATEWAY_REDIS_URL=redis_url, LORAPLANE_GATEWAY_KEY_PREFIX=f"bench-{path}:",
+                           LORAPLANE_GATEWAY_TRAINER_ADDRESS=trainer_address,
+                           LORAPLANE_GATEWAY_REGISTRY_ADDRESS=registry, LORAPLANE_GATEWAY_SAMPLER_ADDRESS=sampler,
+                           LORAPLANE_GATEWAY_TOKENIZER_DIR=str(work / path / "tokenizers"), **extra_env)
+        log = open(work / f"{path}.log", "w")  # noqa: SIM115 - closed with the process
+        gateway = subprocess.Popen([sys.executable, "-m", "gateway_svc"], stdout=log, stderr=subprocess.STDOUT,
+                                   cwd=cwd, env=gateway_env)
+        procs.append(gateway)
+        pids[path] = gateway.pid
+        urls[path] = f"http://127.0.0.1:{port}"
+        started.append((path, gateway))
+    import urllib.request
+
+    for path, gateway in started:  # all started before any is waited for: their imports overlap
+        deadline = time.monotonic() + 120
+        while True:
+            if gateway.poll() is not None:
+                raise RuntimeError(f"the {path} gateway exited with {gateway.returncode}: see {work / path}.log "
+                                   "(--keep)")
+            try:
+                with urllib.request.urlopen(f"{urls[path]}/api/v1/healthz", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {path} gateway did not answer /api/v1/healthz in 120 s")
+            time.sleep(0.3)
+    return urls
+
+
+def measure(args, workers: dict[str, Worker], vocab: int, sampler_pids: dict[str, int],
+            gateway_pids: dict[str, int] | None = None) -> list[dict]:
     """sampler_pids: path -> the sampler process it calls, whose CPU time per token is reported (a figure the
-    other tenants of a shared machine barely move, unlike the latencies)."""
+    other tenants of a shared machine barely move, unlike the latencies); gateway_pids: likewise the gateway
+    process of the paths through one."""
+    gateway_pids = gateway_pids or {}
     rng = random.Random(0)
 
     def requests(count: int) -> list:
@@ -109,18 +167,26 @@ def measure(args, workers: dict[str, Worker], vocab: int, sampler_pids: dict[str
                     pid = sampler_pids.get(path)
                     before = cpu_seconds(pid) if pid else 0.0
                     readers_before = children_cpu_seconds(pid) if pid else 0.0
+                    gateway = gateway_pids.get(path)
+                    gateway_before = cpu_seconds(gateway) if gateway else 0.0
                     result = workers[path].run({"op": op, "concurrency": concurrency, "requests": requests(count),
                                                 "max_tokens": args.max_tokens})
                     if pid:
                         result["sampler_cpu_us_per_token"] = (cpu_seconds(pid) - before) * 1e6 / result["tokens"]
                         result["readers_cpu_us_per_token"] = ((children_cpu_seconds(pid) - readers_before) * 1e6
                                                               / result["tokens"])
+                    if gateway:
+                        result["gateway_cpu_us_per_token"] = (cpu_seconds(gateway) - gateway_before) * 1e6 / result[
+                            "tokens"]
                     runs[path].append(result)
             row = {"concurrency": concurrency, "op": op, "rounds": args.rounds,
                    "load_average_1m": round(os.getloadavg()[0], 2)}
             for path in paths:
                 row[path] = {m: statistics.median(r[m] for r in runs[path]) for m in METRICS if m in runs[path][0]}
                 row[path]["runs_tok_s"] = [round(r["tok_s"], 1) for r in runs[path]]
+                # Every path is sent the same number of requests of max_tokens each (the synthetic server always
+                # generates max_tokens): equal counts across paths show that each path counts every token.
+                row[path]["runs_tokens"] = [r["tokens"] for r in runs[path]]
                 if op == "stream":
                     row[path]["tokens_per_message"] = round(statistics.median(
                         r["tokens"] / max(r["messages"], 1) for r in runs[path]), 2)
@@ -139,13 +205,15 @@ def table(rows: list[dict]) -> None:
     paths = [p for p in streams[0] if isinstance(streams[0][p], dict) and "runs_tok_s" in streams[0][p]]
     print_table("Streaming (median of rounds): TTFT and inter-message gap (ITL) p50/p99, TPOT p50 in ms; tokens/s",
                 ["concurrency", "path", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "tok/s",
-                 "tok/msg", "sampler CPU µs/token", "readers CPU µs/token", "client CPU µs/token", "TTFT p50 ÷ raw",
+                 "tok/msg", "sampler CPU µs/token", "readers CPU µs/token", "gateway CPU µs/token",
+                 "client CPU µs/token", "TTFT p50 ÷ raw",
                  "ITL p50 ÷ raw",
                  "tok/s ÷ raw"],
                 [[r["concurrency"], p, r[p]["ttft_p50_ms"], r[p]["ttft_p99_ms"], f"{r[p]['itl_p50_ms']:.2f}",
                   f"{r[p]['itl_p99_ms']:.2f}", f"{r[p]['tpot_p50_ms']:.2f}", r[p]["tok_s"], r[p]["tokens_per_message"],
                   f"{r[p].get('sampler_cpu_us_per_token', float('nan')):.1f}",
                   f"{r[p].get('readers_cpu_us_per_token', float('nan')):.1f}",
+                  f"{r[p].get('gateway_cpu_us_per_token', float('nan')):.1f}",
                   f"{r[p]['client_cpu_us_per_token']:.1f}",
                   f"{r[p]['ttft_p50_ms'] / r['raw']['ttft_p50_ms']:.2f}",
                   f"{r[p]['itl_p50_ms'] / r['raw']['itl_p50_ms']:.2f}", f"{r[p]['tok_s'] / r['raw']['tok_s']:.3f}"]
@@ -173,13 +241,19 @@ def main() -> None:
                              "LORAPLANE_UVLOOP=0 set: under uvloop the loop's own work shows as one C call)")
     parser.add_argument("--profile-clients", action="store_true",
                         help="run the client workers under cProfile; their top functions are printed at the end")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS + DIAGNOSTIC_PATHS)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS + DIAGNOSTIC_PATHS + GATEWAY_PATHS)
     parser.add_argument("--baseline-src", default="",
                         help="a copy of another version's tree (e.g. `git archive OLD sampler_svc loraplane | tar -x "
                              "-C DIR`): its sampler_svc runs beside this one on the same synthetic server, measured "
                              "through bare stubs as the path `stubs_baseline` ('.' = this tree, with --baseline-env)")
     parser.add_argument("--baseline-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="environment of the baseline sampler, e.g. LORAPLANE_UVLOOP=0")
+    parser.add_argument("--gateway-baseline-src", default="",
+                        help="a copy of another version's tree (e.g. `git archive OLD gateway_svc loraplane | tar -x "
+                             "-C DIR`): its gateway runs beside this one in front of the same sampler, measured as "
+                             "the path `openai_baseline` ('.' = this tree)")
+    parser.add_argument("--gateway-baseline-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="environment of the baseline gateway")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="lp-stream-overhead-"))
@@ -223,16 +297,28 @@ def main() -> None:
                 client_env = (dict(os.environ, LORAPLANE_BENCH_PROFILE_DIR=str(work)) if args.profile_clients
                               else None)
                 for path in args.paths:
-                    workers[path] = Worker(path, url=url, sampler=address, env=client_env)
+                    if path not in GATEWAY_PATHS:
+                        workers[path] = Worker(path, url=url, sampler=address, env=client_env)
                 if args.baseline_src:
                     baseline_env = dict(item.split("=", 1) for item in args.baseline_env)
                     workers["stubs_baseline"] = Worker("stubs", sampler=start_sampler(
                         "baseline", Path(args.baseline_src).resolve(), baseline_env))
                 started = environment()
+                gateway_pids: dict[str, int] = {}
+                if "openai" in args.paths or args.gateway_baseline_src:
+                    gateways = [("openai", REPO, {})] if "openai" in args.paths else []
+                    if args.gateway_baseline_src:
+                        gateways.append(("openai_baseline", Path(args.gateway_baseline_src).resolve(),
+                                         dict(item.split("=", 1) for item in args.gateway_baseline_env)))
+                    gateway_urls = start_gateways(work, procs, registry.address, settings.redis_url, address,
+                                                  gateways, gateway_pids)
+                    for path, _, _ in gateways:
+                        workers[path] = Worker("openai", gateway=gateway_urls[path], env=client_env)
+                started = environment()
                 pids = {p: sampler_pids["sampler"] for p in workers if p != "raw"}
                 if "baseline" in sampler_pids:
                     pids["stubs_baseline"] = sampler_pids["baseline"]
-                rows = measure(args, workers, vocab, pids)
+                rows = measure(args, workers, vocab, pids, gateway_pids)
                 result = {"environment": started, "finished_load_average_1m": round(os.getloadavg()[0], 2),
                           "itl_ms": args.itl_ms, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
                           "adapters": ADAPTERS, "rows": rows}
