@@ -34,9 +34,64 @@ class Choice:
     finish_reason: str
 
 
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+def cut_at_stop(text: str, stops: list[str], start: int = 0) -> tuple[str, bool]:
+    """`text` up to its first stop string, and whether one was found; matches beginning before `start` are not
+    looked for (a stream looks only where its new text can complete one)."""
+    cut = min((i for i in (text.find(s, start) for s in stops if s) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def stop_prefix_length(text: str, stops: list[str]) -> int:
+    """How many trailing characters of `text` could be the start of a stop string: a stream holds them back until
+    the next characters show whether they are one (or the stream ends)."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+class IncrementalText:
+    """The text of a growing list of sampled tokens, decoding only the newest few each time.
+
+    Decoding the whole list again for every new token costs O(length) per token: 141 µs per token at 2,048 tokens
+    with the `tiny` byte tokenizer, which one gateway process pays for every stream it serves. Instead the tokens are
+    decoded in a window that starts at the previous step's new tokens (the left context a tokenizer needs: byte-level
+    BPE splits characters over tokens, SentencePiece drops the first token's leading space), and the window's text
+    beyond its first part's text is what the new tokens add. While the window's text ends inside a character (U+FFFD,
+    bytes still to come) nothing is added and the window keeps growing. The same idea as the incremental
+    detokenizers of serving engines, written for this gateway."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+        self._prefix = 0  # the window's first token: context only, its text is already in self.text
+        self._read = 0  # tokens before this one are all in self.text
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self._tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def add(self, tokens: list[int], final: bool = False) -> bool:
+        """Append `tokens`; False while the text would end inside a character (held back until its last byte comes,
+        or until `final`)."""
+        self.tokens.extend(tokens)
+        if self._read == len(self.tokens):
+            return True
+        before = self._decode(self.tokens[self._prefix:self._read])
+        after = self._decode(self.tokens[self._prefix:])
+        if after.endswith("\ufffd") and not final:
+            return False
+        if len(after) <= len(before) and not final:
+            return True  # special tokens (skipped) or nothing visible yet: the window keeps them as context
+        if after.startswith(before):
+            self.text += after[len(before):]
+        else:  # a tokenizer that rewrites earlier text (clean-up of spaces): its whole decode is the truth
+            self.text = self._decode(self.tokens)
+        self._prefix, self._read = self._read, len(self.tokens)
+        return True
 
 
 class OpenAIService:
@@ -147,26 +202,29 @@ class OpenAIService:
             raise errors.InvalidArgument(f"n {n}: must be in [1, 64]", field="n")
         target = await self.resolve(model)
         tokenizer = await self.tokenizer()
-        tokens: dict[int, list[int]] = {}
+        texts: dict[int, IncrementalText] = {}
         pending: dict[int, tuple[list[int], list[float]]] = {}
-        sent: dict[int, str] = {}
+        sent: dict[int, int] = {}  # characters of each choice's text already sent
+        longest_stop = max((len(s) for s in spec.stop_strings), default=0)
         done: set[int] = set()
         async for delta in self.upstream.sample_stream(target.adapter, target.version, prompt, n, spec,
                                                       alias=target.alias):
             if delta.index in done:
                 continue
-            tokens.setdefault(delta.index, []).extend(delta.tokens)
             new_tokens, new_lps = pending.setdefault(delta.index, ([], []))
             new_tokens.extend(delta.tokens)
             new_lps.extend(delta.logprobs)
-            text, stopped = cut_at_stop(tokenizer.decode(tokens[delta.index], skip_special_tokens=True),
-                                        spec.stop_strings)
-            # Hold back a partial multi-byte character (decoded as U+FFFD) until its last byte arrives.
-            if not stopped and delta.finish_reason is None and text.endswith("\ufffd"):
+            incremental = texts.setdefault(delta.index, IncrementalText(tokenizer))
+            # A partial multi-byte character is held back (its tokens with it) until its last byte arrives.
+            if not incremental.add(delta.tokens, final=delta.finish_reason is not None):
                 continue
-            new = text[len(sent.get(delta.index, "")):]
-            sent[delta.index] = text
+            # The text sent so far held no stop string: a new one ends in the new text.
+            before = sent.get(delta.index, 0)
+            text, stopped = cut_at_stop(incremental.text, spec.stop_strings, max(0, before - longest_stop + 1))
             finish = "stop" if stopped else delta.finish_reason
+            end = len(text) if finish else max(before, len(text) - stop_prefix_length(text, spec.stop_strings))
+            new = text[before:end]
+            sent[delta.index] = end
             if finish:
                 done.add(delta.index)
             del pending[delta.index]

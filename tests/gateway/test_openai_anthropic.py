@@ -73,6 +73,16 @@ def test_chat_completions_and_streaming(oai, published):
     stop = full[3:5]
     cut = oai.completions.create(model="tiny", prompt=[10, 20, 30], max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # Streamed, the text is decoded a few tokens at a time: the same text, cut at the same place; and a long
+    # stream (the `tiny` byte tokenizer splits characters over tokens) adds up to the whole reply.
+    chunks = list(oai.completions.create(model="tiny", prompt=[10, 20, 30], max_tokens=12, temperature=0,
+                                         stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    whole = oai.completions.create(model=ADAPTER, prompt=[40, 50], max_tokens=160, temperature=0).choices[0].text
+    chunks = list(oai.completions.create(model=ADAPTER, prompt=[40, 50], max_tokens=160, temperature=0,
+                                         stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole and len(chunks) > 20
 
 
 def test_anthropic_messages_and_streaming(claude, published):
