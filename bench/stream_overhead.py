@@ -2,7 +2,7 @@
 
 A synthetic SGLang-compatible server (bench/synthetic_sglang.py: one token per running request every --itl-ms, the
 chunks SGLang streams) stands in for the engine; sampler_svc runs as its own process with its real SGLang engine
-pointed at it, following a real registry (Valkey + SeaweedFS on loopback) that holds 8 adapters. Three clients,
+pointed at it, following a real registry (Valkey + SeaweedFS on loopback) that holds 8 adapters. The clients,
 each in its own process (bench/stream_clients.py), alternate in rotating order with fresh prompts each run:
   raw     aiohttp straight to the synthetic server;
   stubs   bare grpc.aio stubs, one connection, to sampler_svc;
@@ -10,6 +10,12 @@ each in its own process (bench/stream_clients.py), alternate in rotating order w
   openai  (opt-in: --paths ... openai) aiohttp to the HTTP gateway's OpenAI /v1/completions (stream: true), the
           gateway (one uvicorn process) calling the same sampler_svc; its CPU per token is reported beside the
           sampler's. The gateway asks a trainer for the base model's tokenizer, so one runs too (idle after that).
+          The synthetic server's tokens are random ids, and about half of them decode (tiny's byte-level vocabulary)
+          to a partial UTF-8 character, which the gateway holds back until the next token: openai's tok/msg is ~2
+          and its ITL is the gap between such pairs whatever the load; compare its TPOT, tok/s and CPU per token.
+--gateway-baseline-src DIR runs a second gateway from another tree in front of the same sampler, measured as
+`openai_baseline` in the same rotation: before/after a gateway change (compare CPU per token first; the
+latencies of two runs of the same code differ by more than that on a shared 2-core machine).
 Per concurrency (16 / 64 / 256 streams over 8 adapters): TTFT and per-token inter-token gaps (p50/p99), time per
 output token and tokens/s of streams; then tokens/s of non-streaming Sample calls. Each value is the median over
 --rounds runs. Since the synthetic server's own timing is fixed, every difference from raw is the path's overhead.
@@ -241,7 +247,9 @@ def main() -> None:
                              "LORAPLANE_UVLOOP=0 set: under uvloop the loop's own work shows as one C call)")
     parser.add_argument("--profile-clients", action="store_true",
                         help="run the client workers under cProfile; their top functions are printed at the end")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS + DIAGNOSTIC_PATHS + GATEWAY_PATHS)
+    # openai is in the default: the full default run, gateway and all, takes ~2 minutes on a 2-core machine.
+    parser.add_argument("--paths", nargs="+", default=[*PATHS, *GATEWAY_PATHS],
+                        choices=PATHS + DIAGNOSTIC_PATHS + GATEWAY_PATHS)
     parser.add_argument("--baseline-src", default="",
                         help="a copy of another version's tree (e.g. `git archive OLD sampler_svc loraplane | tar -x "
                              "-C DIR`): its sampler_svc runs beside this one on the same synthetic server, measured "
