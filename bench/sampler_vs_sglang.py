@@ -344,6 +344,19 @@ async def start_samplers(root: Path, model_dir: Path, registry_address: str, spe
     return started
 
 
+def median_row(concurrency: int, op: str, rounds: int, runs: dict[str, list[dict]]) -> dict:
+    """One table row of rotated rounds: each path's median per metric, and its per-run tokens/s."""
+    metrics = ["tok_s", "sampler_cpu_s_per_s"] + (
+        ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms"] if op == "stream" else [])
+    return {"concurrency": concurrency, "op": op, "mix": "mixed8", "rounds": rounds,
+            **{p: {m: statistics.median(r[m] for r in rs) for m in metrics} for p, rs in runs.items()},
+            "runs_tok_s": {p: [round(r["tok_s"]) for r in rs] for p, rs in runs.items()}}
+
+
+def _ms(row: dict, path: str, metric: str) -> str:
+    return f"{row[path][metric]:.1f}" if metric in row[path] else "-"
+
+
 async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], two: tuple[str, int]) -> dict:
     """`one` / `two`: (address, pid) of the sampler with the GPU 0 server / with both. Per concurrency, Sample
     (tokens/s) and streams (tokens/s, TTFT, ITL) through bare stubs, raw SGLang on GPU 0 and raw SGLang over both
@@ -404,11 +417,7 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
                         run["sampler_cpu_s_per_s"] = ((cpu_seconds(pid) + children_cpu_seconds(pid) - before)
                                                       / run["wall_s"] if pid else 0.0)
                         runs[path].append(run)
-                metrics = ["tok_s", "sampler_cpu_s_per_s"] + (
-                    ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms"] if op == "stream" else [])
-                row = {"concurrency": concurrency, "op": op, "mix": "mixed8", "rounds": args.rounds,
-                       **{p: {m: statistics.median(r[m] for r in runs[p]) for m in metrics} for p in paths},
-                       "runs_tok_s": {p: [round(r["tok_s"]) for r in runs[p]] for p in paths}}
+                row = median_row(concurrency, op, args.rounds, runs)
                 row["two_over_one_tok_s"] = row["two"]["tok_s"] / row["one"]["tok_s"]
                 row["one_over_raw_tok_s"] = row["one"]["tok_s"] / row["raw"]["tok_s"]
                 row["raw2_over_raw_tok_s"] = row["raw2"]["tok_s"] / row["raw"]["tok_s"]
@@ -429,16 +438,13 @@ def two_servers_table(result: dict) -> str:
               "one sampler CPU s/s | two sampler CPU s/s |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def ms(row: dict, path: str, metric: str) -> str:
-        return f"{row[path][metric]:.1f}" if metric in row[path] else "-"
-
     for r in result["two_servers"]:
         lines.append(f"| {r['concurrency']} | {r['op']} | {r['raw']['tok_s']:.0f} | {r['raw2']['tok_s']:.0f} | "
                      f"{r['one']['tok_s']:.0f} | {r['two']['tok_s']:.0f} | {r['two_over_one_tok_s']:.2f} | "
                      f"{r['one_over_raw_tok_s']:.2f} | {r['raw2_over_raw_tok_s']:.2f} | "
                      f"{r['two_over_raw2_tok_s']:.2f} | "
-                     f"{ms(r, 'one', 'ttft_p50_ms')} | {ms(r, 'two', 'ttft_p50_ms')} | {ms(r, 'one', 'itl_p50_ms')} | "
-                     f"{ms(r, 'two', 'itl_p50_ms')} | {r['one']['sampler_cpu_s_per_s']:.2f} | "
+                     f"{_ms(r, 'one', 'ttft_p50_ms')} | {_ms(r, 'two', 'ttft_p50_ms')} | {_ms(r, 'one', 'itl_p50_ms')} | "
+                     f"{_ms(r, 'two', 'itl_p50_ms')} | {r['one']['sampler_cpu_s_per_s']:.2f} | "
                      f"{r['two']['sampler_cpu_s_per_s']:.2f} |")
     return "\n".join(lines)
 
@@ -555,11 +561,7 @@ async def measure_fleet(args, engine: SGLangEngine, one: tuple[str, int], replic
                                     total[key] += after[rid][key] - counts[rid][key]
                                 run[f"{rid}_cpu_s_per_s"] = per[rid]
                         runs[path].append(run)
-                metrics = ["tok_s", "sampler_cpu_s_per_s"] + (
-                    ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms"] if op == "stream" else [])
-                row = {"concurrency": concurrency, "op": op, "mix": "mixed8", "rounds": args.rounds,
-                       **{p: {m: statistics.median(r[m] for r in runs[p]) for m in metrics} for p in paths},
-                       "runs_tok_s": {p: [round(r["tok_s"]) for r in runs[p]] for p in paths}}
+                row = median_row(concurrency, op, args.rounds, runs)
                 total_requests = sum(c["requests"] for c in spread.values()) or 1.0
                 row["fleet_replicas"] = {
                     rid: {"requests": round(c["requests"]), "tokens": round(c["tokens"]),
@@ -593,9 +595,6 @@ def fleet_table(result: dict) -> str:
               "one sampler CPU s/s | fleet CPU s/s per replica | fleet requests per replica |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def ms(row: dict, path: str, metric: str) -> str:
-        return f"{row[path][metric]:.1f}" if metric in row[path] else "-"
-
     for r in result["fleet"]:
         raw2 = f"{r['raw2']['tok_s']:.0f}" if "raw2" in r else "-"
         over_raw2 = f"{r['fleet_over_raw2_tok_s']:.2f}" if "raw2" in r else "-"
@@ -604,8 +603,8 @@ def fleet_table(result: dict) -> str:
         spread = " / ".join(f"{rid} {v['requests']} ({100 * v['request_share']:.0f}%)" for rid, v in replicas.items())
         lines.append(f"| {r['concurrency']} | {r['op']} | {r['raw']['tok_s']:.0f} | {raw2} | {r['one']['tok_s']:.0f} | "
                      f"{r['fleet']['tok_s']:.0f} | {r['fleet_over_one_tok_s']:.2f} | {over_raw2} | "
-                     f"{r['one_over_raw_tok_s']:.2f} | {ms(r, 'one', 'ttft_p50_ms')} | {ms(r, 'fleet', 'ttft_p50_ms')} | "
-                     f"{ms(r, 'one', 'itl_p50_ms')} | {ms(r, 'fleet', 'itl_p50_ms')} | "
+                     f"{r['one_over_raw_tok_s']:.2f} | {_ms(r, 'one', 'ttft_p50_ms')} | {_ms(r, 'fleet', 'ttft_p50_ms')} | "
+                     f"{_ms(r, 'one', 'itl_p50_ms')} | {_ms(r, 'fleet', 'itl_p50_ms')} | "
                      f"{r['one']['sampler_cpu_s_per_s']:.2f} | {cpu} | {spread} |")
     return "\n".join(lines)
 
