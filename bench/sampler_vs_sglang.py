@@ -59,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,6 +149,16 @@ LATENCY_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tp
                    "client_cpu_us_per_token")
 
 
+def prompt_maker(rng: random.Random, vocab: int, prompt_len: int) -> Callable[[int], list[list[int]]]:
+    """`count` fresh random prompts per call: no run reuses another's prompts (nor SGLang's prefix cache)."""
+    return lambda count: [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(count)]
+
+
+async def run_on(workers: dict[str, Worker], path: str, command: dict) -> dict:
+    """One measuring worker's run, off the event loop (it blocks on its processes' pipes)."""
+    return await asyncio.get_running_loop().run_in_executor(None, workers[path].run, command)
+
+
 async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sampler_pid: int,
                   old: tuple[str, int] | None = None) -> dict:
     """old: (address, pid) of the sampler that reads its streams on its serving loop (path stubs_old)."""
@@ -163,13 +174,8 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sa
         workers["stubs_old"] = Worker("stubs", sampler=old[0], processes=args.client_processes)
         latency_paths = (*CLIENT_PATHS, "stubs_old")
         pids["stubs_old"] = old[1]
-    loop = asyncio.get_running_loop()
-
-    async def on_worker(path: str, command: dict) -> dict:
-        return await loop.run_in_executor(None, workers[path].run, command)
-
-    def fresh(count: int) -> list[list[int]]:
-        return [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(count)]
+    on_worker = functools.partial(run_on, workers)
+    fresh = prompt_maker(rng, vocab, args.prompt_len)
 
     throughput, latency = [], []
     try:
@@ -370,14 +376,9 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
                # adapter i to servers[i % 2]: where `two` placed it (checked below, after the first loads)
                "raw2": worker("raw", url=",".join(server.url for server in engine.servers))}
     pids = {"one": one[1], "two": two[1]}
-    loop = asyncio.get_running_loop()
     mix = Mix("mixed8")
-
-    def fresh(count: int) -> list[list[int]]:
-        return [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(count)]
-
-    async def on_worker(path: str, command: dict) -> dict:
-        return await loop.run_in_executor(None, workers[path].run, command)
+    on_worker = functools.partial(run_on, workers)
+    fresh = prompt_maker(rng, vocab, args.prompt_len)
 
     rows = []
     placement: dict[str, list[str]] = {}
@@ -503,14 +504,9 @@ async def measure_fleet(args, engine: SGLangEngine, one: tuple[str, int], replic
     workers = {"raw": worker("raw", url=urls[0]), "raw2": worker("raw", url=",".join(urls)),
                "one": worker("client", sampler=one[0]), "fleet": worker("client", sampler=replicas[0][1])}
     pids = {"one": {"one": one[1]}, "fleet": {rid: pid for rid, _, pid, _ in replicas}}
-    loop = asyncio.get_running_loop()
     mix = Mix("mixed8")
-
-    def fresh(count: int) -> list[list[int]]:
-        return [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(count)]
-
-    async def on_worker(path: str, command: dict) -> dict:
-        return await loop.run_in_executor(None, workers[path].run, command)
+    on_worker = functools.partial(run_on, workers)
+    fresh = prompt_maker(rng, vocab, args.prompt_len)
 
     async def counters() -> dict[str, dict[str, float]]:
         found = await asyncio.gather(*(asyncio.to_thread(replica_counters, url) for *_, url in replicas))
