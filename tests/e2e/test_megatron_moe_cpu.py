@@ -371,6 +371,13 @@ def main() -> None:
     if args.ep:
         report = multi_rank("moe_mixed", Path(args.root), args.tp, args.ep)
         Path(f"{args.out}.{report['rank']}.json").write_text(json.dumps(report))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            # A rank that exits while gloo's threads still run aborts ("terminate called without an active
+            # exception"): it failed a finished EP run once under load (as in test_megatron_packing_cpu.py).
+            dist.barrier()
+            dist.destroy_process_group()
         return
     from trainer_svc.backends.megatron.model import init_parallel
 
