@@ -7,12 +7,12 @@ each in its own process (bench/stream_clients.py), alternate in rotating order w
   raw     aiohttp straight to the synthetic server;
   stubs   bare grpc.aio stubs, one connection, to sampler_svc;
   client  loraplane.client's SamplingClient to sampler_svc;
-  openai  (opt-in: --paths ... openai) aiohttp to the HTTP gateway's OpenAI /v1/completions (stream: true), the
+  openai  aiohttp to the HTTP gateway's OpenAI /v1/completions (stream: true), the
           gateway (one uvicorn process) calling the same sampler_svc; its CPU per token is reported beside the
           sampler's. The gateway asks a trainer for the base model's tokenizer, so one runs too (idle after that).
-          The synthetic server's tokens are random ids, and about half of them decode (tiny's byte-level vocabulary)
-          to a partial UTF-8 character, which the gateway holds back until the next token: openai's tok/msg is ~2
-          and its ITL is the gap between such pairs whatever the load; compare its TPOT, tok/s and CPU per token.
+          The synthetic server samples only ids that decode to a whole printable character (tiny's vocabulary is
+          bytes: a random id is half a character about half the time, which the gateway holds back until the next
+          token, as it should, and which would have made openai's ITL the gap between pairs of tokens).
 --gateway-baseline-src DIR runs a second gateway from another tree in front of the same sampler, measured as
 `openai_baseline` in the same rotation: before/after a gateway change (compare CPU per token first; the
 latencies of two runs of the same code differ by more than that on a shared 2-core machine).
@@ -144,6 +144,15 @@ def start_gateways(work: Path, procs: list, registry: str, redis_url: str, sampl
                 raise RuntimeError(f"the {path} gateway did not answer /api/v1/healthz in 120 s")
             time.sleep(0.3)
     return urls
+
+
+def whole_character_ids() -> list[int]:
+    """The ids of `tiny`'s vocabulary that decode to one printable character on their own."""
+    from loraplane.models import load_base_model
+
+    tokenizer = load_base_model("tiny", "cpu").tokenizer
+    return [i for i in range(10, len(tokenizer))
+            if len(text := tokenizer.decode([i])) == 1 and text.isprintable() and text != "\ufffd"]
 
 
 def measure(args, workers: dict[str, Worker], vocab: int, sampler_pids: dict[str, int],
@@ -279,7 +288,8 @@ def main() -> None:
                 publish_adapters(registry.address)
                 synthetic = subprocess.Popen(
                     [sys.executable, str(REPO / "bench/synthetic_sglang.py"), "--port", str(free_port()),
-                     "--itl-ms", str(args.itl_ms)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+                     "--itl-ms", str(args.itl_ms), "--token-ids", ",".join(map(str, whole_character_ids()))],
+                    stdout=subprocess.PIPE, text=True, cwd=REPO)
                 procs.append(synthetic)
                 url = _wait_line(synthetic, "SYNTHETIC_SGLANG_READY", 60)
                 sampler_pids: dict[str, int] = {}

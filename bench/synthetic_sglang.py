@@ -60,9 +60,12 @@ class _Request:
 
 
 class Server:
-    def __init__(self, itl_s: float, vocab: int):
+    def __init__(self, itl_s: float, vocab: int, token_ids: list[int] | None = None):
         self.itl_s = itl_s
         self.vocab = vocab
+        # The ids sampled from: every id from 10 up, or a given set (e.g. ids that decode to whole characters, so
+        # that what reads the stream as text never waits for a character's missing bytes).
+        self.token_ids = token_ids or list(range(10, vocab))
         self.running: list[list[_Request]] = []  # a request's samples (one list per HTTP request)
         self.joining: list[list[_Request]] = []
         self.ticker: asyncio.Task | None = None
@@ -99,9 +102,9 @@ class Server:
         """One more token for `r`; True when it is finished."""
         if r.remaining <= 0:
             return True
-        token = r.rng.randrange(10, self.vocab)
+        token = r.rng.choice(self.token_ids)
         while token in r.stop:
-            token = r.rng.randrange(10, self.vocab)
+            token = r.rng.choice(self.token_ids)
         logprob = -r.rng.random() * 8
         r.remaining -= 1
         r.produced += 1
@@ -215,8 +218,8 @@ class Connection(asyncio.Protocol):
         self.server.add(group)
 
 
-async def serve(host: str, port: int, itl_ms: float, vocab: int) -> None:
-    server = Server(itl_ms / 1000, vocab)
+async def serve(host: str, port: int, itl_ms: float, vocab: int, token_ids: list[int] | None = None) -> None:
+    server = Server(itl_ms / 1000, vocab, token_ids)
     loop = asyncio.get_running_loop()
     listener = await loop.create_server(lambda: Connection(server), host, port, backlog=4096)
     print(f"SYNTHETIC_SGLANG_READY http://{host}:{port}", flush=True)
@@ -230,8 +233,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--itl-ms", type=float, default=10.0, help="one decode step (a token for every request)")
     parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--token-ids", default="", help="comma-separated ids to sample from (default: 10 .. vocab-1)")
     args = parser.parse_args()
-    asyncio.run(serve(args.host, args.port, args.itl_ms, args.vocab))
+    token_ids = [int(t) for t in args.token_ids.split(",") if t]
+    asyncio.run(serve(args.host, args.port, args.itl_ms, args.vocab, token_ids or None))
 
 
 if __name__ == "__main__":
