@@ -48,8 +48,8 @@ PATHS = ("raw", "stubs", "client")
 # Diagnostic, not in the default set: bare stubs in a process whose SDK runtime loop (a thread) has also made a gRPC
 # call, as in any process that uses the SDK's synchronous API or sample_async beside its own async streams.
 DIAGNOSTIC_PATHS = ("stubs_rt",)
-# Through the HTTP gateway (gateway_svc): opt-in, since it needs a gateway (and the trainer it asks for the base
-# model's tokenizer) beside the sampler.
+# Through the HTTP gateway (gateway_svc): not in PATHS, since a driver measuring it starts a gateway (and the trainer
+# it asks for the base model's tokenizer) beside the sampler: bench/stream_overhead.py does by default.
 GATEWAY_PATHS = ("openai",)
 # The adapters' names are PREFIX0 .. PREFIX7 (--adapter-prefix: a second sampler beside the first follows its own set,
 # so neither unloads the other's names on the SGLang server they share).
