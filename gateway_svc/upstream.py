@@ -221,6 +221,8 @@ class Upstream:
 
     # ---- trainer -------------------------------------------------------------------------------------------
     async def info(self) -> ServerInfo:
+        if self._info is not None:  # every request asks (model names, tokenizer): no lock once known
+            return self._info
         async with self._info_lock:
             if self._info is None:
                 # Every member of a trainer fleet serves the same base model: any live one answers.
