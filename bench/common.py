@@ -128,6 +128,13 @@ def embedded_storage(work: Path, bucket: str, key_prefix: str = "bench:"):
         valkey.stop()
 
 
+def rotation(paths: Sequence[str], round_: int) -> list[str]:
+    """The order in which round `round_` runs the alternated paths: shifted by one each round, so that no path always
+    runs first (right after the warm-up) or last."""
+    shift = round_ % len(paths)
+    return [*paths[shift:], *paths[:shift]]
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

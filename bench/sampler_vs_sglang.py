@@ -68,7 +68,7 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from bench.common import children_cpu_seconds, cpu_seconds, random_adapter_blob
+from bench.common import children_cpu_seconds, cpu_seconds, random_adapter_blob, rotation
 from bench.stream_clients import PATHS as CLIENT_PATHS
 from bench.stream_clients import Worker
 from loraplane.config import Settings
@@ -196,7 +196,7 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sa
             rates: dict[str, list[float]] = {p: [] for p in paths}
             for round_ in range(args.rounds):
                 # Fresh prompts per run (no path gains from another's prefix cache); the order rotates per round.
-                for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
+                for path in rotation(paths, round_):
                     prompts = fresh(requests)
                     if path == "engine":
                         start = time.perf_counter()
@@ -224,9 +224,8 @@ async def measure(args, engine: SGLangEngine, url: str, sampler_address: str, sa
         for concurrency in args.concurrency:
             mix = Mix("mixed8")
             runs: dict[str, list[dict]] = {path: [] for path in latency_paths}
-            turns = len(latency_paths)
             for round_ in range(args.latency_rounds):
-                for path in latency_paths[round_ % turns:] + latency_paths[:round_ % turns]:
+                for path in rotation(latency_paths, round_):
                     pid = pids.get(path, sampler_pid)
                     before, readers_before = cpu_seconds(pid), children_cpu_seconds(pid)
                     run = await on_worker(path, {
@@ -409,7 +408,7 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
                 count = 2 * concurrency if op == "unary" else concurrency * args.latency_waves
                 runs: dict[str, list[dict]] = {p: [] for p in paths}
                 for round_ in range(args.rounds):
-                    for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
+                    for path in rotation(paths, round_):
                         pid = pids.get(path)
                         before = cpu_seconds(pid) + children_cpu_seconds(pid) if pid else 0.0
                         run = await on_worker(path, {"op": op, "concurrency": concurrency,
@@ -538,7 +537,7 @@ async def measure_fleet(args, engine: SGLangEngine, one: tuple[str, int], replic
                 runs: dict[str, list[dict]] = {p: [] for p in paths}
                 spread = {rid: {"requests": 0.0, "tokens": 0.0} for rid, *_ in replicas}
                 for round_ in range(args.rounds):
-                    for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
+                    for path in rotation(paths, round_):
                         watched = pids.get(path, {})
                         before = {n: cpu_seconds(pid) + children_cpu_seconds(pid) for n, pid in watched.items()}
                         counts = await counters() if path == "fleet" else {}

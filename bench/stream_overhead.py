@@ -51,6 +51,7 @@ from bench.common import (
     environment,
     print_table,
     random_adapter_blob,
+    rotation,
     write_results,
 )
 from bench.stream_clients import DIAGNOSTIC_PATHS, GATEWAY_PATHS, PATHS, Worker
@@ -177,7 +178,7 @@ def measure(args, workers: dict[str, Worker], vocab: int, sampler_pids: dict[str
         for op in ("stream", "unary"):
             runs: dict[str, list[dict]] = {p: [] for p in paths}
             for round_ in range(args.rounds):
-                for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
+                for path in rotation(paths, round_):
                     count = concurrency * args.waves
                     pid = sampler_pids.get(path)
                     before = cpu_seconds(pid) if pid else 0.0
