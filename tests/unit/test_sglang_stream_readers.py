@@ -7,6 +7,7 @@ own streams (UNAVAILABLE) while new streams go to the others and, when none is l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -65,12 +66,21 @@ async def wait_for(condition, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_readers_deliver_exactly_what_the_serving_loop_does(synthetic, tmp_path):
-    here = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / "a", stream_readers=0)
-    readers = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / "b", stream_readers=2, stream_readers_from=0)
-    await here.start()
-    await readers.start()
+@contextlib.asynccontextmanager
+async def running_engine(synthetic: str, work_dir: Path, readers: int, readers_from: int = 0):
+    """An SGLang engine on the synthetic server with `readers` stream readers, used from `readers_from` open streams."""
+    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=work_dir, stream_readers=readers,
+                          stream_readers_from=readers_from)
+    await engine.start()
     try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+async def test_readers_deliver_exactly_what_the_serving_loop_does(synthetic, tmp_path):
+    async with running_engine(synthetic, tmp_path / "a", 0) as here, \
+            running_engine(synthetic, tmp_path / "b", 2) as readers:
         assert here._readers is None and len(readers._readers.readers) == 2
         # 40 streams at once (one sample each) and a 3-sample stream; the synthetic server's tokens and logprobs
         # depend only on the prompt, so both paths must agree token for token.
@@ -86,15 +96,10 @@ async def test_readers_deliver_exactly_what_the_serving_loop_does(synthetic, tmp
         # Both readers took streams (the one with fewer open streams gets the next).
         assert all(r.started > 0 for r in readers._readers.readers)
         assert readers.running_requests == 0 and readers.queue_depth == 0 and readers._readers.open_streams == 0
-    finally:
-        await readers.stop()
-        await here.stop()
 
 
 async def test_a_consumer_that_leaves_aborts_its_request_on_the_server(synthetic, tmp_path):
-    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1, stream_readers_from=0)
-    await engine.start()
-    try:
+    async with running_engine(synthetic, tmp_path, 1) as engine:
         stream = engine.generate(streamed((1, 2, 3), max_tokens=100_000))
         first = await anext(stream)
         assert first.tokens
@@ -106,14 +111,10 @@ async def test_a_consumer_that_leaves_aborts_its_request_on_the_server(synthetic
         # And the reader goes on serving.
         result = await collect(engine, streamed((1, 2, 3), max_tokens=5))
         assert len(result[0][0]) == 5
-    finally:
-        await engine.stop()
 
 
 async def test_a_reader_that_dies_fails_its_own_streams_and_the_others_carry_on(synthetic, tmp_path):
-    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=2, stream_readers_from=0)
-    await engine.start()
-    try:
+    async with running_engine(synthetic, tmp_path, 2) as engine:
         first, second = engine._readers.readers
         streams = [engine.generate(streamed((i, 5), max_tokens=100_000)) for i in range(4)]
         for stream in streams:
@@ -138,41 +139,28 @@ async def test_a_reader_that_dies_fails_its_own_streams_and_the_others_carry_on(
         assert len(result[0][0]) == 6
         assert engine.running_requests == 0 and engine.queue_depth == 0
         await wait_for(lambda: running_on(synthetic) == 0)
-    finally:
-        await engine.stop()
 
 
 async def test_an_unreachable_server_is_unavailable_on_both_paths(synthetic, tmp_path):
     for readers in (0, 1):
-        engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path / str(readers), stream_readers=readers,
-                              stream_readers_from=0)
-        await engine.start()
-        try:
+        async with running_engine(synthetic, tmp_path / str(readers), readers) as engine:
             engine.servers[0].url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
             with pytest.raises(errors.Unavailable, match="unreachable"):
                 await collect(engine, streamed((1, 2)))
             assert engine.running_requests == 0 and engine.queue_depth == 0
-        finally:
-            await engine.stop()
 
 
 async def test_an_unknown_version_is_refused_before_anything_is_sent(synthetic, tmp_path):
-    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1, stream_readers_from=0)
-    await engine.start()
-    try:
+    async with running_engine(synthetic, tmp_path, 1) as engine:
         request = GenerationRequest(prompt_tokens=(1, 2), options=SamplingOptions(max_tokens=3), stream=True,
                                     adapter_key="nobody/x@v1")
         with pytest.raises(errors.NotFound):
             await collect(engine, request)
         assert engine._readers.readers[0].started == 0
-    finally:
-        await engine.stop()
 
 
 async def test_streams_stay_on_the_serving_loop_until_enough_are_open(synthetic, tmp_path):
-    engine = SGLangEngine("tiny", urls=[synthetic], work_dir=tmp_path, stream_readers=1, stream_readers_from=3)
-    await engine.start()
-    try:
+    async with running_engine(synthetic, tmp_path, 1, 3) as engine:
         reader = engine._readers.readers[0]
         streams = []
         for i in range(5):  # each started before the next is asked for, as the servicer's calls do
@@ -184,8 +172,6 @@ async def test_streams_stay_on_the_serving_loop_until_enough_are_open(synthetic,
             await stream.aclose()
         assert engine._streams_here == 0 and engine._readers.open_streams == 0 and engine.running_requests == 0
         await wait_for(lambda: running_on(synthetic) == 0)
-    finally:
-        await engine.stop()
 
 
 def test_the_reader_count_comes_from_the_argument_the_environment_or_the_cores(monkeypatch):
