@@ -6,37 +6,20 @@ i mod n (the placement the two-server sampler gives the versions, which raw2 in 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from bench.stream_clients import Worker
-from loraplane.local.processes import free_port
+from tests.fixtures.http import synthetic_sglang
 
-REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 6
 
 
 @pytest.fixture
 def servers():
-    started, urls = [], []
-    try:
-        for _ in range(2):
-            process = subprocess.Popen([sys.executable, str(REPO / "bench/synthetic_sglang.py"), "--port",
-                                        str(free_port()), "--itl-ms", "5"], stdout=subprocess.PIPE, text=True,
-                                       cwd=REPO)
-            started.append(process)
-            line = process.stdout.readline()
-            assert line.startswith("SYNTHETIC_SGLANG_READY"), line
-            urls.append(line.split()[-1])
-        yield urls
-    finally:
-        for process in started:
-            process.terminate()
-            process.wait(10)
+    with synthetic_sglang() as first, synthetic_sglang() as second:
+        yield [first, second]
 
 
 def steps(url: str) -> int:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -21,21 +19,13 @@ from loraplane.local.processes import free_port
 from sampler_svc.engines.base import GenerationRequest, SamplingOptions
 from sampler_svc.engines.sglang_engine import SGLangEngine
 from sampler_svc.engines.sglang_streams import ENV, default_readers
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.fixtures.http import synthetic_sglang
 
 
 @pytest.fixture
 def synthetic():
-    process = subprocess.Popen([sys.executable, str(REPO / "bench/synthetic_sglang.py"), "--port", str(free_port()),
-                                "--itl-ms", "5"], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        line = process.stdout.readline()
-        assert line.startswith("SYNTHETIC_SGLANG_READY"), line
-        yield line.split()[-1]
-    finally:
-        process.terminate()
-        process.wait(10)
+    with synthetic_sglang() as url:
+        yield url
 
 
 def running_on(url: str) -> int:
