@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,12 +29,14 @@ from loraplane.models import load_base_model
 from sampler_svc.engines.sglang_engine import SGLangEngine, _PackedTensors
 from tests.fixtures.sampler import adapter_blob
 
+REPO = Path(__file__).resolve().parents[2]
 MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
 
 FAKE = textwrap.dedent('''
-    import base64, hashlib, io, json, pickle, sys
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import base64, hashlib, io, pickle, sys
+    from http.server import ThreadingHTTPServer
     import torch
+    from tests.fixtures.http import JsonHandler
 
     class TorchOnly(pickle.Unpickler):
         def find_class(self, module, name):
@@ -48,18 +51,7 @@ FAKE = textwrap.dedent('''
                     hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
                 for k, t in tensors.items()}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def reply(self, status, body):
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self):
             if self.path == "/server_info":
                 return self.reply(200, {"tp_size": TP, "dtype": DTYPE, "max_loaded_loras": 8})
@@ -69,7 +61,7 @@ FAKE = textwrap.dedent('''
             self.reply(200, {"data": []} if self.path == "/v1/models" else {})
 
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.json_body()
             if self.path == "/load_lora_adapter_from_tensors":
                 # SGLang's TP ranks are processes of their own, each unpickling its own copy: this one process
                 # plays rank 0 and checks that the other ranks' copies are the same pickle.
@@ -92,8 +84,9 @@ FAKE = textwrap.dedent('''
 
 class FakeProcess:
     def __init__(self, tp: int = 1, dtype: str = "auto"):
+        # Run from the repository's root, where the fake finds tests.fixtures.http.
         self.process = subprocess.Popen([sys.executable, "-c", FAKE, str(tp), dtype], stdout=subprocess.PIPE,
-                                        text=True, start_new_session=True)
+                                        text=True, start_new_session=True, cwd=REPO)
         self.url = f"http://127.0.0.1:{int(self.process.stdout.readline())}"
 
     def held(self, name: str) -> dict | None:
