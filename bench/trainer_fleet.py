@@ -70,7 +70,7 @@ class Trainer:
                  logs: Path):
         env = {**os.environ, "LORAPLANE_REDIS_URL": settings.redis_url, "LORAPLANE_KEY_PREFIX": settings.key_prefix,
                "LORAPLANE_TRAINER_FLEET": fleet, "LORAPLANE_TRAINER_ID": member, "LORAPLANE_AUTH": "0",
-               "PYTHONPATH": str(ROOT)}
+               "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         common = ["--registry-address", registry, "--base-model", base_model, "--host", "127.0.0.1", "--port", "0",
@@ -151,6 +151,17 @@ class Contender:
         return statistics.median(r["tokens_per_s"] for r in self.rounds)
 
 
+def placements(settings) -> dict:
+    """Adapters placed per fleet member, as the fleet's store records them."""
+    from trainer_svc.fleet_store import FleetStore
+
+    store = FleetStore(settings.redis_url, key_prefix=settings.key_prefix, fleet="fleet")
+    try:
+        return {m.trainer_id: m.placed for m in store.members()}
+    finally:
+        store.close()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="tiny", help="tiny, or a bench/trainer_vs_peft.py shape (llama8b, ...)")
@@ -166,6 +177,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gpus", default="", help="comma-separated GPU per fleet member (default: none, CPU)")
     parser.add_argument("--one-gpu", default="", help="the GPU of the single trainer (default: none, CPU)")
     parser.add_argument("--start-timeout-s", type=float, default=900.0)
+    parser.add_argument("--sequential", action="store_true",
+                        help="measure the single trainer, stop it, then start and measure the fleet (on GPUs the two "
+                             "would otherwise share --one-gpu's memory)")
     parser.add_argument("--work", default="", help="where the stores, logs and the built model go (default: tmp)")
     args = parser.parse_args(argv)
     gpus = [g for g in args.gpus.split(",") if g] or [None] * args.trainers
@@ -174,7 +188,6 @@ def main(argv=None) -> None:
 
     from loraplane.rpc import BackgroundLoop
     from registry_svc.server import start_registry_server
-    from trainer_svc.fleet_store import FleetStore
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -185,36 +198,57 @@ def main(argv=None) -> None:
             as settings:
         registry = loop.run(start_registry_server(settings), timeout=120)
         try:
-            one = Trainer(args, settings, registry.address, base_model, "one", "one-0", args.one_gpu or None,
-                          work)
-            members = [Trainer(args, settings, registry.address, base_model, "fleet", f"fleet-{i}", gpus[i], work)
-                       for i in range(args.trainers)]
-            trainers = [one, *members]
-            for trainer in trainers:
-                trainer.wait_ready(args.start_timeout_s)
-            from loraplane.client import ServiceClient
+            def start(fleet: str, names: list[str], gpu_of: list[str | None]) -> list[Trainer]:
+                started = [Trainer(args, settings, registry.address, base_model, fleet, name, gpu, work)
+                           for name, gpu in zip(names, gpu_of)]
+                trainers.extend(started)
+                for trainer in started:
+                    trainer.wait_ready(args.start_timeout_s)
+                return started
 
-            vocab = ServiceClient(trainer=one.address, registry=registry.address,
-                                  sampler="127.0.0.1:9").get_server_capabilities().tokenizer.vocab_size
-            contenders = [Contender("1 trainer", one.address, registry.address, args, vocab),
-                          Contender(f"{args.trainers} trainers", members[0].address, registry.address, args, vocab)]
-            store = FleetStore(settings.redis_url, key_prefix=settings.key_prefix, fleet="fleet")
-            placed = {m.trainer_id: m.placed for m in store.members()}
-            store.close()
-            for contender in contenders:  # warm-up: compiled kernels, allocator, resident slots
-                contender.round()
-                contender.rounds.clear()
-            order = list(contenders)
-            for _ in range(args.rounds):
-                for contender in order:
-                    contender.round()
-                order.reverse()
+            def contender(label: str, seed: Trainer) -> Contender:
+                from loraplane.client import ServiceClient
+
+                vocab = ServiceClient(trainer=seed.address, registry=registry.address,
+                                      sampler="127.0.0.1:9").get_server_capabilities().tokenizer.vocab_size
+                made = Contender(label, seed.address, registry.address, args, vocab)
+                made.round()  # warm-up: compiled kernels, allocator, resident slots
+                made.rounds.clear()
+                return made
+
+            def stop_all() -> None:
+                for trainer in trainers:
+                    trainer.stop()
+                trainers.clear()
+
+            if args.sequential:
+                # Each contender alone on its GPUs (started, measured, stopped), so neither holds device memory the
+                # other's memory planner would count as taken; the rounds no longer alternate.
+                single = contender("1 trainer", start("one", ["one-0"], [args.one_gpu or None])[0])
+                for _ in range(args.rounds):
+                    single.round()
+                stop_all()
+                members = start("fleet", [f"fleet-{i}" for i in range(args.trainers)], gpus)
+                fleet = contender(f"{args.trainers} trainers", members[0])
+                placed = placements(settings)
+                for _ in range(args.rounds):
+                    fleet.round()
+            else:
+                one = start("one", ["one-0"], [args.one_gpu or None])[0]
+                members = start("fleet", [f"fleet-{i}" for i in range(args.trainers)], gpus)
+                single, fleet = contender("1 trainer", one), contender(f"{args.trainers} trainers", members[0])
+                placed = placements(settings)
+                order = [single, fleet]
+                for _ in range(args.rounds):
+                    for c in order:
+                        c.round()
+                    order.reverse()
         finally:
             for trainer in trainers:
                 trainer.stop()
             loop.run(registry.stop(), timeout=60)
             loop.close()
-    single, fleet = contenders
+    contenders = [single, fleet]
     results = {
         "environment": environment(), "shape": args.shape, "backend": args.backend, "device": args.device,
         "trainers": args.trainers, "tenants": args.tenants, "datums": args.datums, "seq_len": args.seq_len,

@@ -97,6 +97,27 @@ def recomputed(engine) -> int:
     return int(getattr(engine.recompute, "count", 0))
 
 
+def profile_step(step, path: Path, cuda: bool) -> None:
+    """One step under the profiler: where its device time goes (kernel families, the device's busy share of the
+    wall) and the top kernels, the evidence for a missed MFU target."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.trainer_vs_peft import kernel_breakdown
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        began = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+    events = prof.key_averages()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    text = (kernel_breakdown(events, wall) if cuda else f"step wall {wall * 1e3:.1f} ms (profiled)") + "\n\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + events.table(sort_by=key, row_limit=40, max_name_column_width=90))
+    print(text.strip(), flush=True)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama8b", help=f"one of {sorted(SHAPES)}")
@@ -112,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the engine's micro-batch limit per rank (default: what fits without recomputation; 0: off)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None,
+                    help="after the timed rounds, profile one more step on rank 0 and write its kernel families and "
+                         "top kernels to this file (TP ranks run the same kernels; NCCL time includes waiting)")
     ap.add_argument("--cpu-dev", action="store_true", help="CPU ranks over gloo (scripts/gpu/cpu_shims.py)")
     return ap.parse_args(argv)
 
@@ -196,6 +220,8 @@ def main(argv=None) -> dict | None:
             "losses": losses, "build_s": build_s, "recompute_layers": recomputed(engine),
             "micro_batches_per_step": engine.stats.get("micro_batches", 0) / (args.warmup + args.rounds),
         }
+        if args.profile:  # after the result, so the step counts above stay the timed ones
+            profile_step(step, Path(args.profile), cuda)
         backend.close()  # releases the followers
     peak_gib = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0])
     gathered = [torch.zeros(1) for _ in range(world)]

@@ -384,8 +384,10 @@ def profile_steps(contenders: list[Contender], out_dir: Path, device: torch.devi
         (out_dir / f"profile_{case}_{c.label.replace('/', '_')}.txt").write_text(text)
 
 
-# Kernel families by name, first match wins (cuBLAS/cuBLASLt GEMMs are nvjet/cutlass/xmma kernels on H100).
-KERNEL_FAMILIES = (("attention", ("flash", "fmha", "sdpa", "attn")),
+# Kernel families by name, first match wins (cuBLAS/cuBLASLt GEMMs are nvjet/cutlass/xmma kernels on H100; NCCL's
+# collectives first, since "ncclDevKernel_AllReduce..." would otherwise count as a reduction).
+KERNEL_FAMILIES = (("nccl", ("nccl",)),
+                   ("attention", ("flash", "fmha", "sdpa", "attn")),
                    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "grouped_mm", "splitk")),
                    ("reduction", ("triton_red", "reduce", "norm", "softmax", "logsumexp")),
                    ("elementwise", ("triton_poi", "elementwise")),

