@@ -409,6 +409,8 @@ def kernel_breakdown(events, wall_s: float) -> str:
         if spent <= 0:
             continue
         name = event.key.lower()
+        if name.startswith("nccl:"):
+            continue  # the profiler's GPU-side annotation of a collective spans its kernel: counting both doubles it
         family = next((f for f, marks in KERNEL_FAMILIES if any(m in name for m in marks)), "other")
         totals[family] = totals.get(family, 0.0) + spent / 1e6
     busy = sum(totals.values())
