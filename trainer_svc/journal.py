@@ -359,7 +359,8 @@ def outcome_to_plain(outcome) -> dict:
         return _error_to_plain(outcome)
     if isinstance(outcome, ItemResult):
         return {"outputs": [{"logprobs": torch.tensor(o.logprobs, dtype=torch.float64),
-                             "elementwise_loss": torch.tensor(o.elementwise_loss, dtype=torch.float64)}
+                             "elementwise_loss": torch.tensor(o.elementwise_loss, dtype=torch.float64),
+                             "targets_per_position": o.targets_per_position}
                             for o in outcome.outputs],
                 "metrics": dict(outcome.metrics)}
     if isinstance(outcome, StepOutcome):
@@ -372,7 +373,8 @@ def outcome_from_plain(data: dict):
         return _error_from_plain(data)
     if "outputs" in data:
         return ItemResult(outputs=[DatumResult(logprobs=o["logprobs"].tolist(),
-                                               elementwise_loss=o["elementwise_loss"].tolist())
+                                               elementwise_loss=o["elementwise_loss"].tolist(),
+                                               targets_per_position=int(o.get("targets_per_position", 1)))
                                    for o in data["outputs"]], metrics=dict(data["metrics"]))
     if "step_outcome" in data:
         return StepOutcome(**data["step_outcome"])

@@ -2,7 +2,8 @@
 
 With lp the learner logprob of each target token, q the sampler logprob, A the advantage, r = exp(lp - q), sg() a
 stop-gradient and m the datum's per-token `sequence_ratio_mask`:
-  cross_entropy        -lp * w                       (w real, may be negative; default 1)
+  cross_entropy        -lp * w                       (w real, may be negative; default 1). With soft targets
+                       (K targets per position, lp and w [N, K]) the position's loss is sum_k -lp[n, k] * w[n, k]
   importance_sampling  -r * A
   ppo                  -min(r * A, clamp(r, lo, hi) * A)          lo/hi absolute ratio bounds (0.8 / 1.2)
   cispo                -stopgrad(clamp(r, lo, hi)) * lp * A
@@ -53,7 +54,9 @@ class LossDef:
 
 
 def _cross_entropy(lp, *, weights, **_):
-    return -lp * (torch.ones_like(lp) if weights is None else weights)
+    loss = -lp * (torch.ones_like(lp) if weights is None else weights)
+    # Soft targets: lp and weights are [N, K] (K candidate tokens per position); the position's loss is their sum.
+    return loss.sum(-1) if lp.dim() == 2 else loss
 
 
 def _importance_sampling(lp, *, q, advantages, **_):

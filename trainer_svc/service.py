@@ -399,7 +399,8 @@ class TrainerService:
             datums, name, config = validate_data(
                 data, loss_fn, loss_config, vocab_size=self.backend.description.vocab_size,
                 max_context_length=self.max_context_length, max_batch_datums=self.limits.max_batch_datums,
-                max_request_tokens=self.limits.max_request_tokens)
+                max_request_tokens=self.limits.max_request_tokens,
+                max_targets_per_position=self.backend.max_targets_per_position, backend=self.backend.name)
             return (datums, name, config), sum(d.length for d in datums)
 
         kind = "forward_backward" if backward else "forward"

@@ -42,7 +42,8 @@ def source_ref(message: common_pb2.AdapterRef) -> SourceRef:
 
 
 def datum_payloads(data) -> list[DatumPayload]:
-    return [DatumPayload(d.input_tokens, d.target_tokens, d.weights, d.logprobs, d.advantages, d.sequence_ratio_mask)
+    return [DatumPayload(d.input_tokens, d.target_tokens, d.weights, d.logprobs, d.advantages, d.sequence_ratio_mask,
+                         d.targets_per_position)
             for d in data]
 
 
@@ -59,7 +60,8 @@ def adapter_message(info: AdapterInfo) -> trainer_pb2.TrainerAdapter:
 
 
 def _outputs(result: ItemResult) -> list[trainer_pb2.DatumOutput]:
-    return [trainer_pb2.DatumOutput(logprobs=o.logprobs, elementwise_loss=o.elementwise_loss)
+    return [trainer_pb2.DatumOutput(logprobs=o.logprobs, elementwise_loss=o.elementwise_loss,
+                                    targets_per_position=o.targets_per_position)
             for o in result.outputs]
 
 

@@ -68,6 +68,8 @@ class DatumPayload:
     logprobs: Sequence[float] = ()
     advantages: Sequence[float] = ()
     sequence_ratio_mask: Sequence[float] = ()
+    # K targets per position (0 = 1): target_tokens and weights then hold N * K values, row-major [N, K].
+    targets_per_position: int = 0
 
 
 def _sequence_mask(values: Sequence[float], loss: str, field: str, n: int) -> torch.Tensor | None:
@@ -85,8 +87,21 @@ def _sequence_mask(values: Sequence[float], loss: str, field: str, n: int) -> to
     return mask
 
 
+def _targets_per_position(k: int, loss: str, field: str, limit: int, backend: str) -> int:
+    k = k or 1
+    if k > 1 and loss != "cross_entropy":
+        raise InvalidArgument(f"{field}: {k} targets per position (soft targets) are only read by cross_entropy, "
+                              f"not {loss}", field=field)
+    if k > limit:
+        where = f"the {backend} backend" if backend else "this trainer"
+        hint = "; the torch backend supports soft targets" if limit == 1 else ""
+        raise InvalidArgument(f"{field}: {k} targets per position, {where} takes at most {limit}{hint}", field=field)
+    return k
+
+
 def validate_data(data: Sequence[DatumPayload], loss_fn: str, loss_config: Mapping[str, float], *, vocab_size: int,
-                  max_context_length: int, max_batch_datums: int, max_request_tokens: int
+                  max_context_length: int, max_batch_datums: int, max_request_tokens: int,
+                  max_targets_per_position: int = 64, backend: str = ""
                   ) -> tuple[list[DatumInput], str, dict[str, float]]:
     name, config = resolve_loss(loss_fn, dict(loss_config))
     if len(data) == 0:
@@ -105,16 +120,27 @@ def validate_data(data: Sequence[DatumPayload], loss_fn: str, loss_config: Mappi
             raise InvalidArgument(
                 f"{prefix}.input_tokens has {n} tokens, over the context limit {max_context_length}",
                 field=f"{prefix}.input_tokens")
-        if len(datum.target_tokens) != n:
+        k = _targets_per_position(datum.targets_per_position, name, f"{prefix}.target_tokens",
+                                  max_targets_per_position, backend)
+        if len(datum.target_tokens) != n * k:
+            per = "" if k == 1 else f" x {k} targets per position"
             raise InvalidArgument(
-                f"{prefix}.target_tokens has {len(datum.target_tokens)} entries but input_tokens has {n}",
+                f"{prefix}.target_tokens has {len(datum.target_tokens)} entries but input_tokens has {n}{per}",
                 field=f"{prefix}.target_tokens")
         total += n
         if total > max_request_tokens:
             raise InvalidArgument(f"data holds more than {max_request_tokens} tokens in total", field="data")
         inputs = _tokens(datum.input_tokens, f"{prefix}.input_tokens", vocab_size)
         targets = _tokens(datum.target_tokens, f"{prefix}.target_tokens", vocab_size)
-        weights = _floats(datum.weights, f"{prefix}.weights", n)
+        if k == 1:
+            weights = _floats(datum.weights, f"{prefix}.weights", n)
+        else:
+            if len(datum.weights) not in (0, n * k):
+                raise InvalidArgument(f"{prefix}.weights has {len(datum.weights)} entries but target_tokens has "
+                                      f"{n} x {k}", field=f"{prefix}.weights")
+            weights = _floats(datum.weights, f"{prefix}.weights", n * k)
+            targets = targets.view(n, k)
+            weights = None if weights is None else weights.view(n, k)
         logprobs = _floats(datum.logprobs, f"{prefix}.logprobs", n)
         advantages = _floats(datum.advantages, f"{prefix}.advantages", n)
         if LOSSES[name].uses_sequence_mask:

@@ -27,6 +27,15 @@ class Datum(google.protobuf.message.Message):
     LOGPROBS_FIELD_NUMBER: builtins.int
     ADVANTAGES_FIELD_NUMBER: builtins.int
     SEQUENCE_RATIO_MASK_FIELD_NUMBER: builtins.int
+    TARGETS_PER_POSITION_FIELD_NUMBER: builtins.int
+    targets_per_position: builtins.int
+    """K, the number of targets per position; 0 means 1. K > 1 carries soft targets for cross_entropy (distillation
+    from a teacher's top-K tokens and probabilities, Tinker's (N, K) target_tokens / weights): target_tokens and
+    weights (if set) then hold N * K values, row-major [N, K], flattened because repeated fields cannot nest and
+    one packed array keeps the wire format of the 1-D case. The per-position loss is
+    sum_k -w[n, k] * log p(target[n, k]); slots of weight 0 pad rows with fewer than K targets. Other losses, and
+    K above the trainer's limit (64), are INVALID_ARGUMENT naming target_tokens.
+    """
     @property
     def input_tokens(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]: ...
     @property
@@ -60,8 +69,9 @@ class Datum(google.protobuf.message.Message):
         logprobs: collections.abc.Iterable[builtins.float] | None = ...,
         advantages: collections.abc.Iterable[builtins.float] | None = ...,
         sequence_ratio_mask: collections.abc.Iterable[builtins.float] | None = ...,
+        targets_per_position: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["advantages", b"advantages", "input_tokens", b"input_tokens", "logprobs", b"logprobs", "sequence_ratio_mask", b"sequence_ratio_mask", "target_tokens", b"target_tokens", "weights", b"weights"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["advantages", b"advantages", "input_tokens", b"input_tokens", "logprobs", b"logprobs", "sequence_ratio_mask", b"sequence_ratio_mask", "target_tokens", b"target_tokens", "targets_per_position", b"targets_per_position", "weights", b"weights"]) -> None: ...
 
 global___Datum = Datum
 
@@ -71,21 +81,25 @@ class DatumOutput(google.protobuf.message.Message):
 
     LOGPROBS_FIELD_NUMBER: builtins.int
     ELEMENTWISE_LOSS_FIELD_NUMBER: builtins.int
+    TARGETS_PER_POSITION_FIELD_NUMBER: builtins.int
+    targets_per_position: builtins.int
+    """The datum's K (1 for 1-D targets), so a client can reshape logprobs without keeping the request around."""
     @property
     def logprobs(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.float]:
-        """Learner logprob of each target token."""
+        """Learner logprob of each target token: N * K values, row-major [N, K], when the datum had K targets per position."""
 
     @property
     def elementwise_loss(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.float]:
-        """The loss term of each token; their sum over tokens and datums is loss:sum."""
+        """The loss term of each position (summed over its K targets); their sum over positions and datums is loss:sum."""
 
     def __init__(
         self,
         *,
         logprobs: collections.abc.Iterable[builtins.float] | None = ...,
         elementwise_loss: collections.abc.Iterable[builtins.float] | None = ...,
+        targets_per_position: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["elementwise_loss", b"elementwise_loss", "logprobs", b"logprobs"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["elementwise_loss", b"elementwise_loss", "logprobs", b"logprobs", "targets_per_position", b"targets_per_position"]) -> None: ...
 
 global___DatumOutput = DatumOutput
 

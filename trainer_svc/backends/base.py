@@ -18,14 +18,18 @@ from trainer_svc.pool import AdapterState
 @dataclass
 class DatumInput:
     input_tokens: torch.Tensor  # int64 (N,)
-    target_tokens: torch.Tensor  # int64 (N,)
-    weights: torch.Tensor | None = None  # float32 (N,)
+    target_tokens: torch.Tensor  # int64 (N,), or (N, K) soft targets (cross_entropy only; K >= 2)
+    weights: torch.Tensor | None = None  # float32, the shape of target_tokens
     logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
         return int(self.input_tokens.shape[0])
+
+    @property
+    def targets_per_position(self) -> int:
+        return 1 if self.target_tokens.dim() == 1 else int(self.target_tokens.shape[1])
 
 
 @dataclass
@@ -40,8 +44,9 @@ class BatchItem:
 
 @dataclass
 class DatumResult:
-    logprobs: list[float]
-    elementwise_loss: list[float]
+    logprobs: list[float]  # N * K values, row-major [N, K]
+    elementwise_loss: list[float]  # N values
+    targets_per_position: int = 1
 
 
 @dataclass
@@ -88,6 +93,8 @@ class TrainerBackend(ABC):
 
     name: str = "abstract"
     base: BaseModel
+    # The most soft targets per position (DatumInput.target_tokens (N, K)) this backend computes.
+    max_targets_per_position: int = 64
 
     @property
     @abstractmethod

@@ -71,7 +71,17 @@ class TorchBackend(TrainerBackend):
             lengths.append(filler)
         input_ids = torch.cat(inputs).to(device).unsqueeze(0)
         position_ids = packed_position_ids(lengths, device=device)
-        targets = torch.cat([datum.target_tokens for item in items for datum in item.data]).to(device)
+        datums = [datum for item in items for datum in item.data]
+        # Soft targets ((N, K) target_tokens) in the batch: one [T, Kmax] gather, each datum reading its first K
+        # columns (a 1-D datum its first). A gather only indexes, so every value equals the 1-D gather's.
+        wide = max(datum.targets_per_position for datum in datums)
+        if wide == 1:
+            targets = torch.cat([datum.target_tokens for datum in datums]).to(device)
+        else:
+            targets = torch.cat([datum.target_tokens.view(datum.length, -1).expand(-1, wide)
+                                 if datum.targets_per_position == 1 else
+                                 torch.nn.functional.pad(datum.target_tokens, (0, wide - datum.targets_per_position))
+                                 for datum in datums]).to(device)
         grad_mode = torch.enable_grad() if backward else torch.no_grad()
         with grad_mode, packed_sequences(lengths), lora_segments(self.base.model, segments):
             hidden = self.base.model.model(input_ids=input_ids, position_ids=position_ids,
@@ -82,17 +92,26 @@ class TorchBackend(TrainerBackend):
             # in the batch, as for every other linear layer here.
             logits = self.base.model.get_output_embeddings()(hidden)
             logits = (logits if cursor == logits.shape[0] else logits[:cursor]).float()
-            token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+            if wide == 1:
+                token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+            else:
+                token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets)
             del logits
             item_losses = []
             datum_losses_detached = []
+            datum_logprobs = []
             start = 0
             for item in items:
                 datum_losses = []
                 for datum in item.data:
                     end = start + datum.length
+                    lp = token_logprobs[start:end]
+                    if wide > 1:
+                        k = datum.targets_per_position
+                        lp = lp[:, 0] if k == 1 else lp[:, :k]
+                        datum_logprobs.append(lp.detach().reshape(-1))
                     loss = elementwise_loss(
-                        item.loss_fn, item.loss_config, token_logprobs[start:end],
+                        item.loss_fn, item.loss_config, lp,
                         weights=_on(datum.weights, device), q=_on(datum.logprobs, device),
                         advantages=_on(datum.advantages, device))
                     datum_losses.append(loss.sum())
@@ -106,17 +125,19 @@ class TorchBackend(TrainerBackend):
                 if total is not None and total.requires_grad:
                     total.backward()
         # Host values in one transfer each; the per-datum lists are slices of them.
-        logprob_values = token_logprobs.detach().cpu().tolist()
+        logprob_values = (token_logprobs.detach() if wide == 1 else torch.cat(datum_logprobs)).cpu().tolist()
         loss_values = torch.cat(datum_losses_detached).cpu().tolist()
         item_sums = torch.stack([loss.detach() for loss in item_losses]).cpu().tolist()
         results: list[ItemResult] = []
-        start = 0
+        start = lp_start = 0
         for item, item_sum in zip(items, item_sums):
             outputs = []
             for datum in item.data:
                 end = start + datum.length
-                outputs.append(DatumResult(logprob_values[start:end], loss_values[start:end]))
-                start = end
+                k = datum.targets_per_position
+                lp_end = lp_start + datum.length * k
+                outputs.append(DatumResult(logprob_values[lp_start:lp_end], loss_values[start:end], k))
+                start, lp_start = end, lp_end
             results.append(ItemResult(outputs, {
                 "loss:sum": float(item_sum),
                 "num_tokens:sum": float(sum(datum.length for datum in item.data)),

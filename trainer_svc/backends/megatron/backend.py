@@ -132,6 +132,9 @@ class Driver:
 
 class MegatronBackend(TrainerBackend):
     name = "megatron"
+    # Soft targets (K > 1 per position) are not wired through the engine's packed batches yet: refused up front
+    # (INVALID_ARGUMENT naming target_tokens) rather than computed wrong.
+    max_targets_per_position = 1
     # The adapters' tensors live in the engine's sharded pool: the shared service keeps host bookkeeping only and
     # goes through export/load_training_state, is_resident, prefetch and delete_adapter (base.TrainerBackend).
     owns_adapter_tensors = True
