@@ -315,13 +315,23 @@ def test_full_queues_are_resource_exhausted(registry, background_loop):
         live.close()
 
 
-def test_spilled_adapters_train_exactly_like_resident_ones(registry, background_loop):
-    live = start_live_trainer(registry.settings, background_loop, registry.address, device_slots=2)
+@pytest.mark.parametrize(("base_model", "layout"), [
+    ("tiny", common_pb2.EXPERT_LORA_LAYOUT_UNSPECIFIED),
+    # Expert adapters (every routed expert's factors, both layouts) spill and come back like dense ones.
+    ("tiny-moe", common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT),
+    ("tiny-moe", common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER),
+])
+def test_spilled_adapters_train_exactly_like_resident_ones(registry, background_loop, base_model, layout):
+    live = start_live_trainer(registry.settings, background_loop, registry.address, device_slots=2,
+                              base_model=base_model)
     try:
         stub = live.stub()
         pool = live.service.pool
         for name in ("s1", "s2", "s3"):
-            create(stub, name, rank=4, seed=7)
+            config = lora(rank=4, seed=7)
+            config.expert_layout = layout
+            stub.CreateAdapter(trainer_pb2.TrainerServiceCreateAdapterRequest(name=name, lora_config=config))
+        assert any("experts" in key for key in pool.get("s1").params) == (base_model == "tiny-moe")
         misses = pool.misses
         # Interleaving 3 adapters over 2 slots spills one each time, including while its gradient is pending.
         for round_index in range(2):
