@@ -4,6 +4,7 @@ int32 tokens, float32 values, int64 indices and offsets."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -56,18 +57,46 @@ def decompress(body: bytes, encoding: str) -> bytes:
 
 
 def _tensor(t: wire.Tensor, name: str) -> np.ndarray:
+    """The tensor as the SDK's TensorData holds it: 1-D (N,), or 2-D (N, K) soft targets, dense or CSR."""
     dtype = _NP.get(t.dtype)
     if dtype is None:
         raise errors.InvalidArgument(f"loss_fn_inputs[{name}]: dtype {t.dtype} is not supported", field=name)
-    if t.WhichOneof("data") != "dense":
+    shape = [int(s) for s in t.shape]
+    if len(shape) > 2 or any(s < 0 for s in shape):
         raise errors.InvalidArgument(
-            f"loss_fn_inputs[{name}]: sparse (2-D soft-target) tensors are not supported; send 1-D dense tensors",
-            field=name)
-    array = np.frombuffer(t.dense, dtype=dtype)
-    if len(t.shape) > 1:
-        raise errors.InvalidArgument(
-            f"loss_fn_inputs[{name}]: shape {list(t.shape)} is not supported; only 1-D (N,) tensors", field=name)
+            f"loss_fn_inputs[{name}]: shape {shape} is not supported; (N,) or (N, K) tensors", field=name)
+    try:
+        if t.WhichOneof("data") == "sparse_csr":
+            return _csr_dense(t.sparse_csr, dtype, shape, name)
+        array = np.frombuffer(t.dense, dtype=dtype)
+    except ValueError:  # a byte count that is no whole number of elements
+        raise errors.InvalidArgument(f"loss_fn_inputs[{name}]: data is not a whole number of {np.dtype(dtype)} "
+                                     "values", field=name) from None
+    if len(shape) == 2:
+        if array.size != shape[0] * shape[1]:
+            raise errors.InvalidArgument(
+                f"loss_fn_inputs[{name}]: {array.size} values for shape {shape}", field=name)
+        return array.reshape(shape)
     return array
+
+
+def _csr_dense(csr: wire.SparseCsr, dtype, shape: list[int], name: str) -> np.ndarray:
+    """TensorData.from_torch_sparse's form (pad value 0: unlisted slots are token 0 / weight 0), checked as
+    torch.sparse_csr_tensor checks its invariants, then made dense."""
+    if len(shape) != 2:
+        raise errors.InvalidArgument(f"loss_fn_inputs[{name}]: a sparse (CSR) tensor needs a 2-D shape, got "
+                                     f"{shape}", field=name)
+    rows, cols = shape
+    values = np.frombuffer(csr.values, dtype=dtype)
+    crow = np.frombuffer(csr.crow_indices, dtype="<i8")
+    col = np.frombuffer(csr.col_indices, dtype="<i8")
+    if (len(crow) != rows + 1 or crow[0] != 0 or np.any(np.diff(crow) < 0) or crow[-1] != len(col)
+            or len(col) != len(values) or (len(col) and (col.min() < 0 or col.max() >= cols))):
+        raise errors.InvalidArgument(f"loss_fn_inputs[{name}]: sparse (CSR) indices do not describe a {shape} "
+                                     "tensor", field=name)
+    dense = np.zeros(shape, dtype=dtype)
+    dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    return dense
 
 
 def tokens_of_chunks(chunks) -> list[int]:
@@ -108,10 +137,12 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
             if "target_tokens" not in inputs:
                 raise errors.InvalidArgument(f"data[{i}].loss_fn_inputs: target_tokens is required",
                                              field="target_tokens")
-            floats = {k: v.astype(np.float32).tolist() for k, v in inputs.items() if k != "target_tokens"}
+            per_position = _soft_targets(i, inputs, msg.loss_fn, len(d.loss_fn_input_spans) > 0)
+            floats = {k: v.astype(np.float32).reshape(-1).tolist() for k, v in inputs.items() if k != "target_tokens"}
             request.data.append(DatumIn(
                 input_tokens=tokens_of_chunks(d.model_input),
-                target_tokens=inputs["target_tokens"].astype(np.int64).tolist(),
+                target_tokens=inputs["target_tokens"].astype(np.int64).reshape(-1).tolist(),
+                targets_per_position=per_position,
                 weights=floats.get("weights"), logprobs=floats.get("logprobs"), advantages=floats.get("advantages"),
                 sequence_ratio_mask=floats.get("sequence_ratio_mask"),
                 input_spans=_spans(d.model_input_spans) if len(d.model_input_spans) else None,
@@ -119,6 +150,37 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
     except errors.InvalidArgument as exc:
         request.data, request.problem = [], exc.message
     return request
+
+
+def _soft_targets(i: int, inputs: dict[str, np.ndarray], loss_fn: str, spans: bool) -> int:
+    """K of (N, K) target_tokens (0 for 1-D ones); the other inputs must match them."""
+    targets = inputs["target_tokens"]
+    for name, value in inputs.items():
+        if name == "target_tokens" or value.ndim == 1:
+            continue
+        if name != "weights":
+            raise errors.InvalidArgument(f"data[{i}].loss_fn_inputs[{name}]: shape {list(value.shape)}; only "
+                                         "target_tokens and weights may be 2-D", field=name)
+        if value.shape != targets.shape:
+            raise errors.InvalidArgument(f"data[{i}].loss_fn_inputs[weights]: shape {list(value.shape)} needs "
+                                         f"target_tokens of the same shape, got {list(targets.shape)}",
+                                         field="weights")
+    if targets.ndim == 1:
+        return 0
+    if (loss_fn or "cross_entropy") != "cross_entropy":
+        raise errors.InvalidArgument(f"data[{i}].loss_fn_inputs[target_tokens]: shape {list(targets.shape)}: "
+                                     f"(N, K) soft targets are only read by cross_entropy, not {loss_fn}",
+                                     field="target_tokens")
+    if "weights" in inputs and inputs["weights"].ndim != 2:
+        raise errors.InvalidArgument(f"data[{i}].loss_fn_inputs[weights]: (N, K) target_tokens need (N, K) weights "
+                                     f"(or none), got shape {list(inputs['weights'].shape)}", field="weights")
+    if targets.shape[1] < 1:
+        raise errors.InvalidArgument(f"data[{i}].loss_fn_inputs[target_tokens]: shape {list(targets.shape)} has no "
+                                     "targets per position", field="target_tokens")
+    if spans:
+        raise errors.InvalidArgument(f"data[{i}]: provenance spans with (N, K) target_tokens are not supported",
+                                     field="loss_fn_input_spans")
+    return int(targets.shape[1])
 
 
 def _spans(spans) -> list[Span]:
@@ -131,21 +193,31 @@ def _spans(spans) -> list[Span]:
     return out
 
 
-def _batched(arrays: list[list[float]], dtype=np.float32) -> wire.BatchedTensor:
+def _batched(arrays: list[list[float]], dtype=np.float32, trailing: tuple[int, ...] = ()) -> wire.BatchedTensor:
     flat = [np.asarray(a, dtype=dtype) for a in arrays]
     sizes = np.array([0] + [a.nbytes for a in flat], dtype=np.int64)
     data = np.concatenate(flat) if flat else np.zeros(0, dtype=dtype)
     return wire.BatchedTensor(data=data.astype("<f4").tobytes(), offsets=np.cumsum(sizes).astype("<i8").tobytes(),
-                              dtype=wire.DTYPE_FLOAT32)
+                              dtype=wire.DTYPE_FLOAT32, trailing_shape=trailing)
 
 
-def encode_forward_backward(result: FwdBwdResult) -> bytes:
-    record = wire.ArrayRecord(type_tag="ArrayRecord", num_datums=len(result.logprobs))
-    record.fields["logprobs"].CopyFrom(_batched(result.logprobs))
-    record.fields["elementwise_loss"].CopyFrom(_batched(result.elementwise_loss))
+def encode_forward_backward(result: FwdBwdResult, targets_per_position: list[int] | None = None) -> bytes:
+    """`targets_per_position`: per datum, K of its (N, K) target_tokens (0 for 1-D ones): its logprobs go back
+    (N, K). One BatchedTensor has one trailing shape, so each run of datums of one K is an ArrayRecord of its own
+    (the SDK concatenates them, as it does for its own ragged outputs)."""
+    shapes = targets_per_position or [0] * len(result.logprobs)
+    runs = [(k, len(list(group))) for k, group in itertools.groupby(shapes)] or [(0, 0)]
+    records, start = [], 0
+    for k, count in runs:
+        end = start + count
+        record = wire.ArrayRecord(type_tag="ArrayRecord", num_datums=count)
+        record.fields["logprobs"].CopyFrom(_batched(result.logprobs[start:end], trailing=(k,) if k else ()))
+        record.fields["elementwise_loss"].CopyFrom(_batched(result.elementwise_loss[start:end]))
+        records.append(record)
+        start = end
     # The SDK merges chunk metrics by splitting each key at its one ':' (a bare key crashes it).
     metrics = {k if k.count(":") == 1 else f"{k.replace(':', '_')}:mean": float(v) for k, v in result.metrics.items()}
-    return wire.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record],
+    return wire.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=records,
                                       metrics=metrics).SerializeToString()
 
 

@@ -307,7 +307,7 @@ class TinkerService:
         if request.loss_fn == "stable_reinforce":
             # How many trained positions took the recorded sampler logprob (the client's copy is never used).
             result.metrics["recorded_logprobs:sum"] = float(filled)
-        return PROTO, tinker_codec.encode_forward_backward(result)
+        return PROTO, tinker_codec.encode_forward_backward(result, [d.targets_per_position for d in request.data])
 
     async def _consume(self, adapter: str, seq: int) -> None:
         """Spends `seq` on the trainer with a request it refuses, so the adapter's later seq_ids never wait on it."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class DatumIn:
     input_tokens: list[int]
-    target_tokens: list[int]
+    target_tokens: list[int]  # N values, or N * K row-major when targets_per_position = K
     weights: list[float] | None = None
     logprobs: list[float] | None = None
     advantages: list[float] | None = None
@@ -16,6 +16,8 @@ class DatumIn:
     # Provenance (Tinker's Datum.model_input_spans / loss_fn_input_spans), gateway_svc.stability.Span runs.
     input_spans: list | None = None
     target_spans: list | None = None
+    # K of (N, K) soft-target target_tokens / weights (cross_entropy); 0: 1-D, as the SDK sent them.
+    targets_per_position: int = 0
 
 
 @dataclass

@@ -56,7 +56,8 @@ def _version(v: common_pb2.AdapterVersion) -> VersionInfo:
 
 
 def _datum(d: DatumIn) -> trainer_pb2.Datum:
-    out = trainer_pb2.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens)
+    out = trainer_pb2.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens,
+                            targets_per_position=d.targets_per_position)
     if d.weights is not None:
         out.weights.extend(d.weights)
     if d.logprobs is not None:
