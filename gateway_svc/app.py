@@ -17,7 +17,7 @@ from gateway_svc.openai_service import OpenAIService
 from gateway_svc.store import Store
 from gateway_svc.tinker_service import TinkerService
 from gateway_svc.upstream import Upstream
-from loraplane import auth
+from loraplane import auth, errors
 from loraplane.config import Settings
 from loraplane.membership import Membership
 from loraplane.rpc import ClientSecurity, quiet_grpc_poller
@@ -46,7 +46,16 @@ async def authenticate(request: Request) -> None:
     tenant's namespace and quotas (the one place they are enforced)."""
     if request.url.path in OPEN_PATHS or request.url.path.startswith(SIGNED_PREFIX):
         return
-    auth.set_caller(await request.app.state.authenticator.authenticate(caller_key(request) or None))
+    caller = await request.app.state.authenticator.authenticate(caller_key(request) or None)
+    default_tenant = request.app.state.settings.default_tenant
+    if caller.role == auth.ROLE_TENANT and caller.tenant == default_tenant:
+        # Admin and service keys and the open mode keep their Tinker runs and adapters in the default tenant's
+        # namespace: a tenant key of that name would act inside it (`loraplane keys create` refuses the name; a
+        # key made otherwise stops here).
+        raise errors.PermissionDenied(
+            f"tenant {default_tenant!r} is this gateway's operator namespace (LORAPLANE_GATEWAY_DEFAULT_TENANT); "
+            "issue the key under another tenant name", reason="RESERVED_TENANT", field="api_key")
+    auth.set_caller(caller)
 
 
 def create_app(settings: GatewaySettings | None = None, cluster: Settings | None = None) -> FastAPI:

@@ -68,6 +68,14 @@ def create(tenant: str = typer.Option(..., "--tenant", help="The tenant the key 
     """Issue a key. It is printed once and stored only as a hash: keep it. The last two lines are ready to paste
     into a .env file (or after `export` in a shell): the Tinker SDK insists on a `tml-` prefix, loraplane accepts
     the key with or without it."""
+    from gateway_svc.config import GatewaySettings
+
+    reserved = GatewaySettings().default_tenant
+    if role == ROLE_TENANT and tenant == reserved:
+        # The gateway runs admin and service keys and its open mode in this tenant's namespace.
+        console.print(f"[red]tenant {tenant!r} is the gateway's operator namespace (LORAPLANE_GATEWAY_DEFAULT_TENANT):"
+                      " admin keys and the open mode keep their Tinker runs and adapters there; pick another name[/red]")
+        raise typer.Exit(2)
     record, token = _run(data_dir, lambda store: store.create_key(tenant, role, description))
     console.print(f"key id: {record.key_id}  tenant: {record.tenant}  role: {record.role}")
     console.print("[bold]This key is shown once; only its hash is stored:[/bold]")

@@ -191,3 +191,24 @@ def test_each_service_client_keeps_its_own_identity(secured: Secured):
     finally:
         acme.close()
         globex.close()
+
+
+def test_a_tenant_key_named_after_the_operator_namespace_is_refused_by_the_gateway(secured: Secured):
+    """Admin keys (and the open mode) keep their Tinker sessions, runs and adapters in the gateway's default
+    tenant. `loraplane keys create` refuses that tenant name; a key made under it some other way (directly in the
+    key store, as here) must still not act inside that namespace. The admin's own call succeeds."""
+    c = secured
+    label = f"squatter-{uuid.uuid4().hex[:6]}"
+    c.keys.issue(label, c.gateway_settings.default_tenant, "tenant")
+    try:
+        for method, path, body in (("POST", "/api/v1/create_session", {"tags": []}),
+                                   ("GET", "/api/v1/training_runs", None),
+                                   ("POST", "/v1/chat/completions", {"model": "tiny", "max_tokens": 1,
+                                                                     "messages": [{"role": "user", "content": "hi"}]})):
+            refused = c.http(label, method, path, **({"json": body} if body is not None else {}))
+            assert refused.status_code == 403, (path, refused.status_code, refused.text)
+            assert "operator namespace" in refused.text
+            assert not leaked(refused.content, json.dumps(body or {}).encode(), c.secrets, c.addresses), path
+        c.ok("POST", "/api/v1/create_session", label="admin", json={"tags": []})
+    finally:
+        assert c.keys.revoke(label)

@@ -54,3 +54,30 @@ def test_keys_create_prints_both_env_lines_and_both_forms_authenticate(valkey, m
                 "tml-tml-" + loraplane_key):
         with pytest.raises(errors.Unauthenticated):
             authenticate(valkey.url, prefix, bad)
+
+
+def test_keys_create_refuses_the_gateways_operator_namespace(valkey, monkeypatch):
+    """The gateway's default tenant holds the Tinker runs and adapters of admin keys and the open mode: a tenant
+    key of that name would act inside them, so the CLI refuses it (whatever the name is configured to be)."""
+    prefix = f"lptest:{uuid.uuid4().hex[:10]}:"
+    monkeypatch.setenv("LORAPLANE_REDIS_URL", valkey.url)
+    monkeypatch.setenv("LORAPLANE_KEY_PREFIX", prefix)
+
+    def keys_of(tenant: str) -> list:
+        async def go():
+            store = KeyStore(valkey.url, prefix)
+            try:
+                return await store.list_keys(tenant)
+            finally:
+                await store.close()
+
+        return asyncio.run(go())
+
+    refused = CliRunner().invoke(app, ["keys", "create", "--tenant", "tinker"])
+    assert refused.exit_code == 2 and "operator namespace" in refused.output, refused.output
+    assert keys_of("tinker") == []
+    monkeypatch.setenv("LORAPLANE_GATEWAY_DEFAULT_TENANT", "ops")
+    assert CliRunner().invoke(app, ["keys", "create", "--tenant", "ops"]).exit_code == 2
+    issued = CliRunner().invoke(app, ["keys", "create", "--tenant", "tinker"])
+    assert issued.exit_code == 0, issued.output
+    assert [k.tenant for k in keys_of("tinker")] == ["tinker"]
