@@ -125,7 +125,7 @@ class TrainingClient:
                                  loss_fn_config=config) for seq_id, chunk in zip(seq_ids, chunks)]
         # All chunks go out at once; the trainer runs them in seq_id order and adds up their gradients.
         replies = await asyncio.gather(*(self._call(method, r) for r in requests))
-        outputs = [o for reply in replies for o in outputs_from_proto(reply.outputs)]
+        outputs = [o for reply, chunk in zip(replies, chunks) for o in outputs_from_proto(reply.outputs, chunk)]
         metrics = merge_metrics([dict(reply.metrics) for reply in replies], [len(c) for c in chunks])
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics, loss_fn_output_type=loss_fn)
 

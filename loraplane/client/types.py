@@ -33,13 +33,22 @@ def _is_torch(value: Any) -> bool:
     return type(value).__module__.split(".")[0] == "torch"
 
 
-def to_flat_list(value: Any, *, dtype: Literal["int", "float"], name: str) -> list:
-    """A 1-D list of Python ints or floats from a list, tuple, numpy array, torch tensor or TensorData."""
+def _as_array(value: Any) -> np.ndarray:
     if isinstance(value, TensorData):
-        value = value.data
+        # The values as given (not cast to the declared dtype: whole-number checks see what the caller sent).
+        array = np.asarray(value.data)
+        return array.reshape(value.shape) if value.shape else array
     if _is_torch(value):
         value = value.detach().cpu().numpy()
-    array = np.asarray(value)
+    return np.asarray(value)
+
+
+def to_flat_list(value: Any, *, dtype: Literal["int", "float"], name: str, rows: bool = False) -> list:
+    """A 1-D list of Python ints or floats from a list, tuple, numpy array, torch tensor or TensorData; with
+    `rows`, a 2-D (N, K) one too, flattened row-major."""
+    array = _as_array(value)
+    if rows and array.ndim == 2:
+        array = array.reshape(-1)
     if array.ndim != 1:
         raise ValueError(f"{name} must be 1-D (one entry per position), got shape {tuple(array.shape)}")
     if dtype == "int":
@@ -133,6 +142,8 @@ class Datum:
     """One position-aligned training example: position i of `model_input` predicts `target_tokens[i]`.
 
     `loss_fn_inputs` keys: target_tokens (required), weights (cross_entropy), logprobs + advantages (RL losses).
+    cross_entropy also takes soft targets: (N, K) target_tokens with (N, K) weights (or none), K candidate tokens
+    per position (a teacher's top-K for distillation); its logprobs output is then (N, K).
     """
 
     model_input: ModelInput
@@ -149,12 +160,20 @@ class Datum:
             raise ValueError("loss_fn_inputs must contain target_tokens")
         length = self.model_input.length
         proto = trainer_pb2.Datum(input_tokens=self.model_input.tokens)
+        shape = _as_array(self.loss_fn_inputs["target_tokens"]).shape
+        if len(shape) == 2:
+            proto.targets_per_position = shape[1]
         for key, proto_field in LOSS_FN_INPUT_FIELDS.items():
             if key not in self.loss_fn_inputs or self.loss_fn_inputs[key] is None:
                 continue
+            soft = len(shape) == 2 and key in ("target_tokens", "weights")
+            if soft and _as_array(self.loss_fn_inputs[key]).shape != shape:
+                raise ValueError(f"loss_fn_inputs[{key!r}] has shape {_as_array(self.loss_fn_inputs[key]).shape} "
+                                 f"but target_tokens has {shape}; (N, K) weights go with (N, K) target_tokens")
             values = to_flat_list(self.loss_fn_inputs[key], dtype="int" if key in _INT_INPUTS else "float",
-                                  name=f"loss_fn_inputs[{key!r}]")
-            if len(values) != length:
+                                  name=f"loss_fn_inputs[{key!r}]", rows=soft)
+            expected = length * (shape[1] if soft else 1)
+            if len(values) != expected:
                 raise ValueError(f"loss_fn_inputs[{key!r}] has {len(values)} entries but model_input has {length} "
                                  f"tokens; every per-token input must have one entry per position")
             getattr(proto, proto_field).extend(values)
@@ -245,10 +264,17 @@ class ForwardBackwardOutput:
         return self.metrics.get("loss:sum", float("nan"))
 
 
-def outputs_from_proto(outputs: Iterable[trainer_pb2.DatumOutput]) -> list[dict[str, TensorData]]:
-    return [{"logprobs": TensorData(list(o.logprobs), "float32", [len(o.logprobs)]),
-             "elementwise_loss": TensorData(list(o.elementwise_loss), "float32", [len(o.elementwise_loss)])}
-            for o in outputs]
+def outputs_from_proto(outputs: Iterable[trainer_pb2.DatumOutput],
+                       sent: Sequence[trainer_pb2.Datum] | None = None) -> list[dict[str, TensorData]]:
+    """`sent`: the datums of the request, so (N, K) target_tokens get (N, K) logprobs back even for K = 1."""
+    out = []
+    for i, o in enumerate(outputs):
+        n = len(o.elementwise_loss)
+        k = sent[i].targets_per_position if sent is not None else (
+            o.targets_per_position if o.targets_per_position > 1 else 0)
+        out.append({"logprobs": TensorData(list(o.logprobs), "float32", [n, k] if k else [len(o.logprobs)]),
+                    "elementwise_loss": TensorData(list(o.elementwise_loss), "float32", [n])})
+    return out
 
 
 @dataclass

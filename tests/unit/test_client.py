@@ -275,7 +275,10 @@ def test_lists_numpy_and_torch_inputs_convert_to_the_same_datum():
 
 @pytest.mark.parametrize("inputs, message", [
     ({"target_tokens": [1, 2]}, "has 2 entries but model_input has 3"),
-    ({"target_tokens": np.zeros((3, 2), dtype=np.int64)}, "must be 1-D"),
+    ({"target_tokens": np.zeros((3, 2, 2), dtype=np.int64)}, "must be 1-D"),
+    ({"target_tokens": [1, 2, 3], "weights": np.ones((3, 2))}, "must be 1-D"),
+    ({"target_tokens": np.zeros((3, 2), dtype=np.int64), "weights": np.ones((3, 3))}, "weights go with"),
+    ({"target_tokens": np.zeros((2, 2), dtype=np.int64)}, "has 4 entries but model_input has 3"),
     ({"target_tokens": [1.5, 2.0, 3.0]}, "integer token ids"),
     ({"weights": [1.0, 1.0, 1.0]}, "must contain target_tokens"),
     ({"target_tokens": [1, 2, 3], "rewards": [1, 1, 1]}, "unknown loss_fn_inputs keys"),

@@ -3,6 +3,7 @@ per position, tinker-cookbook's SDFT distillation). loss = sum_n sum_k -w[n, k] 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,3 +170,29 @@ def test_soft_target_validation_names_the_field():
             ["only read by cross_entropy", "importance_sampling"], loss="importance_sampling")
     refused(DatumPayload(inputs, targets, weights, targets_per_position=k), "data[0].target_tokens",
             ["megatron backend", "torch backend supports"], max_targets_per_position=1, backend="megatron")
+
+
+def test_client_datum_sends_soft_targets_flat_with_k_and_reshapes_the_logprobs():
+    from loraplane.client import Datum, TensorData
+    from loraplane.client.types import outputs_from_proto
+    from loraplane.v1 import trainer_pb2
+
+    targets = np.arange(12, dtype=np.int64).reshape(4, 3) + 5
+    weights = np.linspace(0, 1, 12, dtype=np.float32).reshape(4, 3)
+    protos = [Datum([1, 2, 3, 4], {"target_tokens": t, "weights": w}).to_proto() for t, w in (
+        (targets, weights), (torch.from_numpy(targets), torch.from_numpy(weights)),
+        (TensorData.from_numpy(targets), TensorData.from_numpy(weights)))]
+    assert protos[0] == protos[1] == protos[2]
+    assert protos[0].targets_per_position == 3 and list(protos[0].target_tokens) == targets.reshape(-1).tolist()
+    assert list(protos[0].weights) == pytest.approx(weights.reshape(-1).tolist())
+    flat = Datum([1, 2, 3, 4], {"target_tokens": targets[:, 0]}).to_proto()
+    assert flat.targets_per_position == 0
+    k1 = Datum([1, 2, 3, 4], {"target_tokens": targets[:, :1]}).to_proto()
+    assert k1.targets_per_position == 1 and list(k1.target_tokens) == list(flat.target_tokens)
+
+    replies = [trainer_pb2.DatumOutput(logprobs=[-1.0] * 12, elementwise_loss=[1.0] * 4, targets_per_position=3),
+               trainer_pb2.DatumOutput(logprobs=[-1.0] * 4, elementwise_loss=[1.0] * 4, targets_per_position=1),
+               trainer_pb2.DatumOutput(logprobs=[-1.0] * 4, elementwise_loss=[1.0] * 4, targets_per_position=1)]
+    outs = outputs_from_proto(replies, [protos[0], k1, flat])
+    assert [o["logprobs"].shape for o in outs] == [[4, 3], [4, 1], [4]]
+    assert outs[0]["logprobs"].to_numpy().shape == (4, 3) and outs[0]["elementwise_loss"].shape == [4]
