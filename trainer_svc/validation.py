@@ -94,8 +94,7 @@ def _targets_per_position(k: int, loss: str, field: str, limit: int, backend: st
                               f"not {loss}", field=field)
     if k > limit:
         where = f"the {backend} backend" if backend else "this trainer"
-        hint = "; the torch backend supports soft targets" if limit == 1 else ""
-        raise InvalidArgument(f"{field}: {k} targets per position, {where} takes at most {limit}{hint}", field=field)
+        raise InvalidArgument(f"{field}: {k} targets per position, {where} takes at most {limit}", field=field)
     return k
 
 

@@ -169,7 +169,8 @@ def test_soft_target_validation_names_the_field():
     refused(DatumPayload(inputs, targets, (), [0.0] * n, [1.0] * n, targets_per_position=k), "data[0].target_tokens",
             ["only read by cross_entropy", "importance_sampling"], loss="importance_sampling")
     refused(DatumPayload(inputs, targets, weights, targets_per_position=k), "data[0].target_tokens",
-            ["megatron backend", "torch backend supports"], max_targets_per_position=1, backend="megatron")
+            ["3 targets per position", "megatron backend takes at most 2"], max_targets_per_position=2,
+            backend="megatron")
 
 
 def test_client_datum_sends_soft_targets_flat_with_k_and_reshapes_the_logprobs():
@@ -196,3 +197,30 @@ def test_client_datum_sends_soft_targets_flat_with_k_and_reshapes_the_logprobs()
     outs = outputs_from_proto(replies, [protos[0], k1, flat])
     assert [o["logprobs"].shape for o in outs] == [[4, 3], [4, 1], [4]]
     assert outs[0]["logprobs"].to_numpy().shape == (4, 3) and outs[0]["elementwise_loss"].shape == [4]
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 50), (5, 50), (1, 9, 17)])
+def test_megatron_target_logprob_with_k_columns_matches_float64(monkeypatch, shape):
+    """The megatron backend's chunked logprob function with [..., K] targets: values and gradients against
+    log_softmax(...).gather in float64, in several chunks, a repeated target in a row included."""
+    from trainer_svc.backends.megatron import model
+
+    monkeypatch.setattr(model, "LOGPROB_CHUNK_ELEMENTS", 120)  # several chunks, a ragged last one
+    k = 3
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, dtype=torch.float64, generator=g).mul_(3).requires_grad_(True)
+    targets = torch.randint(0, shape[-1], (*shape[:-1], k), generator=g)
+    targets.view(-1, k)[0, 1] = targets.view(-1, k)[0, 0]  # the same token twice: its gradients add up
+    weights = torch.randn(*shape[:-1], k, dtype=torch.float64, generator=g)
+    ref = torch.log_softmax(x, -1).gather(-1, targets)
+    (ref * weights).sum().backward()
+
+    xf = x.detach().float().requires_grad_(True)
+    out = model._TargetLogprob.apply(xf, targets)
+    (out * weights.float()).sum().backward()
+    assert out.dtype == torch.float32 and out.shape == targets.shape
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
+    torch.testing.assert_close(xf.grad.double(), x.grad, atol=2e-6, rtol=0)
+    # Each column's values are the 1-D function's, exactly.
+    for j in range(k):
+        assert torch.equal(out[..., j], model._TargetLogprob.apply(xf.detach(), targets[..., j].contiguous()))

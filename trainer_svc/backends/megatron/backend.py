@@ -132,9 +132,6 @@ class Driver:
 
 class MegatronBackend(TrainerBackend):
     name = "megatron"
-    # Soft targets (K > 1 per position) are not wired through the engine's packed batches yet: refused up front
-    # (INVALID_ARGUMENT naming target_tokens) rather than computed wrong.
-    max_targets_per_position = 1
     # The adapters' tensors live in the engine's sharded pool: the shared service keeps host bookkeeping only and
     # goes through export/load_training_state, is_resident, prefetch and delete_adapter (base.TrainerBackend).
     owns_adapter_tensors = True
@@ -178,8 +175,9 @@ class MegatronBackend(TrainerBackend):
                     datums.append({
                         "adapter": item.state.name,
                         "input_tokens": d.input_tokens.tolist(),
-                        "target_tokens": d.target_tokens.tolist(),
-                        "weights": None if d.weights is None else d.weights.tolist(),
+                        "target_tokens": d.target_tokens.reshape(-1).tolist(),
+                        "weights": None if d.weights is None else d.weights.reshape(-1).tolist(),
+                        "targets_per_position": d.targets_per_position,
                         "logprobs": None if d.logprobs is None else d.logprobs.tolist(),
                         "advantages": None if d.advantages is None else d.advantages.tolist(),
                     })
@@ -191,7 +189,7 @@ class MegatronBackend(TrainerBackend):
             loss_sum, tokens = 0.0, 0
             for d in item.data:
                 lp, el = result.logprobs[cursor], result.elementwise_loss[cursor]
-                outputs.append(DatumResult(lp, el))
+                outputs.append(DatumResult(lp, el, d.targets_per_position))
                 loss_sum += float(sum(el))
                 tokens += d.length
                 cursor += 1

@@ -130,10 +130,11 @@ class Slot:
 class DatumWork:
     adapter: str
     input_tokens: list[int]
-    target_tokens: list[int]
-    weights: list[float] | None = None
+    target_tokens: list[int]  # N values, or N * K row-major for K soft targets per position
+    weights: list[float] | None = None  # as target_tokens
     logprobs: list[float] | None = None
     advantages: list[float] | None = None
+    targets_per_position: int = 1
 
 
 @dataclass
@@ -370,9 +371,11 @@ class Engine:
         order = sorted(mine, key=lambda i: (list(slots).index(datums[i].adapter), i))
         lengths = [len(datums[i].input_tokens) for i in order]
         tokens = sum(lengths)
-        out_lp = torch.zeros(n, max(len(d.input_tokens) for d in datums) if n else 0, dtype=torch.float32,
+        # A datum's logprobs row holds its N * K values (K = 1 but for soft targets).
+        out_lp = torch.zeros(n, max(len(d.target_tokens) for d in datums) if n else 0, dtype=torch.float32,
                              device=self.device)
-        out_loss = torch.zeros_like(out_lp)
+        out_loss = torch.zeros(n, max(len(d.input_tokens) for d in datums) if n else 0, dtype=torch.float32,
+                               device=self.device)
         loss_by_adapter = torch.zeros(len(slots), dtype=torch.float64, device=self.device)
         placeholder = not tokens and self.ep > 1 and n > 0
         if placeholder:
@@ -396,7 +399,7 @@ class Engine:
         self.stats.update(self.lora.expert_gemms)
         lp_cpu, loss_cpu = out_lp.cpu(), out_loss.cpu()
         return BatchResult(
-            logprobs=[lp_cpu[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)],
+            logprobs=[lp_cpu[i, : len(d.target_tokens)].tolist() for i, d in enumerate(datums)],
             elementwise_loss=[loss_cpu[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)],
             loss_sum_by_adapter={name: float(v) for name, v in zip(slots, loss_by_adapter.cpu().tolist())},
         )
@@ -447,9 +450,12 @@ class Engine:
         if placeholder:
             ids = tgt = torch.zeros(1, dtype=torch.long)
             lengths, offsets, tokens = [1], [0, 1], 1
-        else:
+        elif max(datums[i].targets_per_position for i in chunk) == 1:
             ids = torch.tensor([t for i in chunk for t in datums[i].input_tokens], dtype=torch.long)
             tgt = torch.tensor([t for i in chunk for t in datums[i].target_tokens], dtype=torch.long)
+        else:
+            ids = torch.tensor([t for i in chunk for t in datums[i].input_tokens], dtype=torch.long)
+            tgt = self._wide_targets([datums[i] for i in chunk])
         ids = ids.to(self.device, non_blocking=True)
         tgt = tgt.to(self.device, non_blocking=True)
         segments, row = [], 0
@@ -470,21 +476,27 @@ class Engine:
         with torch.set_grad_enabled(backward), self.lora.route(segments, tokens) as routing:
             self.stats[f"lora_{routing.mode}"] = self.stats.get(f"lora_{routing.mode}", 0) + 1
             logits = forward_logits(self.model, ids, lengths)  # [1, T, V/TP]
-            lp_all = target_logprobs(logits, tgt[None])[0]  # [T] fp32
+            lp_all = target_logprobs(logits, tgt[None])[0]  # [T] fp32 ([T, Kmax] with soft targets)
             total = lp_all.new_zeros(())
             for k, i in enumerate(chunk):
                 d = datums[i]
                 length = lengths[k]
                 lp = lp_all[offsets[k] : offsets[k] + length]
+                width = d.targets_per_position
+                if lp.dim() == 2:
+                    lp = lp[:, 0] if width == 1 else lp[:, :width]
                 name, lname, lcfg = routes[i] if routes is not None else (d.adapter, loss_fn, loss_cfg)
 
                 def opt(values):
                     return None if values is None else torch.tensor(values, dtype=torch.float32, device=self.device)
 
+                weights = opt(d.weights)
+                if width > 1 and weights is not None:
+                    weights = weights.view(length, width)
                 per_token = loss_lib.elementwise_loss(
-                    lname, lcfg, lp, weights=opt(d.weights), q=opt(d.logprobs), advantages=opt(d.advantages)
+                    lname, lcfg, lp, weights=weights, q=opt(d.logprobs), advantages=opt(d.advantages)
                 )
-                out_lp[i, :length] = lp.detach()
+                out_lp[i, : length * width] = lp.detach().reshape(-1)
                 out_loss[i, :length] = per_token.detach()
                 loss_by_adapter[list(slots).index(name)] += per_token.detach().double().sum()
                 total = total + per_token.sum()
@@ -493,6 +505,17 @@ class Engine:
         if backward and total.requires_grad:
             total.backward()
             routing.accumulate_grads()
+
+    @staticmethod
+    def _wide_targets(datums: list[DatumWork]) -> torch.Tensor:
+        """[T, Kmax] targets of a packed row with soft targets: a datum's K columns, then padding (column 0 of a
+        1-D datum repeated, token 0 after a shorter K) that no loss reads."""
+        width = max(d.targets_per_position for d in datums)
+        rows = []
+        for d in datums:
+            t = torch.tensor(d.target_tokens, dtype=torch.long).view(len(d.input_tokens), -1)
+            rows.append(t.expand(-1, width) if t.shape[1] == 1 else torch.nn.functional.pad(t, (0, width - t.shape[1])))
+        return torch.cat(rows)
 
     def _grad_regions(self, s: Slot) -> list[tuple[torch.Tensor, int, object, int]]:
         """(gradient region, reduction group size, group, this rank's index in it): the dense classes over the

@@ -363,9 +363,14 @@ def forward_logits(model, input_ids: torch.Tensor, lengths: list[int] | None = N
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token log p(target) in fp32 from vocab-sharded logits; the full vocabulary is never gathered."""
+    """Per-token log p(target) in fp32 from vocab-sharded logits; the full vocabulary is never gathered.
+    ``targets`` is ``[b, s]``, or ``[b, s, K]`` for K soft targets per position (then the result is too)."""
     if _tp_size() == 1:
         return _TargetLogprob.apply(logits, targets)
+    if targets.dim() == logits.dim():
+        # One vocab-parallel pass per target column: each is the 1-D computation, exactly (soft targets are rare
+        # and K small; a fused K-column vocab-parallel kernel is not worth its own reduction code).
+        return torch.stack([target_logprobs(logits, targets[..., k]) for k in range(targets.shape[-1])], -1)
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     # [b, s, V/TP] → [s, b, V/TP] as the function expects; a fresh fp32 copy because it works in place.
@@ -392,11 +397,13 @@ class _TargetLogprob(torch.autograd.Function):
     def forward(ctx, logits, targets):
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)
-        tgt = targets.reshape(-1)
+        # Soft targets ([..., K]: K columns per row) take the eager chunk functions; the compiled ones are 1-D.
+        wide = targets.dim() == logits.dim()
+        tgt = targets.reshape(flat.shape[0], -1) if wide else targets.reshape(-1)
         rows = max(1, LOGPROB_CHUNK_ELEMENTS // vocab)
         lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        fn = _kernels(logits.device)[0]
+        out = torch.empty(tgt.shape, dtype=torch.float32, device=logits.device)
+        fn = _lse_and_target if wide else _kernels(logits.device)[0]
         for i in range(0, flat.shape[0], rows):
             lse[i : i + rows], out[i : i + rows] = fn(flat[i : i + rows], tgt[i : i + rows])
         ctx.save_for_backward(logits, targets, lse)
@@ -406,6 +413,8 @@ class _TargetLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         logits, targets, lse = ctx.saved_tensors
+        if targets.dim() == logits.dim():
+            return _TargetLogprob._backward_wide(logits, targets, lse, grad_out), None
         if logits.dim() != 3:
             return _TargetLogprob._backward_rows(logits, targets, lse, grad_out), None
         # The gradient is built in [s, b, V] order and handed back as its [b, s, V] transpose: megatron's logits
@@ -425,6 +434,31 @@ class _TargetLogprob(torch.autograd.Function):
         return grad.transpose(0, 1), None
 
     @staticmethod
+    def _backward_wide(logits, targets, lse, grad_out):
+        """Soft targets: per row, g scattered onto its K targets minus (sum_k g_k) * softmax, eagerly; for
+        [b, s, V] logits built in [s, b, V] order as in :meth:`backward`."""
+        vocab = logits.shape[-1]
+        if logits.dim() == 3:
+            b, s, _ = logits.shape
+            x, tgt, lse_r, g = (logits.transpose(0, 1), targets.transpose(0, 1), lse.view(b, s).t(),
+                                grad_out.float().transpose(0, 1))
+            grad = torch.empty((s, b, vocab), dtype=logits.dtype, device=logits.device)
+            step = max(1, LOGPROB_CHUNK_ELEMENTS // (b * vocab))
+            for i in range(0, s, step):
+                grad[i : i + step] = _logprob_grad_eager(x[i : i + step], lse_r[i : i + step], g[i : i + step],
+                                                         tgt[i : i + step])
+            return grad.transpose(0, 1)
+        flat = logits.reshape(-1, vocab)
+        tgt = targets.reshape(flat.shape[0], -1)
+        g = grad_out.reshape(flat.shape[0], -1).float()
+        grad = torch.empty_like(flat)
+        rows = max(1, LOGPROB_CHUNK_ELEMENTS // vocab)
+        for i in range(0, flat.shape[0], rows):
+            grad[i : i + rows] = _logprob_grad_eager(flat[i : i + rows], lse[i : i + rows], g[i : i + rows],
+                                                     tgt[i : i + rows])
+        return grad.view(logits.shape)
+
+    @staticmethod
     def _backward_rows(logits, targets, lse, grad_out):
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)
@@ -439,14 +473,23 @@ class _TargetLogprob(torch.autograd.Function):
 
 
 def _lse_and_target(x: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logsumexp, x[target] - logsumexp) in fp32 over the last dim of a chunk of logits."""
+    """(logsumexp, x[target] - logsumexp) in fp32 over the last dim of a chunk of logits; ``tgt`` one target per
+    row, or ``[rows, K]`` (soft targets: K logprobs per row)."""
     xf = x.float()
     lse = torch.logsumexp(xf, dim=-1)
+    if tgt.dim() == x.dim():
+        return lse, xf.gather(-1, tgt) - lse.unsqueeze(-1)
     return lse, xf.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
 
 
 def _logprob_grad_eager(x, lse, g, tgt):
+    """d(sum g * logprob)/dx: g on each row's target minus g * softmax; with ``[..., K]`` targets and gradients,
+    each g_k onto its target (scatter_add: repeated targets add up) minus (sum_k g_k) * softmax."""
     p = torch.exp(x.float() - lse.unsqueeze(-1))
+    if tgt.dim() == x.dim():
+        p.mul_(-g.sum(-1, keepdim=True))
+        p.scatter_add_(-1, tgt, g)
+        return p.to(x.dtype)
     gi = g.unsqueeze(-1)
     p.mul_(-gi)
     p.scatter_add_(-1, tgt.unsqueeze(-1), gi)
