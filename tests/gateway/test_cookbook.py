@@ -133,3 +133,65 @@ def test_math_rl_arithmetic_sync_and_async_with_the_default_loss(cookbook, tmp_p
         if name == "async":  # it really trained on samples of older weights
             assert max(m.get("async/staleness_max", 0) for m in trained) >= 1, trained
     assert stability_stats(cluster)["hits"] > hits_before
+
+
+def run_recipe(module: str, log_path: Path, base_url: str, env: dict[str, str], *args: str,
+               cwd: str | None = None) -> subprocess.Popen:
+    """Any cookbook RL recipe by module, configured only by its own command-line keys."""
+    return subprocess.Popen(
+        [sys.executable, "-m", f"tinker_cookbook.recipes.{module}", f"model_name={COOKBOOK_MODEL}",
+         f"log_path={log_path}", *args],
+        env={**os.environ, **env, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": "tml-cookbook",
+             "TINKER_TELEMETRY": "0"},
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def trained_steps(log_path: Path) -> list[dict]:
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line]
+    return [m for m in metrics if "env/all/reward/total" in m]
+
+
+def wait_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
+    try:
+        for name, proc in procs.items():
+            output = proc.communicate(timeout=timeout)[0]
+            assert proc.returncode == 0, f"{name} failed:\n{output[-4000:]}"
+    finally:  # one failure must not leave the others running past the cluster
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_data_free_rl_recipes_train_with_their_default_losses(cookbook, tmp_path):
+    """The RL recipes whose defaults need no second model and no download beyond the GSM8K rows cookbook_env
+    caches, each a few steps with its default loss (stable_reinforce, rl/train.py's Config default): the
+    multi-turn guess_number game, preference/shorter (pairwise self-play judged by a length rule, post-KL
+    computed) and math_rl env=gsm8k (GSM8K, graded by sympy). Recipes whose default renderer is a
+    Qwen one get the table's renderer for the served Llama name (configuration, not code)."""
+    cluster, env = cookbook
+    hits_before = stability_stats(cluster)["hits"]
+    runs = {
+        "multiplayer_rl.guess_number.train": (
+            "renderer_name=role_colon", "batch_size=1", "group_size=2", "max_tokens=4", "eval_every=0",
+            "save_every=0", "max_steps=2"),
+        "preference.shorter.train": (
+            "renderer_name=role_colon", "batch_size=1", "group_size=2", "max_tokens=4", "eval_every=0",
+            "max_steps=2"),
+        "math_rl.train": (
+            "env=gsm8k", "group_size=2", "groups_per_batch=2", "max_tokens=4", "eval_every=0", "save_every=0",
+            "lora_rank=4", "max_steps=2"),
+    }
+    logs = {name: tmp_path / name.split(".")[0] for name in runs}
+    wait_all({name: run_recipe(name, logs[name], cluster.base_url, env, *args) for name, args in runs.items()},
+             timeout=300)
+    for name, log in logs.items():
+        steps = trained_steps(log)
+        assert len(steps) == 2, (name, steps)
+        for m in steps:
+            assert np.isfinite(m["env/all/reward/total"]) and m["tokens/trained"] > 0, (name, m)
+    # shorter computes the KL to the sampling policy after each step (compute_post_kl=True, train.py:70).
+    assert all(np.isfinite(m["kl_pre_post_v2"]) for m in trained_steps(logs["preference.shorter.train"]))
+    # guess_number is multi-turn: a random policy never parses, so every episode runs all its turns.
+    assert all(m["env/all/turns_per_episode"] > 1 for m in trained_steps(logs["multiplayer_rl.guess_number.train"]))
+    assert stability_stats(cluster)["hits"] > hits_before
