@@ -160,3 +160,40 @@ def test_the_sdk_reads_mixed_1d_and_2d_logprobs():
     assert shapes == [[2], [2, 2], [1, 2], [1, 1]]
     assert out.loss_fn_outputs[1]["logprobs"].to_numpy().tolist() == [[-1.0, -2.0], [-3.0, -4.0]]
     assert [list(o["elementwise_loss"].shape) for o in out.loss_fn_outputs] == [[2], [2], [1], [1]]
+
+
+def test_the_cookbooks_sdft_topk_datums_train_unmodified(service):
+    """tinker-cookbook 0.6.1's own SDFT datum builder (teacher top-K from topk_prompt_logprobs, renormalized into
+    (N, K) target_tokens / weights) against the gateway. The teacher is the base model with the student's own
+    prompt and the student a fresh adapter (B = 0, so the base model too): at every completion position the
+    student's logprobs of the K teacher tokens, renormalized over them, are the teacher's weights."""
+    import asyncio
+
+    from tinker_cookbook.distillation.sdft import build_topk_distillation_datums
+
+    topk = 4
+    training = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+    teacher = service.create_sampling_client(base_model="tiny").result()
+    prompt, completion = list(range(30, 40)), [50, 61, 72, 83, 94, 105]
+    full = prompt + completion
+    mask = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
+    rollout = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={
+        "target_tokens": full[1:], "mask": types.TensorData.from_numpy(np.asarray(mask, np.float32))})
+    datums, metrics = asyncio.run(build_topk_distillation_datums(
+        [rollout], [{"group_idx": 0}], teacher, [types.ModelInput.from_ints(prompt)], topk=topk,
+        skip_first_n_tokens=0))
+    assert metrics["sdft/total_completion_tokens"] == len(completion)
+    weights = datums[0].loss_fn_inputs["weights"].to_numpy()
+    assert weights.shape == (len(full) - 1, topk)
+
+    result = training.forward_backward(datums, "cross_entropy").result()
+    logprobs = result.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert logprobs.shape == weights.shape
+    rows = weights.sum(1) > 0
+    assert rows.sum() == len(completion)
+    renormalized = logprobs[rows] - np.log(np.exp(logprobs[rows].astype(np.float64)).sum(1, keepdims=True))
+    np.testing.assert_allclose(renormalized, np.log(weights[rows]), atol=2e-4)
+    assert result.metrics["loss:sum"] == pytest.approx(float(-(weights * logprobs).sum()), rel=1e-5)
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    after = training.forward(datums, "cross_entropy").result()
+    assert after.metrics["loss:sum"] < result.metrics["loss:sum"]
