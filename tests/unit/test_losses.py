@@ -10,29 +10,16 @@ import pytest
 import torch
 
 from loraplane.errors import InvalidArgument
-from loraplane.lora import AdapterTensors, LoraSpec, lora_routing
+from loraplane.lora import AdapterTensors, lora_routing
+from tests.fixtures.adapters import make_state
 from trainer_svc.backends.base import BatchItem, DatumInput
 from trainer_svc.backends.torch_backend import TorchBackend
 from trainer_svc.losses import resolve_loss
-from trainer_svc.pool import AdapterState
 
 
 @pytest.fixture(scope="module")
 def backend():
     return TorchBackend("tiny")
-
-
-def make_state(backend, seed: int) -> AdapterState:
-    spec = LoraSpec.create(4, 8, seed=seed)
-    params = backend.init_params(spec)
-    generator = torch.Generator().manual_seed(seed)
-    for key, tensor in params.items():
-        if key.endswith("lora_B.weight"):
-            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.2)
-        tensor.requires_grad_(True)
-    zeros = {k: torch.zeros_like(v) for k, v in params.items()}
-    return AdapterState(name=f"s{seed}", spec=spec, base_model="tiny", params=params, exp_avg=zeros,
-                        exp_avg_sq=dict(zeros))
 
 
 def make_data(seed: int, lengths=(6, 11)) -> list[DatumInput]:
