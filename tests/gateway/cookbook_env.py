@@ -6,7 +6,8 @@ Llama-3 vocabulary) and load their tokenizer and datasets from the Hugging Face 
 - a small random-weight Llama model with that vocabulary (a local HF directory the trainer and sampler serve,
   named `meta-llama/Llama-3.2-1B` by the gateway);
 - an HF_HOME with the tokenizer under the repo the cookbook asks for and the recipes' datasets (no_robots,
-  gsm8k) in the processed `datasets` cache, made from a few rows of our own."""
+  gsm8k, math_rl's MATH / MATH-500 / Polaris / DeepMath) in the processed
+  `datasets` cache, made from a few rows of our own, in each dataset's own columns."""
 
 from __future__ import annotations
 
@@ -76,7 +77,26 @@ def hf_home(root: Path, tokenizer_dir: Path) -> Path:
         (repo / ".no_exist" / _REVISION / "config.json").write_text("")
     _cached_dataset(home, "HuggingFaceH4/no_robots", "default", _no_robots_rows())
     _cached_dataset(home, "openai/gsm8k", "main", _gsm8k_rows())
+    math_rows = _math_rows()
+    # Offline, math_env's get_dataset_config_names("EleutherAI/hendrycks_math") answers ["default"], so the
+    # subject configs (algebra, ...) are one config of that name here.
+    _cached_dataset(home, "EleutherAI/hendrycks_math", "default", {"train": math_rows, "test": math_rows[:2]})
+    _cached_dataset(home, "HuggingFaceH4/MATH-500", "default", {"test": math_rows[-2:]})
+    _cached_dataset(home, "POLARIS-Project/Polaris-Dataset-53K", "default", {"train": [
+        {"problem": r["problem"], "answer": str(a + b)} for r, (a, b) in zip(math_rows, _PAIRS, strict=True)]})
+    _cached_dataset(home, "zwhe99/DeepMath-103K", "default", {"train": [
+        {"question": r["problem"], "final_answer": str(a + b), "difficulty": 1.0}
+        for r, (a, b) in zip(math_rows, _PAIRS, strict=True)]})
     return home
+
+
+_PAIRS = [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3)]
+
+
+def _math_rows() -> list[dict]:
+    """Rows in the MATH columns (the answer is the \\boxed{} of the solution)."""
+    return [{"problem": f"Compute ${a} + {b}$.", "level": "Level 1", "type": "Algebra",
+             "solution": f"${a} + {b} = \\boxed{{{a + b}}}$."} for a, b in _PAIRS]
 
 
 def _no_robots_rows() -> dict[str, list[dict]]:
@@ -97,8 +117,10 @@ def _gsm8k_rows() -> dict[str, list[dict]]:
 def _cached_dataset(home: Path, repo: str, config: str, splits: dict[str, list[dict]]) -> None:
     """The processed datasets cache `load_dataset(repo, config)` reads offline, written by datasets itself."""
     import datasets
+    from datasets.naming import camelcase_to_snakecase
 
     namespace, name = repo.split("/")
+    name = camelcase_to_snakecase(name)  # how the cache spells a repo's directory and files (MATH-500: math-500)
     target = home / "datasets" / f"{namespace}___{name}" / config / "0.0.0" / "0123456789abcdef"
     if target.exists():
         return

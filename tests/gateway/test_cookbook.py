@@ -195,3 +195,24 @@ def test_data_free_rl_recipes_train_with_their_default_losses(cookbook, tmp_path
     # guess_number is multi-turn: a random policy never parses, so every episode runs all its turns.
     assert all(m["env/all/turns_per_episode"] > 1 for m in trained_steps(logs["multiplayer_rl.guess_number.train"]))
     assert stability_stats(cluster)["hits"] > hits_before
+
+
+def test_rl_recipes_on_locally_cached_data(cookbook, tmp_path):
+    """The recipes whose only outside need is a Hugging Face dataset, on a few rows of our own in each dataset's
+    columns (cookbook_env.py): math_rl env=math (Hendrycks MATH less MATH-500), env=polaris and env=deepmath, with
+    the default loss stable_reinforce."""
+    cluster, env = cookbook
+    hits_before = stability_stats(cluster)["hits"]
+    math_args = ("group_size=2", "groups_per_batch=2", "max_tokens=4", "eval_every=0", "save_every=0",
+                 "lora_rank=4", "max_steps=2", "behavior_if_log_dir_exists=delete")
+    runs = {f"math_rl.train env={name}": ("math_rl.train", f"env={name}", *math_args)
+            for name in ("math", "polaris", "deepmath")}
+    logs = {name: tmp_path / name.replace(" ", "_").replace("=", "_") for name in runs}
+    wait_all({name: run_recipe(args[0], logs[name], cluster.base_url, env, *args[1:]) for name, args in runs.items()},
+             timeout=300)
+    for name, log in logs.items():
+        steps = trained_steps(log)
+        assert len(steps) == 2, (name, steps)
+        for m in steps:
+            assert np.isfinite(m["env/all/reward/total"]) and m["tokens/trained"] > 0, (name, m)
+    assert stability_stats(cluster)["hits"] > hits_before
