@@ -99,6 +99,28 @@ def _math_rows() -> list[dict]:
              "solution": f"${a} + {b} = \\boxed{{{a + b}}}$."} for a, b in _PAIRS]
 
 
+def prophet_arena_csv(path: Path) -> Path:
+    """A CSV in the Prophet Arena columns forecasting's data_path reads: six resolved binary markets, four closing
+    before its default split date (2025-10-20, training) and two opening after it (validation)."""
+    import csv
+
+    with path.open("w", newline="", encoding="utf-8") as out:
+        writer = csv.DictWriter(out, fieldnames=["submission_id", "event_ticker", "title", "snapshot_time",
+                                                 "close_time", "market_outcome", "category", "markets", "sources"])
+        writer.writeheader()
+        for i in range(6):
+            month = 9 if i < 4 else 11
+            market = f"The river floods more than {i} times"
+            writer.writerow({
+                "submission_id": f"s{i}", "event_ticker": f"EV{i}", "title": f"River floods, round {i}",
+                "snapshot_time": f"2025-{month:02d}-0{i + 1}T00:00:00Z",
+                "close_time": f"2025-{month:02d}-1{i + 1}T00:00:00Z",
+                "market_outcome": json.dumps({market: i % 2}), "category": "Weather",
+                "markets": json.dumps([market]),
+                "sources": json.dumps([{"title": "Gauge report", "summary": f"The gauge read {i} meters."}])})
+    return path
+
+
 def _no_robots_rows() -> dict[str, list[dict]]:
     rows = []
     for i in range(16):

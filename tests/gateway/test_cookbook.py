@@ -22,7 +22,7 @@ from gateway_svc.store import Store
 from loraplane import auth
 from loraplane.v1 import common_pb2
 from tests.gateway.conftest import start_cluster, stop_cluster
-from tests.gateway.cookbook_env import COOKBOOK_MODEL, prepare
+from tests.gateway.cookbook_env import COOKBOOK_MODEL, prepare, prophet_arena_csv
 
 pytest.importorskip("tinker_cookbook")
 
@@ -216,3 +216,22 @@ def test_rl_recipes_on_locally_cached_data(cookbook, tmp_path):
         for m in steps:
             assert np.isfinite(m["env/all/reward/total"]) and m["tokens/trained"] > 0, (name, m)
     assert stability_stats(cluster)["hits"] > hits_before
+
+
+def test_forecasting_on_a_local_prophet_arena_csv(cookbook, tmp_path):
+    """forecasting (Brier reward on resolved markets, default loss importance_sampling) on a CSV of our own in
+    the Prophet Arena columns, passed by its data_path key: it trains, evaluates the validation markets at
+    step 0 (eval_every) and again from the final saved sampler checkpoint."""
+    cluster, env = cookbook
+    log = tmp_path / "forecasting"
+    wait_all({"forecasting": run_recipe(
+        "forecasting.train", log, cluster.base_url, env, f"data_path={prophet_arena_csv(tmp_path / 'pa.csv')}",
+        "renderer_name=role_colon", "group_size=2", "groups_per_batch=2", "validation_group_size=1",
+        "max_tokens=8", "lora_rank=4", "max_steps=2")}, timeout=300)
+    steps = trained_steps(log)
+    assert len(steps) == 2, steps
+    for m in steps:
+        assert np.isfinite(m["env/all/reward/total"]) and m["tokens/trained"] > 0, m
+    metrics = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines() if line]
+    evaluated = [m["step"] for m in metrics if "test/env/all/brier_reward" in m]
+    assert evaluated == [0, 2], evaluated
