@@ -6,7 +6,7 @@ Llama-3 vocabulary) and load their tokenizer and datasets from the Hugging Face 
 - a small random-weight Llama model with that vocabulary (a local HF directory the trainer and sampler serve,
   named `meta-llama/Llama-3.2-1B` by the gateway);
 - an HF_HOME with the tokenizer under the repo the cookbook asks for and the recipes' datasets (no_robots,
-  gsm8k, math_rl's MATH / MATH-500 / Polaris / DeepMath) in the processed
+  gsm8k, math_rl's MATH / MATH-500 / Polaris / DeepMath, Anthropic hh-rlhf) in the processed
   `datasets` cache, made from a few rows of our own, in each dataset's own columns."""
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ def hf_home(root: Path, tokenizer_dir: Path) -> Path:
     _cached_dataset(home, "zwhe99/DeepMath-103K", "default", {"train": [
         {"question": r["problem"], "final_answer": str(a + b), "difficulty": 1.0}
         for r, (a, b) in zip(math_rows, _PAIRS, strict=True)]})
+    hh = [{"chosen": f"\n\nHuman: What is {a} plus {b}?\n\nAssistant: It is {a + b}.",
+           "rejected": f"\n\nHuman: What is {a} plus {b}?\n\nAssistant: No idea, go away."} for a, b in _PAIRS]
+    _cached_dataset(home, "Anthropic/hh-rlhf", "default", {"train": hh, "test": hh[:4]})
     return home
 
 

@@ -235,3 +235,35 @@ def test_forecasting_on_a_local_prophet_arena_csv(cookbook, tmp_path):
     metrics = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines() if line]
     evaluated = [m["step"] for m in metrics if "test/env/all/brier_reward" in m]
     assert evaluated == [0, 2], evaluated
+
+
+def test_rlhf_pipeline_sft_reward_model_and_rl_against_it(cookbook, tmp_path):
+    """preference/rlhf: SFT on NoRobots, a reward model trained on hh-rlhf comparisons (a second LoRA of the same
+    base), then RL from the SFT state against that reward model (default loss stable_reinforce), all three
+    stages in one unmodified run, on our cached rows; its logs go under TINKER_COOKBOOK_RUNS_DIR."""
+    cluster, env = cookbook
+    runs_dir = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tinker_cookbook.recipes.preference.rlhf.rlhf_pipeline",
+         f"base_model={COOKBOOK_MODEL}", "short_name=tiny", "batch_size=2", "lora_rank=4", "max_length=256",
+         "rl_group_size=2", "rl_max_tokens=4", "eval_every=0", "save_every=0", "max_steps=2",
+         "num_groups_to_log=1"],
+        env={**os.environ, **env, "TINKER_BASE_URL": cluster.base_url, "TINKER_API_KEY": "tml-cookbook",
+             "TINKER_TELEMETRY": "0", "TINKER_COOKBOOK_RUNS_DIR": str(runs_dir)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_all({"rlhf": proc}, timeout=300)
+    root = runs_dir / "rlhf-tiny"
+    for stage in ("sft", "rm"):
+        metrics = [json.loads(line) for line in (root / stage / "metrics.jsonl").read_text().splitlines() if line]
+        assert len([m for m in metrics if "train_mean_nll" in m]) == 2, (stage, metrics)
+    steps = trained_steps(root / "rl")
+    assert len(steps) == 2, steps
+    for m in steps:
+        assert np.isfinite(m["env/all/reward/total"]) and m["tokens/trained"] > 0, m
+    # The RL stage started from the SFT stage's saved state, and each step's pairwise matchups were scored by
+    # sampling the RM stage's saved sampler weights (the recipe's own logtree of the step).
+    config = json.loads((root / "rl" / "config.json").read_text())
+    assert config["load_checkpoint_path"] == checkpoints(root / "sft")[-1]["state_path"]
+    assert checkpoints(root / "rm")[-1]["sampler_path"] in (root / "rl" / "config.json").read_text()
+    for step in (0, 1):
+        assert "Matchup 0: (0 vs 1)" in (root / "rl" / f"iteration_{step:06d}" / "train.html").read_text()
