@@ -165,9 +165,9 @@ def wait_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
 
 def test_data_free_rl_recipes_train_with_their_default_losses(cookbook, tmp_path):
     """The RL recipes whose defaults need no second model and no download beyond the GSM8K rows cookbook_env
-    caches, each a few steps with its default loss (stable_reinforce, rl/train.py's Config default): the
-    multi-turn guess_number game, preference/shorter (pairwise self-play judged by a length rule, post-KL
-    computed) and math_rl env=gsm8k (GSM8K, graded by sympy). Recipes whose default renderer is a
+    caches, each a few steps with its default loss: the multi-turn guess_number game and preference/shorter
+    (pairwise self-play judged by a length rule, post-KL computed) with importance_sampling (rl/train.py's Config
+    default; their train.py set none), math_rl env=gsm8k (graded by sympy) with stable_reinforce. Recipes whose default renderer is a
     Qwen one get the table's renderer for the served Llama name (configuration, not code)."""
     cluster, env = cookbook
     hits_before = stability_stats(cluster)["hits"]
@@ -194,7 +194,7 @@ def test_data_free_rl_recipes_train_with_their_default_losses(cookbook, tmp_path
     assert all(np.isfinite(m["kl_pre_post_v2"]) for m in trained_steps(logs["preference.shorter.train"]))
     # guess_number is multi-turn: a random policy never parses, so every episode runs all its turns.
     assert all(m["env/all/turns_per_episode"] > 1 for m in trained_steps(logs["multiplayer_rl.guess_number.train"]))
-    assert stability_stats(cluster)["hits"] > hits_before
+    assert stability_stats(cluster)["hits"] > hits_before  # math_rl trained on recorded sequences
 
 
 def test_rl_recipes_on_locally_cached_data(cookbook, tmp_path):
@@ -239,7 +239,7 @@ def test_forecasting_on_a_local_prophet_arena_csv(cookbook, tmp_path):
 
 def test_rlhf_pipeline_sft_reward_model_and_rl_against_it(cookbook, tmp_path):
     """preference/rlhf: SFT on NoRobots, a reward model trained on hh-rlhf comparisons (a second LoRA of the same
-    base), then RL from the SFT state against that reward model (default loss stable_reinforce), all three
+    base), then RL from the SFT state against that reward model (default loss importance_sampling), all three
     stages in one unmodified run, on our cached rows; its logs go under TINKER_COOKBOOK_RUNS_DIR."""
     cluster, env = cookbook
     runs_dir = tmp_path / "runs"
