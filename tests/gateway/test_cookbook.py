@@ -1,7 +1,10 @@
 """tinker-cookbook 0.6.1 recipes, unmodified, against the gateway: `recipes.sl_loop` (supervised, NoRobots) and
 `recipes.rl_loop` (GRPO-style RL on GSM8K, its default loss stable_reinforce) run at once, each as its own process,
 and `recipes.math_rl` (env=arithmetic, default loss stable_reinforce) synchronously and in its async mode
-(max_steps_off_policy=1), all configured only by command-line keys and environment variables. The served model is a small random Llama with the Llama-3 vocabulary, offered
+(max_steps_off_policy=1); then every other RL recipe whose default needs no second model, external service or
+uninstalled package (docs/tinker.md, "The cookbook's RL recipes"): guess_number, preference/shorter, math_rl's
+dataset envs, forecasting and the rlhf pipeline; all configured only by command-line keys and environment
+variables. The served model is a small random Llama with the Llama-3 vocabulary, offered
 under the cookbook's smallest table name (meta-llama/Llama-3.2-1B); tokenizer and datasets come from a prepared
 offline HF cache (cookbook_env.py)."""
 
