@@ -166,6 +166,15 @@ def wait_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
                 proc.wait()
 
 
+def assert_trained(logs: dict, count: int) -> None:
+    """Each recipe's metrics.jsonl records `count` trained steps, each with a finite reward and trained tokens."""
+    for name, log in logs.items():
+        steps = trained_steps(log)
+        assert len(steps) == count, (name, steps)
+        for m in steps:
+            assert np.isfinite(m["env/all/reward/total"]) and m["tokens/trained"] > 0, (name, m)
+
+
 def test_data_free_rl_recipes_train_with_their_default_losses(cookbook, tmp_path):
     """The RL recipes whose defaults need no second model and no download beyond the GSM8K rows cookbook_env
     caches, each a few steps with its default loss: the multi-turn guess_number game and preference/shorter
@@ -188,11 +197,7 @@ def test_data_free_rl_recipes_train_with_their_default_losses(cookbook, tmp_path
     logs = {name: tmp_path / name.split(".")[0] for name in runs}
     wait_all({name: run_recipe(name, logs[name], cluster.base_url, env, *args) for name, args in runs.items()},
              timeout=300)
-    for name, log in logs.items():
-        steps = trained_steps(log)
-        assert len(steps) == 2, (name, steps)
-        for m in steps:
-            assert np.isfinite(m["env/all/reward/total"]) and m["tokens/trained"] > 0, (name, m)
+    assert_trained(logs, 2)
     # shorter computes the KL to the sampling policy after each step (compute_post_kl=True, train.py:70).
     assert all(np.isfinite(m["kl_pre_post_v2"]) for m in trained_steps(logs["preference.shorter.train"]))
     # guess_number is multi-turn: a random policy never parses, so every episode runs all its turns.
@@ -213,11 +218,7 @@ def test_rl_recipes_on_locally_cached_data(cookbook, tmp_path):
     logs = {name: tmp_path / name.replace(" ", "_").replace("=", "_") for name in runs}
     wait_all({name: run_recipe(args[0], logs[name], cluster.base_url, env, *args[1:]) for name, args in runs.items()},
              timeout=300)
-    for name, log in logs.items():
-        steps = trained_steps(log)
-        assert len(steps) == 2, (name, steps)
-        for m in steps:
-            assert np.isfinite(m["env/all/reward/total"]) and m["tokens/trained"] > 0, (name, m)
+    assert_trained(logs, 2)
     assert stability_stats(cluster)["hits"] > hits_before
 
 
