@@ -362,6 +362,27 @@ def _ms(row: dict, path: str, metric: str) -> str:
     return f"{row[path][metric]:.1f}" if metric in row[path] else "-"
 
 
+async def raw2_placement(engine: SGLangEngine) -> tuple[dict[str, list[str]], list[str]]:
+    """The adapter versions each SGLang server holds (its own /v1/models list), printed, and the adapters not on
+    the server raw2 sends them to (adapter i -> server i % servers)."""
+    placement: dict[str, list[str]] = {}
+    for server in engine.servers:
+        status, body = await engine._request(server, "/v1/models", timeout=30)
+        placement[server.url] = sorted(m.get("id", "") for m in (body or {}).get("data", [])
+                                       if m.get("parent")) if status == 200 and isinstance(body, dict) else []
+    print(f"adapter versions per SGLang server: {json.dumps(placement)}", flush=True)
+    urls = [server.url for server in engine.servers]
+    return placement, [key_of(i) for i in range(ADAPTERS) if key_of(i) not in placement.get(urls[i % len(urls)], [])]
+
+
+async def warm_up(on_worker, workers: dict[str, Worker], fresh, mix: Mix) -> None:
+    """Every adapter through every path, unary and streamed, before anything is timed."""
+    for path in workers:
+        for op in ("unary", "stream"):
+            await on_worker(path, {"op": op, "concurrency": 2 * ADAPTERS, "max_tokens": 8,
+                                   "requests": worker_requests(fresh(2 * ADAPTERS), mix)})
+
+
 async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], two: tuple[str, int]) -> dict:
     """`one` / `two`: (address, pid) of the sampler with the GPU 0 server / with both. Per concurrency, Sample
     (tokens/s) and streams (tokens/s, TTFT, ITL) through bare stubs, raw SGLang on GPU 0 and raw SGLang over both
@@ -380,7 +401,6 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
     fresh = prompt_maker(rng, vocab, args.prompt_len)
 
     rows = []
-    placement: dict[str, list[str]] = {}
     try:
         # The two-server sampler places each version on the server with fewer of its versions when the load starts;
         # loads that run side by side all see the same counts (and would all land on GPU 0), so the first request of
@@ -388,20 +408,12 @@ async def measure_two_servers(args, engine: SGLangEngine, one: tuple[str, int], 
         await on_worker("two", {"op": "unary", "concurrency": 1, "max_tokens": 4,
                                 "requests": worker_requests(fresh(ADAPTERS), mix)})
         # Where the versions ended up (SGLang's own list), before raw2's first requests rely on it.
-        for server in engine.servers:
-            status, body = await engine._request(server, "/v1/models", timeout=30)
-            placement[server.url] = sorted(m.get("id", "") for m in (body or {}).get("data", [])
-                                           if m.get("parent")) if status == 200 and isinstance(body, dict) else []
-        print(f"adapter versions per SGLang server: {json.dumps(placement)}", flush=True)
-        urls = [server.url for server in engine.servers]
-        misplaced = [key_of(i) for i in range(ADAPTERS) if key_of(i) not in placement.get(urls[i % len(urls)], [])]
+        placement, misplaced = await raw2_placement(engine)
         if misplaced:
             print(f"WARNING: {', '.join(misplaced)} not on the server raw2 sends them to (adapter i -> server i % "
-                  f"{len(urls)}): raw2 routes those requests to a server that lacks the adapter", flush=True)
-        for path in workers:  # every adapter loaded (the two-server sampler spreads them over both servers)
-            for op in ("unary", "stream"):
-                await on_worker(path, {"op": op, "concurrency": 2 * ADAPTERS, "max_tokens": 8,
-                                       "requests": worker_requests(fresh(2 * ADAPTERS), mix)})
+                  f"{len(engine.servers)}): raw2 routes those requests to a server that lacks the adapter", flush=True)
+        # Every adapter loaded (the two-server sampler spreads them over both servers).
+        await warm_up(on_worker, workers, fresh, mix)
         paths = tuple(workers)
         for concurrency in args.concurrency:
             for op in ("unary", "stream"):
@@ -512,24 +524,15 @@ async def measure_fleet(args, engine: SGLangEngine, one: tuple[str, int], replic
         return {rid: c for (rid, *_), c in zip(replicas, found, strict=True)}
 
     rows = []
-    placement: dict[str, list[str]] = {}
     try:
         # Where the versions are (SGLang's own list): raw2 sends adapter i to server i % 2, right only where that
         # server holds it. Every replica preloads all eight (fleet_env), and `one` reloads all eight on GPU 0's.
-        for server in engine.servers:
-            status, body = await engine._request(server, "/v1/models", timeout=30)
-            placement[server.url] = sorted(m.get("id", "") for m in (body or {}).get("data", [])
-                                           if m.get("parent")) if status == 200 and isinstance(body, dict) else []
-        print(f"adapter versions per SGLang server: {json.dumps(placement)}", flush=True)
-        misplaced = [key_of(i) for i in range(ADAPTERS) if key_of(i) not in placement.get(urls[i % len(urls)], [])]
+        placement, misplaced = await raw2_placement(engine)
         if misplaced:
             print(f"NOTE: raw2 left out: {', '.join(misplaced)} not on the server raw2 sends them to (adapter i -> "
-                  f"server i % {len(urls)})", flush=True)
+                  f"server i % {len(engine.servers)})", flush=True)
             workers.pop("raw2").close()
-        for path in workers:  # warm-up: every adapter through every path
-            for op in ("unary", "stream"):
-                await on_worker(path, {"op": op, "concurrency": 2 * ADAPTERS, "max_tokens": 8,
-                                       "requests": worker_requests(fresh(2 * ADAPTERS), mix)})
+        await warm_up(on_worker, workers, fresh, mix)
         paths = tuple(workers)
         for concurrency in args.concurrency:
             for op in ("unary", "stream"):
