@@ -189,3 +189,21 @@ def elementwise_loss(name: str, config: Mapping[str, float], lp: torch.Tensor, *
     """Per-token loss of one datum (differentiable in lp). For the losses that read a sequence mask, `weights`
     carries the datum's sequence_ratio_mask (None = not sent)."""
     return LOSSES[name].fn(lp, weights=weights, q=q, advantages=advantages, **config)
+
+
+def packed_targets(targets: list[torch.Tensor]) -> torch.Tensor:
+    """The targets of a packed batch, datum after datum: [T] when every datum has one target per position; with
+    soft targets ((N, K) target_tokens) [T, Kmax], each datum's K columns first, then padding no loss reads (a
+    one-target datum's target repeated, token 0 after a shorter K), so one gather serves the whole batch."""
+    width = max(t.shape[1] if t.dim() == 2 else 1 for t in targets)
+    if width == 1:
+        return torch.cat([t.reshape(-1) for t in targets])
+    return torch.cat([t.view(-1, 1).expand(-1, width) if t.dim() == 1 or t.shape[1] == 1 else
+                      torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in targets])
+
+
+def own_targets(lp: torch.Tensor, k: int) -> torch.Tensor:
+    """A datum's rows of a packed_targets gather cut to its own targets: [N] for one per position, [N, K] else."""
+    if lp.dim() == 1:
+        return lp
+    return lp[:, 0] if k == 1 else lp[:, :k]

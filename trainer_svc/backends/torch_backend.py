@@ -28,7 +28,7 @@ from loraplane.lora import attach_multi_lora, lora_segments
 from loraplane.models import BaseModel, load_base_model
 from loraplane.models.packed import enable_packed_attention, packed_position_ids, packed_sequences
 from trainer_svc.backends.base import BatchItem, DatumResult, ItemResult, TrainerBackend
-from trainer_svc.losses import elementwise_loss
+from trainer_svc.losses import elementwise_loss, own_targets, packed_targets
 
 MIN_PACKED_TOKENS = 16
 
@@ -72,16 +72,10 @@ class TorchBackend(TrainerBackend):
         input_ids = torch.cat(inputs).to(device).unsqueeze(0)
         position_ids = packed_position_ids(lengths, device=device)
         datums = [datum for item in items for datum in item.data]
-        # Soft targets ((N, K) target_tokens) in the batch: one [T, Kmax] gather, each datum reading its first K
-        # columns (a 1-D datum its first). A gather only indexes, so every value equals the 1-D gather's.
-        wide = max(datum.targets_per_position for datum in datums)
-        if wide == 1:
-            targets = torch.cat([datum.target_tokens for datum in datums]).to(device)
-        else:
-            targets = torch.cat([datum.target_tokens.view(datum.length, -1).expand(-1, wide)
-                                 if datum.targets_per_position == 1 else
-                                 torch.nn.functional.pad(datum.target_tokens, (0, wide - datum.targets_per_position))
-                                 for datum in datums]).to(device)
+        # Soft targets ((N, K) target_tokens) in the batch: one [T, Kmax] gather, each datum reading its own
+        # columns. A gather only indexes, so every value equals the 1-D gather's.
+        targets = packed_targets([datum.target_tokens for datum in datums]).to(device)
+        wide = targets.dim() == 2
         grad_mode = torch.enable_grad() if backward else torch.no_grad()
         with grad_mode, packed_sequences(lengths), lora_segments(self.base.model, segments):
             hidden = self.base.model.model(input_ids=input_ids, position_ids=position_ids,
@@ -92,10 +86,10 @@ class TorchBackend(TrainerBackend):
             # in the batch, as for every other linear layer here.
             logits = self.base.model.get_output_embeddings()(hidden)
             logits = (logits if cursor == logits.shape[0] else logits[:cursor]).float()
-            if wide == 1:
-                token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
-            else:
+            if wide:
                 token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets)
+            else:
+                token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
             del logits
             item_losses = []
             datum_losses_detached = []
@@ -105,10 +99,8 @@ class TorchBackend(TrainerBackend):
                 datum_losses = []
                 for datum in item.data:
                     end = start + datum.length
-                    lp = token_logprobs[start:end]
-                    if wide > 1:
-                        k = datum.targets_per_position
-                        lp = lp[:, 0] if k == 1 else lp[:, :k]
+                    lp = own_targets(token_logprobs[start:end], datum.targets_per_position)
+                    if wide:
                         datum_logprobs.append(lp.detach().reshape(-1))
                     loss = elementwise_loss(
                         item.loss_fn, item.loss_config, lp,
@@ -125,7 +117,7 @@ class TorchBackend(TrainerBackend):
                 if total is not None and total.requires_grad:
                     total.backward()
         # Host values in one transfer each; the per-datum lists are slices of them.
-        logprob_values = (token_logprobs.detach() if wide == 1 else torch.cat(datum_logprobs)).cpu().tolist()
+        logprob_values = (torch.cat(datum_logprobs) if wide else token_logprobs.detach()).cpu().tolist()
         loss_values = torch.cat(datum_losses_detached).cpu().tolist()
         item_sums = torch.stack([loss.detach() for loss in item_losses]).cpu().tolist()
         results: list[ItemResult] = []

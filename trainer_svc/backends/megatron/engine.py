@@ -450,12 +450,13 @@ class Engine:
         if placeholder:
             ids = tgt = torch.zeros(1, dtype=torch.long)
             lengths, offsets, tokens = [1], [0, 1], 1
-        elif max(datums[i].targets_per_position for i in chunk) == 1:
-            ids = torch.tensor([t for i in chunk for t in datums[i].input_tokens], dtype=torch.long)
-            tgt = torch.tensor([t for i in chunk for t in datums[i].target_tokens], dtype=torch.long)
         else:
             ids = torch.tensor([t for i in chunk for t in datums[i].input_tokens], dtype=torch.long)
-            tgt = self._wide_targets([datums[i] for i in chunk])
+            if max(datums[i].targets_per_position for i in chunk) == 1:
+                tgt = torch.tensor([t for i in chunk for t in datums[i].target_tokens], dtype=torch.long)
+            else:
+                tgt = loss_lib.packed_targets([torch.tensor(datums[i].target_tokens, dtype=torch.long).view(
+                    len(datums[i].input_tokens), -1) for i in chunk])
         ids = ids.to(self.device, non_blocking=True)
         tgt = tgt.to(self.device, non_blocking=True)
         segments, row = [], 0
@@ -483,8 +484,7 @@ class Engine:
                 length = lengths[k]
                 lp = lp_all[offsets[k] : offsets[k] + length]
                 width = d.targets_per_position
-                if lp.dim() == 2:
-                    lp = lp[:, 0] if width == 1 else lp[:, :width]
+                lp = loss_lib.own_targets(lp, width)
                 name, lname, lcfg = routes[i] if routes is not None else (d.adapter, loss_fn, loss_cfg)
 
                 def opt(values):
@@ -505,17 +505,6 @@ class Engine:
         if backward and total.requires_grad:
             total.backward()
             routing.accumulate_grads()
-
-    @staticmethod
-    def _wide_targets(datums: list[DatumWork]) -> torch.Tensor:
-        """[T, Kmax] targets of a packed row with soft targets: a datum's K columns, then padding (column 0 of a
-        1-D datum repeated, token 0 after a shorter K) that no loss reads."""
-        width = max(d.targets_per_position for d in datums)
-        rows = []
-        for d in datums:
-            t = torch.tensor(d.target_tokens, dtype=torch.long).view(len(d.input_tokens), -1)
-            rows.append(t.expand(-1, width) if t.shape[1] == 1 else torch.nn.functional.pad(t, (0, width - t.shape[1])))
-        return torch.cat(rows)
 
     def _grad_regions(self, s: Slot) -> list[tuple[torch.Tensor, int, object, int]]:
         """(gradient region, reduction group size, group, this rank's index in it): the dense classes over the
