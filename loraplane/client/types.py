@@ -167,8 +167,8 @@ class Datum:
             if key not in self.loss_fn_inputs or self.loss_fn_inputs[key] is None:
                 continue
             soft = len(shape) == 2 and key in ("target_tokens", "weights")
-            if soft and _as_array(self.loss_fn_inputs[key]).shape != shape:
-                raise ValueError(f"loss_fn_inputs[{key!r}] has shape {_as_array(self.loss_fn_inputs[key]).shape} "
+            if soft and (got := _as_array(self.loss_fn_inputs[key]).shape) != shape:
+                raise ValueError(f"loss_fn_inputs[{key!r}] has shape {got} "
                                  f"but target_tokens has {shape}; (N, K) weights go with (N, K) target_tokens")
             values = to_flat_list(self.loss_fn_inputs[key], dtype="int" if key in _INT_INPUTS else "float",
                                   name=f"loss_fn_inputs[{key!r}]", rows=soft)
