@@ -61,20 +61,28 @@ def random_llama3_model(target: Path, tokenizer_dir: Path) -> Path:
     return target
 
 
-def hf_home(root: Path, tokenizer_dir: Path) -> Path:
-    """An HF_HOME holding the cookbook's tokenizer repo and the recipes' datasets, for HF_HUB_OFFLINE=1."""
-    home = root / "hf_home"
-    repo = home / "hub" / ("models--" + TOKENIZER_REPO.replace("/", "--"))
+def cached_repo(home: Path, repo_id: str, files_dir: Path, *, missing: tuple[str, ...] = ("config.json",)) -> None:
+    """`files_dir`'s files as hub repo `repo_id` in HF_HOME's cache, as `from_pretrained` finds them offline."""
+    repo = home / "hub" / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / _REVISION
-    if not snapshot.exists():
-        snapshot.mkdir(parents=True)
-        for name in os.listdir(tokenizer_dir):
-            shutil.copy2(tokenizer_dir / name, snapshot / name)
-        (repo / "refs").mkdir()
-        (repo / "refs" / "main").write_text(_REVISION)
-        # The hub's "this file does not exist" marker: transformers also asks for config.json.
-        (repo / ".no_exist" / _REVISION).mkdir(parents=True)
-        (repo / ".no_exist" / _REVISION / "config.json").write_text("")
+    if snapshot.exists():
+        return
+    snapshot.mkdir(parents=True)
+    for name in os.listdir(files_dir):
+        shutil.copy2(files_dir / name, snapshot / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(_REVISION)
+    # The hub's "this file does not exist" markers: transformers also asks for files a tokenizer repo lacks.
+    (repo / ".no_exist" / _REVISION).mkdir(parents=True)
+    for name in missing:
+        (repo / ".no_exist" / _REVISION / name).write_text("")
+
+
+def hf_home(root: Path, tokenizer_dir: Path, tokenizer_repos: tuple[str, ...] = (TOKENIZER_REPO,)) -> Path:
+    """An HF_HOME holding the cookbook's tokenizer repos and the recipes' datasets, for HF_HUB_OFFLINE=1."""
+    home = root / "hf_home"
+    for repo_id in tokenizer_repos:
+        cached_repo(home, repo_id, tokenizer_dir)
     _cached_dataset(home, "HuggingFaceH4/no_robots", "default", _no_robots_rows())
     _cached_dataset(home, "openai/gsm8k", "main", _gsm8k_rows())
     math_rows = _math_rows()
@@ -166,6 +174,95 @@ def _cached_dataset(home: Path, repo: str, config: str, splits: dict[str, list[d
     info.update(builder_name=name, dataset_name=name, config_name=config)
     (target / "dataset_info.json").write_text(json.dumps(info))
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+# Qwen3.5 (qwen3_5): the cookbook's defaults. math_rl -> Qwen/Qwen3.5-9B, rl_loop / sl_loop -> Qwen/Qwen3.5-9B-Base,
+# guess_number and most other RL recipes -> Qwen/Qwen3.5-4B. One tiny dense checkpoint serves all three names.
+QWEN3_5_MODELS = ("Qwen/Qwen3.5-9B", "Qwen/Qwen3.5-9B-Base", "Qwen/Qwen3.5-4B")
+# The Qwen2/3/3.5 pre-tokenizer split (digits one at a time), applied before byte-level BPE.
+_QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# The Qwen3.5 tokenizer's added tokens, in its order (ChatML, vision, tool and thinking markers); the renderer
+# encodes each as one token.
+QWEN3_5_ADDED_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>")
+_QWEN3_5_SPECIAL = frozenset(t for t in QWEN3_5_ADDED_TOKENS if t.startswith("<|"))
+# ChatML with Qwen3.5's thinking prefill: enough for the gateway's chat routes (the cookbook renders by itself).
+_QWEN3_5_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' and '<think>' not in message['content'] %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+
+
+def qwen3_5_tokenizer(target: Path) -> Path:
+    """A fixture stand-in for the Qwen3.5 tokenizer (no model hub here): the family's pre-tokenizer split and
+    byte-level BPE with a small vocabulary learnt from the recipes' own rows, plus every added token of the real
+    one (ChatML, vision, tool and <think> markers) as single tokens, <|im_end|> as EOS and <|endoftext|> as PAD.
+    Token ids differ from the real tokenizer's; what the cookbook's qwen3_5 renderers rely on holds."""
+    if (target / "tokenizer.json").exists():
+        return target
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    corpus = [m["content"] for r in _no_robots_rows()["train"] for m in r["messages"]]
+    corpus += [r["question"] + " " + r["answer"] for r in _gsm8k_rows()["train"]]
+    corpus += [r["problem"] + " " + r["solution"] for r in _math_rows()]
+    corpus += ["The answer is. Let me think step by step. Guess the number between one and a hundred."]
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        chat_template=_QWEN3_5_CHAT_TEMPLATE)
+    tokenizer.add_tokens([AddedToken(t, special=t in _QWEN3_5_SPECIAL, normalized=False)
+                          for t in QWEN3_5_ADDED_TOKENS])
+    tokenizer.save_pretrained(str(target))
+    return target
+
+
+def random_qwen3_5_model(target: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random Qwen3.5 (qwen3_5) vision-language checkpoint as users download one (text weights under
+    model.language_model.*, a one-block vision tower beside): three Gated DeltaNet layers and one gated
+    full-attention layer over the fixture tokenizer's vocabulary."""
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = Qwen3_5Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                         max_position_embeddings=4096,
+                         layer_types=["linear_attention"] * 3 + ["full_attention"],
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(str(target), safe_serialization=True)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy2(tokenizer_dir / name, target / name)
+    return target
+
+
+def prepare_qwen3_5(root: Path) -> dict[str, str]:
+    """As `prepare`, for the Qwen3.5 family: the model directory, and an HF_HOME with the fixture tokenizer under
+    every name in QWEN3_5_MODELS (the cookbook loads the tokenizer by the recipe's model_name)."""
+    tokenizer_dir = qwen3_5_tokenizer(root / "qwen3_5-tokenizer")
+    model_dir = random_qwen3_5_model(root / "qwen3_5-random", tokenizer_dir)
+    home = hf_home(root, tokenizer_dir, QWEN3_5_MODELS)
+    return {"model_dir": str(model_dir), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1"}
 
 
 def prepare(root: Path) -> dict[str, str]:
