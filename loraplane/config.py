@@ -42,9 +42,11 @@ class Settings(BaseSettings):
     # tests choose the random `tiny` model explicitly (tests/conftest.py).
     base_model: str = "smollm2-135m-instruct"
     device: str = "cpu"
-    # What `python -m sampler_svc` (so also `loraplane up`) samples with: the in-process torch engine, or SGLang
-    # (servers the sampler launches, one per GPU, unless --sglang-url names running ones), and extra arguments for
-    # launched SGLang servers, space-separated (e.g. "--mem-fraction-static=0.3" beside a trainer on the same GPU).
+    # What `python -m sampler_svc` (so also `loraplane up`) samples with: a name of the engine registry
+    # (sampler_svc/engines/__init__.py, ENGINES; checked there at start-up, since this library may not import the
+    # sampler): the in-process torch engine, or SGLang (servers the sampler launches, one per GPU, unless
+    # --sglang-url names running ones); and extra arguments for launched SGLang servers, space-separated (e.g.
+    # "--mem-fraction-static=0.3" beside a trainer on the same GPU).
     sampler_engine: str = "torch"
     sampler_sglang_args: str = ""
 
@@ -72,6 +74,9 @@ class Settings(BaseSettings):
     sampler_fleet_preload: int = 2
     # The address clients reach this sampler at, when it is not the one it listens on (containers, NAT).
     sampler_advertise_address: str = ""
+    # Intra-op (and inter-op) torch threads of a trainer or sampler process. 0 = torch's default, every core: right
+    # for a service alone on its host. `loraplane up` sets each service's share of the cores (loraplane/threads.py).
+    torch_threads: int = 0
     checkpoint_every_steps: int = 50
     checkpoint_every_s: float = 300.0
 

@@ -18,6 +18,7 @@ from loraplane.registry_client import RegistryClient
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
 from loraplane.tracing import setup_tracing
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+from sampler_svc import engines
 from sampler_svc.adapter_manager import AdapterManager
 from sampler_svc.engines.base import Engine
 from sampler_svc.fleet import SamplerFleetMember
@@ -72,16 +73,10 @@ def run_event_loop(main: Coroutine) -> None:
 
 def build_engine(engine: str, base_model: str, settings: Settings, *, sglang_urls: Sequence[str] = (),
                  sglang_launch: int = 0, max_batch_rows: int = 16, sglang_options: dict | None = None) -> Engine:
-    if engine == "torch":
-        from sampler_svc.engines.torch_engine import TorchEngine
-
-        return TorchEngine(base_model, device=settings.device, max_batch_rows=max_batch_rows)
-    if engine == "sglang":
-        from sampler_svc.engines.sglang_engine import SGLangEngine
-
-        return SGLangEngine(base_model, urls=list(sglang_urls), launch_servers=sglang_launch,
-                            work_dir=settings.data_dir / "sglang", **(sglang_options or {}))
-    raise errors.InvalidArgument(f"unknown engine {engine!r}: use 'torch' or 'sglang'", field="engine")
+    """The engine registered as `engine` (sampler_svc/engines/__init__.py, ENGINES)."""
+    return engines.build_engine(engine, engines.EngineConfig(
+        base_model, device=settings.device, data_dir=settings.data_dir, max_batch_rows=max_batch_rows,
+        server_urls=tuple(sglang_urls), launch_servers=sglang_launch, options=dict(sglang_options or {})))
 
 
 async def start_sampler_server(
