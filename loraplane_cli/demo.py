@@ -139,8 +139,17 @@ def embedded_cluster(base_model: str = "tiny", data_dir: Path | None = None, on_
     from sampler_svc.server import start_sampler_server
     from trainer_svc.server import start_trainer_server
 
+    import torch
+
+    from loraplane.threads import host_cores, thread_shares
+
     progress = on_progress or (lambda _msg: None)
     with contextlib.ExitStack() as stack:
+        # The trainer and the sampler compute on threads of this one process: torch's thread count is the process's,
+        # so each gets the share it would get as a process of its own (loraplane/threads.py), restored on exit.
+        previous = torch.get_num_threads()
+        torch.set_num_threads(Settings().torch_threads or thread_shares(host_cores(), 2)[0])
+        stack.callback(torch.set_num_threads, previous)
         root = Path(data_dir) if data_dir else Path(stack.enter_context(tempfile.TemporaryDirectory(
             prefix="loraplane-demo-")))
         progress("starting valkey and seaweedfs")

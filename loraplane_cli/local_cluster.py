@@ -40,6 +40,7 @@ from loraplane.local.state import (
     read_cluster_state,
 )
 from loraplane.rpc import check_health
+from loraplane.threads import THREADS_ENV, host_cores, thread_shares
 from loraplane_cli.keys import secure_cluster_env
 
 
@@ -78,6 +79,8 @@ _FLEET_ENV = {"trainer": ("LORAPLANE_TRAINER_FLEET", LOCAL_FLEET, "LORAPLANE_TRA
               "sampler": ("LORAPLANE_SAMPLER_FLEET", LOCAL_SAMPLER_FLEET, "LORAPLANE_SAMPLER_ID")}
 # Services that may be pinned to GPUs (`up --trainer-gpus / --sampler-gpus`): the registry and gateway use none.
 GPU_SERVICES = ("trainer", "sampler")
+# Services whose torch compute shares the host's cores (`cluster_thread_shares`); the registry and gateway do I/O.
+COMPUTE_SERVICES = ("trainer", "sampler")
 
 
 def gpu_assignment(gpus: str, instances: int) -> list[str]:
@@ -102,6 +105,15 @@ def gpu_env(gpus: str) -> dict[str, str]:
     """The environment that confines a process (and its children: torchrun's ranks, a launched SGLang server) to
     these GPUs. CUDA numbers devices fastest first by default; PCI bus order makes the indices nvidia-smi's."""
     return {"CUDA_VISIBLE_DEVICES": gpus, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def cluster_thread_shares(instances: list[str], cores: int, env: dict[str, str]) -> dict[str, str]:
+    """Each compute instance's LORAPLANE_TORCH_THREADS: its share of the host's cores, so a trainer and a sampler on
+    one host do not each run torch on every core and starve each other (issue 31). Empty when the caller set the
+    variable: every service then uses the caller's count."""
+    if env.get(THREADS_ENV):
+        return {}
+    return {name: str(share) for name, share in zip(instances, thread_shares(cores, len(instances)), strict=True)}
 
 
 def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
@@ -155,6 +167,10 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
         added.append(component.name)
         launch(component, process, ready)
 
+    # Counted over what will run (those already running keep the share they started with).
+    compute = [name for service in COMPUTE_SERVICES for name in _instance_names(service, state, trainers, samplers)
+               if service in services or state.component(name) is not None]
+    threads = cluster_thread_shares(compute, host_cores(), env) if compute else {}
     try:
         for component in state.components:
             if component.restartable and not pid_alive(component.pid):
@@ -205,6 +221,8 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                         instance_env.update({fleet_env: fleet_name, id_env: name})
                     if spec.name in pins:
                         instance_env.update(gpu_env(pins[spec.name][index]))
+                    if name in threads:
+                        instance_env[THREADS_ENV] = threads[name]
                     component = ComponentState(name, "service", f"{LOOPBACK}:{port}",
                                                metrics=f"http://{LOOPBACK}:{metrics_port}/metrics")
                     argv = (commands or {}).get(spec.name) or [sys.executable, "-m", spec.module]

@@ -7,6 +7,7 @@ import logging
 
 from loraplane.config import Settings
 from loraplane.rpc import wait_for_shutdown_signal
+from loraplane.threads import apply_service_threads
 from sampler_svc.server import DEFAULT_MAX_LOADED, run_event_loop, start_sampler_server
 
 
@@ -71,6 +72,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    apply_service_threads("sampler")  # this host's share of the cores (LORAPLANE_TORCH_THREADS)
     run_event_loop(serve(args))
 
 

@@ -9,6 +9,7 @@ import sys
 
 from loraplane.config import Settings
 from loraplane.rpc import wait_for_shutdown_signal
+from loraplane.threads import apply_service_threads
 from trainer_svc.server import start_trainer_server
 from trainer_svc.service import TrainerLimits
 
@@ -72,6 +73,7 @@ def main(argv=None) -> None:
         return
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    apply_service_threads("trainer")  # this host's share of the cores (LORAPLANE_TORCH_THREADS)
     asyncio.run(serve(args))
 
 

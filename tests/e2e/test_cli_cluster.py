@@ -11,9 +11,11 @@ import time
 from loraplane.client.addresses import client_security
 from loraplane.local.state import pid_alive, read_cluster_state
 from loraplane.rpc import sync_channel
+from loraplane.threads import THREADS_ENV, host_cores, thread_shares
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 from loraplane_cli.local_cluster import component_health
 from loraplane_cli.supervisor import CRASH_LOOP_AFTER
+from tests.e2e.test_metrics import scrape, value
 from tests.e2e.test_trainer_durability import ADAM, create, datum
 from tests.fixtures.trainer import Sequenced
 
@@ -41,6 +43,8 @@ def test_up_starts_embedded_servers_and_every_service_then_down_stops_them(tmp_p
         assert "tiny on torch/cpu; adapters: none" in status.stdout
         assert "torch engine; queue depth 0" in status.stdout
         assert "supervisor: running" in status.stdout and pid_alive(state.supervisor_pid)
+        # The trainer and the sampler share this host's cores (issue 31), each process's torch sized to its share.
+        assert _torch_threads(state, "trainer", "sampler") == thread_shares(host_cores(), 2)
         # Only its owner may read the state file: it records the services' environment, service key included.
         assert (data_dir / "cluster.json").stat().st_mode & 0o077 == 0
         # A second `up` on the same data dir starts nothing: no second cluster over the same files.
@@ -75,6 +79,22 @@ def test_up_uses_external_redis_and_s3_when_configured(tmp_path, valkey, seaweed
         assert status.stdout.count("external") >= 2 and "healthy" in status.stdout
     finally:
         _cli("down", "--data-dir", str(data_dir))
+
+
+def test_a_torch_thread_count_the_user_sets_reaches_every_service(tmp_path):
+    data_dir = tmp_path / "cluster"
+    up = _cli("up", "--data-dir", str(data_dir), "--services", "registry,sampler", "--no-gateway",
+              env={THREADS_ENV: "3"})
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        assert _torch_threads(read_cluster_state(data_dir), "sampler") == [3]
+    finally:
+        _cli("down", "--data-dir", str(data_dir))
+
+
+def _torch_threads(state, *names: str) -> list[int]:
+    """Each named service's intra-op torch threads, as its own metrics endpoint reports them."""
+    return [int(value(scrape(state.component(name).metrics), "loraplane_torch_threads")) for name in names]
 
 
 def test_up_rejects_an_unknown_service(tmp_path):
