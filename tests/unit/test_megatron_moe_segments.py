@@ -7,27 +7,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer_svc.backends.megatron import moe
+from trainer_svc.backends.megatron import kernels, moe
 
 
 @pytest.mark.parametrize("max_groups", [3, 4, 1024])
 def test_grouped_products_over_chunks_of_groups(monkeypatch, max_groups):
-    monkeypatch.setattr(moe, "MAX_GROUPS", max_groups)
+    monkeypatch.setattr(kernels, "MAX_GROUPS", max_groups)
     torch.manual_seed(0)
     counts = [3, 0, 2, 5, 1, 0, 4, 2, 0, 6]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     x, w, g = torch.randn(sum(counts), 8), torch.randn(len(counts), 8, 16), torch.randn(sum(counts), 16)
     want = torch.cat([part @ w[i] for i, part in enumerate(x.split(counts))])
-    assert torch.allclose(moe.segment_mm(x, w, offs, None), want, atol=1e-5)
+    assert torch.allclose(kernels.segment_mm(x, w, offs, None), want, atol=1e-5)
     want_outer = torch.stack([a.t() @ b for a, b in zip(x.split(counts), g.split(counts))])
-    got_outer = moe.segment_outer(x, g, offs, None)
+    got_outer = kernels.segment_outer(x, g, offs, None)
     assert got_outer.shape == (len(counts), 8, 16)
     assert torch.allclose(got_outer, want_outer, atol=1e-5)
 
 
 def test_segment_mm_adds_into_an_accumulator_chunk_by_chunk(monkeypatch):
     """``acc=``: each chunk's product added in place (no concatenation), the host-count loop likewise."""
-    monkeypatch.setattr(moe, "MAX_GROUPS", 3)
+    monkeypatch.setattr(kernels, "MAX_GROUPS", 3)
     torch.manual_seed(1)
     counts = [3, 0, 2, 5, 1, 0, 4]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -36,7 +36,7 @@ def test_segment_mm_adds_into_an_accumulator_chunk_by_chunk(monkeypatch):
     want = base + torch.cat([part @ w[i] for i, part in enumerate(x.split(counts))])
     for host_counts in (None, counts):
         acc = base.clone()
-        assert moe.segment_mm(x, w, offs, host_counts, acc=acc) is acc
+        assert kernels.segment_mm(x, w, offs, host_counts, acc=acc) is acc
         assert torch.allclose(acc, want, atol=1e-5)
 
 

@@ -42,7 +42,9 @@ from .layout import (
     expert_lora_from_stacked,
     expert_lora_to_stacked,
 )
-from .lora import AdapterTensors, LoraClass, MegatronLora, RowSegment, expert_lora_classes, lora_classes
+from .expert_lora import expert_lora_classes
+from .lora import MegatronLora, lora_classes
+from .routing import AdapterTensors, LoraClass, RowSegment
 from .model import build_from_hf, forward_logits, target_logprobs
 from .recompute import LayerRecompute
 
@@ -82,7 +84,7 @@ class FlatLayout:
 def flat_layout(shape: LlamaShape, rank: int, tp: int, experts: str | None = None, ep: int = 1) -> FlatLayout:
     """This rank's flat layout of a rank-``rank`` adapter: every class of :func:`.lora.lora_classes` (all seven
     projections, so adapters with different targets stack in one batch; untargeted ones stay zero), in order;
-    with ``experts`` (an expert layout) the expert classes of :func:`.lora.expert_lora_classes` after them."""
+    with ``experts`` (an expert layout) the expert classes of :func:`.expert_lora.expert_lora_classes` after them."""
     classes, entries, offset, sharded_numel = [], [], 0, 0
     layers = shape.num_layers
     for c in lora_classes(shape, tp):

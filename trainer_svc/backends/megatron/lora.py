@@ -1,4 +1,9 @@
-"""PEFT per-projection LoRA on megatron-core's fused, tensor-parallel linears, for one or many adapters per batch.
+"""Dense LoRA: PEFT per-projection LoRA on megatron-core's fused, tensor-parallel linears, for one or many adapters
+per batch; and :class:`MegatronLora`, which installs it on a model and hands the MoE layers their expert LoRA
+(:mod:`.expert_lora`, which this module does not otherwise touch).
+
+Layering: :mod:`.kernels` (grouped-GEMM primitives) and :mod:`.routing` (stored classes, row segments, the routing
+in force) at the bottom; :mod:`.expert_lora` on them; :mod:`.moe` (the MoE layer) on that; this module beside it.
 
 Forward hooks on ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and ``linear_fc2`` of every decoder layer add the
 routed adapters' deltas to the base output (the module tree and its state dict stay untouched). For q, k, v (and
@@ -46,15 +51,20 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .layout import LlamaShape, expert_factor_shared, fuse_gate_up, interleave_qkv, split_gate_up, split_qkv
+from . import routing as _routing
+from .expert_lora import ExpertBatch, ExpertLora
+from .kernels import aligned, grouped_mm_supported
+from .layout import LlamaShape, fuse_gate_up, interleave_qkv, split_gate_up, split_qkv
+from .routing import AdapterTensors, LoraClass, RowSegment
+
+__all__ = ["HOOK_TARGETS", "AdapterTensors", "BatchRouting", "LoraClass", "MegatronLora", "RowSegment",
+           "a_class_name", "b_class_name", "grouped_mm_supported", "lora_classes"]
 
 HOOK_TARGETS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -63,27 +73,6 @@ HOOK_TARGETS = {
     "down_proj": ("down_proj",),
 }
 ROW_PARALLEL_HOOKS = ("o_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class LoraClass:
-    """One stored tensor class: ``[num_layers, len(targets), rank, dim]`` per adapter and rank."""
-
-    name: str
-    hook: str
-    targets: tuple[str, ...]
-    which: str  # "A" (rows = rank, cols = in features) or "B" (stored as B^T: rows = rank, cols = out features)
-    dim: int  # this rank's share of the feature dimension
-    sharded: bool  # differs between TP ranks (counted once per rank in the global gradient norm)
-    # Expert classes (Qwen3-MoE): one [L_moe, G, r, dim] block over the MoE layers only, G = this rank's experts
-    # (ep_sharded: a different block of experts on every EP rank) or 1 (a factor the layer's experts share).
-    layers: int = 0  # 0: every decoder layer
-    groups: int = 0  # 0: len(targets)
-    ep_sharded: bool = False
-    expert: bool = False
-
-    def block_shape(self, num_layers: int, rank: int) -> tuple[int, int, int, int]:
-        return (self.layers or num_layers, self.groups or len(self.targets), rank, self.dim)
 
 
 def a_class_name(hook: str) -> str:
@@ -108,55 +97,6 @@ def lora_classes(shape: LlamaShape, tp: int) -> list[LoraClass]:
     return sorted(out, key=lambda c: not c.sharded)  # stable
 
 
-def expert_lora_classes(shape: LlamaShape, layout: str, ep: int) -> list[LoraClass]:
-    """The expert classes of an adapter that trains the routed experts in ``layout`` (per_expert or
-    shared_outer): per-expert factors first (EP-sharded), then the shared ones (replicated)."""
-    local = shape.num_experts // ep
-    ffn, hidden = shape.moe_ffn_hidden_size, shape.hidden_size
-    dims = {("experts.gate_up_proj", "A"): hidden, ("experts.gate_up_proj", "B"): 2 * ffn,
-            ("experts.down_proj", "A"): ffn, ("experts.down_proj", "B"): hidden}
-    out = []
-    for (target, which), dim in dims.items():
-        shared = expert_factor_shared(target, which, layout)
-        out.append(LoraClass(f"{target}.{which}", target, (target,), which, dim, False, layers=len(shape.moe_layers),
-                             groups=1 if shared else local, ep_sharded=ep > 1 and not shared, expert=True))
-    return sorted(out, key=lambda c: c.groups == 1 and local > 1)  # stable: per-expert first
-
-
-@dataclass(eq=False)
-class AdapterTensors:
-    """One resident adapter on this rank: per class, its params and grads ``[L, G, r, dim]`` (views of its
-    buffer), its rank and scale; ``experts``: its expert layout when it trains the routed experts."""
-
-    params: dict[str, torch.Tensor]
-    grads: dict[str, torch.Tensor]
-    rank: int
-    scale: float
-    experts: str | None = None
-
-
-@dataclass(frozen=True)
-class RowSegment:
-    """Token rows ``[start, end)`` of the flattened batch, routed to ``adapter`` (None: no adapter)."""
-
-    start: int
-    end: int
-    adapter: AdapterTensors | None
-
-
-@dataclass(frozen=True)
-class ExpertTokens:
-    """The local MoE path's view of the expert rows as copies of the token rows: ``x`` the token rows ``[T, in]``,
-    ``tok`` the token of each row ``[rows]``, ``where`` the rows of each token's k copies ``[T, k]``."""
-
-    x: torch.Tensor
-    tok: torch.Tensor
-    where: torch.Tensor
-
-
-_local = threading.local()  # the active routing, per thread
-
-
 class MegatronLora:
     """Installs the hooks on a GPTModel once; :meth:`route` selects adapters per batch-row range."""
 
@@ -174,65 +114,50 @@ class MegatronLora:
         self.compute_dtype = compute_dtype
         self.groups_local = shape.num_kv_heads // self.tp
         self.classes = lora_classes(shape, self.tp)
-        # Expert LoRA (MoE models): how many adapters with expert targets one batch may fuse, this rank's experts,
-        # and each MoE layer's index among the MoE layers (the expert classes' first dimension).
-        self.expert_slots = 0
-        self.ep = 1
+        ep = 1
         if model is not None and shape.moe_layers:
             from megatron.core import parallel_state
 
-            self.ep = parallel_state.get_expert_model_parallel_world_size()
-        self.local_experts = shape.num_experts // self.ep if shape.moe_layers else 0
-        # Expert-LoRA GEMM pairs run as grouped kernels / as loops over the segments (the engine reports them).
-        self.expert_gemms = {"expert_lora_grouped": 0, "expert_lora_loop": 0}
-        self.moe_position = {layer: k for k, layer in enumerate(shape.moe_layers)}
+            ep = parallel_state.get_expert_model_parallel_world_size()
+        # The expert LoRA of the MoE layers (none on a dense model): it has no hooks, the experts call it.
+        self.experts = ExpertLora(shape, compute_dtype, self.tp, ep)
         for i, layer in enumerate(model.decoder.layers if model is not None else ()):
             attn, mlp = layer.self_attention, layer.mlp
             attn.linear_qkv.register_forward_hook(self._hook(i, "qkv"))
             attn.linear_proj.register_forward_hook(self._hook(i, "o_proj"))
             if shape.is_moe(i):
-                # No dense MLP: the experts ask for the routing in force (BatchRouting.expert_lora_forward),
-                # the router asks which adapter slot each token is in.
-                mlp.experts.lora = self
-                mlp.router.token_slots = self._token_slots
-                self.expert_slots = mlp.router.slots - 1
+                self.experts.attach(mlp)  # no dense MLP
                 continue
             mlp.linear_fc1.register_forward_hook(self._hook(i, "fc1"))
             mlp.linear_fc2.register_forward_hook(self._hook(i, "down_proj"))
+
+    @property
+    def expert_gemms(self) -> dict[str, int]:
+        return self.experts.gemms
 
     @contextlib.contextmanager
     def route(self, segments: Sequence[RowSegment], rows: int) -> Iterator[BatchRouting]:
         """Routes the ``rows`` token rows of the next forward(s); the returned routing's
         :meth:`BatchRouting.accumulate_grads` moves the gradients of a backward into each adapter's grad buffer."""
-        previous = getattr(_local, "routing", None)
         routing = BatchRouting(self, list(segments), rows)
-        _local.routing = routing
-        try:
+        with _routing.using(routing):
             yield routing
-        finally:
-            _local.routing = previous
 
     @staticmethod
     def current() -> BatchRouting | None:
         """The routing in force on this thread (what the hooks will use)."""
-        return getattr(_local, "routing", None)
+        return _routing.current()
 
     @staticmethod
-    @contextlib.contextmanager
-    def using(routing: BatchRouting | None) -> Iterator[None]:
+    def using(routing: BatchRouting | None):
         """Puts an existing routing in force on this thread: activation recomputation re-runs a layer's forward
         inside the backward (on autograd's thread, after :meth:`route` has exited), and its hooks must add the same
         adapters' deltas as the original forward did."""
-        previous = getattr(_local, "routing", None)
-        _local.routing = routing
-        try:
-            yield
-        finally:
-            _local.routing = previous
+        return _routing.using(routing)
 
     def _hook(self, layer: int, hook: str):
         def run(_module, inputs, output):
-            routing = getattr(_local, "routing", None)
+            routing = _routing.current()
             if routing is None or not routing.active:
                 return None
             out, bias = output
@@ -243,20 +168,11 @@ class MegatronLora:
 
         return run
 
-    def _token_slots(self) -> torch.Tensor | None:
-        routing = getattr(_local, "routing", None)
-        return None if routing is None or not routing.expert_members else routing.token_slots()
-
-    def expert_classes(self, layout: str) -> list[LoraClass]:
-        return expert_lora_classes(self.shape, layout, self.ep)
-
     def grouped_layout_ok(self, rank: int, dtype: torch.dtype) -> bool:
         """Whether every operand of the grouped products has 16-byte aligned strides and column offsets (what
         ``torch._grouped_mm`` requires): the rank, this rank's feature dims and the head dim (the q, k, v column
         views) in multiples of 16 bytes."""
-        unit = max(1, 16 // torch.empty((), dtype=dtype).element_size())
-        dims = [rank, self.shape.head_dim, *(c.dim for c in self.classes)]
-        return all(d % unit == 0 for d in dims)
+        return aligned([rank, self.shape.head_dim, *(c.dim for c in self.classes)], dtype)
 
     # -- the work of one hook ---------------------------------------------------------------------------------
 
@@ -310,15 +226,7 @@ class BatchRouting:
         self.grouped = False
         self.end = rows  # rows [end, rows) get no adapter (grouped mode only: elsewhere the mask zeroes them)
         self._masks: dict[int, torch.Tensor] = {}
-        # The adapters that train the routed experts, in batch slot order (slot j: the j-th of them).
-        self.expert_members = [s for s in members if s.adapter.experts]
-        if len(self.expert_members) > lora.expert_slots:
-            raise ValueError(f"{len(self.expert_members)} adapters with expert LoRA in one batch; the model has "
-                             f"{lora.expert_slots} expert adapter slots")
-        self._token_slots: torch.Tensor | None = None
-        # Every TP rank dispatches the same tokens to the experts (experts are not split by TP), so each expert
-        # row is computed once per TP rank: each copy contributes 1/TP of the expert LoRA gradients.
-        self.expert_grad_scale = 1.0 / lora.tp
+        self.experts: ExpertBatch | None = None  # the adapters that train the routed experts (.expert_lora)
         if not members:
             return
         cd = lora.compute_dtype
@@ -326,6 +234,7 @@ class BatchRouting:
         device = next(iter(first.params.values())).device
         self._device = device
         self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self.experts = lora.experts.batch(members, rows, device, self.anchor)
         single = len(members) == 1
         ranks = [s.adapter.rank for s in members]
         self.scale = first.scale if single and members[0].start == 0 and members[0].end == rows else None
@@ -373,182 +282,6 @@ class BatchRouting:
                 stacked = stacked * scales.view(n, 1, 1, 1, 1)
             self.weights[c.name] = stacked if stacked.dtype == cd else stacked.to(cd)
             self.grads[c.name] = torch.zeros(stacked.shape, dtype=torch.float32, device=device)
-
-    # -- expert LoRA: tenant x expert segments ------------------------------------------------------------------
-
-    def token_slots(self) -> torch.Tensor:
-        """``[rows]`` adapter slot of each token row (the expert adapters' order; ``expert_slots``: none)."""
-        if self._token_slots is None:
-            slots = torch.full((self.rows,), self.lora.expert_slots, dtype=torch.int64)
-            for j, seg in enumerate(self.expert_members):
-                slots[seg.start : seg.end] = j
-            self._token_slots = slots.to(self._device, non_blocking=True)
-        return self._token_slots
-
-    def expert_stack(self, target: str, which: str, position: int) -> torch.Tensor:
-        """``[local experts * slots, r_max, dim]`` in the compute dtype: group ``e * slots + j`` holds expert
-        ``e``'s factor of the adapter in slot ``j`` (a shared factor repeated per expert; B transposed and times
-        the adapter's scale; ranks below ``r_max`` zero-padded, which adds exact zeros), the no-adapter slot
-        zeros. Built per use rather than kept for the backward: a rank-32 per-expert adapter of Qwen3-30B-A3B is
-        ~26M values per layer."""
-        name = f"{target}.{which}"
-        slots = self.lora.expert_slots + 1
-        r_max = max(s.adapter.rank for s in self.expert_members)
-        first = self.expert_members[0].adapter.params[name]
-        stack = torch.zeros((self.lora.local_experts, slots, r_max, first.shape[-1]), dtype=self.lora.compute_dtype,
-                            device=first.device)
-        for j, seg in enumerate(self.expert_members):
-            a = seg.adapter
-            t = a.params[name][position]  # [G, r, dim]
-            stack[:, j, : a.rank].copy_(t * a.scale if which == "B" else t)
-        return stack.view(-1, r_max, stack.shape[-1])
-
-    def add_expert_grad(self, target: str, which: str, position: int, grad: torch.Tensor) -> None:
-        """Adds the gradient of :meth:`expert_stack`'s tensor into each expert adapter's own (unscaled B; a
-        shared factor gets the sum over this rank's experts)."""
-        name = f"{target}.{which}"
-        grad = grad.view(self.lora.local_experts, self.lora.expert_slots + 1, grad.shape[-2], grad.shape[-1])
-        for j, seg in enumerate(self.expert_members):
-            a = seg.adapter
-            g = grad[:, j, : a.rank]  # added into the fp32 sink as it is (no fp32 copy of a per-expert block)
-            factor = self.expert_grad_scale * (a.scale if which == "B" else 1.0)
-            sink = a.grads[name][position]
-            if sink.shape[0] == 1 and g.shape[0] > 1:
-                g = g.sum(0, keepdim=True, dtype=torch.float32)
-            sink.add_(g, alpha=factor) if factor != 1.0 else sink.add_(g)
-
-    def expert_lora_forward(self, target: str, position: int, route, x: torch.Tensor, out: torch.Tensor,
-                            tokens: ExpertTokens | None = None) -> torch.Tensor:
-        """Adds ``scale * B_e (A_e x)`` of each row's adapter and expert into the expert GEMM's output ``out`` in
-        place: rows sorted by expert then adapter slot (:class:`.moe.ExpertRoute`), so each tenant x expert
-        segment is one group of two grouped GEMMs (:func:`.moe.segment_mm`), whatever mix of tenants the batch
-        fuses. Returns the mid ``A_e x`` (``[rows, r]``) that :meth:`expert_lora_backward` takes. Called inside
-        :class:`.moe._ExpertMLP`, whose backward calls :meth:`expert_lora_backward`.
-
-        ``tokens`` (the local MoE path: the rows are the k copies of the layer's token rows): a factor that every
-        expert adapter of the batch shares across its experts (the shared-outer layout's gate_up A and down B) is
-        applied to the token rows instead of their k copies. The shared A: ``mid = (x_t A_j^T)`` per token, then
-        gathered to its rows; the shared B: not added here but by :meth:`expert_lora_combine` after the k rows are
-        summed, ``B_j (sum_k mid)``, since B is linear and the same for a token's k rows."""
-        from .moe import segment_mm
-
-        cd = self.lora.compute_dtype
-        offs, counts = route.slot_offs, _lora_counts(route, self, target)
-        self.lora.expert_gemms["expert_lora_loop" if counts is not None else "expert_lora_grouped"] += 1
-        if self.token_shared(target, "A", tokens):
-            mid = self._token_mm(tokens.x, target, "A", position, transpose=True).index_select(0, tokens.tok)
-        else:
-            xc = x if x.dtype == cd else x.to(cd)
-            mid = segment_mm(xc, self.expert_stack(target, "A", position).transpose(1, 2), offs, counts)
-        if self.token_shared(target, "B", tokens):
-            return mid
-        segment_mm(mid, self.expert_stack(target, "B", position), offs, counts, acc=out)  # casts into out's dtype
-        return mid
-
-    def expert_lora_combine(self, target: str, position: int, mid: torch.Tensor, tokens: ExpertTokens,
-                            y: torch.Tensor) -> None:
-        """After the sum of each token's k rows into ``y [T, out]``: the shared B's delta ``scale_j B_j (sum_k
-        mid)`` of each token (nothing unless every expert adapter shares this target's B)."""
-        from .moe import _sum_copies
-
-        if not self.token_shared(target, "B", tokens):
-            return
-        delta = self._token_mm(_sum_copies(mid, tokens.where), target, "B", position, transpose=False)
-        y.add_(delta if delta.dtype == y.dtype else delta.to(y.dtype))
-
-    def expert_lora_backward(self, target: str, position: int, route, x: torch.Tensor | None, mid: torch.Tensor,
-                             g: torch.Tensor, g_x: torch.Tensor | None, tokens: ExpertTokens | None = None,
-                             g_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The backward of :meth:`expert_lora_forward` (and :meth:`expert_lora_combine`) for the output gradient
-        ``g`` of the rows (``g_tokens``: of the token rows, for a shared B): the A and B gradients into each
-        adapter's sinks (:meth:`add_expert_grad`) and, when ``g_x`` is given, the input gradient of the rows added
-        into it in place. A shared A's input gradient belongs to the token rows: returned (``[T, in]``), else
-        None. ``x`` (the rows) may be None where the A is shared."""
-        from .moe import _sum_copies, segment_mm, segment_outer
-
-        cd = self.lora.compute_dtype
-        offs, counts = route.slot_offs, _lora_counts(route, self, target)
-        if self.token_shared(target, "B", tokens):
-            gt = g_tokens if g_tokens.dtype == cd else g_tokens.to(cd)
-            mid_tok = _sum_copies(mid, tokens.where)
-            g_mid = self._token_grads(mid_tok, gt, target, "B", position).index_select(0, tokens.tok)
-        else:
-            gc = (g if g.dtype == cd else g.to(cd)).contiguous()
-            bt = self.expert_stack(target, "B", position)
-            self.add_expert_grad(target, "B", position, segment_outer(mid, gc, offs, counts))
-            g_mid = segment_mm(gc, bt.transpose(1, 2), offs, counts)
-            del bt, gc
-        if self.token_shared(target, "A", tokens):
-            xt = tokens.x if tokens.x.dtype == cd else tokens.x.to(cd)
-            return self._token_grads(_sum_copies(g_mid, tokens.where), xt, target, "A", position,
-                                     input_grad=g_x is not None)
-        xc = x if x.dtype == cd else x.to(cd)
-        self.add_expert_grad(target, "A", position, segment_outer(g_mid, xc, offs, counts))
-        if g_x is not None:
-            segment_mm(g_mid, self.expert_stack(target, "A", position), offs, counts, acc=g_x)
-        return None
-
-    # -- shared factors on the token rows (the local MoE path) ----------------------------------------------------
-
-    def token_shared(self, target: str, which: str, tokens: ExpertTokens | None) -> bool:
-        """Whether ``target``'s ``which`` factor goes on the token rows: the local path, and every expert adapter of
-        the batch shares the factor across its experts (one block in its storage)."""
-        if tokens is None:
-            return False
-        name = f"{target}.{which}"
-        return all(s.adapter.params[name].shape[1] == 1 for s in self.expert_members)
-
-    def _token_factor(self, seg: RowSegment, target: str, which: str, position: int) -> torch.Tensor:
-        """One adapter's shared factor ``[r, dim]`` in the compute dtype (B transposed and times the scale, as
-        :meth:`expert_stack` stores it: the same rounding)."""
-        a = seg.adapter
-        t = a.params[f"{target}.{which}"][position][0]
-        if which == "B":
-            t = t * a.scale
-        return t if t.dtype == self.lora.compute_dtype else t.to(self.lora.compute_dtype)
-
-    def _token_mm(self, rows: torch.Tensor, target: str, which: str, position: int, transpose: bool) -> torch.Tensor:
-        """Each expert adapter's token range times its shared factor: ``rows[t] @ F_j^T`` (A: ``[T, r_max]``) or
-        ``rows[t, :r_j] @ F_j`` (B^T: ``[T, out]``); zero rows for tokens of no expert adapter."""
-        cd = self.lora.compute_dtype
-        rows = rows if rows.dtype == cd else rows.to(cd)
-        r_max = max(s.adapter.rank for s in self.expert_members)
-        dim = self.expert_members[0].adapter.params[f"{target}.{which}"].shape[-1]
-        out = rows.new_zeros(rows.shape[0], r_max if transpose else dim)
-        for seg in self.expert_members:
-            f = self._token_factor(seg, target, which, position)
-            r = seg.adapter.rank
-            if transpose:
-                out[seg.start : seg.end, :r] = rows[seg.start : seg.end] @ f.t()
-            else:
-                out[seg.start : seg.end] = rows[seg.start : seg.end, :r] @ f
-        return out
-
-    def _token_grads(self, g_mid_tok: torch.Tensor, other: torch.Tensor, target: str, which: str, position: int,
-                     input_grad: bool = True) -> torch.Tensor | None:
-        """The gradients of a shared factor from the token rows: B (``other`` = the output gradient ``[T, out]``,
-        ``g_mid_tok`` = the summed mids): ``B^T``'s gradient ``mid^T g`` into the sinks, returns the mids' gradient
-        ``g B`` (``[T, r_max]``); A (``other`` = the token rows ``[T, in]``, ``g_mid_tok`` = the mids' gradient
-        summed over each token's k rows): A's gradient ``g_mid^T x`` into the sinks, returns the token rows' input
-        gradient ``g_mid A`` (``[T, in]``, when ``input_grad``)."""
-        r_max = g_mid_tok.shape[1]
-        if which == "B":
-            back = other.new_zeros(other.shape[0], r_max)
-        else:
-            back = other.new_zeros(other.shape) if input_grad else None
-        for seg in self.expert_members:
-            a, r = seg.adapter, seg.adapter.rank
-            m, o = g_mid_tok[seg.start : seg.end, :r], other[seg.start : seg.end]
-            factor = self.expert_grad_scale * (a.scale if which == "B" else 1.0)
-            sink = a.grads[f"{target}.{which}"][position][0]
-            grad = (m.t() @ o).float()
-            sink.add_(grad, alpha=factor) if factor != 1.0 else sink.add_(grad)
-            f = self._token_factor(seg, target, which, position)
-            if which == "B":
-                back[seg.start : seg.end, :r] = o @ f.t()
-            elif back is not None:
-                back[seg.start : seg.end].add_(m @ f)
-        return back
 
     @property
     def mode(self) -> str:
@@ -627,50 +360,6 @@ class BatchRouting:
         for name, stacked in self.grads.items():
             parts = stacked.unbind(0) if self.grouped else stacked.split(ranks, dim=2)
             torch._foreach_add_([s.adapter.grads[name] for s in self.members], list(parts))
-
-
-_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs here as a grouped kernel and computes what this module relies on (checked
-    once per device type and dtype with a tiny call against the plain products). On CUDA only bf16 on sm90: other
-    dtypes and architectures either have no kernel or take torch's fallback, a loop over the groups that copies
-    the offsets to the host (a sync per call). On CPU (tests) torch's loop is all there is, and fine."""
-    key = (device.type, dtype)
-    ok = _GROUPED_MM_OK.get(key)
-    if ok is None:
-        ok = _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype)
-    return ok
-
-
-def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
-    if not hasattr(torch, "_grouped_mm") or device.type not in ("cpu", "cuda"):
-        return False
-    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] != 9):
-        return False
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(200, 64, generator=g).to(device, dtype)
-    w = torch.randn(3, 32, 64, generator=g).to(device, dtype)  # stored [n, k, in]: used transposed, as A is
-    y = torch.randn(200, 32, generator=g).to(device, dtype)
-    # Ragged, unaligned group ends, as a batch's token counts are: a kernel that needed aligned offsets (for the
-    # contraction split of the weight gradients) would fail the comparison here, not train wrong.
-    ends = [37, 101, 200]
-    offs = torch.tensor(ends, dtype=torch.int32, device=device)
-    try:
-        rows = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # [200, 32]
-        per_group = torch._grouped_mm(x.t(), y, offs=offs)  # [3, 64, 32]
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
-    start = 0
-    for k, end in enumerate(ends):
-        if not (torch.allclose(rows[start:end].float(), (x[start:end] @ w[k].t()).float(), atol=tol, rtol=tol)
-                and torch.allclose(per_group[k].float(), (x[start:end].t() @ y[start:end]).float(), atol=tol,
-                                   rtol=tol)):
-            return False
-        start = end
-    return True
 
 
 class _HookDelta(torch.autograd.Function):
@@ -764,16 +453,3 @@ class _HookAddInPlace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _lora_backward(ctx, g), g, None, None
-
-
-def _lora_counts(route, routing, target: str) -> list[int] | None:
-    """Host counts of the tenant x expert segments, or None where the grouped kernel runs the LoRA GEMMs (its
-    16-byte stride alignment holds for the rank and feature dims)."""
-    lora = routing.lora
-    unit = max(1, 16 // torch.empty((), dtype=lora.compute_dtype).element_size())
-    r_max = max(s.adapter.rank for s in routing.expert_members)
-    dims = (lora.shape.hidden_size, 2 * lora.shape.moe_ffn_hidden_size, lora.shape.moe_ffn_hidden_size, r_max)
-    if (route.slot_counts is None and grouped_mm_supported(routing._device, lora.compute_dtype)
-            and all(d % unit == 0 for d in dims)):
-        return None
-    return route.host_slot_counts()

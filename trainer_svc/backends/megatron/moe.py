@@ -17,7 +17,7 @@ megatron-core splits an MoE layer into three small objects with narrow interface
   ``grouped_gemm`` package): the local experts' weights as two 3-D tensors in HF's own layout (``weight1[E, 2F,
   h]`` = ``[gate; up]`` rows per expert, ``weight2[E, h, F]``); each base expert GEMM is one ``torch._grouped_mm``
   over the rows with per-expert offsets, each expert-LoRA GEMM one over the tenant x expert segments
-  (:class:`ExpertRoute`; the LoRA math is :meth:`.lora.BatchRouting.expert_lora_forward` / ``_backward``), where
+  (:class:`ExpertRoute`; the LoRA math is :meth:`.expert_lora.ExpertBatch.forward` / ``backward``), where
   the kernel exists (bf16 on sm90; on CPU torch's loop); elsewhere a loop over the groups. Router weight, SwiGLU,
   both GEMMs, their LoRA and the sum of a token's k rows are one autograd node, :class:`_ExpertMLP`.
 
@@ -28,75 +28,11 @@ data-parallel ranks instead.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 
-from .lora import grouped_mm_supported
-
-# torch._grouped_mm refuses 1,024 groups per call on the H100 ("Can't process more than 1024 groups"); 128 experts
-# times 8 adapter slots (the virtual experts of fused tenants) is more.
-MAX_GROUPS = 512
-
-
-def _group_chunks(offs: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """(first group, end group, first row, end row) of each run of at most MAX_GROUPS groups: one host sync per
-    offsets tensor, only when there are more groups than one call takes (kept on the tensor: a layer's forward and
-    backward GEMMs share one route's offsets)."""
-    cached = getattr(offs, "_loraplane_chunks", None)
-    if cached is not None and cached[0] == MAX_GROUPS:
-        return cached[1]
-    groups = offs.shape[0]
-    ends = list(range(MAX_GROUPS, groups, MAX_GROUPS)) + [groups]
-    rows = offs[[e - 1 for e in ends]].tolist()
-    out, g0, r0 = [], 0, 0
-    for g1, r1 in zip(ends, rows):
-        out.append((g0, g1, r0, int(r1)))
-        g0, r0 = g1, int(r1)
-    offs._loraplane_chunks = (MAX_GROUPS, out)
-    return out
-
-
-def segment_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None,
-               acc: torch.Tensor | None = None) -> torch.Tensor:
-    """``x[rows of group g] @ w[g]`` for ``x[N, k]`` sorted by group, ``w[G, k, n]``: one grouped GEMM (one per
-    MAX_GROUPS groups), or a loop over the groups' host ``counts`` where the kernel does not run. With ``acc``
-    (``[N, n]``) the product is added into it in place, chunk by chunk (no concatenation of the chunks), and ``acc``
-    is returned."""
-    n = w.shape[2]
-    if x.shape[0] == 0:
-        return acc if acc is not None else x.new_zeros(0, n)
-    if counts is None and offs.shape[0] <= MAX_GROUPS:
-        parts = [(0, x.shape[0], torch._grouped_mm(x, w, offs=offs))]
-    elif counts is None:
-        parts = [(r0, r1, torch._grouped_mm(x[r0:r1], w[g0:g1], offs=offs[g0:g1] - r0))
-                 for g0, g1, r0, r1 in _group_chunks(offs) if r1 > r0]
-    else:
-        ends = list(itertools.accumulate(counts))
-        parts = [(e - c, e, x[e - c : e] @ w[g]) for g, (c, e) in enumerate(zip(counts, ends)) if c]
-    if acc is None:
-        if len(parts) == 1 and parts[0][1] - parts[0][0] == x.shape[0]:
-            return parts[0][2]
-        acc = x.new_zeros(x.shape[0], n)
-    for r0, r1, part in parts:
-        acc[r0:r1].add_(part if part.dtype == acc.dtype else part.to(acc.dtype))
-    return acc
-
-
-def segment_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
-    """``a[rows of g]^T @ b[rows of g]`` per group: ``[G, a_cols, b_cols]`` (the weight gradients of
-    :func:`segment_mm`; a group without rows gets zeros)."""
-    groups = offs.shape[0]
-    if a.shape[0] == 0:
-        return a.new_zeros(groups, a.shape[1], b.shape[1])
-    if counts is None:
-        if groups <= MAX_GROUPS:
-            return torch._grouped_mm(a.t(), b, offs=offs)
-        return torch.cat([torch._grouped_mm(a[r0:r1].t(), b[r0:r1], offs=offs[g0:g1] - r0) if r1 > r0
-                          else a.new_zeros(g1 - g0, a.shape[1], b.shape[1])
-                          for g0, g1, r0, r1 in _group_chunks(offs)])
-    return torch.stack([pa.t() @ pb for pa, pb in zip(a.split(counts), b.split(counts))])
+from .expert_lora import ExpertTokens, in_force
+from .kernels import grouped_mm_supported, segment_mm, sum_copies
 
 
 def _swiglu_weighted_eager(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -182,22 +118,11 @@ class _Fused:
         return _swiglu_weighted_backward_eager(g_pa, h, p)
 
 
-def _sum_copies(rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_j rows[where[t, j]]``: the sum of each token's k expert rows, ``[T, h]``. On CUDA one
-    ``embedding_bag`` kernel (gathers and sums without writing the ``[T*k, h]`` gathered copy, fp32 accumulation);
-    elsewhere the gather, then the sum over k."""
-    if rows.device.type == "cuda" and rows.shape[0] > 0:
-        return F.embedding_bag(where, rows, mode="sum")
-    return rows.index_select(0, where.reshape(-1)).view(*where.shape, -1).sum(1)
-
-
 def _tokens(x: torch.Tensor, probs: torch.Tensor, plan):
     """The local path's token view of the expert rows, for the LoRA factors shared across experts (None under the
     dispatcher or without expert LoRA)."""
     if plan.tok is None or plan.lora is None:
         return None
-    from .lora import ExpertTokens
-
     return ExpertTokens(x, plan.tok, plan.inv.view(probs.shape))
 
 
@@ -233,20 +158,20 @@ class _ExpertMLP(torch.autograd.Function):
         h = segment_mm(xs, experts.weight1.transpose(1, 2), route.offs, route.counts)
         mid1 = mid2 = None
         if lora is not None:
-            mid1 = lora.expert_lora_forward("experts.gate_up_proj", plan.position, route, xs, h, tokens)
+            mid1 = lora.forward("experts.gate_up_proj", plan.position, route, xs, h, tokens)
         del xs
         pa = _Fused.forward(h, p.unsqueeze(-1))
         out = segment_mm(pa, experts.weight2.transpose(1, 2), route.offs, route.counts)
         if lora is not None:
-            mid2 = lora.expert_lora_forward("experts.down_proj", plan.position, route, pa, out, tokens)
+            mid2 = lora.forward("experts.down_proj", plan.position, route, pa, out, tokens)
         del pa
         ctx.save_for_backward(x, probs, h, mid1, mid2)
         ctx.plan = plan
         if not local:
             return out
-        y = _sum_copies(out, plan.inv.view(probs.shape))
+        y = sum_copies(out, plan.inv.view(probs.shape))
         if lora is not None:
-            lora.expert_lora_combine("experts.down_proj", plan.position, mid2, tokens, y)
+            lora.combine("experts.down_proj", plan.position, mid2, tokens, y)
         return y
 
     @staticmethod
@@ -263,7 +188,7 @@ class _ExpertMLP(torch.autograd.Function):
         g_pa = segment_mm(g_rows, experts.weight2, route.offs, route.counts)
         tokens = _tokens(x, probs, plan)
         if lora is not None:
-            lora.expert_lora_backward("experts.down_proj", plan.position, route, _Fused.forward(h, p), mid2, g_rows,
+            lora.backward("experts.down_proj", plan.position, route, _Fused.forward(h, p), mid2, g_rows,
                                       g_pa, tokens, g)
         del g_rows
         g_h, g_p = _Fused.backward(g_pa, h, p)
@@ -280,10 +205,10 @@ class _ExpertMLP(torch.autograd.Function):
                 xs = None
                 if not lora.token_shared("experts.gate_up_proj", "A", tokens):
                     xs = x.index_select(0, plan.tok) if local else x
-                g_tok = lora.expert_lora_backward("experts.gate_up_proj", plan.position, route, xs, mid1, g_h, g_xs,
+                g_tok = lora.backward("experts.gate_up_proj", plan.position, route, xs, mid1, g_h, g_xs,
                                                   tokens)
             if g_xs is not None:
-                g_x = _sum_copies(g_xs, plan.inv.view(probs.shape)) if local else g_xs
+                g_x = sum_copies(g_xs, plan.inv.view(probs.shape)) if local else g_xs
                 if g_tok is not None:
                     g_x.add_(g_tok if g_tok.dtype == g_x.dtype else g_tok.to(g_x.dtype))
         return g_x, g_probs, None, None
@@ -329,7 +254,7 @@ class GroupedExperts(torch.nn.Module):
     (:class:`SlotRouter`); the base weights are the real experts'. Without expert parallelism the layer skips the
     dispatcher and calls :meth:`local_forward` with the token rows and their top-k choices instead.
 
-    ``lora`` (:class:`.lora.MegatronLora`, when the model trains expert adapters) adds the routed adapters' expert
+    ``lora`` (:class:`.expert_lora.ExpertLora`, when the model trains expert adapters) adds the routed adapters' expert
     deltas to the outputs of the two expert GEMMs, per tenant x expert segment (:class:`_ExpertMLP`)."""
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, **_kwargs):
@@ -371,12 +296,10 @@ class GroupedExperts(torch.nn.Module):
         return self._run(x, probs, _Plan(self, route, None, -1, tok, inv, order))
 
     def _run(self, x: torch.Tensor, probs: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        from .lora import MegatronLora
-
-        routing = MegatronLora.current() if self.lora is not None else None
+        experts = in_force() if self.lora is not None else None
         anchor = None
-        if routing is not None and routing.expert_members:
-            plan.lora, plan.position, anchor = routing, self.lora.moe_position[self.layer_index], routing.anchor
+        if experts is not None:
+            plan.lora, plan.position, anchor = experts, self.lora.position[self.layer_index], experts.anchor
         return _ExpertMLP.apply(x, probs, anchor, plan)
 
     def _grouped(self, x: torch.Tensor) -> bool:
@@ -433,7 +356,7 @@ class SlotRouter(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size,
                                                      dtype=config.params_dtype), requires_grad=False)
         self.layer_number = None
-        self.token_slots = None  # set by .lora.MegatronLora: () -> [tokens] slot of each token, or None
+        self.token_slots = None  # set by .expert_lora.ExpertLora: () -> [tokens] slot of each token, or None
         # Tests (local path only): ``record`` a list that collects each call's top-k experts ``[T, k]``; ``force``
         # a list of ``[n, k]`` experts the next calls' first n rows use instead of their own top-k (one per call).
         self.record: list[torch.Tensor] | None = None
