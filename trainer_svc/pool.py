@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,67 @@ class AdapterState:
                                                               self.exp_avg_sq) for t in group.values())
 
 
+class Residency:
+    """Which adapters hold the device's slots, least recently used first, and which of them to spill to make room:
+    the one residency policy of the trainer. The shared :class:`AdapterPool` (per-tensor adapters) and the megatron
+    engine's pool (one flat sharded buffer per adapter, copied asynchronously) both keep their adapters' residency
+    here and move their own tensors (``spill`` callbacks).
+
+    Room means fewer than ``slots`` residents and, with a ``memory_bytes`` budget, ``size_of`` (an adapter's device
+    bytes) of the residents plus the newcomer within it. Counters: ``activations`` (adapters a batch asked for),
+    ``misses`` (of them, not resident), ``prefetches`` (copies started ahead of the batch)."""
+
+    def __init__(self, slots: int, memory_bytes: int = 0, size_of: Callable[[str], int] | None = None):
+        self.slots = slots
+        self.memory_bytes = memory_bytes
+        self._size_of = size_of or (lambda _name: 0)
+        self._order: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self.activations = 0
+        self.misses = 0
+        self.prefetches = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def names(self) -> list[str]:
+        """The residents, least recently used first."""
+        return list(self._order)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._size_of(n) for n in self._order)
+
+    def check_batch(self, unique: int) -> None:
+        """A batch of ``unique`` adapters needs them all resident at once."""
+        if unique > self.slots:
+            raise InvalidArgument(f"{unique} adapters in one batch exceed {self.slots} device slots", field="batch")
+
+    def used(self, name: str) -> None:
+        """``name`` (resident) is the most recently used."""
+        self._order.move_to_end(name)
+
+    def make_room(self, name: str, protect: Iterable[str], spill: Callable[[str], None]) -> None:
+        """Spills least recently used residents, never one in ``protect``, until ``name`` fits; ``spill(victim)``
+        copies the victim back to host memory and calls :meth:`remove`."""
+        protect = set(protect)
+        while len(self._order) >= self.slots or (
+                self.memory_bytes and self.bytes + self._size_of(name) > self.memory_bytes):
+            victim = next((n for n in self._order if n not in protect), None)
+            if victim is None:
+                raise InvalidArgument(f"all {self.slots} device slots are held by the batch", field="batch")
+            spill(victim)
+
+    def add(self, name: str) -> None:
+        """``name`` now holds a device slot (the most recently used)."""
+        self._order[name] = None
+
+    def remove(self, name: str) -> None:
+        self._order.pop(name, None)
+
+
 def slots_for_budget(per_tenant_bytes: int, budget_bytes: int) -> int:
     """How many adapters of `per_tenant_bytes` fit in `budget_bytes` of device memory (at least 0)."""
     return max(0, budget_bytes // max(1, per_tenant_bytes))
@@ -74,17 +136,28 @@ class AdapterPool:
             raise InvalidArgument(f"device_memory_bytes must be >= 0, got {device_memory_bytes}",
                                   field="device_memory_bytes")
         self.device = torch.device(device)
-        self.device_slots = device_slots
         # 0 = slots only; else resident adapters' measured bytes (AdapterState.device_bytes) stay within it.
-        self.device_memory_bytes = device_memory_bytes
         self.max_adapters = max_adapters
         self._adapters: dict[str, AdapterState] = {}
-        # Resident adapters, least recently used first.
-        self._resident: OrderedDict[str, None] = OrderedDict()
+        self._residency = Residency(device_slots, device_memory_bytes, lambda n: self._adapters[n].device_bytes)
         # The worker thread mutates the adapter table; the event loop reads it (ListAdapters, existence checks).
         self._table_lock = threading.Lock()
-        self.activations = 0
-        self.misses = 0
+
+    @property
+    def device_slots(self) -> int:
+        return self._residency.slots
+
+    @property
+    def device_memory_bytes(self) -> int:
+        return self._residency.memory_bytes
+
+    @property
+    def activations(self) -> int:
+        return self._residency.activations
+
+    @property
+    def misses(self) -> int:
+        return self._residency.misses
 
     def __contains__(self, name: str) -> bool:
         return name in self._adapters
@@ -116,14 +189,13 @@ class AdapterPool:
         state = self.get(name)
         with self._table_lock:
             del self._adapters[name]
-        self._resident.pop(name, None)
+        self._residency.remove(name)
         return state
 
     def activate(self, names: list[str]) -> list[AdapterState]:
         """Makes these adapters resident (all at once: a fused batch needs every one of them) and returns them."""
-        if len(set(names)) > self.device_slots:
-            raise InvalidArgument(f"{len(set(names))} adapters in one batch exceed {self.device_slots} device slots",
-                                  field="batch")
+        residency = self._residency
+        residency.check_batch(len(set(names)))
         states = [self.get(n) for n in names]
         if self.device_memory_bytes:
             need = sum({s.name: s.device_bytes for s in states}.values())
@@ -132,22 +204,18 @@ class AdapterPool:
                     f"the {len(set(names))} adapters of this batch need {need} bytes of device memory; the trainer's "
                     f"adapter budget is {self.device_memory_bytes}", field="batch")
         for state in states:
-            self.activations += 1
+            residency.activations += 1
             if state.resident:
-                self._resident.move_to_end(state.name)
+                residency.used(state.name)
                 continue
-            self.misses += 1
-            while len(self._resident) >= self.device_slots or (
-                    self.device_memory_bytes
-                    and self.resident_bytes + state.device_bytes > self.device_memory_bytes):
-                victim = next(n for n in self._resident if n not in names)
-                self._spill(self._adapters[victim])
+            residency.misses += 1
+            residency.make_room(state.name, names, lambda victim: self._spill(self._adapters[victim]))
             self._load(state)
         return states
 
     @property
     def resident_bytes(self) -> int:
-        return sum(self._adapters[n].device_bytes for n in self._resident)
+        return self._residency.bytes
 
     def replace_tensors(self, state: AdapterState, params, exp_avg, exp_avg_sq) -> None:
         """Swaps in new tensors (LoadState) wherever the adapter lives now."""
@@ -176,7 +244,7 @@ class AdapterPool:
         state.exp_avg = {k: _to(v, self.device, False) for k, v in state.exp_avg.items()}
         state.exp_avg_sq = {k: _to(v, self.device, False) for k, v in state.exp_avg_sq.items()}
         state.resident = True
-        self._resident[state.name] = None
+        self._residency.add(state.name)
 
     def _spill(self, state: AdapterState) -> None:
         # Copy into the adapter's own host buffers, allocated once: pinned allocations (cudaHostAlloc) cost far
@@ -197,7 +265,7 @@ class AdapterPool:
         state.exp_avg = dict(buffers["exp_avg"])
         state.exp_avg_sq = dict(buffers["exp_avg_sq"])
         state.resident = False
-        self._resident.pop(state.name, None)
+        self._residency.remove(state.name)
 
 
 def _to(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

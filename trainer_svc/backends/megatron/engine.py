@@ -8,7 +8,9 @@ Adapter pool. Each adapter owns one flat fp32 buffer per rank, shape ``[4, n]``:
 shards laid end to end), row 1 grads, row 2 AdamW exp_avg, row 3 exp_avg_sq. A pinned host copy always exists; up
 to ``device_slots`` adapters also have a device copy (resident). Activating a resident adapter copies nothing; a
 spilled one is one host→device copy of the whole buffer on a side stream (``prefetch`` starts it early, the compute
-stream waits on its event), and the least recently used resident adapter is copied back and dropped.
+stream waits on its event), and the least recently used resident adapter is copied back and dropped. Which adapters
+are resident and which one to spill is the trainer's one residency policy, :class:`trainer_svc.pool.Residency`, which
+the shared adapter pool uses too; this engine moves its own flat buffers.
 
 Within the flat buffer the tensors that are sharded over tensor-parallel ranks come first, then the dense
 replicated ones, then (adapters that train the routed experts of an MoE model) the per-expert factors, sharded over
@@ -22,18 +24,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.optim.adamw import adamw as adamw_update
 
-from loraplane.errors import InvalidArgument, NotFound
+from loraplane.errors import NotFound
 from loraplane.lora import LoraSpec, expected_shapes, init_lora_params, peft_key
 from trainer_svc import losses as loss_lib
 from trainer_svc.optimizer import AdamHyper, StepOutcome
+from trainer_svc.pool import Residency
 
+from .expert_lora import expert_lora_classes
 from .layout import (
     EXPERT_TARGETS,
     LlamaShape,
@@ -42,11 +45,10 @@ from .layout import (
     expert_lora_from_stacked,
     expert_lora_to_stacked,
 )
-from .expert_lora import expert_lora_classes
 from .lora import MegatronLora, lora_classes
-from .routing import AdapterTensors, LoraClass, RowSegment
 from .model import build_from_hf, forward_logits, target_logprobs
 from .recompute import LayerRecompute
+from .routing import AdapterTensors, LoraClass, RowSegment
 
 ROWS = 4  # params, grads, exp_avg, exp_avg_sq
 # The smallest micro-batch (tokens per rank) worth a pass of its own; below it one pass recomputes instead.
@@ -186,12 +188,32 @@ class Engine:
         self.lora = MegatronLora(self.model, self.shape, compute_dtype=lora_compute_dtype or dtype)
         self.recompute = LayerRecompute(self.model, self.lora, self.shape, self.tp, dtype, recompute)
         self.micro_batch_tokens = micro_batch_tokens
-        self.device_slots = int(device_slots)
         self.slots: dict[str, Slot] = {}
-        self.resident: OrderedDict[str, None] = OrderedDict()  # LRU first
+        # The trainer's one residency policy (trainer_svc.pool): slots, LRU order, which adapter to spill.
+        self.residency = Residency(int(device_slots))
         self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self.pin = self.device.type == "cuda"
-        self.stats = {"activations": 0, "misses": 0, "prefetches": 0}
+        self._stats: dict[str, int] = {}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: the pool's (activations, misses, prefetches), then the model work's (fused-batch modes,
+        recomputed layers, micro-batches, expert-LoRA GEMMs)."""
+        r = self.residency
+        return {"activations": r.activations, "misses": r.misses, "prefetches": r.prefetches, **self._stats}
+
+    @property
+    def device_slots(self) -> int:
+        return self.residency.slots
+
+    @device_slots.setter
+    def device_slots(self, value: int) -> None:
+        self.residency.slots = int(value)
+
+    @property
+    def resident(self) -> list[str]:
+        """The adapters with a device copy (or one in flight), least recently used first."""
+        return self.residency.names()
 
     # -- adapters -------------------------------------------------------------------------------------------------
 
@@ -221,7 +243,7 @@ class Engine:
                 host[row, e.offset : e.offset + e.numel].view(e.shape).copy_(self._stored(e, source[e.key], spec))
         old = self.slots.pop(name, None)
         if old is not None:
-            self.resident.pop(name, None)
+            self.residency.remove(name)
         self.slots[name] = Slot(name=name, spec=spec, layout=layout, host=host, step=int(step))
 
     def _stored(self, e: FlatEntry, full: torch.Tensor, spec: LoraSpec) -> torch.Tensor:
@@ -238,7 +260,7 @@ class Engine:
 
     def delete(self, name: str) -> None:
         self.slots.pop(name, None)
-        self.resident.pop(name, None)
+        self.residency.remove(name)
 
     def slot(self, name: str) -> Slot:
         s = self.slots.get(name)
@@ -247,7 +269,7 @@ class Engine:
         return s
 
     def is_resident(self, name: str) -> bool:
-        return name in self.resident
+        return name in self.residency
 
     # -- pool: residency ---------------------------------------------------------------------------------------
 
@@ -256,26 +278,23 @@ class Engine:
         s = self.slots.get(name)
         if s is None or s.device is not None:
             return
-        if self.device_slots - len(self.resident) < 1:
-            self._evict_one(protect=(*protect, name))
-        self.stats["prefetches"] += 1
+        self.residency.make_room(name, (*protect, name), self._spill_named)
+        self.residency.prefetches += 1
         self._load(s, asynchronous=True)
 
     def activate(self, names: list[str]) -> list[Slot]:
         """Makes every named adapter resident (a fused batch needs all of them) and ready on the compute stream."""
         unique = list(dict.fromkeys(names))
-        if len(unique) > self.device_slots:
-            raise InvalidArgument(f"{len(unique)} adapters in one batch exceed {self.device_slots} device slots",
-                                  field="batch")
+        residency = self.residency
+        residency.check_batch(len(unique))
         slots = [self.slot(n) for n in unique]
         for s in slots:
-            self.stats["activations"] += 1
+            residency.activations += 1
             if s.device is None:
-                self.stats["misses"] += 1
-                while len(self.resident) >= self.device_slots:
-                    self._evict_one(protect=tuple(unique))
+                residency.misses += 1
+                residency.make_room(s.name, unique, self._spill_named)
                 self._load(s, asynchronous=False)
-            self.resident.move_to_end(s.name)
+            residency.used(s.name)
             if s.ready is not None:
                 torch.cuda.current_stream().wait_event(s.ready)
                 s.ready = None
@@ -299,13 +318,10 @@ class Engine:
         if stream is not None:
             self.tensors(s)  # prefetch: build the views while the copy runs (metadata only)
         # else: built on first use (run_batch), so an activation is only the copy
-        self.resident[s.name] = None
+        self.residency.add(s.name)
 
-    def _evict_one(self, protect: tuple[str, ...]) -> None:
-        victim = next((n for n in self.resident if n not in protect), None)
-        if victim is None:
-            raise InvalidArgument(f"all {self.device_slots} device slots are held by the batch", field="batch")
-        self._spill(self.slots[victim])
+    def _spill_named(self, name: str) -> None:
+        self._spill(self.slots[name])
 
     def _spill(self, s: Slot) -> None:
         if s.ready is not None:  # a prefetch that was never used: its copy must land before we read it back
@@ -317,7 +333,7 @@ class Engine:
                 torch.cuda.current_stream().synchronize()
             s.host_valid = True
         s.device = s.tensors = None
-        self.resident.pop(s.name, None)
+        self.residency.remove(s.name)
 
     def tensors(self, s: Slot) -> AdapterTensors:
         """Per-class ``[L, G, r, dim]`` views of the resident params and grads, cached while resident."""
@@ -398,7 +414,7 @@ class Engine:
         if self.dp > 1:
             for t in (out_lp, out_loss, loss_by_adapter):
                 dist.all_reduce(t, group=self.dp_group)
-        self.stats.update(self.lora.expert_gemms)
+        self._stats.update(self.lora.expert_gemms)
         lp_cpu, loss_cpu = out_lp.cpu(), out_loss.cpu()
         return BatchResult(
             logprobs=[lp_cpu[i, : len(d.target_tokens)].tolist() for i, d in enumerate(datums)],
@@ -437,7 +453,7 @@ class Engine:
             current.append(i)
             used += length
         chunks.append(current)
-        self.stats["micro_batches"] = self.stats.get("micro_batches", 0) + len(chunks)
+        self._stats["micro_batches"] = self._stats.get("micro_batches", 0) + len(chunks)
         return chunks
 
     def _run_packed(self, datums, chunk: list[int], slots: dict[str, Slot], routes, loss_fn, loss_cfg,
@@ -475,9 +491,9 @@ class Engine:
             most = torch.tensor([tokens], dtype=torch.int64, device=self.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
             planned = int(most.item())
-        self.stats["recomputed_layers"] = self.recompute.plan(planned, backward, self.device)
+        self._stats["recomputed_layers"] = self.recompute.plan(planned, backward, self.device)
         with torch.set_grad_enabled(backward), self.lora.route(segments, tokens) as routing:
-            self.stats[f"lora_{routing.mode}"] = self.stats.get(f"lora_{routing.mode}", 0) + 1
+            self._stats[f"lora_{routing.mode}"] = self._stats.get(f"lora_{routing.mode}", 0) + 1
             logits = forward_logits(self.model, ids, lengths)  # [1, T, V/TP]
             lp_all = target_logprobs(logits, tgt[None])[0]  # [T] fp32 ([T, Kmax] with soft targets)
             total = lp_all.new_zeros(())
@@ -618,7 +634,7 @@ class Engine:
 
     def load_state(self, name: str, params, exp_avg, exp_avg_sq, step: int, spec: LoraSpec) -> None:
         """Replaces the adapter's params (and moments + step, or fresh ones) with full PEFT tensors."""
-        was_resident = name in self.resident
+        was_resident = name in self.residency
         self._install(name, spec, params, exp_avg, exp_avg_sq, step)
         if was_resident:
             self.activate([name])
