@@ -1,6 +1,6 @@
 """A sampler as one replica of a fleet: several samplers serving one base model, any of them able to serve any adapter
 version (each follows the registry and loads on demand), clients choosing among them by adapter affinity with
-bounded load (loraplane/routing.py).
+bounded load (loraplane/routing.py, BOUNDED_AFFINITY: the policy this replica also preloads by).
 
 The replica heartbeats its load (requests in flight, loaded versions) into Redis (loraplane/membership.py) every
 TTL/3 and keeps the fleet's live members from the same round trip, so ListReplicas answers from memory: clients
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from loraplane.membership import Membership
-from loraplane.routing import HashRing
+from loraplane.routing import BOUNDED_AFFINITY, Candidate
 
 log = logging.getLogger(__name__)
 # The report carries the names of at most this many loaded versions (for operators; clients get counts only).
@@ -40,7 +40,6 @@ class SamplerFleetMember:
         (0 = all)."""
         self.service = service
         self.preload = preload
-        self._ring = HashRing([replica_id])
         self.membership = membership
         self.fleet = membership.fleet
         self.replica_id = replica_id
@@ -72,14 +71,15 @@ class SamplerFleetMember:
         self._live = [Replica(m.member_id, str(m.report.get("address", "")), int(m.report.get("in_flight", 0)),
                               int(m.report.get("loaded_versions", 0)), float(m.report.get("heartbeat_at", 0.0)))
                       for m in members if m.live and m.report.get("address")]
-        ids = {r.replica_id for r in self._live} | {self.replica_id}
-        if ids != set(self._ring.members):
-            self._ring = HashRing(ids)
 
     def preloads(self, adapter: str) -> bool:
-        """Whether this replica is among the first `preload` of the adapter's routing order (the clients' ring over
-        the live replicas): where its requests go while load allows, so where its new versions should be waiting."""
-        return not self.preload or self.replica_id in self._ring.order(adapter)[:self.preload]
+        """Whether this replica is among the first `preload` the clients' placement policy ranks for the adapter
+        over the live replicas at no load: where its requests go while load allows, so where its new versions should
+        be waiting."""
+        if not self.preload:
+            return True
+        ids = {r.replica_id for r in self._live} | {self.replica_id}
+        return self.replica_id in BOUNDED_AFFINITY.rank(adapter, (Candidate(i) for i in sorted(ids)))[:self.preload]
 
     def start(self, address: str) -> None:
         self.address = address

@@ -2,8 +2,8 @@
 
 The client knows one sampler address (a seed: any replica). It asks the fleet for its replicas (ListReplicas, from
 the seed or any replica it knows) once before its first call and then every `refresh_s` in the background, and sends
-each call to the replica `loraplane.routing.route` picks: consistent hashing on the adapter's name with bounded load,
-where the load of a replica is this router's own calls in flight there plus what the others' reported at the last
+each call to the replica the sampler placement policy ranks first (loraplane/routing.py, BOUNDED_AFFINITY:
+consistent hashing on the adapter's name with bounded load, the same policy the fleet preloads by), where the load of a replica is this router's own calls in flight there plus what the others' reported at the last
 refresh. A call answered UNAVAILABLE or CANCELLED by the transport (the replica died, is stopping, or cannot be
 reached) goes at once to the next replica of the adapter's list, and the replica is left out of every route for
 `down_s` (10 s; a restarted replica is back after that): sampling never depends on which replica serves it, since
@@ -32,7 +32,7 @@ import grpc
 
 from loraplane.client._runtime import Endpoint, RetryConfig, call_with_retry, runtime
 from loraplane.client.routing import RouterCache
-from loraplane.routing import DEFAULT_BALANCE, HashRing, route
+from loraplane.routing import BOUNDED_AFFINITY, DEFAULT_BALANCE, Candidate, bounded_affinity
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ class SamplerRouter:
         self.refresh_s = refresh_s
         self.down_s = down_s
         self.balance = balance
+        self.policy = BOUNDED_AFFINITY if balance == DEFAULT_BALANCE else bounded_affinity(balance)
         self._addresses: dict[str, str] = {}  # replica id -> address (bound to the seed's identity)
-        self._ring = HashRing(())
         self._others: dict[str, int] = {}  # replica id -> calls in flight there from other clients, last refresh
         self._mine: dict[str, int] = {}  # replica id -> this router's calls in flight there
         self._down: dict[str, float] = {}  # replica id -> until when (monotonic) it is left out
@@ -115,8 +115,6 @@ class SamplerRouter:
 
     def _set(self, replicas) -> None:
         addresses = {r.replica_id: self._bind(r.address) for r in replicas if r.replica_id and r.address}
-        if set(addresses) != set(self._ring.members):
-            self._ring = HashRing(addresses)
         self._addresses = addresses
         # What the others put there: the reported load less this router's own share of it (as of now).
         self._others = {r.replica_id: max(0, r.in_flight - self._mine.get(r.replica_id, 0)) for r in replicas}
@@ -151,8 +149,8 @@ class SamplerRouter:
         if not self._addresses:
             return [("", self.seed)]
         down = {i for i in list(self._down) if self._is_down(i)} if self._down else ()
-        loads = {i: self._mine.get(i, 0) + self._others.get(i, 0) for i in self._addresses}
-        order = route(self._ring, adapter, loads, balance=self.balance, exclude=down)
+        order = self.policy.rank(adapter, [
+            Candidate(i, self._mine.get(i, 0) + self._others.get(i, 0), down=i in down) for i in self._addresses])
         return [(i, self._addresses[i]) for i in order]
 
     @contextlib.contextmanager
