@@ -137,17 +137,29 @@ class MegatronBackend(TrainerBackend):
     owns_adapter_tensors = True
 
     def __init__(self, base_model: str | BaseModel = "smollm2-135m-instruct", *, tensor_parallel_size: int = 1,
-                 expert_parallel_size: int = 1, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
+                 expert_parallel_size: int | None = None, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
                  lora_compute_dtype: torch.dtype | None = None, attention: str = "sdpa", recompute: str = "auto",
-                 expert_lora_slots: int = 8, engine: Engine | None = None,
+                 expert_lora_slots: int = 8, device_memory_bytes: int | None = None, engine: Engine | None = None,
                  driver: Driver | None = None):
+        """``expert_parallel_size`` None: chosen from the model and the GPUs (:mod:`.parallel_plan`: replicas where
+        the model fits one GPU, else the smallest EP that fits), planning for GPUs of ``device_memory_bytes`` each
+        (default: the CUDA device's memory)."""
         if engine is None:
-            from .model import init_parallel
+            import os
 
-            init_parallel(tensor_parallel_size, expert_parallel_size=expert_parallel_size)
+            from .model import init_parallel
+            from .parallel_plan import planned_expert_parallel
+
             # The HF model only feeds the weight conversion (and the tokenizer/description); keep it on the host.
             base = base_model if isinstance(base_model, BaseModel) else load_base_model(
                 base_model, device="cpu", dtype=torch.float32)
+            if expert_parallel_size is None:
+                world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+                expert_parallel_size = planned_expert_parallel(
+                    base.model.config, world, tensor_parallel_size, dtype_bytes=torch.finfo(dtype).bits // 8,
+                    device_slots=device_slots, expert_lora_slots=expert_lora_slots,
+                    device_memory_bytes=device_memory_bytes)
+            init_parallel(tensor_parallel_size, expert_parallel_size=expert_parallel_size)
             engine = Engine(base, device_slots=device_slots, dtype=dtype, lora_compute_dtype=lora_compute_dtype,
                             attention=attention, recompute=recompute, expert_lora_slots=expert_lora_slots)
         self.engine = engine

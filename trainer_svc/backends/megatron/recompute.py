@@ -32,6 +32,31 @@ from .layout import LlamaShape
 MODES = ("auto", "none", "full", "selective")
 
 
+def layer_bytes_per_token(shape: LlamaShape, tp: int, dtype_bytes: int, mlp_ffn_kept: int, top_k: int = 0,
+                          ep: int = 1, virtual_experts: int = 0) -> tuple[int, int]:
+    """Bytes one token costs a layer for the backward: (kept without recomputation, kept by a recomputed layer: its
+    input). ``mlp_ffn_kept``: a dense MLP's kept values in units of its ffn size (3 with the fused SwiGLU, else 4);
+    ``virtual_experts``: the dispatcher's experts (experts x adapter slots, :class:`.moe.SlotRouter`), under EP."""
+    s = shape
+    kv = s.num_kv_heads * s.head_dim // tp
+    q = s.num_heads * s.head_dim // tp
+    attention = 4 * s.hidden_size + 2 * q + 2 * kv
+    per_token = attention + mlp_ffn_kept * s.ffn_hidden_size // tp if s.dense_layers else 0
+    if s.moe_layers:
+        # An MoE layer (the largest layer counts). Without EP (.moe.GroupedExperts.local_forward) its experts keep
+        # the token rows (h), and per each of a token's k expert rows the fc1 output (2F) and two LoRA mids (2r,
+        # r <= 64 assumed); the router its fp32 logits and softmax over the experts. Under EP megatron's dispatcher
+        # also keeps each row's dispatched input (h) and fp32 maps over the virtual experts (experts x adapter
+        # slots, .moe.SlotRouter).
+        k, ffn = top_k, s.moe_ffn_hidden_size
+        if ep > 1:
+            moe = s.hidden_size + k * (s.hidden_size + 2 * ffn + 128) + 8 * virtual_experts // dtype_bytes
+        else:
+            moe = s.hidden_size + k * (2 * ffn + 128) + 8 * s.num_experts // dtype_bytes
+        per_token = max(per_token, attention + moe)
+    return per_token * dtype_bytes, s.hidden_size * dtype_bytes
+
+
 class LayerRecompute:
     def __init__(self, model, lora, shape: LlamaShape, tp: int, dtype: torch.dtype, mode: str = "auto"):
         if mode not in MODES:
@@ -74,26 +99,11 @@ class LayerRecompute:
 
     def layer_bytes(self, tokens: int) -> tuple[int, int]:
         """(kept for the backward by one layer without recomputation, by one recomputed layer) for ``tokens``."""
-        s, tp = self.shape, self.tp
-        kv = s.num_kv_heads * s.head_dim // tp
-        q = s.num_heads * s.head_dim // tp
-        attention = 4 * s.hidden_size + 2 * q + 2 * kv
-        per_token = attention + self.mlp_ffn_kept * s.ffn_hidden_size // tp if s.dense_layers else 0
-        if s.moe_layers:
-            # An MoE layer (the largest layer counts). Without EP (.moe.GroupedExperts.local_forward) its experts
-            # keep the token rows (h), and per each of a token's k expert rows the fc1 output (2F) and two LoRA mids
-            # (2r, r <= 64 assumed); the router its fp32 logits and softmax over the experts. Under EP megatron's
-            # dispatcher also keeps each row's dispatched input (h) and fp32 maps over the virtual experts
-            # (experts x adapter slots, .moe.SlotRouter).
-            config = self.model_config
-            k, ffn = config.moe_router_topk, s.moe_ffn_hidden_size
-            ep = getattr(config, "expert_model_parallel_size", 1) or 1
-            if ep > 1:
-                moe = s.hidden_size + k * (s.hidden_size + 2 * ffn + 128) + 8 * config.num_moe_experts // self.bytes
-            else:
-                moe = s.hidden_size + k * (2 * ffn + 128) + 8 * s.num_experts // self.bytes
-            per_token = max(per_token, attention + moe)
-        return tokens * per_token * self.bytes, tokens * s.hidden_size * self.bytes
+        config = self.model_config
+        full, kept = layer_bytes_per_token(
+            self.shape, self.tp, self.bytes, self.mlp_ffn_kept, getattr(config, "moe_router_topk", 0) or 0,
+            getattr(config, "expert_model_parallel_size", 1) or 1, getattr(config, "num_moe_experts", 0) or 0)
+        return tokens * full, tokens * kept
 
     def plan(self, tokens: int, backward: bool, device: torch.device) -> int:
         """Sets (and returns) how many layers the next forward recomputes."""
