@@ -28,14 +28,15 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from loraplane import errors, fields
-from loraplane.adapter_format import BlobCheck
 from loraplane.auth import OPEN, Identity, append_audit, audit_entry, quota_exceeded
 from loraplane.config import Settings
 from loraplane.errors import shown
 from loraplane.fields import validate_alias, validate_name
+from loraplane.lora import PER_EXPERT, SHARED_OUTER
 from loraplane.models.families import ALL_TARGETS
 from loraplane.redis_pool import async_redis
 from registry_svc import lua
+from registry_svc.blob_check import BlobCheck
 from registry_svc.blobs import BlobStore
 
 log = logging.getLogger(__name__)
@@ -281,6 +282,15 @@ def decode_page_token(secret: bytes, token: str, *query: object) -> str | int | 
     if fingerprint != _query_fingerprint(*query) or not isinstance(position, (str, int)):
         raise errors.InvalidArgument(_BAD_TOKEN, field="page_token")
     return position
+
+
+# LoraConfig.expert_layout values as a blob's adapter_config names them; unspecified is per-expert, as the trainer
+# reads it.
+_LAYOUT_NAMES = {0: PER_EXPERT, 1: PER_EXPERT, 2: SHARED_OUTER}
+
+
+def _layout_name(value: int) -> str:
+    return _LAYOUT_NAMES.get(value, str(value))
 
 
 def _now_ms() -> int:
@@ -738,6 +748,10 @@ class RegistryStore:
             raise errors.InvalidArgument(
                 f"chunk: the blob targets {list(spec.target_modules)}, adapter {shown(adapter.name)} targets "
                 f"{adapter.lora.target_modules}", field="chunk")
+        if spec.has_experts and spec.expert_layout != _layout_name(adapter.lora.expert_layout):
+            raise errors.InvalidArgument(
+                f"chunk: the blob's expert tensors are {spec.expert_layout}, adapter {shown(adapter.name)} is "
+                f"{_layout_name(adapter.lora.expert_layout)} (its lora_config.expert_layout)", field="chunk")
         if adapter.base_model and check.base_model and check.base_model != adapter.base_model:
             raise errors.InvalidArgument(
                 f"chunk: the blob was trained on base model {shown(check.base_model)}, adapter "

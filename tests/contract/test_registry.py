@@ -343,6 +343,75 @@ def test_publish_bad_input_is_rejected_and_commits_nothing(registry, registry_st
     assert multipart_uploads(registry.settings) == []
 
 
+EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def expert_blob(layout: str, *, differ: str = "") -> bytes:
+    """A rank-4 expert adapter of 3 experts (PEFT file). `layout` "shared_outer" (the shared factors repeated per
+    expert, as the trainer writes them) or "per_expert"; `differ` names a shared factor ("A": gate_up lora_A, "B":
+    down lora_B) in which one expert's copy is changed after the file says shared_outer."""
+    import torch
+    from safetensors.torch import load, save
+
+    from loraplane.adapter_format import blob_metadata, serialize_adapter
+    from loraplane.lora import PER_EXPERT, SHARED_OUTER, LoraSpec, peft_key
+
+    rank, experts, hidden, ffn = 4, 3, 8, 6
+    spec = LoraSpec.create(rank, 8.0, EXPERT_TARGETS, 0, expert_layout=layout)
+    generator = torch.Generator().manual_seed(5)
+    shared = layout == SHARED_OUTER
+    params = {
+        peft_key(0, "experts.gate_up_proj", "A"): torch.randn(rank * (1 if shared else experts), hidden,
+                                                              generator=generator),
+        peft_key(0, "experts.gate_up_proj", "B"): torch.randn(2 * ffn, rank * experts, generator=generator),
+        peft_key(0, "experts.down_proj", "A"): torch.randn(rank * experts, ffn, generator=generator),
+        peft_key(0, "experts.down_proj", "B"): torch.randn(hidden, rank * (1 if shared else experts),
+                                                           generator=generator),
+    }
+    blob = serialize_adapter(params, spec, TEST_BASE_MODEL)
+    if not differ:
+        return blob
+    assert layout != PER_EXPERT
+    tensors = load(blob)
+    if differ == "A":
+        tensors[peft_key(0, "experts.gate_up_proj", "A")][rank * 2, 3] += 1.0  # expert 2's copy, one value
+    else:
+        tensors[peft_key(0, "experts.down_proj", "B")][5, 1 * experts + 1] += 1.0  # expert 1's column 1
+    return save(tensors, blob_metadata(blob))
+
+
+def test_publish_refuses_an_expert_adapter_its_samplers_cannot_load(registry, registry_stub):
+    """Issue 31 item 4: a shared-outer file whose shared factor differs between experts, and a per-expert file in a
+    shared-outer adapter, are refused before anything is committed; the sampler's loader refuses the first by the
+    same rule, and a well-formed shared-outer file is accepted."""
+    from loraplane import errors
+    from loraplane.adapter_format import parse_adapter
+
+    stub = registry_stub
+    create_adapter(stub, "moe", lora_config=common_pb2.LoraConfig(
+        rank=4, alpha=8.0, target_modules=EXPERT_TARGETS, expert_layout=common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER))
+    before = registry_state(stub, registry.settings)
+    cases = [
+        ("gate_up lora_A differs between experts", expert_blob("shared_outer", differ="A"),
+         "layers.0.mlp.experts.base_layer.lora_A.weight differs between experts"),
+        ("down lora_B differs between experts", expert_blob("shared_outer", differ="B"),
+         "layers.0.mlp.experts.lora_B.weight differs between experts"),
+        ("a per-expert file", expert_blob("per_expert"), "per_expert"),
+    ]
+    for what, blob, named in cases:
+        for chunk in (97, 1024 * 1024):  # the differing value inside one chunk, and across many
+            with pytest.raises(grpc.RpcError) as caught:
+                publish(stub, "moe", blob, chunk=chunk)
+            assert caught.value.code() == INVALID, f"{what}: {caught.value.code()} {caught.value.details()}"
+            assert "chunk" in caught.value.details() and named in caught.value.details(), what
+    with pytest.raises(errors.InvalidArgument, match="differs between experts"):
+        parse_adapter(cases[0][1])
+    assert registry_state(stub, registry.settings) == before
+    good = expert_blob("shared_outer")
+    assert publish(stub, "moe", good, chunk=97).version.version == 1
+    assert parse_adapter(download(stub, "moe")[1])[1].expert_layout == "shared_outer"
+
+
 # ---------------------------------------------------------------------------------------------------- versions
 
 def test_get_version_bad_input(registry, registry_stub):

@@ -11,7 +11,6 @@ import torch
 from loraplane import errors
 from loraplane.adapter_format import (
     ADAPTER_CONFIG_KEY,
-    BlobCheck,
     TrainingState,
     _save,
     parse_adapter,
@@ -21,6 +20,7 @@ from loraplane.adapter_format import (
 )
 from loraplane.lora import LoraSpec, peft_key
 from loraplane.rpc import to_rpc_status
+from registry_svc.blob_check import BlobCheck
 
 SPEC = LoraSpec.create(2, 4.0, ["q_proj", "v_proj"], 1)
 

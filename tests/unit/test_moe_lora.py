@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from loraplane.adapter_format import (
-    BlobCheck,
     TrainingState,
     expand_shared_outer,
     fold_shared_outer,
@@ -38,6 +37,7 @@ from loraplane.lora import (
     peft_key,
 )
 from loraplane.models import load_base_model
+from registry_svc.blob_check import BlobCheck
 
 TOKENS = 24
 
