@@ -1,4 +1,5 @@
-"""The gateway's ASGI app: Tinker wire API under /api/v1, OpenAI / Anthropic-compatible sampling under /v1.
+"""The gateway's ASGI app: Tinker wire API under /api/v1, OpenAI / Anthropic-compatible sampling under /v1 (and the
+OpenAI routes again under Tinker's /oai/api/v1).
 
 FastAPI (Starlette) on uvicorn: an established ASGI stack whose async handlers suit futures long-polling (a held
 retrieve_future costs a coroutine, not a thread) and streaming (server-sent events), with pydantic request models
@@ -76,7 +77,7 @@ def create_app(settings: GatewaySettings | None = None, cluster: Settings | None
                                                      fleet=cluster.trainer_fleet)
                             if cluster.trainer_fleet and cluster.redis_url else None)
         app.state.tinker = TinkerService(settings, store, upstream)
-        app.state.openai = OpenAIService(settings, upstream)
+        app.state.openai = OpenAIService(settings, upstream, tinker_paths=app.state.tinker.sampler_weights)
         try:
             yield
         finally:
@@ -89,5 +90,8 @@ def create_app(settings: GatewaySettings | None = None, cluster: Settings | None
     app.state.authenticator = auth.authenticator_from_settings(cluster, "gateway")
     http_errors.install(app)
     app.include_router(tinker_routes.router)
-    app.include_router(openai_routes.router)
+    # One set of OpenAI handlers, two mounts: loraplane's /v1 and Tinker's OpenAI-compatible /oai/api/v1.
+    app.include_router(openai_routes.router, prefix="/v1")
+    app.include_router(openai_routes.router, prefix=http_errors.OAI_PREFIX + "/v1")
+    app.include_router(openai_routes.anthropic_router, prefix="/v1")
     return app

@@ -73,7 +73,13 @@ def future_failure(exc: BaseException) -> dict:
     return {"error": message, "category": category}
 
 
+# Tinker's OpenAI-compatible surface: the same OpenAI routes, mounted under this prefix too.
+OAI_PREFIX = "/oai/api"
+
+
 def _api_of(path: str) -> str:
+    if path.startswith(OAI_PREFIX + "/"):
+        path = path[len(OAI_PREFIX):]
     if path.startswith("/v1/messages"):
         return "anthropic"
     if path.startswith("/v1/"):
@@ -114,14 +120,38 @@ def install(app) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            return error_response(request.url.path, Unsupported(
-                f"{request.method} {request.url.path} is not supported by the loraplane gateway "
-                "(see docs/gateway.md for what is)"))
+            return error_response(request.url.path, errors.NotFound(
+                f"{request.method} {errors.clip(request.url.path, 200)}: no such route on the loraplane gateway "
+                "(see docs/gateway.md for what is served)", field="path"))
         if exc.status_code == 405:
             return error_response(request.url.path, errors.InvalidArgument(
                 f"{request.method} is not allowed on {request.url.path}"))
         return error_response(request.url.path, errors.LoraplaneError(str(exc.detail)))
 
-    @app.exception_handler(Exception)
-    async def _other(request: Request, exc: Exception):
-        return error_response(request.url.path, exc)
+    app.add_middleware(AnswerEveryError)
+
+
+class AnswerEveryError:
+    """Whatever escapes a handler unexpectedly is answered here, as the API's own error body (logged, never a
+    traceback to the caller), and the connection stays usable. Starlette's own last-resort handler re-raises after
+    answering, and the server then closes the kept-alive connection under the client's next request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:  # the one last-resort answer
+            if started:
+                raise  # a stream already under way: nothing can be answered any more
+            await error_response(scope.get("path", ""), exc)(scope, receive, send)

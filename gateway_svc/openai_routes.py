@@ -1,5 +1,9 @@
 """OpenAI-compatible and Anthropic Messages handlers: request models in, OpenAIService calls, response shapes out
-(including server-sent-event streams)."""
+(including server-sent-event streams).
+
+`router` (OpenAI: models, completions, chat completions) is mounted twice by the app: at `/v1` and at Tinker's
+`/oai/api/v1`, where `model` may also be a `tinker://.../sampler_weights/...` path; `anthropic_router` (Messages) at
+`/v1` only."""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from gateway_svc.http_errors import classify
 from gateway_svc.openai_service import OpenAIService
 from loraplane import errors
 
-router = APIRouter(prefix="/v1")
+router = APIRouter()
+anthropic_router = APIRouter()
 
 
 class _Loose(BaseModel):
@@ -196,7 +201,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 _STOP_REASON = {"stop": "end_turn", "length": "max_tokens"}
 
 
-@router.post("/messages")
+@anthropic_router.post("/messages")
 async def messages(body: MessagesRequest, request: Request):
     svc = _svc(request)
     system = svc.text_of(body.system, "system") if body.system is not None else None

@@ -7,11 +7,12 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gateway_svc.config import GatewaySettings
+from gateway_svc.served_names import ServedNames
 from gateway_svc.types import SamplingSpec
 from gateway_svc.upstream import Upstream
 from loraplane import errors
@@ -94,18 +95,27 @@ class IncrementalText:
         return True
 
 
+TinkerPaths = Callable[[str], Awaitable[tuple[str, int]]]
+
+
 class OpenAIService:
-    def __init__(self, settings: GatewaySettings, upstream: Upstream):
+    def __init__(self, settings: GatewaySettings, upstream: Upstream, tinker_paths: TinkerPaths | None = None):
+        """`tinker_paths`: resolves a `tinker://<model>/sampler_weights/<name>` path to (adapter, version) within
+        the caller's tenant (another tenant's path answers as a missing one)."""
         self.settings = settings
         self.upstream = upstream
+        self.tinker_paths = tinker_paths
+        self.served = ServedNames(settings, upstream)
 
     async def base_names(self) -> list[str]:
-        info = await self.upstream.info()
-        return [info.base_model, *self.settings.extra_model_names()]
+        return await self.served.names()
 
     async def resolve(self, model: str) -> Target:
         if not model or model in await self.base_names():
             return Target("")
+        if model.startswith("tinker://") and self.tinker_paths is not None:
+            adapter, version = await self.tinker_paths(model)
+            return Target(adapter, version=version)
         name, _, selector = model.partition("@")
         if not selector:
             return Target(name)

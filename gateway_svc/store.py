@@ -58,6 +58,21 @@ class Store:
     # ---- sessions ---------------------------------------------------------------------------------------------
     async def create_session(self, session_id: str, record: dict[str, Any]) -> None:
         await self._put(self.k("session", session_id), record)
+        await self.redis.zadd(self.k("sessions"), {session_id: record.get("created", time.time())}, nx=True)
+
+    async def list_sessions(self, offset: int, limit: int) -> tuple[list[str], int]:
+        """The caller's tenant's session ids, newest first, and how many there are."""
+        total = int(await self.redis.zcard(self.k("sessions")))
+        ids = await self.redis.zrevrange(self.k("sessions"), offset, offset + limit - 1) if limit > 0 else []
+        return [i.decode() for i in ids], total
+
+    async def session_members(self, session_id: str) -> tuple[list[str], list[str]]:
+        """The training model ids and sampling session ids made in the caller's tenant's session, oldest first."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrange(self.k("session-models", session_id), 0, -1)
+            pipe.zrange(self.k("session-samplers", session_id), 0, -1)
+            models, samplers = await pipe.execute()
+        return [m.decode() for m in models], [s.decode() for s in samplers]
 
     async def get_session(self, session_id: str) -> dict[str, Any] | None:
         return await self._get(self.k("session", session_id))
@@ -74,7 +89,10 @@ class Store:
     async def put_model(self, model_id: str, record: dict[str, Any], *, nx: bool = False) -> bool:
         ok = await self._put(self.k("model", model_id), record, nx=nx)
         if ok:
-            await self.redis.zadd(self.k("models"), {model_id: record.get("created", time.time())}, nx=True)
+            created = record.get("created", time.time())
+            await self.redis.zadd(self.k("models"), {model_id: created}, nx=True)
+            if record.get("session_id"):
+                await self.redis.zadd(self.k("session-models", record["session_id"]), {model_id: created}, nx=True)
         return ok
 
     async def get_model(self, model_id: str) -> dict[str, Any] | None:
@@ -122,6 +140,9 @@ class Store:
     # ---- sampling sessions ------------------------------------------------------------------------------------
     async def put_sampler(self, sampler_id: str, record: dict[str, Any]) -> None:
         await self._put(self.k("sampler", sampler_id), record)
+        session_id = sampler_id.rpartition(":sample:")[0]
+        if session_id:
+            await self.redis.zadd(self.k("session-samplers", session_id), {sampler_id: time.time()}, nx=True)
 
     async def get_sampler(self, sampler_id: str) -> dict[str, Any] | None:
         return await self._get(self.k("sampler", sampler_id))

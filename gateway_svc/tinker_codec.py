@@ -20,6 +20,7 @@ _NP = {wire.DTYPE_FLOAT32: np.float32, wire.DTYPE_INT64: np.int64, wire.DTYPE_IN
 # Inputs our losses read; anything else the SDK may send is refused by name.
 _KNOWN_INPUTS = {"target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask"}
 MAX_BODY_BYTES = 256 * 1024 * 1024
+INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -32,6 +33,7 @@ class FwdBwdRequest:
     forward_only: bool
     # A problem found in the payload: the request is still sequenced (the trainer consumes its seq_id) but fails.
     problem: str = ""
+    problem_field: str | None = None
 
 
 def decompress(body: bytes, encoding: str) -> bytes:
@@ -106,7 +108,13 @@ def tokens_of_chunks(chunks) -> list[int]:
         if kind != "encoded_text":
             raise errors.InvalidArgument(f"model_input.chunks[{i}]: {kind} chunks are not supported (text only)",
                                          field="model_input")
-        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        try:
+            values = np.frombuffer(chunk.encoded_text.tokens, dtype="<i4")
+        except ValueError:
+            raise errors.InvalidArgument(f"model_input.chunks[{i}].tokens: not a whole number of int32 values",
+                                         field="model_input") from None
+        _token_ids(values, f"model_input.chunks[{i}].tokens")
+        tokens.extend(values.tolist())
     return tokens
 
 
@@ -138,6 +146,7 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
                 raise errors.InvalidArgument(f"data[{i}].loss_fn_inputs: target_tokens is required",
                                              field="target_tokens")
             per_position = _soft_targets(i, inputs, msg.loss_fn, len(d.loss_fn_input_spans) > 0)
+            _token_ids(inputs["target_tokens"], f"data[{i}].loss_fn_inputs[target_tokens]")
             floats = {k: v.astype(np.float32).reshape(-1).tolist() for k, v in inputs.items() if k != "target_tokens"}
             request.data.append(DatumIn(
                 input_tokens=tokens_of_chunks(d.model_input),
@@ -148,8 +157,16 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
                 input_spans=_spans(d.model_input_spans) if len(d.model_input_spans) else None,
                 target_spans=_spans(d.loss_fn_input_spans) if len(d.loss_fn_input_spans) else None))
     except errors.InvalidArgument as exc:
-        request.data, request.problem = [], exc.message
+        request.data, request.problem, request.problem_field = [], exc.message, exc.field
     return request
+
+
+def _token_ids(values: np.ndarray, field: str) -> None:
+    """Token ids travel to the trainer as int32 (the SDK sends targets as int64): one outside [0, 2^31) is the
+    caller's error here, not a conversion failure later."""
+    if values.size and (values.min() < 0 or values.max() > INT32_MAX):
+        bad = int(values[(values < 0) | (values > INT32_MAX)].reshape(-1)[0])
+        raise errors.InvalidArgument(f"{field}: token id {bad} is outside [0, {INT32_MAX}]", field=field)
 
 
 def _soft_targets(i: int, inputs: dict[str, np.ndarray], loss_fn: str, spans: bool) -> int:

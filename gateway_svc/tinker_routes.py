@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from gateway_svc import tinker_bodies as shape
 from gateway_svc.http_errors import Unsupported
 from gateway_svc.tinker_service import TinkerService
 from loraplane import errors
@@ -18,20 +19,23 @@ def _svc(request: Request) -> TinkerService:
     return request.app.state.tinker
 
 
-async def _body(request: Request) -> dict[str, Any]:
+async def _body(request: Request, model: type[shape._Body] | None = None) -> dict[str, Any]:
+    """The JSON object the request carries, checked against its route's shape (tinker_bodies)."""
     raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise errors.InvalidArgument("body: not valid JSON", field="body") from None
+    body: Any = {}
+    if raw:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise errors.InvalidArgument("body: not valid JSON", field="body") from None
     if not isinstance(body, dict):
         raise errors.InvalidArgument("body: must be a JSON object", field="body")
-    return body
+    return shape.checked(model, body) if model is not None else body
 
 
 router = APIRouter(prefix="/api/v1")
+# Page sizes above the served maximum (1000) are clipped, not refused; beyond this they are nonsense.
+_PAGE_MAX = shape.INT32_MAX
 
 
 @router.post("/client/config")
@@ -60,17 +64,28 @@ async def telemetry(request: Request):
 
 @router.post("/create_session")
 async def create_session(request: Request):
-    return await _svc(request).create_session(await _body(request))
+    return await _svc(request).create_session(await _body(request, shape.CreateSession))
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request):
-    return await _svc(request).heartbeat((await _body(request)).get("session_id", ""))
+    return await _svc(request).heartbeat((await _body(request, shape.SessionRef)).get("session_id", ""))
 
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request):
-    return await _svc(request).finish_session(session_id, (await _body(request)).get("reason"))
+    return await _svc(request).finish_session(session_id, (await _body(request, shape.FinishSession)).get("reason"))
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request, limit: int = Query(20, ge=0, le=_PAGE_MAX),
+                        offset: int = Query(0, ge=0, le=shape.INT32_MAX)):
+    return await _svc(request).list_sessions(min(limit, 1000), offset)
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request):
+    return await _svc(request).get_session(session_id)
 
 
 @router.get("/get_server_capabilities")
@@ -80,12 +95,12 @@ async def capabilities(request: Request):
 
 @router.post("/create_model")
 async def create_model(request: Request):
-    return await _svc(request).create_model(await _body(request))
+    return await _svc(request).create_model(await _body(request, shape.CreateModel))
 
 
 @router.post("/get_info")
 async def get_info(request: Request):
-    return await _svc(request).get_info(await _body(request))
+    return await _svc(request).get_info(await _body(request, shape.ModelRef))
 
 
 @router.post("/forward_backward")
@@ -104,27 +119,32 @@ async def forward(request: Request):
 
 @router.post("/optim_step")
 async def optim_step(request: Request):
-    return await _svc(request).optim_step(await _body(request))
+    return await _svc(request).optim_step(await _body(request, shape.Sequenced))
 
 
 @router.post("/save_weights")
 async def save_weights(request: Request):
-    return await _svc(request).save_weights(await _body(request))
+    return await _svc(request).save_weights(await _body(request, shape.Sequenced))
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request):
-    return await _svc(request).save_weights_for_sampler(await _body(request))
+    return await _svc(request).save_weights_for_sampler(await _body(request, shape.Sequenced))
 
 
 @router.post("/load_weights")
 async def load_weights(request: Request):
-    return await _svc(request).load_weights(await _body(request))
+    return await _svc(request).load_weights(await _body(request, shape.LoadWeights))
+
+
+@router.post("/unload_model")
+async def unload_model(request: Request):
+    return await _svc(request).unload_model(await _body(request, shape.ModelRef))
 
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(request: Request):
-    return await _svc(request).create_sampling_session(await _body(request))
+    return await _svc(request).create_sampling_session(await _body(request, shape.CreateSamplingSession))
 
 
 @router.get("/samplers/{sampler_id}")
@@ -134,12 +154,12 @@ async def get_sampler(sampler_id: str, request: Request):
 
 @router.post("/asample")
 async def asample(request: Request):
-    return await _svc(request).asample(await _body(request))
+    return await _svc(request).asample(await _body(request, shape.Sample))
 
 
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request):
-    body = await _body(request)
+    body = await _body(request, shape.RequestRef)
     request_id = body.get("request_id", "")
     reply = await _svc(request).futures.retrieve(request_id)
     if reply is None:
@@ -150,8 +170,9 @@ async def retrieve_future(request: Request):
 
 
 @router.get("/training_runs")
-async def training_runs(request: Request, limit: int = 20, offset: int = 0):
-    return await _svc(request).training_runs(max(0, min(limit, 1000)), max(0, offset))
+async def training_runs(request: Request, limit: int = Query(20, ge=0, le=_PAGE_MAX),
+                        offset: int = Query(0, ge=0, le=shape.INT32_MAX)):
+    return await _svc(request).training_runs(min(limit, 1000), offset)
 
 
 @router.get("/training_runs/{model_id}")
@@ -172,7 +193,7 @@ async def delete_checkpoint(model_id: str, kind: str, name: str, request: Reques
 
 @router.put("/training_runs/{model_id}/checkpoints/{kind}/{name}/ttl")
 async def set_checkpoint_ttl(model_id: str, kind: str, name: str, request: Request):
-    await _svc(request).set_checkpoint_ttl(model_id, f"{kind}/{name}", (await _body(request)).get("ttl_seconds"))
+    await _svc(request).set_checkpoint_ttl(model_id, f"{kind}/{name}", (await _body(request, shape.CheckpointTtl)).get("ttl_seconds"))
     return JSONResponse({})
 
 
@@ -183,7 +204,7 @@ async def external_weights_urls(model_id: str, kind: str, name: str, request: Re
 
 @router.post("/save_weights_external")
 async def save_weights_external(request: Request):
-    return await _svc(request).save_weights_external(await _body(request))
+    return await _svc(request).save_weights_external(await _body(request, shape.Sequenced))
 
 
 @router.get("/external_weights/{token}/{name}")
@@ -193,20 +214,21 @@ async def external_file(token: str, name: str, request: Request):
 
 
 @router.get("/checkpoints")
-async def user_checkpoints(request: Request, limit: int = 100, offset: int = 0):
-    return await _svc(request).user_checkpoints(max(0, min(limit, 1000)), max(0, offset))
+async def user_checkpoints(request: Request, limit: int = Query(100, ge=0, le=_PAGE_MAX),
+                           offset: int = Query(0, ge=0, le=shape.INT32_MAX)):
+    return await _svc(request).user_checkpoints(min(limit, 1000), offset)
 
 
 @router.post("/weights_info")
 async def weights_info(request: Request):
-    return await _svc(request).weights_info((await _body(request)).get("tinker_path", ""))
+    return await _svc(request).weights_info((await _body(request, shape.WeightsInfo)).get("tinker_path", ""))
 
 
 _UNSUPPORTED = {
     "/cancel_future": "cancel_future", "/retrieve_futures": "batched futures (retrieve_futures)",
     "/join_sampling_session": "join_sampling_session", "/create_custom_loss": "server-side custom losses",
     "/auth/token": "JWT auth",
-    "/copy_weights": "copy_weights", "/unload_model": "unload_model",
+    "/copy_weights": "copy_weights",
 }
 
 

@@ -18,16 +18,18 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import math
 import re
+import secrets
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from gateway_svc import stability, tinker_codec
 from gateway_svc.config import GatewaySettings
 from gateway_svc.futures import Futures
 from gateway_svc.http_errors import Unsupported
+from gateway_svc.served_names import ServedNames
 from gateway_svc.store import Store
 from gateway_svc.types import SamplingSpec
 from gateway_svc.upstream import Upstream
@@ -44,17 +46,26 @@ URL_TTL_S = 3600
 MAX_TARGET_CELLS = 256
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 ATTN, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
+# The LoRA scale numerator of every adapter the gateway creates, whatever its rank: what Tinker's adapters carry
+# (tinker_cookbook/hyperparam_utils.py:66 `lora_alpha: int = 32`, weights/README.md:59; its get_lr takes no rank,
+# hyperparam_utils.py:306), so a learning rate tuned on Tinker means the same here (scale alpha / rank).
+TINKER_LORA_ALPHA = 32.0
+INT32_MAX = 2**31 - 1
 
 
 def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1e6):06d}Z"
 
 
-def num(value: Any, field: str, kind: type = int) -> Any:
-    """`kind(value)` for a number the caller sent, or InvalidArgument naming the field (never a 500)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        what = "an integer" if kind is int else "a number"
+def num(value: Any, field: str, kind: type = int, lo: float | None = None, hi: float | None = None) -> Any:
+    """`kind(value)` for a number the caller sent, finite and within [lo, hi] when given, or InvalidArgument naming
+    the field (never a 500)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and value != int(value))):
+        what = "an integer" if kind is int else "a finite number"
         raise errors.InvalidArgument(f"{field} {errors.shown(value)}: must be {what}", field=field)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise errors.InvalidArgument(f"{field} {errors.shown(value)}: must be in [{lo}, {hi}]", field=field)
     return kind(value)
 
 
@@ -81,17 +92,18 @@ def _opt(params: dict[str, Any], key: str) -> float | None:
 def sampling_spec(params: dict[str, Any], default_max_tokens: int) -> SamplingSpec:
     stop = params.get("stop")
     seed = params.get("seed")
-    spec = SamplingSpec(max_tokens=num(params.get("max_tokens") or default_max_tokens, "sampling_params.max_tokens"),
+    spec = SamplingSpec(max_tokens=num(params.get("max_tokens") or default_max_tokens, "sampling_params.max_tokens",
+                                       lo=1, hi=INT32_MAX),
                         temperature=_opt(params, "temperature"), top_p=_opt(params, "top_p"),
-                        top_k=max(num(params.get("top_k") or 0, "sampling_params.top_k"), 0),
-                        seed=None if seed is None else num(seed, "sampling_params.seed"))
+                        top_k=max(num(params.get("top_k") or 0, "sampling_params.top_k", lo=-1, hi=INT32_MAX), 0),
+                        seed=None if seed is None else num(seed, "sampling_params.seed", lo=0, hi=2**64 - 1))
     if isinstance(stop, str):
         spec.stop_strings = [stop]
     elif isinstance(stop, list):
         if all(isinstance(s, str) for s in stop):
             spec.stop_strings = list(stop)
         elif all(isinstance(s, int) for s in stop):
-            spec.stop_token_ids = list(stop)
+            spec.stop_token_ids = [num(s, "sampling_params.stop", lo=0, hi=INT32_MAX) for s in stop]
         else:
             raise errors.InvalidArgument("sampling_params.stop: strings or token ids, not both", field="stop")
     if spec.top_p is not None and spec.top_p >= 1.0:
@@ -106,7 +118,7 @@ class TinkerService:
         self.upstream = upstream
         self.futures = Futures(store, self.run_spec, long_poll_s=settings.long_poll_s,
                                lease_s=settings.future_lease_s)
-        self._tokenizer_dirs: dict[str, str] = {}
+        self.served = ServedNames(settings, upstream)
 
     # ---- naming ----------------------------------------------------------------------------------------------
     def adapter_of(self, model_id: str) -> str:
@@ -125,8 +137,7 @@ class TinkerService:
         return record is not None and (not record.get("adapter") or auth.current_caller().may_see(record["adapter"]))
 
     async def base_names(self) -> list[str]:
-        info = await self.upstream.info()
-        return [info.base_model, *self.settings.extra_model_names()]
+        return await self.served.names()
 
     async def check_base_model(self, name: str | None) -> str:
         names = await self.base_names()
@@ -163,6 +174,20 @@ class TinkerService:
             raise errors.NotFound(f"session {errors.shown(session_id)} not found", field="session_id")
         return {}
 
+    async def list_sessions(self, limit: int, offset: int) -> dict[str, Any]:
+        """The caller's tenant's sessions, newest first (the SDK's ListSessionsResponse, plus a cursor)."""
+        ids, total = await self.store.list_sessions(offset, limit)
+        return {"sessions": ids, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    async def get_session(self, session_id: str) -> dict[str, Any]:
+        record = await self.store.get_session(session_id) if session_id else None
+        if record is None:
+            raise errors.NotFound(f"session {errors.shown(session_id)} not found", field="session_id")
+        models, samplers = await self.store.session_members(session_id)
+        metadata = record.get("user_metadata")
+        return {"training_run_ids": models, "sampler_ids": samplers,
+                "user_metadata": {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else None}
+
     async def require_session(self, session_id: str) -> None:
         if not session_id or await self.store.get_session(session_id) is None:
             raise errors.NotFound(f"session_id {errors.shown(session_id)} not found (call create_session first)",
@@ -193,7 +218,7 @@ class TinkerService:
         await self.require_session(session_id)
         base = await self.check_base_model(body.get("base_model"))
         lora = body.get("lora_config") or {}
-        rank = num(lora.get("rank") or 32, "lora_config.rank")
+        rank = num(lora.get("rank") or 32, "lora_config.rank", lo=1, hi=INT32_MAX)
         info = await self.upstream.info()
         if not 1 <= rank <= info.max_lora_rank:
             raise errors.InvalidArgument(f"lora_config.rank {rank}: must be in [1, {info.max_lora_rank}]",
@@ -206,13 +231,17 @@ class TinkerService:
         opt = (body.get("optimizer_config") or {}).get("type", "adamw")
         if opt != "adamw":
             raise Unsupported(f"optimizer_config.type {errors.shown(opt)} is not supported (adamw only)")
-        model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id')}"
+        model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id', lo=0, hi=INT32_MAX)}"
         # train_mlp means the MLP the model has: a dense model's gate/up/down, a MoE model's routed experts.
         offered = info.target_modules or ATTN + MLP
         targets = [t for t in offered if (train_attn if t in ATTN else train_mlp)]
         now = time.time()
+        seed = lora.get("seed")
+        # LoraConfig.seed=None is a random seed (the SDK's documented meaning); it is recorded with the model, so a
+        # re-run of this future (or a resumed run reading the record) initializes the same adapter.
+        seed = secrets.randbits(63) if seed is None else num(seed, "lora_config.seed", lo=0, hi=2**64 - 1)
         record = {"model_id": model_id, "adapter": self.adapter_of(model_id), "base_model": base, "rank": rank,
-                  "seed": num(lora.get("seed") or 0, "lora_config.seed"), "targets": targets, "train_mlp": train_mlp,
+                  "alpha": TINKER_LORA_ALPHA, "seed": seed, "targets": targets, "train_mlp": train_mlp,
                   "train_attn": train_attn, "train_unembed": bool(lora.get("train_unembed", False)),
                   "seq_offset": 0, "session_id": session_id, "created": now, "last_request_time": now,
                   "user_metadata": body.get("user_metadata")}
@@ -220,46 +249,56 @@ class TinkerService:
         request_id = await self._submit(model_id, 0, {"kind": "create_model", "model_id": model_id})
         return {"request_id": request_id, "model_id": model_id}
 
+    async def unload_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Releases a training model: its trainer adapter (slot, optimizer state, journal) is deleted; its
+        checkpoints stay (they are registry versions) and load into a new training client. Later requests on the
+        model answer FAILED_PRECONDITION."""
+        record = await self.model(body.get("model_id", ""))
+        request_id = uuid.uuid4().hex
+        await self.futures.submit(request_id, {"kind": "unload", "model_id": record["model_id"],
+                                               "acting_for": auth.acting_for_value(), "request_id": request_id})
+        return {"request_id": request_id, "model_id": record["model_id"]}
+
+    async def _run_unload(self, spec: dict[str, Any]) -> tuple[str, bytes]:
+        record = await self.model(spec["model_id"])
+        if not record.get("unloaded"):
+            record["unloaded"] = True
+            await self.store.put_model(record["model_id"], record)  # first: no new request starts on it
+        try:
+            await self.upstream.delete_adapter(record["adapter"])
+        except errors.NotFound:
+            pass  # a re-run of this future: already gone
+        return _json({"type": "unload_model", "model_id": record["model_id"]})
+
     async def _run_create_model(self, spec: dict[str, Any]) -> tuple[str, bytes]:
         record = await self.model(spec["model_id"])
         try:
             await self.upstream.create_adapter(record["adapter"], rank=record["rank"], seed=record["seed"],
-                                               targets=record["targets"],
+                                               alpha=record.get("alpha", 0.0), targets=record["targets"],
                                                metadata={"tinker_model_id": record["model_id"]})
         except errors.AlreadyExists:
             pass  # a re-run of this very future after a gateway restart
         return _json({"type": "create_model", "model_id": spec["model_id"]})
 
     async def tokenizer_dir(self) -> str:
-        info = await self.upstream.info()
-        if info.base_model not in self._tokenizer_dirs:
-            root = Path(self.settings.tokenizer_dir or Path(_tmp()) / "loraplane-gateway-tokenizers")
-            target = (root / re.sub(r"[^A-Za-z0-9._-]", "_", info.base_model)).resolve()
-            if not (target / "tokenizer.json").exists():
-                tokenizer = await self.upstream.tokenizer()
-                scratch = target.with_name(target.name + f".tmp{uuid.uuid4().hex[:6]}")
-                tokenizer.save_pretrained(str(scratch))
-                try:
-                    scratch.rename(target)
-                except OSError:  # another replica wrote it first
-                    import shutil
-
-                    shutil.rmtree(scratch, ignore_errors=True)
-            self._tokenizer_dirs[info.base_model] = str(target)
-        return self._tokenizer_dirs[info.base_model]
+        return await self.served.tokenizer_dir()
 
     async def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
         record = await self.model(body.get("model_id", ""))
         return {"type": "get_info", "model_id": record["model_id"], "is_lora": True, "lora_rank": record["rank"],
-                "model_name": record["base_model"],
+                "model_name": record["base_model"], "lora_alpha": record.get("alpha"), "seed": record.get("seed"),
                 "model_data": {"arch": "llama", "model_name": record["base_model"],
                                "tokenizer_id": await self.tokenizer_dir()}}
 
     # ---- sequenced training requests -------------------------------------------------------------------------
     async def _sequenced(self, model_id: str, seq_id: Any, spec: dict[str, Any]) -> dict[str, Any]:
         record = await self.model(model_id)
-        if not isinstance(seq_id, int) or seq_id < 1:
-            raise errors.InvalidArgument(f"seq_id {errors.shown(seq_id)}: must be an integer >= 1", field="seq_id")
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or not 1 <= seq_id <= INT32_MAX:
+            raise errors.InvalidArgument(f"seq_id {errors.shown(seq_id)}: must be an integer in [1, {INT32_MAX}]",
+                                         field="seq_id")
+        if record.get("unloaded"):
+            raise errors.FailedPrecondition(f"model_id {errors.shown(model_id)} was unloaded (unload_model); load "
+                                            "its last checkpoint into a new training client", field="model_id")
         spec.update(model_id=model_id, seq_id=seq_id)
         request_id = await self._submit(model_id, seq_id, spec)
         return {"request_id": request_id, "model_id": record["model_id"]}
@@ -281,7 +320,7 @@ class TinkerService:
         record, seq = await self._target(spec)
         if request.problem:
             await self._consume(record["adapter"], seq)
-            raise errors.InvalidArgument(request.problem)
+            raise errors.InvalidArgument(request.problem, field=request.problem_field)
 
         async def check() -> int:
             for i, datum in enumerate(request.data):
@@ -291,11 +330,14 @@ class TinkerService:
             ids = stability.referenced(request.data)
             raw = await self.store.get_sequences(ids, ttl_s=self.settings.stability_ttl_s)
             records = {i: stability.SequenceRecord.decode(r) for i, r in raw.items()}
-            return stability.apply_records(request.data, records, record["session_id"])
+            filled = stability.apply_records(request.data, records, record["session_id"])
+            return filled
         filled = await self._checked(record, seq, check)
+        # Building the gRPC request converts every value to its protobuf type: a refusal there is the caller's too.
+        prepared = await self._checked(record, seq, self._prepare(
+            record["adapter"], seq, request.data, request.loss_fn, request.loss_fn_config, request.forward_only))
         try:
-            result = await self.upstream.forward_backward(record["adapter"], seq, request.data, request.loss_fn,
-                                                          request.loss_fn_config, request.forward_only)
+            result = await self.upstream.send_forward_backward(prepared)
         except errors.InvalidArgument as exc:
             if request.loss_fn == "custom":
                 info = await self.upstream.info()
@@ -309,12 +351,17 @@ class TinkerService:
             result.metrics["recorded_logprobs:sum"] = float(filled)
         return PROTO, tinker_codec.encode_forward_backward(result, [d.targets_per_position for d in request.data])
 
+    def _prepare(self, *args):
+        async def prepare():
+            return self.upstream.prepare_forward_backward(*args)
+        return prepare
+
     async def _consume(self, adapter: str, seq: int) -> None:
         """Spends `seq` on the trainer with a request it refuses, so the adapter's later seq_ids never wait on it."""
         try:
             await self.upstream.forward_backward(adapter, seq, [], "cross_entropy", {}, True)
-        except errors.InvalidArgument:
-            pass
+        except errors.LoraplaneError:
+            pass  # the trainer's refusal of the empty request is the point; anything else: the caller's error stands
 
     async def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._sequenced(body.get("model_id", ""), body.get("seq_id"), {
@@ -347,9 +394,15 @@ class TinkerService:
         sequenced request the gateway refuses must not leave a gap the model's next requests would wait on."""
         try:
             return await check()
-        except (errors.InvalidArgument, errors.NotFound):
+        except errors.LoraplaneError as exc:
+            if isinstance(exc, (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted)):
+                raise  # transient: the future is re-run (or retried by the client) with this same seq_id
             await self._consume(record["adapter"], seq)
             raise
+        except (ValueError, TypeError, OverflowError, KeyError, IndexError) as exc:
+            # A value the checks above let through and a conversion refused: still the caller's request.
+            await self._consume(record["adapter"], seq)
+            raise errors.InvalidArgument(f"request refused: {type(exc).__name__}: {exc}") from None
 
     async def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         # Every check that needs the request's content runs in the future (see _checked), not here.
@@ -384,17 +437,20 @@ class TinkerService:
         if body.get("path") is not None:
             spec["name"] = body["path"]
         else:
-            record = await self.model(body.get("model_id", ""))
-            n = num(body.get("sampling_session_seq_id") or 0, "sampling_session_seq_id")
-            spec["sampler_id"] = f"{record['session_id']}:sample:{n}"
+            # Checked in the future (which spends the seq_id when it refuses), like every content field.
+            spec["sampler_seq"] = body.get("sampling_session_seq_id") or 0
         return await self._sequenced(body.get("model_id", ""), body.get("seq_id"), spec)
 
     async def _run_save_for_sampler(self, spec: dict[str, Any]) -> tuple[str, bytes]:
         record, seq = await self._target(spec)
-        if "name" in spec:
-            async def check():
+
+        async def check():
+            if "name" in spec:
                 self._checkpoint_name(spec["name"])
-            await self._checked(record, seq, check)
+            else:
+                n = num(spec.get("sampler_seq", 0), "sampling_session_seq_id", lo=0, hi=INT32_MAX)
+                spec["sampler_id"] = spec.get("sampler_id") or f"{record['session_id']}:sample:{n}"
+        await self._checked(record, seq, check)
         version = await self.upstream.publish_weights(
             record["adapter"], seq, {"tinker_checkpoint": spec.get("name") or spec["sampler_id"]})
         if "name" in spec:
@@ -512,6 +568,19 @@ class TinkerService:
             raise errors.NotFound(f"checkpoint {errors.shown(path)} not found", field="path")
         return ckpt
 
+    async def sampler_weights(self, path: str) -> tuple[str, int]:
+        """(adapter, version) of a weights checkpoint (save_weights_for_sampler / save_weights_external) of the
+        caller's tenant: what the OpenAI-compatible routes sample when `model` is a tinker:// path."""
+        try:
+            ckpt = await self.resolve_checkpoint(path)
+        except errors.LoraplaneError as exc:
+            raise type(exc)(exc.message.replace("path ", "model ", 1), field="model") from None
+        if ckpt["checkpoint_type"] == "training":
+            raise errors.InvalidArgument(f"model {errors.shown(path)}: a training-state checkpoint "
+                                         "(tinker://.../weights/...) cannot be sampled; use the path "
+                                         "save_weights_for_sampler returned", field="model")
+        return ckpt["adapter"], int(ckpt["version"])
+
     async def training_checkpoint(self, path: str) -> dict[str, Any]:
         ckpt = await self.resolve_checkpoint(path)
         if ckpt["checkpoint_type"] != "training":
@@ -525,12 +594,13 @@ class TinkerService:
         spec = {"kind": "load_weights", "path": path, "optimizer": bool(body.get("optimizer"))}
         if body.get("model_id"):
             return await self._sequenced(body["model_id"], body.get("seq_id"), spec)
-        await self.training_checkpoint(path)
-        # create_training_client_from_state: a new model, whose id the SDK computes itself.
+        # create_training_client_from_state: a new model, whose id the SDK computes itself. Every lookup (the
+        # session first: the new model lives in it) is made within the caller's tenant before anything is written.
         session_id = body.get("session_id", "")
         await self.require_session(session_id)
+        await self.training_checkpoint(path)
         source = await self.model(parse_tinker_path(path)[0])
-        model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id')}"
+        model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id', lo=0, hi=INT32_MAX)}"
         now = time.time()
         record = {**source, "model_id": model_id, "adapter": self.adapter_of(model_id), "seq_offset": 1,
                   "session_id": session_id, "created": now, "last_request_time": now,
@@ -552,7 +622,7 @@ class TinkerService:
         ckpt = await self.resolve_checkpoint(spec["path"])
         try:
             await self.upstream.create_adapter(record["adapter"], rank=record["rank"], seed=record["seed"],
-                                               targets=record["targets"],
+                                               alpha=record.get("alpha", 0.0), targets=record["targets"],
                                                metadata={"tinker_model_id": record["model_id"]})
         except errors.AlreadyExists:
             pass  # a re-run of this future after a restart; the LoadState below is deduplicated by its seq_id
@@ -563,7 +633,8 @@ class TinkerService:
     async def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         session_id = body.get("session_id", "")
         await self.require_session(session_id)
-        sampler_id = f"{session_id}:sample:{num(body.get('sampling_session_seq_id') or 0, 'sampling_session_seq_id')}"
+        n = num(body.get("sampling_session_seq_id") or 0, "sampling_session_seq_id", lo=0, hi=INT32_MAX)
+        sampler_id = f"{session_id}:sample:{n}"
         if body.get("model_path"):
             ckpt = await self.resolve_checkpoint(body["model_path"])
             if ckpt["checkpoint_type"] != "sampler":
@@ -629,7 +700,7 @@ class TinkerService:
             if chunk.get("type", "encoded_text") != "encoded_text":
                 raise errors.InvalidArgument(f"prompt.chunks[{i}]: {chunk.get('type')} chunks are not supported "
                                              "(text only)", field="prompt")
-            prompt.extend(num(t, f"prompt.chunks[{i}].tokens") for t in chunk.get("tokens") or [])
+            prompt.extend(num(t, f"prompt.chunks[{i}].tokens", lo=0, hi=INT32_MAX) for t in chunk.get("tokens") or [])
         if spec.get("last_n") and not 1 <= spec["last_n"] <= len(prompt) - 1:
             raise errors.InvalidArgument(f"prompt_logprobs_last_n {spec['last_n']}: must be in [1, "
                                          f"{len(prompt) - 1}] (the prompt has {len(prompt)} tokens)",
@@ -765,16 +836,18 @@ def _target_cells(tensor: Any, prompt_length: int) -> dict[str, Any] | None:
     if not isinstance(tensor, dict) or not isinstance(tensor.get("data"), list):
         raise errors.InvalidArgument(f"{field}: expected a TensorData", field=field)
     shape = tensor.get("shape") or []
-    if len(shape) != 2 or num(shape[0], f"{field}.shape") != prompt_length - 1 or num(shape[1], f"{field}.shape") < 1:
+    if not isinstance(shape, list) or len(shape) != 2 or num(shape[0], f"{field}.shape") != prompt_length - 1 or num(shape[1], f"{field}.shape") < 1:
         raise errors.InvalidArgument(f"{field}: shape {errors.shown(shape)} must be [len(prompt) - 1, K] = "
                                      f"[{prompt_length - 1}, K]", field=field)
     rows, k = int(shape[0]), int(shape[1])
-    data = [num(v, f"{field}.data") for v in tensor["data"]]
+    data = [num(v, f"{field}.data", lo=-1, hi=INT32_MAX) for v in tensor["data"]]
     crow, col = tensor.get("sparse_crow_indices"), tensor.get("sparse_col_indices")
     cells = []
     if crow is not None:
-        crow = [num(v, f"{field}.sparse_crow_indices") for v in crow]
-        col = [num(v, f"{field}.sparse_col_indices") for v in col or []]
+        if not isinstance(crow, list) or not isinstance(col or [], list):
+            raise errors.InvalidArgument(f"{field}: CSR indices must be lists", field=field)
+        crow = [num(v, f"{field}.sparse_crow_indices", lo=0, hi=INT32_MAX) for v in crow]
+        col = [num(v, f"{field}.sparse_col_indices", lo=0, hi=INT32_MAX) for v in col or []]
         if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(data) or len(col) != len(data)
                 or any(b < a for a, b in itertools.pairwise(crow)) or any(not 0 <= c < k for c in col)):
             raise errors.InvalidArgument(f"{field}: inconsistent CSR indices", field=field)
@@ -792,8 +865,3 @@ def _target_cells(tensor: Any, prompt_length: int) -> dict[str, Any] | None:
                                      field=field)
     return {"shape": [rows, k], "cells": cells, "crow": crow, "col": col if crow is not None else None}
 
-
-def _tmp() -> str:
-    import tempfile
-
-    return tempfile.gettempdir()

@@ -55,6 +55,15 @@ def _version(v: common_pb2.AdapterVersion) -> VersionInfo:
         aliases=list(v.aliases))
 
 
+def _converted(what: str, build):
+    """`build()`, with protobuf's refusal of a value (an int beyond int32 / uint64, a wrong type) as the caller's
+    InvalidArgument naming `what`: such a value is the request's fault, never an internal error."""
+    try:
+        return build()
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise errors.InvalidArgument(f"{what}: a value out of range or of the wrong type ({exc})", field=what) from None
+
+
 def _datum(d: DatumIn) -> trainer_pb2.Datum:
     out = trainer_pb2.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens,
                             targets_per_position=d.targets_per_position)
@@ -79,6 +88,10 @@ def _sampling_params(spec: SamplingSpec) -> common_pb2.SamplingParams:
     if spec.seed is not None:
         params.seed = spec.seed
     return params
+
+
+def _checked_sampling_params(spec: SamplingSpec) -> common_pb2.SamplingParams:
+    return _converted("sampling_params", lambda: _sampling_params(spec))
 
 
 class Upstream:
@@ -242,22 +255,40 @@ class Upstream:
         return self._tokenizer
 
     async def create_adapter(self, name: str, *, rank: int, seed: int, targets: list[str],
-                             metadata: dict[str, str]) -> None:
-        config = common_pb2.LoraConfig(rank=rank, seed=seed, target_modules=targets)
+                             metadata: dict[str, str], alpha: float = 0.0) -> None:
+        config = _converted("lora_config", lambda: common_pb2.LoraConfig(rank=rank, alpha=alpha, seed=seed,
+                                                                         target_modules=targets))
         await self._call("trainer", f"CreateAdapter {name}", self._routed(name, lambda trainer: trainer.CreateAdapter(
             trainer_pb2.TrainerServiceCreateAdapterRequest(name=name, lora_config=config, metadata=metadata),
             timeout=self.timeout)))
 
+    @staticmethod
+    def prepare_forward_backward(adapter: str, seq_id: int, data: list[DatumIn], loss_fn: str,
+                                 config: dict[str, float], forward_only: bool):
+        """The trainer request (Forward or ForwardBackward), built apart from sending it so that a value protobuf
+        refuses is known before anything reaches the trainer (InvalidArgument naming the datum)."""
+        datums = [_converted(f"data[{i}]", lambda d=d: _datum(d)) for i, d in enumerate(data)]
+        kind = trainer_pb2.ForwardRequest if forward_only else trainer_pb2.ForwardBackwardRequest
+        return _converted("loss_fn_config", lambda: kind(adapter=adapter, seq_id=seq_id, data=datums,
+                                                          loss_fn=loss_fn, loss_fn_config=config))
+
+    async def delete_adapter(self, name: str) -> None:
+        """The trainer's adapter only (slot, optimizer state, journal); its registry versions stay."""
+        await self._call("trainer", f"DeleteAdapter {name}", self._routed(name, lambda trainer: trainer.DeleteAdapter(
+            trainer_pb2.TrainerServiceDeleteAdapterRequest(name=name, delete_from_registry=False),
+            timeout=self.timeout)))
+
     async def forward_backward(self, adapter: str, seq_id: int, data: list[DatumIn], loss_fn: str,
                                config: dict[str, float], forward_only: bool) -> FwdBwdResult:
-        kwargs = {"adapter": adapter, "seq_id": seq_id, "data": [_datum(d) for d in data], "loss_fn": loss_fn,
-                  "loss_fn_config": config}
-        if forward_only:
-            request = trainer_pb2.ForwardRequest(**kwargs)
+        return await self.send_forward_backward(
+            self.prepare_forward_backward(adapter, seq_id, data, loss_fn, config, forward_only))
+
+    async def send_forward_backward(self, request) -> FwdBwdResult:
+        adapter, seq_id = request.adapter, request.seq_id
+        if isinstance(request, trainer_pb2.ForwardRequest):
             reply = await self._call("trainer", f"Forward {adapter}#{seq_id}", self._routed(
                 adapter, lambda trainer: trainer.Forward(request, timeout=self.timeout)))
         else:
-            request = trainer_pb2.ForwardBackwardRequest(**kwargs)
             reply = await self._call("trainer", f"ForwardBackward {adapter}#{seq_id}", self._routed(
                 adapter, lambda trainer: trainer.ForwardBackward(request, timeout=self.timeout)))
         return FwdBwdResult(logprobs=[list(o.logprobs) for o in reply.outputs],
@@ -265,9 +296,10 @@ class Upstream:
                             metrics=dict(reply.metrics))
 
     async def optim_step(self, adapter: str, seq_id: int, adam: dict[str, float]) -> dict[str, float]:
+        adam_params = _converted("adam_params", lambda: trainer_pb2.AdamParams(**adam))
         reply = await self._call("trainer", f"OptimStep {adapter}#{seq_id}", self._routed(
             adapter, lambda trainer: trainer.OptimStep(trainer_pb2.OptimStepRequest(
-                adapter=adapter, seq_id=seq_id, adam_params=trainer_pb2.AdamParams(**adam)), timeout=self.timeout)))
+                adapter=adapter, seq_id=seq_id, adam_params=adam_params), timeout=self.timeout)))
         metrics = dict(reply.metrics)
         names = {k.split(":")[0] for k in metrics}
         for name, value in (("grad_norm", reply.grad_norm), ("step", float(reply.step)),
@@ -329,10 +361,10 @@ class Upstream:
     async def sample(self, adapter: str, version: int, prompt: list[int], num_samples: int, spec: SamplingSpec,
                      prompt_logprobs: bool, alias: str = "", topk_prompt_logprobs: int = 0,
                      prompt_logprobs_last_n: int = 0) -> SampleResult:
-        request = sampler_pb2.SampleRequest(
+        request = _converted("prompt", lambda: sampler_pb2.SampleRequest(
             adapter=self._ref(adapter, version, alias), prompt_tokens=prompt, num_samples=num_samples,
-            sampling_params=_sampling_params(spec), include_prompt_logprobs=prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n)
+            sampling_params=_checked_sampling_params(spec), include_prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n))
         reply = await self._call("sampler", f"Sample {adapter or '<base>'}@{version or alias or 'latest'}",
                                  lambda: self.sampler_router.call(
                                      adapter, lambda stub: stub.Sample(request, timeout=self.timeout)))
@@ -353,9 +385,9 @@ class Upstream:
 
     async def sample_stream(self, adapter: str, version: int, prompt: list[int], num_samples: int,
                             spec: SamplingSpec, alias: str = "") -> AsyncIterator[StreamDelta]:
-        request = sampler_pb2.SampleStreamRequest(
+        request = _converted("prompt", lambda: sampler_pb2.SampleStreamRequest(
             adapter=self._ref(adapter, version, alias), prompt_tokens=prompt, num_samples=num_samples,
-            sampling_params=_sampling_params(spec))
+            sampling_params=_checked_sampling_params(spec)))
         stream = self.sampler_router.stream(adapter, lambda stub: stub.SampleStream(request, timeout=self.timeout))
         try:
             async for msg in stream:

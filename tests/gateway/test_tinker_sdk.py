@@ -214,10 +214,13 @@ def test_chunked_compressed_forward_backward_accumulates_in_seq_id_order(cluster
 def test_wire_errors_and_retries(cluster, service):
     http = httpx.Client(base_url=cluster.base_url + "/api/v1", timeout=30)
     # Unsupported endpoints answer the SDK's error shape, never a 500 or an empty body.
-    for path in ("/copy_weights", "/no/such/endpoint"):
-        reply = http.post(path, json={})
-        assert reply.status_code == 400 and "not supported" in reply.json()["error"]
-        assert reply.json()["category"] == "user"
+    reply = http.post("/copy_weights", json={})
+    assert reply.status_code == 400 and "not supported" in reply.json()["error"]
+    assert reply.json()["category"] == "user"
+    # A route that does not exist is a 404 (not a 400 "not supported"), in the same shape.
+    reply = http.post("/no/such/endpoint", json={})
+    assert reply.status_code == 404 and "no such route" in reply.json()["error"]
+    assert reply.json()["category"] == "user" and reply.headers["x-should-retry"] == "false"
     reply = http.post("/retrieve_future", json={"request_id": "nope"})
     assert reply.status_code == 404 and "nope" in reply.json()["error"]
     reply = http.post("/create_model", content=b"{not json")
