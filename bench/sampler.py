@@ -221,7 +221,7 @@ def write_shape_dir(shape: str, directory: Path, layers: int = 0) -> None:
     if (directory / "config.json").is_file():
         return
     if shape in MOE_SHAPES:
-        from loraplane_cli.production_e2e import qwen3_moe_config, write_moe_config_dir
+        from tests.production_e2e import qwen3_moe_config, write_moe_config_dir
 
         write_moe_config_dir(directory, qwen3_moe_config(MOE_SHAPES[shape][0], layers=layers))
         return
@@ -325,7 +325,7 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
     # Inside the engine's load: the HTTP call that hands the version to SGLang, until SGLang answers (its own load);
     # the rest of engine_load is the sampler's part (parse, layout conversion, serialization or the file write).
     sglang_call_s: dict[str, float] = {}
-    real_load_call = engine._load_call
+    real_load_call = engine.transport.load_call
 
     async def timed_load_call(server, key, path, request):
         began = time.perf_counter()
@@ -334,7 +334,7 @@ async def _sglang_load_paths(settings, shape: str, iterations: int, workdir: Pat
         finally:
             sglang_call_s[key] = sglang_call_s.get(key, 0.0) + time.perf_counter() - began
 
-    engine._load_call = timed_load_call
+    engine.transport.load_call = timed_load_call
     # The sampler's download of each version (its own RegistryClient, in this process): when it began, how long.
     download_began: dict[str, float] = {}
     download_s: dict[str, float] = {}
@@ -494,7 +494,7 @@ async def _moe_load_variants(settings, shape: str, iterations: int, workdir: Pat
     startup_s = time.perf_counter() - began
     server = engine.servers[0]
     _say(f"SGLang + sampler up in {startup_s:.1f} s (tp {server.tp_size}, dtype {server.dtype}, tensors through "
-         f"shared memory: {engine._shares_memory(server)})")
+         f"shared memory: {engine.transport.shares_memory(server)})")
     client = RegistryClient(registry.address)
     facts = _base_model_facts(str(model_dir))
 
@@ -506,7 +506,7 @@ async def _moe_load_variants(settings, shape: str, iterations: int, workdir: Pat
     def phase(key: str, name: str, seconds: float) -> None:
         phases.setdefault(key, {})[name] = phases.get(key, {}).get(name, 0.0) + seconds
 
-    real_load, real_call, real_body = engine.load_adapter, engine._load_call, engine._tensor_body
+    real_load, real_call, real_body = engine.load_adapter, engine.transport.load_call, engine.transport.tensor_body
 
     async def timed_load(key, blob):
         t = time.perf_counter()
@@ -532,7 +532,7 @@ async def _moe_load_variants(settings, shape: str, iterations: int, workdir: Pat
                                          tensors=len(packed.layout))
         return request, packed
 
-    engine.load_adapter, engine._load_call, engine._tensor_body = timed_load, timed_call, timed_body
+    engine.load_adapter, engine.transport.load_call, engine.transport.tensor_body = timed_load, timed_call, timed_body
     real_download = RegistryClient.download
 
     async def timed_download(self, name, version=0, alias=""):

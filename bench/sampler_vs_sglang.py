@@ -367,7 +367,7 @@ async def raw2_placement(engine: SGLangEngine) -> tuple[dict[str, list[str]], li
     the server raw2 sends them to (adapter i -> server i % servers)."""
     placement: dict[str, list[str]] = {}
     for server in engine.servers:
-        status, body = await engine._request(server, "/v1/models", timeout=30)
+        status, body = await engine.http.request(server, "/v1/models", timeout=30)
         placement[server.url] = sorted(m.get("id", "") for m in (body or {}).get("data", [])
                                        if m.get("parent")) if status == 200 and isinstance(body, dict) else []
     print(f"adapter versions per SGLang server: {json.dumps(placement)}", flush=True)

@@ -7,7 +7,7 @@ same object:
   * the client SDK and the gateway (loraplane/client/sampler_routing.py) rank replicas per call (BOUNDED_AFFINITY);
   * the sampler fleet (sampler_svc/fleet.py) asks the same ranking at zero load which replicas load a new version
     ahead of requests;
-  * the SGLang engine (sampler_svc/engines/sglang_servers.py) chooses the server a new adapter version is loaded on
+  * the SGLang engine (sampler_svc/engines/sglang_placement.py) chooses the server a new adapter version is loaded on
     (FEWEST_ADAPTERS).
 
 Bounded affinity is consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing

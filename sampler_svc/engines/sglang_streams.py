@@ -22,8 +22,8 @@ A reader that exits fails its open streams (UNAVAILABLE); new streams go to the 
 in-process path when none is left.
 
 The parsing (SSE events, SGLang's cumulative or incremental chunks) lives here once and is what the in-process path
-(sglang_engine._stream_here) uses too. A reader process imports only this module, the standard library, aiohttp
-and loraplane.errors, so it starts in a fraction of a second.
+(sglang_generation.Generation._stream_here) uses too. A reader process imports only this module, the standard
+library, aiohttp and loraplane.errors, so it starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -264,12 +264,12 @@ class StreamReaders:
                 await asyncio.gather(reader.pump, return_exceptions=True)
         self.readers = []
 
-    async def stream(self, engine, request, index: int) -> AsyncIterator[GenerationUpdate]:
-        """Sample `index` of `request` (streamed, on SGLangEngine `engine`, whose in-flight counts it holds while it
-        runs) as GenerationUpdates: one per token for a consumer that keeps up, a backlog in one piece; raises
-        errors.Unavailable when SGLang fails or cannot be reached."""
-        server = engine._server_for(request.adapter_key)  # an unknown version fails before anything is sent
-        payload = {**engine._payload(request, [index]), "stream": True}
+    async def stream(self, generation, request, index: int) -> AsyncIterator[GenerationUpdate]:
+        """Sample `index` of `request` (streamed, for sglang_generation.Generation `generation`, whose in-flight
+        counts it holds while it runs) as GenerationUpdates: one per token for a consumer that keeps up, a backlog in
+        one piece; raises errors.Unavailable when SGLang fails or cannot be reached."""
+        server = generation.server_for(request.adapter_key)  # an unknown version fails before anything is sent
+        payload = {**generation.payload(request, [index]), "stream": True}
         alive = [r for r in self.readers if r.alive]
         if not alive:
             raise errors.Unavailable("no SGLang stream reader process is running")
@@ -280,7 +280,7 @@ class StreamReaders:
         loop = asyncio.get_running_loop()
         reader.send(("s", sid, server.url + "/generate", json.dumps(payload).encode(), self.request_timeout_s))
         ended = False
-        engine._waiting += 1
+        generation.waiting += 1
         server.in_flight += 1
         try:
             while True:
@@ -302,7 +302,7 @@ class StreamReaders:
                     await slot.waiter
                     slot.waiter = None
         finally:
-            engine._waiting -= 1
+            generation.waiting -= 1
             server.in_flight -= 1
             if reader.slots.pop(sid, None) is not None and not ended:
                 reader.send(("c", sid))

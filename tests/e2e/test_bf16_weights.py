@@ -16,7 +16,7 @@ from safetensors.torch import load as st_load
 from loraplane.adapter_format import materialize_peft_dir, parse_training_state, peft_adapter_config, serialize_adapter
 from loraplane.models import load_base_model
 from loraplane.v1 import common_pb2, registry_pb2, sampler_pb2, trainer_pb2
-from sampler_svc.engines.sglang_engine import _write_peft_dir
+from sampler_svc.engines.sglang_transport import write_peft_dir
 from tests.fixtures.registry import download
 from tests.fixtures.trainer import start_live_trainer
 
@@ -89,7 +89,7 @@ def test_a_bfloat16_adapter_publishes_rounded_weights_that_peft_and_the_sampler_
         exact = peft_logits(masters_dir, tokens)
         assert not torch.equal(theirs, exact) and torch.allclose(theirs, exact, atol=1e-2)
         # The SGLang engine's file transport writes a directory PEFT loads, with the same weights.
-        sglang_dir = _write_peft_dir(blob, tmp_path / "sglang")
+        sglang_dir = write_peft_dir(blob, tmp_path / "sglang")
         assert torch.equal(peft_logits(sglang_dir, tokens), theirs)
         # Written as published: BF16 tensors, half the bytes of a float32 file for SGLang to read.
         assert tensor_dtypes((sglang_dir / "adapter_model.safetensors").read_bytes()) == {"BF16"}

@@ -90,7 +90,7 @@ def record(name: str, value) -> None:
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
     from loraplane.models.tiny import build_tiny_tokenizer
-    from loraplane_cli.production_e2e import qwen3_moe_config, write_random_moe_dir
+    from tests.production_e2e import qwen3_moe_config, write_random_moe_dir
 
     config = qwen3_moe_config("small-moe", vocab_size=len(build_tiny_tokenizer()), dtype="bfloat16")
     directory = write_random_moe_dir(tmp_path_factory.mktemp("moe") / "small-moe", config, seed=7, device="cuda")
@@ -288,7 +288,8 @@ def test_peft_target_parameters_layout_never_reaches_sglang(registry, background
     try:
         # What the tensor transport sends: per-expert keys only (decoded from the request body the engine builds).
         params, spec, base_name = parse_adapter(blob)
-        body = json.loads(engine._tensor_body("probe@v1", params, spec, base_name, engine.servers[0], shared=False)[0])
+        body = json.loads(engine.transport.tensor_body("probe@v1", params, spec, base_name, engine.servers[0],
+                                                       shared=False)[0])
         sent = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
         expert_keys = [k for k in sent if ".mlp.experts." in k]
         assert expert_keys and all(k.split(".mlp.experts.")[1].split(".")[0].isdigit() for k in expert_keys)
@@ -304,7 +305,7 @@ def test_peft_target_parameters_layout_never_reaches_sglang(registry, background
             if transport == "file":
                 from safetensors import safe_open
 
-                with safe_open(str(engine._adapter_dir(key) / "adapter_model.safetensors"), "pt") as handle:
+                with safe_open(str(engine.transport.adapter_dir(key) / "adapter_model.safetensors"), "pt") as handle:
                     names = list(handle.keys())
                 assert not any("base_layer" in k for k in names)
                 assert any(".mlp.experts.0.gate_proj.lora_A" in k for k in names)

@@ -305,6 +305,22 @@ async def test_never_loads_past_sglangs_own_limit_so_sglang_never_evicts_behind_
         fake.http.shutdown()
 
 
+async def test_a_version_goes_to_a_server_with_room_when_the_least_loaded_one_is_at_its_own_limit(tmp_path):
+    """The server choice is the sampler placement policy (loraplane/routing.py, FEWEST_ADAPTERS): among servers with
+    room under their --max-loaded-loras, the one holding the fewest versions (the first on a tie)."""
+    small, large = FakeSGLang(max_loaded_loras=1), FakeSGLang(max_loaded_loras=8)
+    engine = SGLangEngine("tiny", urls=[small.url, large.url], work_dir=tmp_path)
+    await engine.start()
+    try:
+        for key in ("a@v1", "b@v1", "c@v1"):
+            await engine.load_adapter(key, adapter_blob(1))
+        assert (small.loaded, large.loaded) == ({"a@v1"}, {"b@v1", "c@v1"})
+    finally:
+        await engine.stop()
+        small.http.shutdown()
+        large.http.shutdown()
+
+
 async def test_auto_sends_files_to_servers_on_this_host_and_tensors_to_the_others(tmp_path):
     fake = FakeSGLang()
     engine = SGLangEngine("tiny", urls=[fake.url], work_dir=tmp_path)  # default "auto", loopback URL
@@ -322,9 +338,9 @@ async def test_auto_sends_files_to_servers_on_this_host_and_tensors_to_the_other
         assert "loraplane_seed" not in config
         # The same server seen under a name that is not loopback (the engine cannot tell it is local): tensors.
         engine.servers[0].url = fake.url.replace("127.0.0.1", "127.0.0.1.nip.invalid")
-        assert engine._sends_tensors(engine.servers[0])
+        assert engine.transport.sends_tensors(engine.servers[0])
         engine.servers[0].url = fake.url
-        assert not engine._sends_tensors(engine.servers[0])
+        assert not engine.transport.sends_tensors(engine.servers[0])
     finally:
         await engine.stop()
         fake.http.shutdown()
@@ -336,12 +352,12 @@ def test_blobs_reach_sglang_as_bf16_or_float32_files(tmp_path, stored, written):
     bytes of float32, which SGLang casts exactly to its own dtype; other dtypes become float32."""
     from safetensors.torch import load_file, save
 
-    from sampler_svc.engines.sglang_engine import _write_peft_dir
+    from sampler_svc.engines.sglang_transport import write_peft_dir
 
     params, spec, base_name = parse_adapter(adapter_blob(1))
     blob = save({k: v.to(stored) for k, v in params.items()},
                 metadata={"format": "pt", "adapter_config": json.dumps(peft_adapter_config(spec, base_name))})
-    directory = _write_peft_dir(blob, tmp_path / "d")
+    directory = write_peft_dir(blob, tmp_path / "d")
     on_disk = load_file(directory / "adapter_model.safetensors")
     assert sorted(on_disk) == sorted(params)
     assert all(on_disk[k].dtype == written and torch.equal(on_disk[k], params[k].to(stored).to(written))

@@ -71,7 +71,7 @@ async def running_engine(synthetic: str, work_dir: Path, readers: int, readers_f
 async def test_readers_deliver_exactly_what_the_serving_loop_does(synthetic, tmp_path):
     async with running_engine(synthetic, tmp_path / "a", 0) as here, \
             running_engine(synthetic, tmp_path / "b", 2) as readers:
-        assert here._readers is None and len(readers._readers.readers) == 2
+        assert here.generation.readers is None and len(readers.generation.readers.readers) == 2
         # 40 streams at once (one sample each) and a 3-sample stream; the synthetic server's tokens and logprobs
         # depend only on the prompt, so both paths must agree token for token.
         requests = [streamed((20 + i, 7, 9), max_tokens=12 + i % 5) for i in range(40)]
@@ -84,8 +84,9 @@ async def test_readers_deliver_exactly_what_the_serving_loop_does(synthetic, tmp
             for tokens, logprobs, finishes in result.values():
                 assert len(tokens) == len(logprobs) == request.options.max_tokens and finishes == ["length"]
         # Both readers took streams (the one with fewer open streams gets the next).
-        assert all(r.started > 0 for r in readers._readers.readers)
-        assert readers.running_requests == 0 and readers.queue_depth == 0 and readers._readers.open_streams == 0
+        assert all(r.started > 0 for r in readers.generation.readers.readers)
+        assert readers.running_requests == 0 and readers.queue_depth == 0
+        assert readers.generation.readers.open_streams == 0
 
 
 async def test_a_consumer_that_leaves_aborts_its_request_on_the_server(synthetic, tmp_path):
@@ -95,7 +96,7 @@ async def test_a_consumer_that_leaves_aborts_its_request_on_the_server(synthetic
         assert first.tokens
         assert running_on(synthetic) == 1 and engine.running_requests == 1
         await stream.aclose()
-        assert engine.running_requests == 0 and engine._readers.open_streams == 0
+        assert engine.running_requests == 0 and engine.generation.readers.open_streams == 0
         # The reader dropped the HTTP request: the server stops generating for it.
         await wait_for(lambda: running_on(synthetic) == 0)
         # And the reader goes on serving.
@@ -105,7 +106,7 @@ async def test_a_consumer_that_leaves_aborts_its_request_on_the_server(synthetic
 
 async def test_a_reader_that_dies_fails_its_own_streams_and_the_others_carry_on(synthetic, tmp_path):
     async with running_engine(synthetic, tmp_path, 2) as engine:
-        first, second = engine._readers.readers
+        first, second = engine.generation.readers.readers
         streams = [engine.generate(streamed((i, 5), max_tokens=100_000)) for i in range(4)]
         for stream in streams:
             await anext(stream)
@@ -120,11 +121,11 @@ async def test_a_reader_that_dies_fails_its_own_streams_and_the_others_carry_on(
         for stream in on_second:  # still streaming
             assert (await anext(stream)).tokens
             await stream.aclose()
-        assert not first.alive and engine._readers.running
+        assert not first.alive and engine.generation.readers.running
         result = await collect(engine, streamed((9, 9), max_tokens=6))  # on the reader left
         assert len(result[0][0]) == 6 and second.started == 3
         second.process.kill()
-        await wait_for(lambda: not engine._readers.running)
+        await wait_for(lambda: not engine.generation.readers.running)
         result = await collect(engine, streamed((9, 9), max_tokens=6))  # back on the serving loop
         assert len(result[0][0]) == 6
         assert engine.running_requests == 0 and engine.queue_depth == 0
@@ -146,29 +147,30 @@ async def test_an_unknown_version_is_refused_before_anything_is_sent(synthetic, 
                                     adapter_key="nobody/x@v1")
         with pytest.raises(errors.NotFound):
             await collect(engine, request)
-        assert engine._readers.readers[0].started == 0
+        assert engine.generation.readers.readers[0].started == 0
 
 
 async def test_streams_stay_on_the_serving_loop_until_enough_are_open(synthetic, tmp_path):
     async with running_engine(synthetic, tmp_path, 1, 3) as engine:
-        reader = engine._readers.readers[0]
+        reader = engine.generation.readers.readers[0]
         streams = []
         for i in range(5):  # each started before the next is asked for, as the servicer's calls do
             streams.append(engine.generate(streamed((i, 5), max_tokens=100_000)))
             assert (await anext(streams[-1])).tokens
         # The first three on the loop (0, 1, 2 open before each), the next two through the reader.
-        assert engine._streams_here == 3 and reader.started == 2 and len(reader.slots) == 2
+        assert engine.generation.streams_here == 3 and reader.started == 2 and len(reader.slots) == 2
         for stream in streams:
             await stream.aclose()
-        assert engine._streams_here == 0 and engine._readers.open_streams == 0 and engine.running_requests == 0
+        assert engine.generation.streams_here == 0 and engine.generation.readers.open_streams == 0
+        assert engine.running_requests == 0
         await wait_for(lambda: running_on(synthetic) == 0)
 
 
 def test_the_reader_count_comes_from_the_argument_the_environment_or_the_cores(monkeypatch):
     monkeypatch.setenv(ENV, "3")
     assert default_readers() == 3
-    assert SGLangEngine("tiny", urls=["http://x"]).stream_readers == 3
-    assert SGLangEngine("tiny", urls=["http://x"], stream_readers=0).stream_readers == 0
+    assert SGLangEngine("tiny", urls=["http://x"]).generation.stream_readers == 3
+    assert SGLangEngine("tiny", urls=["http://x"], stream_readers=0).generation.stream_readers == 0
     monkeypatch.setenv(ENV, "many")
     with pytest.raises(ValueError, match=ENV):
         default_readers()

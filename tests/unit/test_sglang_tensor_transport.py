@@ -26,7 +26,8 @@ import torch
 
 from loraplane.adapter_format import adapter_tensor_views, from_sglang, parse_adapter, sglang_packing, to_sglang
 from loraplane.models import load_base_model
-from sampler_svc.engines.sglang_engine import SGLangEngine, _PackedTensors
+from sampler_svc.engines.sglang_engine import SGLangEngine
+from sampler_svc.engines.sglang_transport import PackedTensors
 from tests.fixtures.sampler import adapter_blob
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,7 +174,7 @@ def test_blob_views_are_the_blob_in_its_own_dtype(moe_base):
 def test_inline_pickle_holds_each_tensor_once_and_rebuilds_under_sglangs_allowlist(moe_base, dtype):
     params, spec, _ = parse_adapter(moe_adapter(moe_base, 7, "per_expert"))
     tensors, _ = to_sglang(params, spec)
-    packed = _PackedTensors(tensors, dtype, shared=False)
+    packed = PackedTensors(tensors, dtype, shared=False)
     payload = packed.pickled()
     unique = {id(t): t.numel() for t in tensors.values()}
     data_bytes = sum(unique.values()) * torch.empty((), dtype=dtype).element_size()
@@ -202,7 +203,7 @@ def test_per_expert_keys_are_slices_of_stacked_tensors_copied_once(moe_base, lay
 
     torch.Tensor.copy_ = counting_copy
     try:
-        packed = _PackedTensors(whole, torch.float32, shared=False, parts=parts)
+        packed = PackedTensors(whole, torch.float32, shared=False, parts=parts)
     finally:
         torch.Tensor.copy_ = real_copy
     assert len(copies) == len(stacked)
@@ -225,15 +226,15 @@ async def test_tensors_reach_a_server_process_exactly_inline_and_through_shared_
             blob = moe_adapter(moe_base, 10 + n, layout)
             key = f"a{n}@v1"
             request_bytes = []
-            real_call = engine._load_call
+            real_call = engine.transport.load_call
 
             async def spy(server, name, path, request, real_call=real_call, request_bytes=request_bytes):
                 request_bytes.append(len(request))
                 return await real_call(server, name, path, request)
 
-            engine._load_call = spy
+            engine.transport.load_call = spy
             await engine.load_adapter(key, blob)
-            engine._load_call = real_call
+            engine.transport.load_call = real_call
             sizes[sharing, form] = request_bytes[0]
             # Released by the engine once SGLang answered: nothing is left in /dev/shm ...
             assert shm_segments() == before
@@ -259,16 +260,16 @@ async def test_launched_servers_share_memory_url_servers_only_when_asked(tmp_pat
     try:
         await engine.start()
         [server] = engine.servers
-        assert not engine._shares_memory(server)  # a URL: maybe another host's port, whose /dev/shm is not ours
+        assert not engine.transport.shares_memory(server)  # a URL: maybe another host's port, whose /dev/shm is not ours
         engine.shared_memory_tensors = "loopback"
-        assert engine._shares_memory(server)
+        assert engine.transport.shares_memory(server)
         server.url = "http://10.1.2.3:30000"
-        assert not engine._shares_memory(server)
+        assert not engine.transport.shares_memory(server)
         engine.shared_memory_tensors = "launched"
         server.process = fake.process  # what a launched server's record holds
-        assert engine._shares_memory(server)
+        assert engine.transport.shares_memory(server)
         engine.shared_memory_tensors = "never"
-        assert not engine._shares_memory(server)
+        assert not engine.transport.shares_memory(server)
         server.process = None
     finally:
         await engine.stop()
@@ -288,7 +289,7 @@ async def test_bf16_serving_tp2_server_gets_bf16_and_late_ranks_can_still_map_it
         assert fake.held("b@v1") == digests(to_sglang(params, spec)[0], torch.bfloat16)
         # SGLang answers when rank 0 has loaded: the name stays a while for the other ranks.
         [late] = shm_segments() - before
-        payload = engine._tensor_body("probe@v1", params, spec, "tiny-moe", engine.servers[0], shared=True)[1]
+        payload = engine.transport.tensor_body("probe@v1", params, spec, "tiny-moe", engine.servers[0], shared=True)[1]
         assert payload.shared and payload.flat.dtype == torch.bfloat16
         payload.release()
         assert os.path.exists(late)
