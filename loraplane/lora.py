@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplane.errors import InvalidArgument
-from loraplane.models.families import ALL_TARGETS, EXPERT_TARGETS
+from loraplane.models import families
+from loraplane.models.families import ALL_TARGETS, EXPERT_TARGETS, TARGET_BY_KEY_PATH, TARGETS
 from loraplane.threads import one_thread, share_work
 
 # The default targets of a dense model (every decoder projection); a MoE model's defaults come from its family
 # (`LoraSpec.create(available=...)`).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
 PEFT_PREFIX = "base_model.model.model.layers"
 DEFAULT_MAX_RANK = 256
 # How an adapter's expert targets hold their factors (LoraConfig.expert_layout): PEFT's per-expert A and B, or
@@ -110,20 +110,14 @@ class LoraSpec:
                    expert_layout=layout)
 
 
-# HF PEFT's `target_parameters` wraps a MoE layer's `mlp.experts` twice: gate_up_proj innermost (its LoRA under
-# `experts.base_layer.`), down_proj outside it (under `experts.`).
-_EXPERT_KEY_OWNER = {"experts.gate_up_proj": "mlp.experts.base_layer", "experts.down_proj": "mlp.experts"}
-
-
 def peft_key(layer: int, module: str, which: str) -> str:
-    """PEFT state-dict key, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight; for the expert
-    targets base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight (gate_up_proj) and
-    ...mlp.experts.lora_A.weight (down_proj)."""
-    expert_owner = _EXPERT_KEY_OWNER.get(module)
-    if expert_owner is not None:
-        return f"{PEFT_PREFIX}.{layer}.{expert_owner}.lora_{which}.weight"
-    owner = "self_attn" if module in _ATTENTION else "mlp"
-    return f"{PEFT_PREFIX}.{layer}.{owner}.{module}.lora_{which}.weight"
+    """PEFT state-dict key (the path of each target is the model families' TARGETS), e.g.
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight; for the expert targets (HF PEFT's
+    `target_parameters` wraps a MoE layer's `mlp.experts` twice, gate_up_proj innermost)
+    base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight (gate_up_proj) and
+    ...mlp.experts.lora_A.weight (down_proj); Tinker's split in_proj_q/k/v of a Qwen3.5 linear-attention layer
+    ...linear_attn.in_proj_q.lora_A.weight."""
+    return f"{PEFT_PREFIX}.{layer}.{TARGETS[module].key_path}.lora_{which}.weight"
 
 
 def expert_shapes(module: str, dims: tuple[int, int], rank: int, experts: int,
@@ -201,18 +195,14 @@ class AdapterTensors:
 
 
 def parse_peft_key(key: str) -> tuple[int, str, str]:
+    """(layer, target, "A" | "B") of a key :func:`peft_key` writes; InvalidArgument for any other key."""
     parts = key.split(".")
-    # base_model.model.model.layers.{i}.mlp.experts[.base_layer].lora_{A|B}.weight
-    if (len(parts) in (9, 10) and ".".join(parts[:4]) == PEFT_PREFIX and parts[4].isdigit()
-            and parts[5:7] == ["mlp", "experts"] and parts[-2] in ("lora_A", "lora_B") and parts[-1] == "weight"
-            and (len(parts) == 9 or parts[7] == "base_layer")):
-        return int(parts[4]), "experts.gate_up_proj" if len(parts) == 10 else "experts.down_proj", parts[-2][-1]
-    # base_model.model.model.layers.{i}.{owner}.{module}.lora_{A|B}.weight
-    if (len(parts) != 9 or ".".join(parts[:4]) != PEFT_PREFIX or not parts[4].isdigit()
-            or parts[6] not in TARGET_MODULES or parts[7] not in ("lora_A", "lora_B") or parts[8] != "weight"
-            or parts[5] != ("self_attn" if parts[6] in _ATTENTION else "mlp")):
+    prefix = PEFT_PREFIX.count(".") + 1
+    target = TARGET_BY_KEY_PATH.get(".".join(parts[prefix + 1:-2])) if len(parts) > prefix + 3 else None
+    if (target is None or ".".join(parts[:prefix]) != PEFT_PREFIX or not parts[prefix].isdigit()
+            or parts[-2] not in ("lora_A", "lora_B") or parts[-1] != "weight"):
         raise InvalidArgument(f"not a PEFT LoRA key of a decoder projection: {key!r}", field="adapter.keys")
-    return int(parts[4]), parts[6], parts[7][-1]
+    return int(parts[prefix]), target, parts[-2][-1]
 
 
 @dataclass
@@ -234,20 +224,33 @@ def _current(model) -> _Routing | None:
     return None if table is None else table.get(id(model))
 
 
-def attach_multi_lora(model, target_modules: Sequence[str] = TARGET_MODULES) -> None:
-    """Installs the routing hooks on every targeted projection of every decoder layer (idempotent)."""
+def attach_multi_lora(model, target_modules: Sequence[str] = ALL_TARGETS) -> None:
+    """Installs the routing hooks on every targeted projection of every decoder layer (idempotent). Where the
+    targets are is the model family's (loraplane.models.families); parts of one fused projection (Tinker's
+    in_proj_q/k/v on a Qwen3.5 in_proj_qkv) share one hook that adds each part's delta to its own output rows."""
     if getattr(model, _HOOKS_ATTR, None) is not None:
         return
+    family = families.lookup(model.config) or families.FAMILIES["llama"]
     handles = []
     for layer_index, block in enumerate(model.model.layers):
+        by_module: dict[int, tuple[torch.nn.Module, list[str]]] = {}
         for module_name in target_modules:
             if module_name in EXPERT_TARGETS:
                 continue  # the experts' LoRA runs inside the experts implementation (attach_experts)
-            owner = block.self_attn if module_name in _ATTENTION else block.mlp
-            linear = getattr(owner, module_name, None)
+            linear = family.target_module(block, module_name)
             if linear is None:
                 continue
-            handles.append(linear.register_forward_hook(_make_hook(model, layer_index, module_name)))
+            by_module.setdefault(id(linear), (linear, []))[1].append(module_name)
+        for linear, names in by_module.values():
+            if TARGETS[names[0]].part is None:
+                handles.append(linear.register_forward_hook(_make_hook(model, layer_index, names[0])))
+            else:
+                widths = family.fused_widths(block, names[0])
+                part_names: list[str | None] = [None] * len(widths)
+                for name in names:
+                    part_names[TARGETS[name].part] = name
+                handles.append(linear.register_forward_hook(
+                    _make_parts_hook(model, layer_index, part_names, widths)))
     handles.extend(attach_experts(model))
     setattr(model, _HOOKS_ATTR, handles)
 
@@ -271,6 +274,26 @@ def _make_hook(model, layer_index: int, module_name: str):
         if routing is None:
             return None
         return _apply_routing(routing, key, inputs[0], output)
+
+    return hook
+
+
+def _make_parts_hook(model, layer_index: int, names: list[str | None], widths: tuple[int, ...]):
+    model_id = id(model)
+
+    def hook(_module, inputs, output):
+        table = getattr(_local, "routing", None)
+        routing = None if table is None else table.get(model_id)
+        if routing is None:
+            return None
+        # Each part's delta goes to its own slice of the fused output, computed as for a projection of its own
+        # (the routings add in place, so each part works on its own contiguous copy).
+        pieces = list(output.split(widths, dim=-1))
+        for index, name in enumerate(names):
+            if name is not None:
+                piece = pieces[index].clone(memory_format=torch.contiguous_format)
+                pieces[index] = _apply_routing(routing, (layer_index, name), inputs[0], piece)
+        return torch.cat(pieces, dim=-1)
 
     return hook
 

@@ -1,4 +1,5 @@
-"""Loading a base model: `tiny`, `smollm2-135m-instruct`, or a local Hugging Face Llama/Qwen-family directory.
+"""Loading a base model: `tiny`, `smollm2-135m-instruct`, or a local Hugging Face directory of a supported family
+(loraplane.models.families; a vision-language checkpoint such as Qwen3.5's loads as its text-only causal LM).
 
 The HF model object itself does every base computation (embeddings, RMSNorm, rotary, attention, MLP), so logits are
 exactly what transformers computes; LoRA is layered on top by `loraplane.lora` with forward hooks.
@@ -32,8 +33,7 @@ TINY_NAME = "tiny"
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Decoder projections LoRA may target, in the canonical order used for init and export.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+PROJECTIONS = families.ALL_TARGETS
 
 
 def supported_model_names() -> list[str]:
@@ -58,6 +58,8 @@ class BaseModel:
     # "dense" or "moe" per decoder layer; the routed experts per MoE layer (0 for a dense model)
     layer_kinds: tuple[str, ...] = ()
     num_experts: int = 0
+    # The model's family (loraplane.models.families): where each target lives, what each layer offers.
+    family: families.ModelFamily = field(default_factory=lambda: families.FAMILIES["llama"])
 
     @property
     def bos_token_id(self) -> int:
@@ -81,15 +83,13 @@ class BaseModel:
             raise FailedPrecondition(f"tokenizer of {self.name} is not a fast tokenizer")
         return backend.to_str().encode()
 
-    def layer_module(self, layer: int, projection: str) -> torch.nn.Linear:
-        block = self.model.model.layers[layer]
-        return getattr(block.self_attn if projection in _ATTENTION else block.mlp, projection)
+    def layer_module(self, layer: int, projection: str) -> torch.nn.Module:
+        """The module target `projection` acts on in decoder layer `layer` (a fused one for in_proj_q/k/v)."""
+        return self.family.target_module(self.model.model.layers[layer], projection)
 
     def layer_targets(self, layer: int) -> tuple[str, ...]:
-        """The LoRA targets decoder layer `layer` offers (attention, then its dense MLP or its experts)."""
-        if self.layer_kinds and self.layer_kinds[layer] == "moe":
-            return families.ATTENTION_TARGETS + families.EXPERT_TARGETS
-        return tuple(t for t in families.ATTENTION_TARGETS + families.DENSE_MLP_TARGETS if t in self.module_dims)
+        """The LoRA targets decoder layer `layer` offers (its token mixer's, then its dense MLP's or experts')."""
+        return tuple(t for t in self.family.layer_targets(self.config, layer) if t in self.module_dims)
 
 
 def model_cache_dir() -> Path:
@@ -97,8 +97,10 @@ def model_cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "loraplane" / "models"
 
 
-def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> BaseModel:
-    """Loads a base model by name (`tiny`, `smollm2-135m-instruct`) or local HF directory path."""
+def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                    backend: str = "torch") -> BaseModel:
+    """Loads a base model by name (`tiny`, `smollm2-135m-instruct`) or local HF directory path. A directory's
+    config.json is checked against the model families for `backend` before any weight is read."""
     if not name:
         raise InvalidArgument("base model name is empty", field="base_model")
     if name == TINY_NAME:
@@ -119,8 +121,23 @@ def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.f
                 f"unknown base model {name!r}: not one of {supported_model_names()} and not a local directory",
                 field="base_model",
             )
+        check_checkpoint(path, backend, name)
         model, tokenizer = _load_hf_dir(path, dtype)
-    return _wrap(name, model, tokenizer, torch.device(device), dtype)
+    return _wrap(name, model, tokenizer, torch.device(device), dtype, backend)
+
+
+def check_checkpoint(directory: Path, backend: str = "torch", name: str = "") -> families.ModelFamily:
+    """The family of the checkpoint in `directory` from its config.json alone, or FailedPrecondition naming every
+    feature `backend` cannot compute: a refused model never costs a weight read."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise FailedPrecondition(f"base model {name or str(directory)!r}: its config.json is not a transformers "
+                                 f"config this installation knows ({str(exc)[:300]})", reason="UNSUPPORTED_MODEL",
+                                 field="base_model") from None
+    return families.check_supported(config, backend, name or str(directory))
 
 
 def checkpoint_directory(name: str) -> Path | None:
@@ -135,9 +152,9 @@ def checkpoint_directory(name: str) -> Path | None:
 
 
 def from_hf_model(name: str, model: PreTrainedModel, tokenizer, device: str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> BaseModel:
+                  dtype: torch.dtype = torch.float32, backend: str = "torch") -> BaseModel:
     """Wraps an already built HF causal LM (e.g. random weights in a real model's shape, for benchmarks)."""
-    return _wrap(name, model, tokenizer, torch.device(device), dtype)
+    return _wrap(name, model, tokenizer, torch.device(device), dtype, backend)
 
 
 def _load_hf_dir(directory: Path, dtype: torch.dtype):
@@ -148,33 +165,29 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype):
     return model, tokenizer
 
 
-def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dtype: torch.dtype) -> BaseModel:
+def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dtype: torch.dtype,
+          backend: str = "torch") -> BaseModel:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise InvalidArgument(f"base model {name!r} is not a decoder with model.layers (Llama/Qwen family)",
                               field="base_model")
-    # Refused here, at start-up, naming every feature loraplane does not compute (families.py): e.g. the trainer's
-    # packed attention and the sampler's KV-cache decode attend to the whole causal prefix, so a windowed model
-    # would train and sample on different logits than transformers computes.
-    families.check_supported(model.config, "torch", name)
+    # Refused here too (a model built in memory never had a config.json checked), naming every feature loraplane
+    # does not compute (loraplane.models.families): e.g. the trainer's packed attention and the sampler's KV-cache
+    # decode attend to the whole causal prefix, so a windowed model would train and sample on different logits
+    # than transformers computes.
+    family = families.check_supported(model.config, backend, name)
     model = model.to(device=device, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
     config = model.config
     kinds = tuple(families.layer_kinds(config))
     dims: dict[str, tuple[int, int]] = {}
-    for block in layers:
-        for projection in PROJECTIONS:
-            owner = block.self_attn if projection in _ATTENTION else block.mlp
-            linear = getattr(owner, projection, None)
-            if isinstance(linear, torch.nn.Linear):
-                dims.setdefault(projection, (linear.in_features, linear.out_features))
-        experts = getattr(block.mlp, "experts", None)
-        if experts is not None and "experts.gate_up_proj" not in dims:
-            # transformers' fused experts: gate_up_proj [E, 2 ffn, hidden], down_proj [E, hidden, ffn].
-            _, two_ffn, hidden = experts.gate_up_proj.shape
-            dims["experts.gate_up_proj"] = (int(hidden), int(two_ffn))
-            dims["experts.down_proj"] = (int(two_ffn) // 2, int(hidden))
+    for index, block in enumerate(layers):
+        for target in family.layer_targets(config, index):
+            if target not in dims:
+                found = family.target_dims(block, target)
+                if found is not None:
+                    dims[target] = found
     eos: list[int] = []
     generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for candidate in [tokenizer.eos_token_id, *(
@@ -197,20 +210,9 @@ def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dt
         module_dims={t: dims[t] for t in families.lora_targets(config) if t in dims},
         layer_kinds=kinds,
         num_experts=families.num_experts(config),
+        family=family,
     )
 
-
-def sliding_window_in_use(config) -> str:
-    """A description of the sliding-window attention this config runs, or "" when every layer attends fully."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        # What transformers itself consults per layer (Qwen2/3 only slide from max_window_layers on).
-        other = sorted(set(layer_types) - {"full_attention"})
-        return f"layer_types {other}" if other else ""
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True):
-        return f"sliding_window={window}"
-    return ""
 
 
 def smollm2_gguf_path() -> Path:

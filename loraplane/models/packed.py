@@ -108,5 +108,10 @@ def packed_sequences(lengths: Sequence[int]) -> Iterator[None]:
         _local.lengths = previous
 
 
+def packed_lengths() -> list[int] | None:
+    """The datum lengths of the packed row being computed on this thread, or None outside packed_sequences."""
+    return getattr(_local, "lengths", None)
+
+
 def packed_position_ids(lengths: Sequence[int], device=None) -> torch.Tensor:
     return torch.cat([torch.arange(n, dtype=torch.long, device=device) for n in lengths]).unsqueeze(0)

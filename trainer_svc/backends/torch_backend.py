@@ -40,6 +40,8 @@ class TorchBackend(TrainerBackend):
         self.base = base_model if isinstance(base_model, BaseModel) else load_base_model(
             base_model, device=device, dtype=dtype)
         enable_packed_attention(self.base.model)
+        # What else a family needs to keep datums of one row apart (Qwen3.5: the linear-attention state).
+        self.base.family.enable_packing(self.base.model)
         attach_multi_lora(self.base.model)
         self._lock = threading.Lock()
 
