@@ -1,5 +1,6 @@
 """Qwen3-MoE checkpoints in the megatron backend (megatron-core's MoELayer on CPU: gloo, fp32), against transformers,
-HF PEFT and the torch backend; expert parallelism (EP) with TP and DP under torchrun against one rank.
+HF PEFT and the torch backend; expert parallelism (EP) with TP and DP, and replicas (DP without EP), under torchrun
+against one rank.
 
 Two tiny random checkpoints written with ``save_pretrained`` (GQA 4/2, q/k norms, head_dim 16):
   * ``moe_mixed``: layer 0 dense (``mlp_only_layers``), layer 1 routed: 8 experts, top-2, ``norm_topk_prob`` (the
@@ -286,9 +287,11 @@ def _experts_used(hf_model, ids: torch.Tensor) -> list[int]:
     return used
 
 
-def multi_rank(name: str, root: Path, tp: int, ep: int) -> dict:
+def multi_rank(name: str, root: Path, tp: int, ep: int, memory: int | None = None, tokens: int | None = None) -> dict:
     """One rank of a torchrun job: transformers' logits for this rank's own datums (a different token count on
-    every data-parallel rank), then (rank 0 driving) fused two-adapter batches' logprobs and gradients."""
+    every data-parallel rank), then (rank 0 driving) fused two-adapter batches' logprobs and gradients. ``ep`` 0:
+    the backend chooses replicas or EP itself (.parallel_plan), for GPUs of ``memory`` bytes and backward passes of
+    ``tokens`` tokens."""
     import torch.distributed as dist
 
     from loraplane.lora import LoraSpec
@@ -298,7 +301,10 @@ def multi_rank(name: str, root: Path, tp: int, ep: int) -> dict:
     from trainer_svc.backends.megatron.backend import MegatronBackend
     from trainer_svc.backends.megatron.model import forward_logits, init_parallel
 
-    init_parallel(tp, expert_parallel_size=ep)
+    if ep:
+        init_parallel(tp, expert_parallel_size=ep)
+    else:
+        dist.init_process_group("gloo")  # the backend plans EP, then sets up megatron's parallel state
     rank = dist.get_rank()
     directory = root / name
     if rank == 0:
@@ -306,7 +312,7 @@ def multi_rank(name: str, root: Path, tp: int, ep: int) -> dict:
     dist.barrier()
     base = load_base_model(str(directory), device="cpu", dtype=torch.float32)
     backend = MegatronBackend(base, dtype=torch.float32, device_slots=2, tensor_parallel_size=tp,
-                              expert_parallel_size=ep)
+                              expert_parallel_size=ep or None, device_memory_bytes=memory, plan_tokens_per_gpu=tokens)
     engine = backend.engine
     report: dict = {"rank": rank, "ep": engine.ep, "dp": engine.dp, "tp": engine.tp,
                     "local_experts": engine.model.decoder.layers[1].mlp.experts.weight1.shape[0]}
@@ -363,13 +369,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=0)
     ap.add_argument("--ep", type=int, default=0)
+    ap.add_argument("--plan-memory", type=int, default=0, help="with --ep 0: the backend chooses EP for GPUs this big")
+    ap.add_argument("--plan-tokens", type=int, default=0)
     ap.add_argument("--root")
     ap.add_argument("--out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         import scripts.gpu.cpu_shims  # noqa: F401  (before the backend is used)
-    if args.ep:
-        report = multi_rank("moe_mixed", Path(args.root), args.tp, args.ep)
+    if args.ep or args.plan_memory:
+        report = multi_rank("moe_mixed", Path(args.root), args.tp, args.ep, args.plan_memory or None,
+                            args.plan_tokens or None)
         Path(f"{args.out}.{report['rank']}.json").write_text(json.dumps(report))
         import torch.distributed as dist
 
@@ -469,21 +478,50 @@ def test_recomputed_moe_layers_give_the_same_gradients(measured, name):
         assert m[f"{key}_grad_rel"] <= 1e-6
 
 
-@pytest.mark.parametrize(("nproc", "tp"), [(2, 1), (2, 2), (4, 2)])
-def test_expert_parallel_ranks_equal_one_rank(measured, tmp_path, nproc, tp):
-    """EP=2 over the 2 data-parallel ranks (TP=1); TP=2 x EP=2 on the same 2 ranks; TP=2 x DP=2 x EP=2 on 4 ranks
-    (per-expert gradients summed over the 2 ranks holding the same experts): each rank's logits are transformers',
-    and the fused batches give the one-rank logprobs and gradients."""
+def _planned_memory(ep: int) -> int:
+    """A GPU size for which the trainer's own plan (.parallel_plan.trainer_plan, with the job's settings below) fits
+    the tiny MoE model at expert parallelism ``ep`` (2) but not on one GPU; ``ep`` 1: ample memory."""
+    if ep == 1:
+        return 10**15
+    from transformers import Qwen3MoeConfig
+
+    from loraplane.models.tiny import build_tiny_tokenizer
+    from trainer_svc.backends.megatron.parallel_plan import RESERVE_FRACTION, trainer_plan
+
+    config = Qwen3MoeConfig(**_COMMON, **CONFIGS["moe_mixed"], vocab_size=-(-len(build_tiny_tokenizer()) // 8) * 8)
+
+    def need(e):
+        m = trainer_plan(config, 2, 1, dtype_bytes=4, device_memory_bytes=1, device_slots=2, expert_parallel=e,
+                         tokens_per_gpu=PLAN_TOKENS).memory
+        return m.total - m.reserve
+
+    one, two = need(1), need(2)
+    assert two < one, (one, two)  # the experts' and adapters' halves outweigh the all-to-all buffers at this size
+    return int((one + two) / 2 / (1 - RESERVE_FRACTION))
+
+
+PLAN_TOKENS = 16
+
+
+@pytest.mark.parametrize(("nproc", "tp", "ep", "planned"),
+                         [(2, 1, 2, True), (2, 1, 1, True), (2, 2, 2, False), (4, 2, 2, False)])
+def test_expert_parallel_ranks_equal_one_rank(measured, tmp_path, nproc, tp, ep, planned):
+    """EP=2 over the 2 data-parallel ranks (TP=1) and DP=2 over replicas (EP=1), each chosen by the trainer from the
+    model and the GPU size it is told (.parallel_plan); TP=2 x EP=2 on the same 2 ranks and TP=2 x DP=2 x EP=2 on 4
+    ranks (per-expert gradients summed over the 2 ranks holding the same experts) set by hand: each rank's logits
+    are transformers', and the fused batches give the one-rank logprobs and gradients."""
     one = measured["reference"]
     out = tmp_path / "ep"
-    run(torchrun(nproc, str(Path(__file__).resolve()), "--tp", str(tp), "--ep", "2", "--root", str(tmp_path),
+    how = ["--plan-memory", str(_planned_memory(ep)), "--plan-tokens", str(PLAN_TOKENS)] if planned else [
+        "--ep", str(ep)]
+    run(torchrun(nproc, str(Path(__file__).resolve()), "--tp", str(tp), *how, "--root", str(tmp_path),
                  "--out", str(out)), timeout=280)
     ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(nproc)]
     for r in ranks:
-        assert (r["ep"], r["tp"], r["local_experts"]) == (2, tp, 4), r
+        assert (r["ep"], r["tp"], r["dp"], r["local_experts"]) == (ep, tp, nproc // tp, 8 // ep), r
         assert r["logits_max_abs"] <= LOGITS_ATOL, r
     if nproc // tp > 1:
-        assert ranks[0]["tokens"] != ranks[-1]["tokens"]  # uneven all-to-all splits
+        assert ranks[0]["tokens"] != ranks[-1]["tokens"]  # uneven all-to-all splits / different work per replica
     lead = ranks[0]
     assert lead["state_round_trip"] is True
     for got, want in zip(lead["logprobs"], one["logprobs"], strict=True):

@@ -92,3 +92,8 @@ def test_an_explicit_expert_parallel_size_wins_and_a_dense_model_stays_on_replic
     dense = _model(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
     assert plan_parallelism(dense, Gpus(2, 16 * GB), AdapterMemory()).expert_parallel == 1
+
+
+def test_where_nothing_fits_the_plan_says_so_and_takes_the_closest_degree():
+    plan = trainer_plan(_qwen3_30b_a3b(), 2, 1, dtype_bytes=2, device_memory_bytes=24 * GB, device_slots=8)
+    assert plan.expert_parallel == 2 and not plan.memory.fits and "closest" in plan.reason

@@ -139,11 +139,12 @@ class MegatronBackend(TrainerBackend):
     def __init__(self, base_model: str | BaseModel = "smollm2-135m-instruct", *, tensor_parallel_size: int = 1,
                  expert_parallel_size: int | None = None, device_slots: int = 8, dtype: torch.dtype = torch.bfloat16,
                  lora_compute_dtype: torch.dtype | None = None, attention: str = "sdpa", recompute: str = "auto",
-                 expert_lora_slots: int = 8, device_memory_bytes: int | None = None, engine: Engine | None = None,
-                 driver: Driver | None = None):
+                 expert_lora_slots: int = 8, device_memory_bytes: int | None = None,
+                 plan_tokens_per_gpu: int | None = None, engine: Engine | None = None, driver: Driver | None = None):
         """``expert_parallel_size`` None: chosen from the model and the GPUs (:mod:`.parallel_plan`: replicas where
         the model fits one GPU, else the smallest EP that fits), planning for GPUs of ``device_memory_bytes`` each
-        (default: the CUDA device's memory)."""
+        (default: the CUDA device's memory) and backward passes of ``plan_tokens_per_gpu`` tokens per GPU (default
+        8 x 2048)."""
         if engine is None:
             import os
 
@@ -158,7 +159,7 @@ class MegatronBackend(TrainerBackend):
                 expert_parallel_size = planned_expert_parallel(
                     base.model.config, world, tensor_parallel_size, dtype_bytes=torch.finfo(dtype).bits // 8,
                     device_slots=device_slots, expert_lora_slots=expert_lora_slots,
-                    device_memory_bytes=device_memory_bytes)
+                    device_memory_bytes=device_memory_bytes, tokens_per_gpu=plan_tokens_per_gpu)
             init_parallel(tensor_parallel_size, expert_parallel_size=expert_parallel_size)
             engine = Engine(base, device_slots=device_slots, dtype=dtype, lora_compute_dtype=lora_compute_dtype,
                             attention=attention, recompute=recompute, expert_lora_slots=expert_lora_slots)

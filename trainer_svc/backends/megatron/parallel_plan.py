@@ -143,8 +143,8 @@ def plan_parallelism(model: ModelSize, gpus: Gpus, adapters: AdapterMemory, *, t
                      adapter_slots: int = 8) -> ParallelPlan:
     """DP over replicas when the model, its activations, the adapters (and no all-to-all) fit one GPU; else the
     smallest expert-parallel degree that fits (one that divides the expert count and the data-parallel size);
-    ``expert_parallel`` (the operator's) is taken as given. Where nothing fits, the largest EP possible, its plan
-    saying it does not fit."""
+    ``expert_parallel`` (the operator's) is taken as given. Where nothing fits, the degree that comes closest (the
+    smallest total), its plan saying it does not fit."""
     if gpus.count % tp:
         raise ValueError(f"{gpus.count} GPUs are not a multiple of tensor_parallel_size={tp}")
     dp = gpus.count // tp
@@ -159,15 +159,15 @@ def plan_parallelism(model: ModelSize, gpus: Gpus, adapters: AdapterMemory, *, t
     if replicas.memory.fits or not model.shape.moe_layers:
         return replicas
     choices = [ep for ep in range(2, dp + 1) if dp % ep == 0 and model.shape.num_experts % ep == 0]
-    for ep in choices:
-        candidate = plan(ep, f"the model does not fit one GPU ({replicas.memory.total} > {gpus.memory_bytes} "
-                             f"bytes): its experts spread over {ep} GPUs")
+    candidates = [plan(ep, f"the model does not fit one GPU ({replicas.memory.total} > {gpus.memory_bytes} bytes): "
+                           f"its experts spread over {ep} GPUs") for ep in choices]
+    for candidate in candidates:
         if candidate.memory.fits:
             return candidate
-    if not choices:
-        return replicas
-    return plan(choices[-1], f"the model fits no expert-parallel degree of {gpus.count} GPUs; the largest, "
-                             f"{choices[-1]}, comes closest")
+    closest = min([replicas, *candidates], key=lambda p: p.memory.total)
+    return ParallelPlan(closest.data_parallel, closest.expert_parallel, tp, closest.memory,
+                        f"no expert-parallel degree of {gpus.count} GPUs fits; EP={closest.expert_parallel} comes "
+                        f"closest")
 
 
 def adapter_memory(shape: LlamaShape, tp: int, slots: int, rank: int = DEFAULT_PLAN_RANK,
@@ -197,10 +197,12 @@ def trainer_plan(hf_config, world: int, tp: int, *, dtype_bytes: int, device_mem
 
 
 def planned_expert_parallel(hf_config, world: int, tp: int, *, dtype_bytes: int, device_slots: int,
-                            expert_lora_slots: int = 8, device_memory_bytes: int | None = None) -> int:
+                            expert_lora_slots: int = 8, device_memory_bytes: int | None = None,
+                            tokens_per_gpu: int | None = None) -> int:
     """The expert-parallel degree the trainer starts with when the operator sets none: :func:`trainer_plan`'s for
-    this job's GPUs (``device_memory_bytes``: each GPU's, default the CUDA device's total memory). Without a GPU
-    and without a memory size there is nothing to plan: 1 (CPU runs: every rank is a replica)."""
+    this job's GPUs (``device_memory_bytes``: each GPU's, default the CUDA device's total memory) and backward
+    passes of ``tokens_per_gpu`` tokens (default ``DEFAULT_TOKENS_PER_GPU``). Without a GPU and without a memory
+    size there is nothing to plan: 1 (CPU runs: every rank is a replica)."""
     import logging
     import os
 
@@ -211,6 +213,7 @@ def planned_expert_parallel(hf_config, world: int, tp: int, *, dtype_bytes: int,
             return 1
         device_memory_bytes = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
     plan = trainer_plan(hf_config, world, tp, dtype_bytes=dtype_bytes, device_memory_bytes=device_memory_bytes,
-                        device_slots=device_slots, expert_lora_slots=expert_lora_slots)
+                        device_slots=device_slots, expert_lora_slots=expert_lora_slots,
+                        tokens_per_gpu=tokens_per_gpu or DEFAULT_TOKENS_PER_GPU)
     logging.getLogger(__name__).info("parallel plan: %s", plan.as_dict())
     return plan.expert_parallel
