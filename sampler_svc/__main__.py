@@ -8,6 +8,7 @@ import logging
 from loraplane.config import Settings
 from loraplane.rpc import wait_for_shutdown_signal
 from loraplane.threads import apply_service_threads
+from sampler_svc.engines import ENGINE_NAMES, ENGINES
 from sampler_svc.server import DEFAULT_MAX_LOADED, run_event_loop, start_sampler_server
 
 
@@ -17,7 +18,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--registry-address", default=settings.registry_address,
                         help="host:port of the adapter registry (LORAPLANE_REGISTRY_ADDRESS)")
     parser.add_argument("--base-model", default=settings.base_model)
-    parser.add_argument("--engine", choices=["torch", "sglang"], default=settings.sampler_engine,
+    parser.add_argument("--engine", choices=ENGINE_NAMES, default=settings.sampler_engine,
                         help="the in-process torch engine or SGLang (LORAPLANE_SAMPLER_ENGINE)")
     parser.add_argument("--instance-id", default=settings.sampler_id,
                         help="names this sampler (its replica id in a fleet) and its persisted watch cursor; reuse it "
@@ -45,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="extra argument for launched SGLang servers (repeatable), e.g. --sglang-arg=--dtype=bfloat16")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    if args.engine == "sglang" and not args.sglang_url and not args.sglang_launch:
+    if ENGINES[args.engine].uses_servers and not args.sglang_url and not args.sglang_launch:
         args.sglang_launch = 1  # SGLang named and no server given: run one, as the torch engine runs in-process
     return args
 
