@@ -500,7 +500,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--cpu-dev", action="store_true", help="ep mode on CPU ranks over gloo (scripts/gpu/cpu_shims.py)")
+    ap.add_argument("--cpu-dev", action="store_true", help="ep mode on CPU ranks over gloo (tests/fixtures/megatron_cpu.py)")
     ap.add_argument("--profile", default=None,
                     help="single mode: a folder for one profiled step per contender (kernel families, top ops)")
     ap.add_argument("--stack-dump-s", type=float, default=0.0,
@@ -514,7 +514,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.cpu_dev or not torch.cuda.is_available():
-        import scripts.gpu.cpu_shims  # noqa: F401  (megatron-core on CPU)
+        import tests.fixtures.megatron_cpu  # noqa: F401  (megatron-core on CPU)
     if args.mode == "ep" and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

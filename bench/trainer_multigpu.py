@@ -136,14 +136,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", default=None,
                     help="after the timed rounds, profile one more step on rank 0 and write its kernel families and "
                          "top kernels to this file (TP ranks run the same kernels; NCCL time includes waiting)")
-    ap.add_argument("--cpu-dev", action="store_true", help="CPU ranks over gloo (scripts/gpu/cpu_shims.py)")
+    ap.add_argument("--cpu-dev", action="store_true", help="CPU ranks over gloo (tests/fixtures/megatron_cpu.py)")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.cpu_dev:
-        import scripts.gpu.cpu_shims  # noqa: F401
+        import tests.fixtures.megatron_cpu  # noqa: F401
     from loraplane.lora import LoraSpec, init_lora_params
     from trainer_svc.backends.base import BatchItem, DatumInput
     from trainer_svc.backends.megatron import model as megatron_model

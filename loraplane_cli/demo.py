@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplane.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from loraplane.client import AdamParams, SamplingParams, ServiceClient
 from loraplane.config import Settings
+from loraplane_cli.common import encode_prompt, end_of_turn_ids, plot_losses, sft_datum
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -133,15 +134,14 @@ def embedded_cluster(base_model: str = "tiny", data_dir: Path | None = None, on_
                      ) -> Iterator[EmbeddedCluster]:
     """Valkey + SeaweedFS child processes and the three services in this process, each on its own event loop
     thread (so the trainer's and the sampler's compute never stall each other's RPCs). Stops everything on exit."""
+    import torch
+
     from loraplane.local.processes import seaweed_s3_server, valkey_server
     from loraplane.rpc import BackgroundLoop
+    from loraplane.threads import host_cores, thread_shares
     from registry_svc.server import start_registry_server
     from sampler_svc.server import start_sampler_server
     from trainer_svc.server import start_trainer_server
-
-    import torch
-
-    from loraplane.threads import host_cores, thread_shares
 
     progress = on_progress or (lambda _msg: None)
     with contextlib.ExitStack() as stack:
@@ -188,28 +188,7 @@ def printable(text: str) -> str:
 
 
 def prompt_tokens(tokenizer, question: str) -> list[int]:
-    from loraplane_cli.product import encode_prompt
-
     return encode_prompt(tokenizer, question, chat=True)
-
-
-def end_of_turn_ids(tokenizer) -> list[int]:
-    ids = [tokenizer.eos_token_id]
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.append(im_end)
-    return sorted({int(i) for i in ids if i is not None and i >= 0})
-
-
-def sft_datum(tokenizer, question: str, answer: str) -> Datum:
-    """Prompt tokens carry weight 0, the answer and its end-of-turn token weight 1/len (a per-example mean, so
-    long and short answers count alike)."""
-    prompt = prompt_tokens(tokenizer, question)
-    answer_ids = [int(t) for t in tokenizer.encode(answer, add_special_tokens=False)]
-    answer_ids.append(end_of_turn_ids(tokenizer)[-1])
-    tokens = prompt + answer_ids
-    weights = [0.0] * len(prompt) + [1.0 / len(answer_ids)] * len(answer_ids)
-    return Datum(ModelInput(tokens[:-1]), {"target_tokens": tokens[1:], "weights": weights[1:]})
 
 
 # ---- training ---------------------------------------------------------------------------------------------------
@@ -290,31 +269,6 @@ def write_plot(progress: dict[str, TenantProgress], path: Path, base_model: str)
                        f"Two tenants, one {base_model} (vertical lines: published versions)",
                        marks={f"{p.tenant.name} ({p.tenant.title})": [v["step"] for v in p.versions]
                               for p in progress.values()})
-
-
-def plot_losses(series: dict[str, list[float]], path: Path, title: str,
-                marks: dict[str, list[int]] | None = None) -> Path:
-    """A PNG of loss curves (one per label), with optional vertical marks at given steps (e.g. publishes)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for label, losses in series.items():
-        axes.plot(range(1, len(losses) + 1), losses, marker="o", markersize=3, label=label)
-        for step in (marks or {}).get(label, ()):
-            axes.axvline(step, color=axes.lines[-1].get_color(), alpha=0.15)
-    axes.set_xlabel("optimizer step")
-    axes.set_ylabel("loss per example")
-    axes.set_title(title)
-    axes.legend()
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
 
 
 def run_demo(config: DemoConfig | None = None, console=None, cluster: EmbeddedCluster | None = None) -> DemoResult:

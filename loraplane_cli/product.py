@@ -19,6 +19,7 @@ from loraplane.client.addresses import resolve_address
 from loraplane.registry_client import EventType, RegistryEvent, VersionKind
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from loraplane_cli import app
+from loraplane_cli.common import encode_prompt
 
 console = Console()
 err_console = Console(stderr=True)
@@ -302,17 +303,6 @@ def sample(prompt: str = typer.Argument(..., help="Prompt text."),
         header = f"[dim]{source}" + (f" #{index + 1}" if num_samples > 1 else "") + f" ({sequence.stop_reason})[/dim]"
         console.print(header)
         console.print(text, highlight=False, markup=False)
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
-    """Token ids of the prompt; with `chat`, as a user turn in the tokenizer's chat template (if it has one)."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True)
-        if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-            encoded = encoded["input_ids"]
-        return [int(t) for t in encoded]
-    return [int(t) for t in tokenizer.encode(prompt)]
 
 
 # ---- demo and bench ---------------------------------------------------------------------------------------------

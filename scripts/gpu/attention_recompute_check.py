@@ -15,10 +15,10 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cpu-dev", action="store_true", help="megatron-core on CPU (gloo) through scripts/gpu/cpu_shims")
+    ap.add_argument("--cpu-dev", action="store_true", help="megatron-core on CPU (gloo) through tests/fixtures/megatron_cpu")
     args = ap.parse_args()
     if args.cpu_dev:
-        import scripts.gpu.cpu_shims  # noqa: F401
+        import tests.fixtures.megatron_cpu  # noqa: F401
 
     from loraplane.models import load_base_model
     from trainer_svc.backends.megatron.engine import DatumWork, Engine

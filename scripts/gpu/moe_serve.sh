@@ -14,7 +14,7 @@
 #                                                         /dev/shm; every version's phases are printed as it
 #                                                         completes, no version starts after 430 s; LAYERS the
 #                                                         first N of the 48 only
-#   bash scripts/gpu/moe_serve.sh e2e [ITER]              python -m loraplane_cli.production_e2e --moe: torch
+#   bash scripts/gpu/moe_serve.sh e2e [ITER]              python -m tests.production_e2e --moe: torch
 #                                                         trainer + SGLang sampler (eager) on a 3-layer random
 #                                                         Qwen3-MoE, two tenants' GRPO loop (ITER 12)
 # Results in $OUT (at most 8 files come back): the mode's log and JSON, env.log, and a .tgz of the server logs.
@@ -79,7 +79,7 @@ state and stop_cluster(state, timeout=5.0)" 2>&1 | tail -3
     }
     stop_e2e_cluster
     rm -rf /tmp/e2e-moe
-    timeout -k 20 560 python3 -m loraplane_cli.production_e2e --moe --require-reward-rise --sglang-eager ${1:+--iterations "$1"} \
+    timeout -k 20 560 python3 -m tests.production_e2e --moe --require-reward-rise --sglang-eager ${1:+--iterations "$1"} \
       --data-dir /tmp/e2e-moe --out "$OUT/production_e2e_moe.json" 2>&1 | filter \
       | tee "$OUT/production_e2e_moe.log" | grep -E "iter|PASS|FAIL|wrote|cluster"
     rc=${PIPESTATUS[0]}

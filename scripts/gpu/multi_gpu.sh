@@ -16,7 +16,7 @@
 #                                    .gpuwh/fleetx: pydantic, cryptography and the few other wheels the image lacks)
 #                       fleet4 8 tenants of 2 x 2048 tokens each: one single-GPU trainer holding all 8 (fused) against
 #                              four single-GPU trainers side by side holding 2 each (what the fleet's placement does)
-# Carry .gpuwh (megatron + tvp_extra parts, built with /work/shared/gpu/build-wheelhouse.sh). A case that runs past
+# Carry .gpuwh (megatron + tvp_extra parts, wheelhouses as for scripts/gpu/trainer_vs_peft.sh). A case that runs past
 # CASE_TIMEOUT (default 420 s) is stopped; what the others measured still returns. Logs and JSON land in $OUT.
 set -uo pipefail
 . "$(dirname "$0")/bench_env.sh" multi_gpu_logs

@@ -5,8 +5,8 @@
 #     1b-fusion / 8b-fusion (the compiled RoPE and SwiGLU chains off, then on: LORAPLANE_MEGATRON_COMPILE)
 # A case that runs longer than CASE_TIMEOUT seconds (default 480) is stopped; what the others measured still returns.
 # Needs megatron-core's wheel parts in .gpuwh/megatron/parts and the few pure-Python packages of
-# scripts/gpu/trainer_vs_peft-wheels.txt in .gpuwh/tvp_extra/parts (build both here with
-# /work/shared/gpu/build-wheelhouse.sh LIST DIR; carry them with the call). JSON + a summary log land in $OUT.
+# scripts/gpu/trainer_vs_peft-wheels.txt in .gpuwh/tvp_extra/parts (each a wheelhouse: `pip download --no-deps
+# --only-binary=:all: --python-version 3.12` of the list, tarred and split into parts; carry them with the call). JSON + a summary log land in $OUT.
 set -uo pipefail
 . "$(dirname "$0")/bench_env.sh" trainer_vs_peft
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

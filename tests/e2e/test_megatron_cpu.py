@@ -1,4 +1,4 @@
-"""The megatron backend on CPU: real megatron-core (gloo, fp32) through the CPU shims of scripts/gpu/cpu_shims.py.
+"""The megatron backend on CPU: real megatron-core (gloo, fp32) through the CPU shims of tests/fixtures/megatron_cpu.py.
 
 The GPU tests (tests/gpu/test_megatron*.py) need CUDA and do not run in CI; these run the same engine, driver and
 launcher code on CPU so that CI catches a broken megatron backend (`make install` installs megatron-core, which

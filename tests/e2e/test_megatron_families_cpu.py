@@ -17,7 +17,7 @@ bit-identical, logprobs ≤ 4.8e-6, gradients ≤ 7.4e-7 relative. A mapping mis
 llama3 RoPE 9.6 on logits, Qwen3 without q/k norms 1.2, Qwen2's k and v biases swapped 35.
 
 The megatron checks run in a child process (``python tests/e2e/test_megatron_families_cpu.py`` prints one JSON line):
-it initializes torch.distributed and the CPU shims of scripts/gpu/cpu_shims.py, as tests/e2e/test_megatron_cpu.py's
+it initializes torch.distributed and the CPU shims of tests/fixtures/megatron_cpu.py, as tests/e2e/test_megatron_cpu.py's
 checks do. tests/gpu/test_megatron_families.py runs the same measurements in bf16 on CUDA.
 """
 
@@ -242,7 +242,7 @@ def refusal(case: str, root: Path) -> dict:
 def main() -> None:
     """The child process: every family's measurements and every refusal, as one JSON line."""
     if not torch.cuda.is_available():
-        import scripts.gpu.cpu_shims  # noqa: F401  (before the backend is used)
+        import tests.fixtures.megatron_cpu  # noqa: F401  (before the backend is used)
     from trainer_svc.backends.megatron.model import init_parallel
 
     init_parallel(1)

@@ -375,7 +375,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        import scripts.gpu.cpu_shims  # noqa: F401  (before the backend is used)
+        import tests.fixtures.megatron_cpu  # noqa: F401  (before the backend is used)
     if args.ep or args.plan_memory:
         report = multi_rank("moe_mixed", Path(args.root), args.tp, args.ep, args.plan_memory or None,
                             args.plan_tokens or None)

@@ -27,7 +27,7 @@ from registry_svc.server import start_registry_server
 from scripts.gpu.launch_check import rank_zero_pid
 
 REPO = Path(__file__).resolve().parents[2]
-ENTRY = "import scripts.gpu.cpu_shims; from trainer_svc.backends.megatron.launch import main; main()"
+ENTRY = "import tests.fixtures.megatron_cpu; from trainer_svc.torchrun import main; main()"
 LAYOUTS = {"per": common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT, "shared": common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER}
 
 

@@ -1,5 +1,5 @@
 """cross_entropy soft targets ((N, K) target_tokens / weights) in the megatron engine (megatron-core on CPU: gloo,
-fp32, the CPU shims of scripts/gpu/cpu_shims.py), run in a child process (``python
+fp32, the CPU shims of tests/fixtures/megatron_cpu.py), run in a child process (``python
 tests/e2e/test_megatron_soft_targets_cpu.py`` prints one JSON line) because it initializes torch.distributed.
 
 The loss is linear in its K columns: a soft-target datum gives, column by column, the logprobs of the 1-D datum
@@ -29,7 +29,7 @@ def main(tp: int = 1, out: str | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    import scripts.gpu.cpu_shims  # noqa: F401  (before the backend is used)
+    import tests.fixtures.megatron_cpu  # noqa: F401  (before the backend is used)
     from loraplane.lora import LoraSpec, init_lora_params
     from loraplane.models.base import _wrap
     from loraplane.models.tiny import build_tiny_tokenizer, build_tp_divisible_llama

@@ -1,4 +1,4 @@
-"""The production shape end to end on CPU (issue 12, item 4): `python -m loraplane_cli.production_e2e` with the
+"""The production shape end to end on CPU (issue 12, item 4): `python -m tests.production_e2e` with the
 megatron trainer under torchrun (1 rank, gloo, float32, real megatron-core), the torch sampler engine and a
 supervised local cluster (Valkey, SeaweedFS, registry), running examples/rl_loop.py's two-tenant GRPO loop on
 `tiny`. The GPU run of the same driver (SGLang, SmolLM2, bf16) is tests/gpu/test_production_shape.py.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplane_cli import production_e2e
+from tests import production_e2e
 
 REPO = Path(__file__).resolve().parents[2]
 ITERATIONS, PROBLEMS, GROUP = 3, 4, 8
@@ -63,7 +63,7 @@ def assert_report(report: dict, *, model: str, engine: str, iterations: int, sam
 
 def run_driver(tmp_path: Path, *argv: str, timeout: float) -> dict:
     out = tmp_path / "e2e.json"
-    proc = subprocess.run([sys.executable, "-m", "loraplane_cli.production_e2e", *argv, "--data-dir",
+    proc = subprocess.run([sys.executable, "-m", "tests.production_e2e", *argv, "--data-dir",
                            str(tmp_path / "cluster"), "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
     print(proc.stdout[-8000:])

@@ -1,4 +1,4 @@
-"""`python -m loraplane_cli.production_e2e --moe` on CPU: the small random Qwen3-MoE built here, the torch trainer
+"""`python -m tests.production_e2e --moe` on CPU: the small random Qwen3-MoE built here, the torch trainer
 and the torch sampler in fp32, the token-set reward, two tenants (the GPU run, SGLang in bf16, is
 tests/gpu/test_production_shape.py::test_moe_production_shape_on_one_gpu). And the MoE verdict: bf16 logprobs are
 bounded in mean and 90th percentile, not in the maximum (a routing flip can reach any value)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplane_cli import production_e2e
+from tests import production_e2e
 from tests.e2e.test_production_shape_cpu import _row, run_driver
 
 

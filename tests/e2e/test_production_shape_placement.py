@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from loraplane_cli import production_e2e
+from tests import production_e2e
 from tests.e2e.test_production_shape_cpu import run_driver
 
 

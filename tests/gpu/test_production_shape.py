@@ -1,16 +1,16 @@
 """The production shape end to end on one GPU (issue 12, item 4; marked gpu; skipped without CUDA, SGLang,
-megatron-core or the SmolLM2 GGUF): `python -m loraplane_cli.production_e2e` with the megatron trainer under
+megatron-core or the SmolLM2 GGUF): `python -m tests.production_e2e` with the megatron trainer under
 torchrun and sampler_svc on a launched SGLang server sharing the GPU (`--mem-fraction-static`), both serving
 SmolLM2-135M-Instruct in bf16, running examples/rl_loop.py's two-tenant GRPO loop.
 
     bash scripts/gpu/e2e.sh test        # on the GPU machine, after its install steps
 
 Asserted: every sample served by the version it asked for; sampler logprobs within the bf16 bounds of
-loraplane_cli/production_e2e.py (where they are derived) of the trainer's Forward; SGLang's loaded adapters within
+tests/production_e2e.py (where they are derived) of the trainer's Forward; SGLang's loaded adapters within
 retention and equal to the sampler's at the end; both tenants' mean reward higher over the last 4 iterations than
 over the first 4. Not run yet: no GPU run of this test has been made.
 
-The MoE production shape (issue 22): `python -m loraplane_cli.production_e2e --moe`, a small random Qwen3-MoE
+The MoE production shape (issue 22): `python -m tests.production_e2e --moe`, a small random Qwen3-MoE
 (built on the GPU), the torch trainer (fp32) and SGLang (bf16) on the one GPU, the token-set reward; logprobs within
 the MoE bounds (mean and 90th percentile); no megatron-core needed.
 
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from loraplane import errors
-from loraplane_cli import production_e2e
+from tests import production_e2e
 from tests.e2e.test_production_shape_cpu import assert_report, run_driver
 
 pytestmark = [

@@ -18,9 +18,9 @@ sampling time, the Forward check's time, training time (forward_backward + optim
 the logprob differences; writes a JSON report, prints a table, and exits 1 when a check fails.
 
     # GPU (scripts/gpu/e2e.sh installs the wheels and runs this): SGLang, SmolLM2, bf16, 16 iterations
-    python -m loraplane_cli.production_e2e --require-reward-rise --out e2e.json
+    python -m tests.production_e2e --require-reward-rise --out e2e.json
     # CPU (megatron-core on gloo in float32, the torch sampler engine; tests/e2e/test_production_shape_cpu.py):
-    python -m loraplane_cli.production_e2e --engine torch --device cpu --model tiny --iterations 3
+    python -m tests.production_e2e --engine torch --device cpu --model tiny --iterations 3
 
 With `--moe` (issue 22) the model is a small Qwen3-MoE with random weights (SMALL_MOE: 3 layers, every layer
 MoE, 16 experts top-4, hidden 512; built on the GPU, saved in bf16 under the data dir), the trainer is the torch
@@ -32,12 +32,12 @@ MoE bounds (mean and 90th percentile, no bound on the maximum: a routing flip be
 reach it; derived in tests/gpu/test_sglang_moe.py).
 
     # GPU: scripts/gpu/moe_serve.sh e2e (SGLang installed by scripts/gpu/e2e.sh install-sglang)
-    python -m loraplane_cli.production_e2e --moe --require-reward-rise --out e2e_moe.json
+    python -m tests.production_e2e --moe --require-reward-rise --out e2e_moe.json
     # CPU (the torch trainer and sampler in fp32; slow on 2 cores):
-    python -m loraplane_cli.production_e2e --moe --engine torch --device cpu --iterations 4 --problems 4
+    python -m tests.production_e2e --moe --engine torch --device cpu --iterations 4 --problems 4
 
 It runs from the source tree: the loop is examples/rl_loop.py's (loaded from its file) and the CPU trainer needs
-scripts/gpu/cpu_shims.py.
+tests/fixtures/megatron_cpu.py.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from loraplane_cli.local_cluster import start_cluster, stop_cluster
 REPO = Path(__file__).resolve().parents[1]
 # megatron-core asks CUDA for the RoPE device and forks a CUDA RNG tracker; on CPU the shims redirect both (the same
 # entry scripts/gpu/launch_check.py and tests/e2e/test_megatron_cpu.py use).
-CPU_TRAINER_ENTRY = "import scripts.gpu.cpu_shims; from trainer_svc.backends.megatron.launch import main; main()"
+CPU_TRAINER_ENTRY = "import tests.fixtures.megatron_cpu; from trainer_svc.torchrun import main; main()"
 
 # Logprob agreement, sampler vs trainer Forward, per sampled token.
 # float32 (CPU): the design's promise, 1e-4 absolute; both sides compute the same function in fp32 and differ only
@@ -203,11 +203,11 @@ def load_rl_example() -> ModuleType:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loraplane_cli.production_e2e", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tests.production_e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=["sglang", "torch"], default="sglang")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="the trainer's: cuda (NCCL) or cpu (gloo, megatron-core through scripts/gpu/cpu_shims.py)")
+                   help="the trainer's: cuda (NCCL) or cpu (gloo, megatron-core through tests/fixtures/megatron_cpu.py)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="",
                    help="base weights of trainer and SGLang (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--nproc", type=int, default=1, help="trainer ranks under torchrun")
@@ -305,7 +305,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(args.nproc)]
         trainer += (["--no-python", sys.executable, "-c", CPU_TRAINER_ENTRY] if args.device == "cpu"
-                    else ["-m", "trainer_svc.backends.megatron.launch"])
+                    else ["-m", "trainer_svc.torchrun"])
         trainer += ["--base-model", args.model, "--dtype", args.dtype, "--tensor-parallel-size",
                     str(args.tensor_parallel_size), "--max-lora-rank", str(args.rank)]
     sampler = [sys.executable, "-m", "sampler_svc", "--base-model", args.model, "--engine", args.engine,
