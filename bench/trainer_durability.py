@@ -30,7 +30,8 @@ from loraplane.rpc import BackgroundLoop, channel_options
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from registry_svc.server import start_registry_server
 from trainer_svc.journal import TrainingJournal
-from trainer_svc.server import build_backend, start_trainer_server
+from trainer_svc.backends import build_backend
+from trainer_svc.server import start_trainer_server
 
 TARGET_OVERHEAD = 0.05
 # model: (datums, tokens per datum, steps per contender, checkpoint every N steps)

@@ -9,7 +9,7 @@ rounds alternate between them, so both see the same machine.
         --gpus 0,1,2,3 --one-gpu 0                                  # issue 23: 4 single-GPU trainers vs 1 (>= 3.6x)
 
 Each trainer is its own `python -m trainer_svc` process (the torch backend; `--backend megatron` runs
-`trainer_svc.backends.megatron.launch` under a one-process torchrun instead) on its own GPU
+`trainer_svc.torchrun` under a one-process torchrun instead) on its own GPU
 (CUDA_VISIBLE_DEVICES); the single trainer shares `--one-gpu` with a fleet member, so on GPUs both must fit in its
 memory at once. `--shape` other than tiny builds a random-weight bf16 model of that shape once (bench/trainer_vs_peft
 SHAPES) with a small tokenizer: requests carry token ids. Prints a table and writes bench/results/trainer_fleet.json:
@@ -77,7 +77,7 @@ class Trainer:
                   "--max-fused-adapters", str(args.tenants)]
         if args.backend == "megatron":
             command = ["torchrun", "--standalone", "--nproc-per-node", "1", "-m",
-                       "trainer_svc.backends.megatron.launch", *common]
+                       "trainer_svc.torchrun", *common]
         else:
             command = [sys.executable, "-m", "trainer_svc", "--backend", "torch", "--device", args.device, *common]
         self.name = f"{fleet}/{member}"

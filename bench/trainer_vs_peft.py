@@ -176,7 +176,7 @@ def build_backend(kind: str, hf, name: str, device: torch.device, dtype: torch.d
 
 def service_class_for(kind: str):
     if kind == "megatron":
-        from trainer_svc.backends.megatron.service import MegatronTrainerService
+        from trainer_svc.service import TrainerService as MegatronTrainerService
 
         return MegatronTrainerService
     from trainer_svc.service import TrainerService

@@ -14,6 +14,7 @@ from loraplane.registry_client import RegistryClient
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
 from loraplane.tracing import setup_tracing
 from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
+from trainer_svc.backends import build_backend
 from trainer_svc.backends.base import TrainerBackend
 from trainer_svc.fleet import FleetMember
 from trainer_svc.fleet_store import FleetStore
@@ -54,14 +55,6 @@ class RunningTrainer:
             await self.registry.close()
 
 
-def build_backend(backend: str, base_model: str, device: str) -> TrainerBackend:
-    if backend == "torch":
-        from trainer_svc.backends.torch_backend import TorchBackend
-
-        return TorchBackend(base_model, device=device)
-    raise errors.InvalidArgument(f"unknown trainer backend {backend!r}: use 'torch'", field="backend")
-
-
 def limits_from(**overrides) -> TrainerLimits:
     known = {f.name for f in fields(TrainerLimits)}
     unknown = sorted(set(overrides) - known)
@@ -83,7 +76,8 @@ async def start_trainer_server(
     journal: bool | None = None,
     **limits,
 ) -> RunningTrainer:
-    """Loads the base model (in a thread: it takes a while for real models) and serves TrainerService.
+    """Loads the base model (in a thread: it takes a while for real models) and serves TrainerService. `backend`:
+    a built backend, or the name of one in the backend registry (trainer_svc/backends), built in this process.
     Every backend runs behind the same TrainerService (a backend that owns its adapter tensors says so through
     the backend interface); `service_class` remains for tests that wrap the service.
     With a journal (the default whenever `settings.redis_url` is set) the trainer first recovers every adapter it
@@ -96,7 +90,8 @@ async def start_trainer_server(
     limits.setdefault("checkpoint_every_s", settings.checkpoint_every_s)
     trainer_limits = limits_from(**limits)
     backend_impl = backend if isinstance(backend, TrainerBackend) else await asyncio.to_thread(
-        build_backend, backend, base_model, device)
+        build_backend, backend, base_model, device, device_slots=trainer_limits.device_slots,
+        max_fused_adapters=trainer_limits.max_fused_adapters)
     # The trainer reaches the registry with the service key (settings.api_key), acting for the tenant it serves.
     registry = RegistryClient(registry_address, timeout=trainer_limits.registry_timeout_s,
                               security=ClientSecurity.from_settings(settings))

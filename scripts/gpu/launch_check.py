@@ -30,7 +30,7 @@ from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from registry_svc.server import start_registry_server
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_ENTRY = "import tests.fixtures.megatron_cpu; from trainer_svc.backends.megatron.launch import main; main()"
+CPU_ENTRY = "import tests.fixtures.megatron_cpu; from trainer_svc.torchrun import main; main()"
 
 
 def tp_friendly_model(directory: Path) -> Path:
@@ -93,7 +93,7 @@ def main() -> None:
     registry = loop.run(start_registry_server(settings, host="127.0.0.1", port=0), timeout=60)
     port = free_port()
     entry = ["--no-python", sys.executable, "-c", CPU_ENTRY] if args.cpu_dev else [
-        "-m", "trainer_svc.backends.megatron.launch"]
+        "-m", "trainer_svc.torchrun"]
     entry += ["--base-model", base_model, "--tensor-parallel-size", str(args.tp), "--device-slots", "2",
               "--registry-address", registry.address, "--host", "127.0.0.1", "--port", str(port)]
     if args.cpu_dev:

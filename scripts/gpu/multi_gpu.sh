@@ -91,7 +91,7 @@ print(f'4 trainers x 2 tenants: {agg:.0f} tok/s aggregate ({[round(x[\"tokens_pe
           "$WH"/lpx/wheels/*.whl "$WH"/fleetx/*.whl || { echo "project deps install failed" | summary; continue; }
         mkdir -p /tmp/site/bin && xz -dc "$WH"/lpx/weed.xz > /tmp/site/bin/weed && chmod +x /tmp/site/bin/weed
       fi
-      python3 -c "import registry_svc.server, trainer_svc.backends.megatron.launch, loraplane.client" 2>&1 | tail -3 | summary
+      python3 -c "import registry_svc.server, trainer_svc.torchrun, loraplane.client" 2>&1 | tail -3 | summary
       echo "== llama8b_fleet_routed: 1 gRPC trainer x 8 tenants (GPU 0), then 4 x 2 (GPUs 0-3), 2 x 2048 each" | summary
       PATH=/tmp/site/bin:$PATH timeout -k 10 "${CASE_TIMEOUT:-560}" python3 bench/trainer_fleet.py --sequential \
         --backend megatron --shape llama8b --device cuda --trainers 4 --tenants 8 --datums 2 --seq-len 2048 \

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 GRPC_SERVICES = {"registry_svc": "loraplane.v1.AdapterRegistryService", "trainer_svc": "loraplane.v1.TrainerService",
-                 "trainer_svc.backends.megatron.launch": "loraplane.v1.TrainerService",
+                 "trainer_svc.torchrun": "loraplane.v1.TrainerService",
                  "sampler_svc": "loraplane.v1.SamplerService"}
 
 
@@ -95,7 +95,7 @@ def test_gpu_profile_runs_megatron_and_sglang(compose):
     gpu = {n for n, s in services.items() if "gpu" in s.get("profiles", [])}
     assert gpu == {"trainer-gpu", "sampler-gpu", "sglang"}
     trainer, sampler = services["trainer-gpu"]["command"], services["sampler-gpu"]["command"]
-    assert trainer[0] == "torchrun" and _module_of(services["trainer-gpu"]) == "trainer_svc.backends.megatron.launch"
+    assert trainer[0] == "torchrun" and _module_of(services["trainer-gpu"]) == "trainer_svc.torchrun"
     assert sampler[sampler.index("--engine") + 1] == "sglang"
     assert sampler[sampler.index("--sglang-url") + 1] == "http://sglang:30000"
     assert "--enable-lora" in services["sglang"]["command"]

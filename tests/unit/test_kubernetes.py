@@ -273,7 +273,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(variant, rendered
 
 GRPC_SERVICE_OF = {"registry_svc": "loraplane.v1.AdapterRegistryService",
                    "trainer_svc": "loraplane.v1.TrainerService",
-                   "trainer_svc.backends.megatron.launch": "loraplane.v1.TrainerService",
+                   "trainer_svc.torchrun": "loraplane.v1.TrainerService",
                    "sampler_svc": "loraplane.v1.SamplerService"}
 
 
@@ -291,7 +291,7 @@ def _parse_service_args(module: str, args: list[str], monkeypatch):
         monkeypatch.setattr(server.asyncio, "run", capture)
         server.main()
         return type("Args", (), {"port": seen["frame"]["port"], "host": seen["frame"]["host"]})
-    if module == "trainer_svc.backends.megatron.launch":
+    if module == "trainer_svc.torchrun":
         return importlib.import_module(module).parse_args(args)
     return importlib.import_module(f"{module}.__main__").parse_args(args)
 
@@ -589,7 +589,7 @@ def test_torchrun_job_spans_the_trainer_pods(variant, rendered):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
     from torch.distributed.run import get_args_parser
 
-    from trainer_svc.backends.megatron.launch import parse_args as launch_args
+    from trainer_svc.torchrun import parse_args as launch_args
 
     objects = rendered[variant]
     leader = objects[("StatefulSet", "loraplane-trainer")]
@@ -615,7 +615,7 @@ def test_torchrun_job_spans_the_trainer_pods(variant, rendered):
             pods[obj["metadata"]["name"]] = (run, env)
         (run, lead_env), (worker_run, _) = pods["loraplane-trainer"], pods["loraplane-trainer-worker"]
         assert vars(run) | {"local_addr": None} == vars(worker_run) | {"local_addr": None}
-        assert run.module and run.training_script == "trainer_svc.backends.megatron.launch"
+        assert run.module and run.training_script == "trainer_svc.torchrun"
         launch = launch_args(run.training_script_args)
         assert int(run.nnodes) == 2
         for container in (lead, work):
@@ -636,7 +636,7 @@ def test_torchrun_job_spans_the_trainer_pods(variant, rendered):
         assert launch.port == _named_port(lead, "grpc") and launch.host == "0.0.0.0"
         assert lead_env["LORAPLANE_DEVICE"] == "cuda"
     assert len(jobs) == len(set(jobs.values())) == trainers, "each trainer's job meets apart from the others"
-    _check_grpc_probes(variant, "trainer_svc.backends.megatron.launch", lead, launch_args(
+    _check_grpc_probes(variant, "trainer_svc.torchrun", lead, launch_args(
         get_args_parser().parse_args(lead["command"][1:]).training_script_args).port)
     assert not _probe_ports(work), "ranks > 0 serve no gRPC: no gRPC probes on them"
     assert _services_selecting(objects, worker["spec"]["template"]["metadata"]["labels"]) == [

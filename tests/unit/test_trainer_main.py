@@ -1,25 +1,83 @@
-"""`python -m trainer_svc --backend megatron` hands over to the megatron launcher with every other option."""
+"""The trainer's backends as one registry and its one command line: `python -m trainer_svc` and
+`torchrun ... -m trainer_svc.torchrun` offer the registry's backends, add the chosen one's own options, take their
+defaults from one place, and hand the process to the entry's launcher; nothing under backends/ imports the layers
+above it."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
-from trainer_svc.__main__ import _without_backend_flag
+import pytest
+
+from loraplane import errors
+from trainer_svc.__main__ import parse_args
+from trainer_svc.backends import BACKEND_NAMES, PROCESS, TORCHRUN, BackendConfig, backend_entry, build_backend
+from trainer_svc.service import TrainerLimits
+from trainer_svc.torchrun import parse_args as torchrun_args
+
+BACKENDS_DIR = Path(__file__).resolve().parents[2] / "trainer_svc" / "backends"
+# The trainer's modules above its backends: a backend is handed what it needs from them, it never imports them.
+ABOVE_BACKENDS = ("trainer_svc.server", "trainer_svc.service", "trainer_svc.servicer", "trainer_svc.__main__",
+                  "trainer_svc.torchrun", "trainer_svc.fleet", "trainer_svc.scheduler", "trainer_svc.journal",
+                  "trainer_svc.durability")
 
 
-def test_backend_flag_is_removed_in_both_spellings_and_nothing_else():
-    assert _without_backend_flag(["--backend", "megatron", "--port", "5", "--base-model", "tiny"]) == [
-        "--port", "5", "--base-model", "tiny"]
-    assert _without_backend_flag(["--port", "5", "--backend=megatron"]) == ["--port", "5"]
-    assert _without_backend_flag(["--port", "5"]) == ["--port", "5"]
+def test_the_registry_names_every_backend_with_its_launcher_and_refuses_an_unknown_one():
+    assert BACKEND_NAMES == ("torch", "megatron")
+    assert backend_entry("torch").launcher == PROCESS and backend_entry("megatron").launcher == TORCHRUN
+    assert backend_entry("megatron").needs and all(backend_entry(n).lacks for n in BACKEND_NAMES)
+    with pytest.raises(errors.InvalidArgument, match="'torch' or 'megatron'") as caught:
+        build_backend("jax", "tiny")
+    assert caught.value.field == "backend"
 
 
-def test_megatron_backend_is_served_by_its_launcher():
+def test_both_entry_points_share_the_options_and_the_defaults():
+    limits = TrainerLimits()
+    plain, megatron, torchrun = parse_args([]), parse_args(["--backend", "megatron"]), torchrun_args([])
+    assert plain.backend == "torch" and plain.backend_options == ()
+    assert megatron.backend == torchrun.backend == "megatron"
+    assert vars(megatron) == vars(torchrun)
+    assert "tensor_parallel_size" in torchrun.backend_options and "dtype" in torchrun.backend_options
+    for args in (plain, torchrun):
+        assert (args.device_slots, args.max_lora_rank, args.max_fused_adapters, args.gap_timeout_s) == (
+            limits.device_slots, limits.max_lora_rank, limits.max_fused_adapters, limits.gap_timeout_s)
+    assert torchrun_args(["--tensor-parallel-size", "2", "--port", "5"]).tensor_parallel_size == 2
+
+
+def test_the_torch_entry_builds_its_backend_and_hands_it_to_serve():
+    from trainer_svc.backends.torch_backend import TorchBackend
+
+    served = []
+
+    async def serve(backend):
+        served.append(backend)
+
+    backend_entry("torch").launch(BackendConfig("tiny"), serve)
+    assert len(served) == 1 and isinstance(served[0], TorchBackend) and served[0].base.name == "tiny"
+
+
+def test_nothing_under_backends_imports_the_trainer_above_it():
+    offenders = []
+    for path in sorted(BACKENDS_DIR.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(BACKENDS_DIR)}: {name}" for name in names
+                          if name.startswith(ABOVE_BACKENDS)]
+    assert offenders == []
+
+
+def test_megatron_options_are_offered_only_with_the_megatron_backend():
     megatron = subprocess.run([sys.executable, "-m", "trainer_svc", "--backend", "megatron", "--help"],
                               capture_output=True, text=True, timeout=120, check=False)
     assert megatron.returncode == 0, megatron.stderr
     assert "--tensor-parallel-size" in megatron.stdout
+    torchrun = subprocess.run([sys.executable, "-m", "trainer_svc.torchrun", "--help"],
+                              capture_output=True, text=True, timeout=120, check=False)
+    assert torchrun.returncode == 0 and "--tensor-parallel-size" in torchrun.stdout, torchrun.stderr
     torch_help = subprocess.run([sys.executable, "-m", "trainer_svc", "--help"],
                                 capture_output=True, text=True, timeout=120, check=False)
     assert torch_help.returncode == 0 and "--tensor-parallel-size" not in torch_help.stdout
