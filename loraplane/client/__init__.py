@@ -30,7 +30,7 @@ from loraplane.client.errors import (
 from loraplane.client.futures import APIFuture
 from loraplane.client.sampling_client import SamplingClient
 from loraplane.client.service_client import ServiceClient
-from loraplane.client.training_client import LOSS_FUNCTIONS, TrainingClient
+from loraplane.client.training_client import TrainingClient
 from loraplane.client.types import (
     AdamParams,
     Datum,
@@ -51,7 +51,6 @@ from loraplane.client.types import (
 )
 
 __all__ = [
-    "LOSS_FUNCTIONS",
     "NO_RETRY",
     "APIError",
     "APIFuture",

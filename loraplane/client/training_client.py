@@ -44,9 +44,6 @@ from loraplane.v1 import trainer_pb2, trainer_pb2_grpc
 if TYPE_CHECKING:
     from loraplane.client._session import Session
 
-LOSS_FUNCTIONS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
-
-
 class SeqCounter:
     """The next seq_ids of one adapter. Shared by every TrainingClient of that adapter in this process."""
 
@@ -109,9 +106,16 @@ class TrainingClient:
 
     # ---- forward / backward ---------------------------------------------------------------------------------
 
+    def _supported_losses(self) -> tuple[str, ...]:
+        """The loss functions the trainer serves, as its GetInfo lists them (asked once per ServiceClient and kept):
+        the trainer's loss registry is the only list."""
+        return tuple(self.service.get_server_capabilities().supported_losses)
+
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None):
-        if loss_fn not in LOSS_FUNCTIONS:
-            raise ValueError(f"loss_fn must be one of {', '.join(LOSS_FUNCTIONS)}; got {loss_fn!r}")
+        # Checked before a seq_id is taken, so a misspelt loss costs no round trip and leaves no gap in the sequence.
+        supported = self._supported_losses()
+        if supported and loss_fn not in supported:
+            raise ValueError(f"loss_fn must be one of {', '.join(supported)} (the trainer's); got {loss_fn!r}")
         datums = [as_datum(d).to_proto() for d in data]
         if not datums:
             raise ValueError("data is empty: give at least one Datum")
