@@ -11,7 +11,7 @@ from rich.table import Table
 from loraplane.client.addresses import ADMIN_KEY_FILE, TLS_DIR
 from loraplane.config import Settings
 from loraplane.local.processes import ProcessStartError
-from loraplane_cli import app
+from loraplane_cli.app import app
 from loraplane_cli.local_cluster import (
     SERVICE_NAMES,
     ClusterState,

@@ -17,7 +17,7 @@ from loraplane import errors
 from loraplane.auth import ROLE_TENANT, KeyStore, Quotas, tinker_api_key
 from loraplane.config import Settings
 from loraplane.local.state import read_cluster_state
-from loraplane_cli import app
+from loraplane_cli.app import app
 
 keys_app = typer.Typer(no_args_is_help=True, help="API keys and per-tenant quotas (docs/security.md).")
 app.add_typer(keys_app, name="keys")

@@ -18,7 +18,7 @@ from loraplane.client import APIError, SamplingParams, ServiceClient
 from loraplane.client.addresses import resolve_address
 from loraplane.registry_client import EventType, RegistryEvent, VersionKind
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
-from loraplane_cli import app
+from loraplane_cli.app import app
 from loraplane_cli.common import encode_prompt
 
 console = Console()

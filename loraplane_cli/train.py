@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from loraplane.client import AdamParams, APIError
-from loraplane_cli import app
+from loraplane_cli.app import app
 from loraplane_cli.common import plot_losses, sft_datum
 from loraplane_cli.product import DataDirOption, RegistryOption, SamplerOption, TrainerOption, _fail, _service
 

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from loraplane import errors
 from loraplane.config import Settings
-from loraplane_cli import app
+from loraplane_cli.app import app
 from loraplane_cli.keys import redis_url_of
 from loraplane_cli.local_cluster import LOCAL_FLEET
 from trainer_svc.fleet_store import FleetStore, MemberInfo
