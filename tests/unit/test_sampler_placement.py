@@ -22,6 +22,7 @@ from loraplane.routing import (
     ring_of,
     under_load_bound,
 )
+from sampler_svc.engines.sglang_placement import ServerChoice
 
 IDS = [f"s{i}" for i in range(5)]
 
@@ -109,6 +110,7 @@ def test_a_hot_key_fills_its_home_to_the_bound_then_spills_in_preference_order()
 def test_every_user_of_sampler_placement_shares_one_policy_and_the_registry_names_its_policies():
     assert SamplerRouter("127.0.0.1:1").policy is BOUNDED_AFFINITY
     assert SamplerRouter("127.0.0.1:1", balance=2.0).policy is not BOUNDED_AFFINITY
+    assert ServerChoice([]).policy is FEWEST_ADAPTERS
     for name, factory in PLACEMENTS.items():
         assert factory().name == name
     assert {BOUNDED_AFFINITY.name, FEWEST_ADAPTERS.name} <= set(PLACEMENTS)
