@@ -4,12 +4,10 @@ converts protobuf <-> these calls and `loraplane.rpc` maps the domain errors to 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import hashlib
 import logging
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,10 +23,8 @@ from loraplane.errors import (
     InvalidArgument,
     LoraplaneError,
     NotFound,
-    Unavailable,
     shown,
 )
-from loraplane.fleet import is_moved
 from loraplane.lora import LoraSpec
 from loraplane.registry_client import (
     CHUNK_BYTES,
@@ -42,23 +38,18 @@ from loraplane.registry_client import (
     weights_dtype_name,
 )
 from trainer_svc.backends.base import BatchItem, ItemResult, TrainerBackend
+from trainer_svc.durability import CHECKPOINT_KEY, Durability
 from trainer_svc.journal import (
-    OUTCOME,
-    VOID,
     AdapterRecord,
-    Checkpoint,
     JournalEntry,
     ResolvedSource,
     TrainingJournal,
     outcome_from_plain,
-    outcome_to_plain,
-    payload_from_plain,
-    payload_to_plain,
 )
 from trainer_svc.losses import supported_losses
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 from trainer_svc.pool import AdapterPool, AdapterState
-from trainer_svc.scheduler import FUSABLE, REJECTED, TRANSIENT, Job, Scheduler
+from trainer_svc.scheduler import FUSABLE, REJECTED, Job, Scheduler
 from trainer_svc.validation import (
     DatumPayload,
     validate_adapter_name,
@@ -72,10 +63,6 @@ from trainer_svc.validation import (
 
 log = logging.getLogger(__name__)
 
-# Registry metadata that marks a training-state version as the trainer's own recovery checkpoint.
-CHECKPOINT_KEY = "loraplane.checkpoint"
-# Kinds whose recorded outcome answers a replay without running them again (they change no adapter tensors).
-ANSWERED_FROM_JOURNAL = frozenset({"forward", REJECTED, "publish", "save_state"})
 
 
 @dataclass
@@ -168,16 +155,8 @@ class TrainerService:
         self.backend = backend
         self.registry = registry
         self.limits = limits or TrainerLimits()
-        self.journal = journal
-        # Durability bookkeeping, per adapter: its index record, the newest journal entry ids (a checkpoint trims
-        # up to the oldest of them), and (step, time) of the last checkpoint.
-        self._records: dict[str, AdapterRecord] = {}
-        self._recent_entries: dict[str, collections.deque[str]] = {}
-        self._checkpoint_marks: dict[str, tuple[int, float]] = {}
-        # Outcomes journaled with the next requests' append rather than on their own (worker thread only): one
-        # fsync per request instead of two. Safe to lose in a crash: replay recomputes them (see _journal_outcomes).
-        self._deferred_outcomes: list[tuple[str, int, bytes, object]] = []
-        self._checkpoint_locks: dict[str, asyncio.Lock] = {}
+        # Journal, checkpoints and recovery (trainer_svc/durability.py).
+        self.durability = Durability(self, registry, self.limits, journal)
         description = backend.description
         self.max_context_length = (min(self.limits.max_context_length, description.max_context_length)
                                    if self.limits.max_context_length else description.max_context_length)
@@ -208,10 +187,13 @@ class TrainerService:
     def base_model(self) -> str:
         return self.backend.description.name
 
+    @property
+    def journal(self) -> TrainingJournal | None:
+        return self.durability.journal
+
     async def close(self) -> None:
         await asyncio.to_thread(self.scheduler.stop)
-        if self.journal is not None:
-            self.journal.close()
+        self.durability.close()
 
     async def _on_worker(self, fn):
         return await asyncio.wrap_future(self.scheduler.control(fn))
@@ -248,14 +230,11 @@ class TrainerService:
                                    seed=spec.seed, base_model=self.base_model, uid=uid, weights_dtype=weights_dtype,
                                    expert_layout=spec.expert_layout,
                                    metadata=dict(metadata or {}))
-            if self.journal is not None:
-                # Durable before it is acknowledged: a restarted trainer rebuilds the adapter from this record.
-                await asyncio.to_thread(self.journal.put_adapter, record)
+            await self.durability.put_new(record)
             try:
                 state = await self._on_worker(lambda: self._new_state(record, spec))
             except BaseException:
-                if self.journal is not None:
-                    await asyncio.to_thread(self.journal.drop_adapter, name)
+                await self.durability.drop_new(name)
                 raise
             self._adopt(record)
             self.scheduler.open_lane(name)
@@ -281,10 +260,7 @@ class TrainerService:
 
     def _adopt(self, record: AdapterRecord) -> None:
         self._uids[record.name] = record.uid
-        self._records[record.name] = record
-        self._recent_entries[record.name] = collections.deque(maxlen=max(1, self.limits.journal_retry_window))
-        checkpoint = record.checkpoint
-        self._checkpoint_marks[record.name] = (checkpoint.step if checkpoint else 0, time.monotonic())
+        self.durability.adopt(record)
 
     def _check_registry_match(self, name, registered, spec: LoraSpec, weights_dtype: str) -> None:
         # exist_ok lets a restarted trainer train an adapter the registry already knows, but only the same shape.
@@ -314,13 +290,8 @@ class TrainerService:
             await self._on_worker(lambda: self.pool.remove(name))
             await self._on_worker(lambda: self.backend.delete_adapter(name))
             self._uids.pop(name, None)
-            self._recent_entries.pop(name, None)
-            self._checkpoint_marks.pop(name, None)
-            record = self._records.pop(name, None)
-            if self.journal is not None:
-                await asyncio.to_thread(self.journal.drop_adapter, name)
-                if record is not None and not delete_from_registry:
-                    await self._delete_checkpoints(name, record.checkpoints)
+            record = self.durability.forget(name)
+            await self.durability.deleted(name, record, with_registry=delete_from_registry)
             if self.fleet is not None:
                 await self.fleet.deleted(name)
         if delete_from_registry:
@@ -447,10 +418,8 @@ class TrainerService:
                     aliases=list(aliases), idempotency_key=exported.idempotency_key)
                 exported.version = version
                 exported.blob = None  # the cache keeps the version, not the bytes
-                if self.journal is not None and exported.seq_id:
-                    await asyncio.to_thread(self.journal.append_outcomes, [(adapter, exported.seq_id, OUTCOME, {
-                        "version": version.SerializeToString(), "step": exported.step,
-                        "idempotency_key": exported.idempotency_key})])
+                await self.durability.published(adapter, exported.seq_id, version, exported.step,
+                                                exported.idempotency_key)
             return exported.version
 
     async def load_state(self, adapter: str, seq_id: int, source: SourceRef, with_optimizer: bool,
@@ -481,67 +450,9 @@ class TrainerService:
         return self._execute_here(jobs)
 
     def _execute_here(self, jobs: list[Job]) -> list:
-        """Runs on the worker thread. Returns one outcome (value or exception) per job. With a journal, each new
-        request is journaled before it runs (LoadState once its source is resolved, in its runner) and its outcome
-        after; a journal that cannot be written fails the jobs as UNAVAILABLE before they change anything."""
-        if self.journal is None:
-            return self._run_jobs(jobs)
-        fresh = [job for job in jobs if not job.replayed and job.kind != "load_state"]
-        if fresh:
-            try:
-                self._journal_requests(fresh)
-            except Unavailable as exc:
-                return [exc] * len(jobs)
-        outcomes = self._run_jobs(jobs)
-        self._journal_outcomes(jobs, outcomes)
-        return outcomes
-
-    def _journal_requests(self, jobs: list[Job]) -> None:
-        deferred = self._live_deferred_outcomes()
-        entry_ids = self.journal.append_requests(
-            [(job.adapter, job.seq_id, job.kind, job.payload_hash, payload_to_plain(job.kind, job.payload))
-             for job in jobs], outcomes=deferred)
-        del self._deferred_outcomes[:len(deferred)]
-        for job, entry_id in zip(jobs, entry_ids):
-            recent = self._recent_entries.get(job.adapter)
-            if recent is not None:
-                recent.append(entry_id)
-
-    def _journal_outcomes(self, jobs: list[Job], outcomes: list) -> None:
-        records = []
-        for job, outcome in zip(jobs, outcomes):
-            if job.replayed:
-                continue
-            if isinstance(outcome, TRANSIENT):
-                records.append((job.adapter, job.seq_id, VOID, None))
-            elif isinstance(outcome, BaseException):
-                records.append((job.adapter, job.seq_id, OUTCOME, outcome_to_plain(outcome)))
-            elif job.kind == "load_state":
-                records.append((job.adapter, job.seq_id, OUTCOME, {"load_state_step": outcome.step}))
-            elif job.kind not in ("publish", "save_state"):  # those once the registry has answered
-                records.append((job.adapter, job.seq_id, OUTCOME, outcome_to_plain(outcome)))
-        # A request's outcome only answers a retry of it after a restart; if it is lost with the process, replay
-        # runs the request again and recomputes it (deterministically), so it may wait for the next request's
-        # append. Not so a void (replay would apply what the client was told did not happen) nor an outcome a
-        # checkpoint is about to cover (that request is not replayed): those are written now.
-        voids = [r for r in records if r[2] == VOID]
-        self._deferred_outcomes.extend(r for r in records if r[2] != VOID)
-        if voids:
-            self._flush_outcomes(voids)
-        for job, outcome in zip(jobs, outcomes):
-            if not job.replayed and job.kind in ("optim_step", "load_state") and not isinstance(outcome,
-                                                                                               BaseException):
-                self._maybe_checkpoint(job)
-
-    def _live_deferred_outcomes(self) -> list[tuple[str, int, bytes, object]]:
-        """The deferred outcomes, less those of adapters deleted meanwhile (their journal is gone for good)."""
-        self._deferred_outcomes = [r for r in self._deferred_outcomes if r[0] in self._records]
-        return list(self._deferred_outcomes)
-
-    def _flush_outcomes(self, voids: list | None = None) -> None:
-        deferred = self._live_deferred_outcomes()
-        self.journal.append_outcomes(deferred + (voids or []))
-        del self._deferred_outcomes[:len(deferred)]
+        """Runs on the worker thread. Returns one outcome (value or exception) per job, journaled around the run
+        (Durability.run_journaled)."""
+        return self.durability.run_journaled(jobs, self._run_jobs)
 
     def _run_jobs(self, jobs: list[Job]) -> list:
         if jobs[0].kind in FUSABLE:
@@ -622,9 +533,8 @@ class TrainerService:
             future.cancel()
             raise DeadlineExceeded(f"downloading the LoadState source took over {self.limits.registry_timeout_s}s",
                                    field="source") from None
-        if self.journal is not None and not job.replayed:
-            resolved = ResolvedSource(source.name, version, with_optimizer)
-            self._journal_requests([dataclasses.replace(job, payload=resolved)])
+        self.durability.journal_resolved(
+            dataclasses.replace(job, payload=ResolvedSource(source.name, version, with_optimizer)))
         state = self.pool.get(job.adapter)
         if loaded.base_model_name and loaded.base_model_name != state.base_model:
             raise FailedPrecondition(
@@ -677,158 +587,27 @@ class TrainerService:
                 field="source")
         return meta.version, parse_training_state(blob)
 
-    # ---------------------------------------------------------------- durability: checkpoints
-    def _maybe_checkpoint(self, job: Job) -> None:
-        """Worker side, after an OptimStep or LoadState: when a checkpoint is due, captures the adapter's state
-        (host copies, no pending gradients right after a step) and hands the upload to the event loop."""
-        state = self.pool.get(job.adapter)
-        record = self._records.get(job.adapter)
-        if record is None or state.has_grads():
-            return
-        last_step, last_time = self._checkpoint_marks.get(job.adapter, (0, time.monotonic()))
-        every_steps, every_s = self.limits.checkpoint_every_steps, self.limits.checkpoint_every_s
-        due = (job.kind == "load_state"
-               or (every_steps > 0 and state.step - last_step >= every_steps)
-               or (every_s > 0 and state.step != last_step and time.monotonic() - last_time >= every_s))
-        if not due:
-            return
-        self._checkpoint_marks[job.adapter] = (state.step, time.monotonic())
-        self._flush_outcomes()
-        recent = self._recent_entries.get(job.adapter)
-        trim_from = recent[0] if recent else ""
-        training = self._training_state(state)
-        asyncio.run_coroutine_threadsafe(
-            self._store_checkpoint(job.adapter, record.uid, job.seq_id, training, trim_from), self._loop)
-
-    async def _store_checkpoint(self, adapter: str, uid: str, seq_id: int, training: TrainingState,
-                                trim_from: str) -> Checkpoint | None:
-        """Uploads a checkpoint, points the adapter's record at it, then trims the journal it covers. Until the
-        record points at it nothing relies on it, so a failure anywhere leaves the previous checkpoint and the
-        whole journal in force."""
-        lock = self._checkpoint_locks.setdefault(adapter, asyncio.Lock())
-        async with lock:
-            try:
-                blob = await asyncio.to_thread(serialize_training_state, training)
-                version = await self.registry.publish(
-                    adapter, blob, kind=VERSION_KIND_TRAINING_STATE, training_step=training.step,
-                    metadata={CHECKPOINT_KEY: "auto", "loraplane.seq_id": str(seq_id)},
-                    idempotency_key=f"trainer:{uid}:checkpoint:{seq_id}")
-                record = self._records.get(adapter)
-                if record is None or record.uid != uid:  # deleted (or recreated) while uploading
-                    await self._delete_checkpoints(adapter, [Checkpoint(version.version, seq_id, training.step)])
-                    return None
-                if record.checkpoint is not None and record.checkpoint.seq_id >= seq_id:
-                    return record.checkpoint
-                checkpoint = Checkpoint(version=version.version, seq_id=seq_id, step=training.step)
-                kept = max(1, self.limits.checkpoints_kept)
-                dropped = (record.checkpoints + [checkpoint])[:-kept]
-                try:
-                    await asyncio.to_thread(self.journal.put_adapter, record.with_checkpoint(checkpoint, kept))
-                except Unavailable as exc:
-                    if is_moved(exc):  # another fleet member serves it now: this upload is nobody's
-                        await self._delete_checkpoints(adapter, [checkpoint])
-                        return None
-                    raise
-                record.checkpoints = (record.checkpoints + [checkpoint])[-kept:]
-                if trim_from:
-                    await asyncio.to_thread(self.journal.trim, adapter, trim_from)
-                await self._delete_checkpoints(adapter, dropped)
-                return checkpoint
-            except Exception:
-                log.warning("checkpoint of %s at seq_id %d failed; the journal keeps everything since the last one",
-                            adapter, seq_id, exc_info=True)
-                return None
-
-    async def _delete_checkpoints(self, adapter: str, checkpoints: Sequence[Checkpoint]) -> None:
-        for checkpoint in checkpoints:
-            try:
-                await self.registry.delete_version(adapter, checkpoint.version)
-            except LoraplaneError as exc:
-                if not isinstance(exc, NotFound):
-                    log.warning("could not delete checkpoint v%d of %s: %s", checkpoint.version, adapter, exc)
-
-    # ---------------------------------------------------------------- durability: recovery
+    # ---------------------------------------------------------------- recovery and fleet moves
     async def forget_local(self, name: str, error: LoraplaneError | None = None) -> None:
         """Drops the adapter from this trainer only (a fleet moved it away): its journal and checkpoints stay for
         the trainer that serves it now; queued requests fail with `error` (ADAPTER_MOVED: retried there)."""
         self.scheduler.close_lane(name, f"adapter {name!r} left this trainer", error=error)
         if name in self.pool:
             await self._on_worker(lambda: self.pool.remove(name))
-        for table in (self._uids, self._recent_entries, self._checkpoint_marks, self._records):
-            table.pop(name, None)
+        self._uids.pop(name, None)
+        self.durability.forget(name)
 
     async def recover(self, names: Sequence[str] | None = None) -> list[str]:
-        """Rebuilds every adapter the journal's index names: its latest checkpoint, then its journal replayed in
-        order, so params, moments, step and last_seq_id equal those before the crash and a client's retry of a
-        journaled request is answered with its outcome. Returns the adapters that could not be recovered (a
-        non-transient failure: logged loudly, their records kept for an operator); transient failures raise."""
-        if self.journal is None:
-            return []
+        """Rebuilds the journal's adapters (all, or `names`) before serving (Durability.recover); returns those that
+        could not be recovered."""
         self._loop = asyncio.get_running_loop()
-        records = await asyncio.to_thread(self.journal.adapters)
-        if names is not None:  # a fleet member: only what is placed on it
-            records = [r for r in records if r.name in names]
-        results = await asyncio.gather(*(self._recover_adapter(r) for r in records), return_exceptions=True)
-        failed = []
-        for record, result in zip(records, results):
-            if isinstance(result, TRANSIENT):
-                raise result
-            if isinstance(result, BaseException):
-                log.error("adapter %s could not be recovered: %s", record.name, result,
-                          exc_info=not isinstance(result, LoraplaneError))
-                failed.append(record.name)
-        return failed
-
-    async def _recover_adapter(self, record: AdapterRecord) -> None:
-        if record.base_model != self.base_model:
-            raise FailedPrecondition(f"adapter {record.name!r} was trained on {record.base_model!r}, this trainer "
-                                     f"serves {self.base_model!r}")
-        spec = LoraSpec.create(record.rank, record.alpha, record.target_modules, record.seed,
-                               max_rank=max(record.rank, self.limits.max_lora_rank),
-                               expert_layout=record.expert_layout)
-        checkpoint = record.checkpoint
-        loaded = None
-        if checkpoint is not None:
-            _meta, blob = await self.registry.download(record.name, version=checkpoint.version)
-            loaded = await asyncio.to_thread(parse_training_state, blob)
-        entries = await asyncio.to_thread(self.journal.entries, record.name)
-
-        def rebuild():
-            state = self._new_state(record, spec)
-            if loaded is not None:
-                self._install(state, loaded.params, loaded.exp_avg, loaded.exp_avg_sq, loaded.step)
-            return state
-
-        state = await self._on_worker(rebuild)
-        self._adopt(record)
-        covered = checkpoint.seq_id if checkpoint is not None else 0
-        self.scheduler.open_lane(record.name, next_seq=covered + 1)
-        for entry in entries:
-            self._recent_entries[record.name].append(entry.entry_id)
-            if entry.seq_id <= covered or (entry.has_outcome and entry.kind in ANSWERED_FROM_JOURNAL):
-                if entry.has_outcome:
-                    self.scheduler.remember(record.name, entry.seq_id, entry.payload_hash,
-                                            self._recorded_outcome(state, entry))
-                continue
-            payload = payload_from_plain(entry.kind, entry.payload)
-            tokens = sum(d.length for d in payload[0]) if entry.kind in FUSABLE else 0
-            job = Job(adapter=record.name, seq_id=entry.seq_id, kind=entry.kind, payload=payload,
-                      payload_hash=entry.payload_hash, tokens=tokens, replayed=True)
-            try:
-                await asyncio.wrap_future(self.scheduler.submit(job))
-            except TRANSIENT:
-                raise
-            except LoraplaneError:
-                pass  # the live run got the same error; it is this seq_id's recorded outcome now
-        log.info("recovered adapter %s: checkpoint %s, %d journal entries, step %d, last seq_id %d", record.name,
-                 f"v{checkpoint.version}" if checkpoint else "none", len(entries), state.step,
-                 self.scheduler.last_seq_id(record.name))
+        return await self.durability.recover(names)
 
     def _weights_dtype(self, name: str) -> str:
-        record = self._records.get(name)
-        return record.weights_dtype if record is not None else "float32"
+        return self.durability.weights_dtype(name)
 
     def _recorded_outcome(self, state: AdapterState, entry: JournalEntry):
+        """A journaled outcome as this service answers it (a retry after a restart gets it back)."""
         data = entry.outcome
         if entry.kind in ("publish", "save_state") and "version" in data:
             return ExportedBlob(blob=None, step=data["step"], idempotency_key=data["idempotency_key"],
