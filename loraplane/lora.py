@@ -623,13 +623,26 @@ def _experts_range(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
     weight_of_row = top_k_weights.t().reshape(-1).index_select(0, order)
     offsets = torch.cumsum(torch.bincount(expert_of_row, minlength=experts), 0).to(torch.int32)
     rows = x.index_select(0, token_of_row)
-    gate_up = grouped_mm(rows, module.gate_up_proj.transpose(1, 2), offsets, expert_of_row)
+    # gpt-oss stores its experts [E, in, out] (transformers' is_transposed), with biases, gate/up interleaved and
+    # a clamped SwiGLU (its own _apply_gate); the Qwen layout is [E, out, in], gate rows first, silu.
+    transposed = getattr(module, "is_transposed", False)
+    biased = getattr(module, "has_bias", False)
+    gate_up_w = module.gate_up_proj if transposed else module.gate_up_proj.transpose(1, 2)
+    gate_up = grouped_mm(rows, gate_up_w, offsets, expert_of_row)
+    if biased:
+        gate_up = gate_up + module.gate_up_proj_bias.index_select(0, expert_of_row)
     pair = None if adapter is None else _module_tensors(adapter, (layer, "experts.gate_up_proj"))
     if pair is not None:
         gate_up = gate_up + _lora_through(rows, pair, adapter.rank, experts, offsets, expert_of_row, adapter.scale)
-    gate, up = gate_up.chunk(2, dim=-1)
-    hidden = module.act_fn(gate) * up
-    out = grouped_mm(hidden, module.down_proj.transpose(1, 2), offsets, expert_of_row)
+    if transposed or biased:
+        hidden = module._apply_gate(gate_up)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = module.act_fn(gate) * up
+    out = grouped_mm(hidden, module.down_proj if transposed else module.down_proj.transpose(1, 2), offsets,
+                     expert_of_row)
+    if biased:
+        out = out + module.down_proj_bias.index_select(0, expert_of_row)
     pair = None if adapter is None else _module_tensors(adapter, (layer, "experts.down_proj"))
     if pair is not None:
         out = out + _lora_through(hidden, pair, adapter.rank, experts, offsets, expert_of_row, adapter.scale)

@@ -121,8 +121,8 @@ def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.f
                 f"unknown base model {name!r}: not one of {supported_model_names()} and not a local directory",
                 field="base_model",
             )
-        check_checkpoint(path, backend, name)
-        model, tokenizer = _load_hf_dir(path, dtype)
+        family = check_checkpoint(path, backend, name)
+        model, tokenizer = _load_hf_dir(path, dtype, family.attn_implementation)
     return _wrap(name, model, tokenizer, torch.device(device), dtype, backend)
 
 
@@ -157,10 +157,15 @@ def from_hf_model(name: str, model: PreTrainedModel, tokenizer, device: str = "c
     return _wrap(name, model, tokenizer, torch.device(device), dtype, backend)
 
 
-def _load_hf_dir(directory: Path, dtype: torch.dtype):
+def _load_hf_dir(directory: Path, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    from loraplane.models import mxfp4
+
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    if mxfp4.quantization_method(directory) == "mxfp4":
+        # gpt-oss's released experts: dequantized by us at load (loraplane.models.mxfp4).
+        return mxfp4.load_mxfp4_model(directory, dtype, attn_implementation), tokenizer
     model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+        directory, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
     )
     return model, tokenizer
 

@@ -23,10 +23,11 @@ Adding a family: a module here defining a ModelFamily (see base.py for what each
 from __future__ import annotations
 
 from loraplane.errors import FailedPrecondition
-from loraplane.models.families import llama, qwen2, qwen3, qwen3_5, qwen3_moe
+from loraplane.models.families import gpt_oss, llama, nemotron_h, qwen2, qwen3, qwen3_5, qwen3_moe
 from loraplane.models.families.base import (
     ALL_TARGETS,
     ATTENTION_BIAS,
+    ATTENTION_SINKS,
     ATTENTION_TARGETS,
     BACKENDS,
     DENSE_AND_MOE_LAYERS,
@@ -41,8 +42,10 @@ from loraplane.models.families.base import (
     QK_NORM,
     QKV_BIAS,
     ROPE_LLAMA3,
+    ROPE_YARN,
     SHARED_EXPERT_TARGETS,
     SHARED_EXPERTS,
+    SLIDING_WINDOW,
     TARGET_BY_KEY_PATH,
     TARGETS,
     VISION_TOWER,
@@ -53,7 +56,7 @@ from loraplane.models.families.base import (
     text_config,
 )
 
-_MODULES = (llama, qwen2, qwen3, qwen3_moe, qwen3_5)
+_MODULES = (llama, qwen2, qwen3, qwen3_moe, qwen3_5, gpt_oss, nemotron_h)
 FAMILIES: dict[str, ModelFamily] = {}
 for _module in _MODULES:
     for _family in getattr(_module, "FAMILIES", None) or (_module.FAMILY,):
@@ -112,7 +115,8 @@ def sliding_window_in_use(config) -> str:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         # What transformers itself consults per layer (Qwen2/3 only slide from max_window_layers on).
-        other = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+        # Nemotron-H's layer_types also name its MLP / MoE blocks.
+        other = sorted(set(layer_types) - {"full_attention", "linear_attention", "mlp", "moe"})
         return f"layer_types {other}" if other else ""
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True):
@@ -155,6 +159,8 @@ def detect_features(config) -> dict[str, str]:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "llama3":
         found[ROPE_LLAMA3] = "llama3 RoPE scaling"
+    elif rope_type == "yarn":
+        found[ROPE_YARN] = "YaRN RoPE scaling"
     elif rope_type not in _SUPPORTED_ROPE:
         found[f"unsupported:rope:{rope_type}"] = f"rope_scaling type {rope_type!r}"
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
@@ -179,15 +185,17 @@ def detect_features(config) -> dict[str, str]:
             f"{getattr(config, 'topk_method', None)!r}, n_group={getattr(config, 'n_group', None)!r})")
     sliding = sliding_window_in_use(config)
     if sliding:
-        found["unsupported:sliding_window"] = f"sliding-window attention ({sliding})"
+        found[SLIDING_WINDOW] = f"sliding-window attention ({sliding})"
     layer_types = getattr(config, "layer_types", None) or ()
-    if "linear_attention" in layer_types or getattr(config, "full_attention_interval", None):
+    # Nemotron-H's "linear_attention" blocks (layers_block_type) are Mamba-2 mixers, a feature of its family.
+    if ("linear_attention" in layer_types or getattr(config, "full_attention_interval", None)) and not getattr(
+            config, "layers_block_type", None):
         found[LINEAR_ATTENTION] = "linear-attention layers"
     if any(getattr(config, name, None) for name in ("q_lora_rank", "kv_lora_rank")):
         found["unsupported:mla"] = "multi-head latent attention (MLA)"
     if model_type in _SINK_MODEL_TYPES or getattr(config, "attention_sink", None) or getattr(
             config, "use_attention_sinks", None):
-        found["unsupported:attention_sinks"] = "attention sinks"
+        found[ATTENTION_SINKS] = "attention sinks"
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         found["unsupported:hidden_act"] = f"hidden_act={act!r} (only SiLU-gated MLPs)"

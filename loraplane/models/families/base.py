@@ -96,7 +96,16 @@ PARTIAL_ROTARY = "partial_rotary"      # RoPE on a fraction of each head
 SHARED_EXPERTS = "shared_experts"      # an always-on expert beside the routed ones
 VISION_TOWER = "vision_tower"          # a vision-language checkpoint (the text decoder is trained; vision unused)
 # Features only a family that lists them may have: an unknown model_type asking for one is refused naming it.
-FAMILY_ONLY = frozenset({LINEAR_ATTENTION, GATED_ATTENTION, PARTIAL_ROTARY, SHARED_EXPERTS, VISION_TOWER})
+ATTENTION_SINKS = "attention_sinks"    # gpt-oss: a learned logit per head beside the keys in the softmax
+SLIDING_WINDOW = "sliding_window"      # some layers attend to a window of recent keys (gpt-oss alternates)
+ROPE_YARN = "rope_yarn"                # YaRN RoPE scaling (gpt-oss)
+EXPERT_BIAS = "expert_bias"            # gpt-oss: router and expert biases, interleaved gate/up, clamped SwiGLU
+MAMBA = "mamba"                        # Nemotron-H: Mamba-2 mixer layers
+RELU2_MLP = "relu2_mlp"                # Nemotron-H: non-gated relu^2 MLPs and experts
+SIGMOID_ROUTER = "sigmoid_router"      # Nemotron-H: sigmoid scores + correction bias, grouped top-k
+FAMILY_ONLY = frozenset({LINEAR_ATTENTION, GATED_ATTENTION, PARTIAL_ROTARY, SHARED_EXPERTS, VISION_TOWER,
+                         ATTENTION_SINKS, SLIDING_WINDOW, ROPE_YARN, EXPERT_BIAS, MAMBA, RELU2_MLP,
+                         SIGMOID_ROUTER})
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,9 @@ class ModelFamily:
     # Patches the HF model for packed rows (several datums end to end in one row), or None when attention
     # alone needs it (loraplane.models.packed).
     packing: Callable[[object], None] | None = None
+    # The attention implementation transformers runs for this family outside packed rows ("eager" where SDPA
+    # cannot compute it: gpt-oss's sinks).
+    attn_implementation: str = "sdpa"
 
     # -------------------------------------------------------------- layers and targets
 

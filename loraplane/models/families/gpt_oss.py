@@ -1,0 +1,191 @@
+"""gpt-oss (``gpt_oss``: openai/gpt-oss-20b, gpt-oss-120b).
+
+What differs from the Llama layout, all computed by transformers' own GptOss modules (the torch backend runs the HF
+model as it is):
+
+* attention sinks: a learned logit per head (``self_attn.sinks``) joins each query's softmax and is dropped after
+  it. HF refuses SDPA for them, so the model runs eager attention (:attr:`ModelFamily.attn_implementation`);
+* layers alternate a sliding window (``sliding_window`` keys, ``layer_types`` "sliding_attention") with full
+  attention; biases on q/k/v/o; YaRN RoPE;
+* routed experts top-k with a biased router (softmax over the top-k logits), stored transposed ``[E, in, out]``
+  with biases, gate and up *interleaved* in ``gate_up_proj`` ([g0, u0, g1, u1, ...]) and a clamped SwiGLU
+  ``(clamp(up) + 1) * g * sigmoid(1.702 g)``, ``g = clamp(gate, max=7)``;
+* released checkpoints keep the experts MXFP4-quantized (``*_blocks`` / ``*_scales``):
+  :mod:`loraplane.models.mxfp4` dequantizes them at load.
+
+LoRA targets: q/k/v/o and the experts (HF PEFT's ``target_parameters`` on ``mlp.experts.gate_up_proj`` /
+``down_proj``: A ``[r*E, in]``, B ``[out, r*E]``; on gpt-oss's transposed experts PEFT keeps in = hidden for
+gate_up, whose B rows are in the interleaved order). Tinker's checkpoints name the attention ``.attn``
+(the cookbook remaps it to ``.self_attn``); SGLang serves ``self_attn.qkv_proj|o_proj`` and ``mlp.experts``.
+
+Packed rows: :func:`enable_packing` routes attention through :func:`_packed_sink_attention`, which runs transformers'
+eager sink attention per datum with the datum's own causal (+ window) mask, so no datum sees another's keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplane.models.families._weights import COMMON_WEIGHTS
+from loraplane.models.families.base import (
+    ATTENTION_BIAS,
+    ATTENTION_SINKS,
+    ATTENTION_TARGETS,
+    EXPERT_BIAS,
+    EXPERT_TARGETS,
+    MOE,
+    ROPE_YARN,
+    SLIDING_WINDOW,
+    ModelFamily,
+)
+
+PACKED_SINK_ATTENTION = "loraplane_packed_sinks"
+
+_WEIGHTS = {
+    **COMMON_WEIGHTS,
+    "q_bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "v_bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "o_bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "sinks": "model.layers.{i}.self_attn.sinks",  # [heads]
+    "router": "model.layers.{i}.mlp.router.weight",  # [E, hidden]
+    "router_bias": "model.layers.{i}.mlp.router.bias",  # [E]
+    # [E, hidden, 2 ffn], columns interleaved gate/up (MXFP4 checkpoints: ..._blocks [E, 2 ffn, hidden/32, 16] and
+    # ..._scales [E, 2 ffn, hidden/32], i.e. [out, in] before the transpose)
+    "experts.gate_up_proj": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "experts.gate_up_proj_bias": "model.layers.{i}.mlp.experts.gate_up_proj_bias",  # [E, 2 ffn]
+    "experts.down_proj": "model.layers.{i}.mlp.experts.down_proj",  # [E, ffn, hidden]
+    "experts.down_proj_bias": "model.layers.{i}.mlp.experts.down_proj_bias",  # [E, hidden]
+}
+
+# SGLang 0.5.17's GptOssForCausalLM: LoRA on qkv_proj (stacked q/k/v), o_proj and the fused experts.
+_SGLANG = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+           "experts.gate_up_proj": "experts", "experts.down_proj": "experts"}
+
+# Tinker names gpt-oss's attention ``.attn`` in its adapter keys (the cookbook's weights remap it to
+# ``.self_attn``): Tinker key fragment -> ours.
+TINKER_RENAMES = {".attn.": ".self_attn."}
+
+_MEGATRON_LACKS = (
+    "attention sinks (a learned per-head softmax logit)",
+    "alternating sliding-window attention",
+    "YaRN RoPE",
+    "biased router and expert biases",
+    "interleaved gate/up experts with the clamped SwiGLU (alpha 1.702, limit 7)",
+)
+
+
+class GptOssFamily(ModelFamily):
+    def target_dims(self, block, target: str) -> tuple[int, int] | None:
+        if target not in EXPERT_TARGETS:
+            return super().target_dims(block, target)
+        experts = self.target_module(block, target)
+        if experts is None:
+            return None
+        # Transposed experts: gate_up_proj [E, hidden, 2 ffn], down_proj [E, ffn, hidden] (in, out per expert).
+        _, hidden, two_ffn = experts.gate_up_proj.shape
+        return (int(hidden), int(two_ffn)) if target == "experts.gate_up_proj" else (int(two_ffn) // 2,
+                                                                                  int(hidden))
+
+
+# ------------------------------------------------------------------------------------------------ packed rows
+
+def _datum_mask(length: int, window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
+    """transformers' eager mask for one sequence alone: 0 where key j is visible to query i (j <= i, and
+    j > i - window on a sliding layer), the dtype's minimum elsewhere."""
+    q = torch.arange(length, device=device)[:, None]
+    k = torch.arange(length, device=device)[None, :]
+    visible = k <= q
+    if window:
+        visible = visible & (k > q - window)
+    mask = torch.zeros((length, length), dtype=dtype, device=device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+
+def _packed_sink_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           sliding_window=None, **kwargs):
+    """gpt-oss's eager sink attention, per datum of a packed row (each with its own causal/window mask), or as
+    transformers runs it outside a packed scope."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from loraplane.models.packed import packed_lengths
+
+    lengths = packed_lengths()
+    if lengths is None:
+        return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+    outputs = []
+    start = 0
+    for length in lengths:
+        end = start + length
+        mask = _datum_mask(length, sliding_window, query.dtype, query.device)
+        out, _ = eager_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
+                                         value[:, :, start:end], mask, scaling=scaling, dropout=dropout)
+        outputs.append(out)
+        start = end
+    if start != query.shape[2]:
+        raise ValueError(f"packed lengths cover {start} tokens, the row has {query.shape[2]}")
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _packed_sink_mask(*args, **kwargs):
+    from transformers.masking_utils import eager_mask
+
+    from loraplane.models.packed import packed_lengths
+
+    if packed_lengths() is not None:
+        return None  # each datum gets its own mask in _packed_sink_attention
+    return eager_mask(*args, **kwargs)
+
+
+def enable_packing(model) -> None:
+    """Switches `model` to the packed-aware sink attention (eager attention outside packed rows)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if PACKED_SINK_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(PACKED_SINK_ATTENTION, _packed_sink_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SINK_ATTENTION, _packed_sink_mask)
+    model.config._attn_implementation = PACKED_SINK_ATTENTION
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and config is not model.config and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = PACKED_SINK_ATTENTION
+
+
+# ------------------------------------------------------------------------------------------------ tiny config
+
+def tiny_config(vocab_size: int):
+    """2 layers (sliding window 4, then full attention), GQA 4/2 heads of 16, 4 experts top-2 (sizes multiples of
+    4 for torch._grouped_mm), YaRN RoPE as released (scaled down)."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0},
+        router_aux_loss_coef=0.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=4, pad_token_id=0,
+        initializer_range=0.1)
+
+
+FAMILY = GptOssFamily(
+    model_type="gpt_oss",
+    description="gpt-oss (gpt-oss-20b, 120b): attention sinks, alternating 128-token sliding windows, q/k/v/o "
+                "biases, YaRN RoPE; routed experts top-4 with biases, interleaved gate/up, clamped SwiGLU; MXFP4 "
+                "expert weights in released checkpoints (dequantized at load)",
+    features=frozenset({ATTENTION_SINKS, SLIDING_WINDOW, ATTENTION_BIAS, ROPE_YARN, MOE, EXPERT_BIAS}),
+    hf_weights=_WEIGHTS,
+    lacks=("dense MLP layers", "shared experts"),
+    moe=True,
+    implied={ATTENTION_SINKS: "attention sinks", EXPERT_BIAS: "biased experts with interleaved gate/up and a "
+             "clamped SwiGLU"},
+    backend_lacks={"megatron": _MEGATRON_LACKS},
+    mixer_targets={"attention": ATTENTION_TARGETS},
+    mlp_targets={"moe": EXPERT_TARGETS},
+    sglang=_SGLANG,
+    tiny=tiny_config,
+    packing=enable_packing,
+    attn_implementation="eager",
+    notes="experts [E, in, out] (transformers' is_transposed); gate_up columns interleaved gate/up",
+)
