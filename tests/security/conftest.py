@@ -156,6 +156,14 @@ class Secured:
                 "trainer": sorted(a.SerializeToString(deterministic=True) for a in trainer.adapters),
                 "sampler": sorted((e.adapter, e.version, e.pinned) for e in loaded.adapters)}
 
+    def tenant_state(self, label: str) -> dict:
+        """What a tenant itself sees of its adapters: its registry listing (versions included) and its trainer
+        listing (with seq_ids), as its own key lists them."""
+        registry = self.registry_stub(label).ListAdapters(registry_pb2.ListAdaptersRequest(page_size=1000)).adapters
+        trainer = self.trainer_stub(label).ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000))
+        return {"registry": sorted((a.name, a.latest_version) for a in registry),
+                "trainer": sorted((a.name, a.last_seq_id, a.step) for a in trainer.adapters)}
+
     def close(self) -> None:
         for channel in self._channels.values():
             channel.close()

@@ -77,16 +77,46 @@ def openai_body(stream: bool, kind: str) -> Callable[[dict, Secured], Request]:
     return make
 
 
+def oai_body(stream: bool, kind: str) -> Callable[[dict, Secured], Request]:
+    """Tinker's OpenAI-compatible surface, with A's save_weights_for_sampler path as the model."""
+    def make(x, c):
+        body = {"model": x["ckpt_s"], "max_tokens": 2, "stream": stream}
+        if kind == "completions":
+            body["prompt"] = "hello"
+        else:
+            body["messages"] = [{"role": "user", "content": "hello"}]
+        return ("POST", f"/oai/api/v1/{'completions' if kind == 'completions' else 'chat/completions'}",
+                {"json": body})
+    return make
+
+
+def unload_fresh(x: dict, c: Secured) -> Request:
+    """The owner's unload_model, on a fresh model of A's session (A's seeded model serves the other cases)."""
+    created = c.ok("POST", "/api/v1/create_model", json={"session_id": x["session"], "model_seq_id": 60 + seq(c),
+                                                          "base_model": "tiny", "lora_config": {"rank": 4}})
+    c.future(created["request_id"])
+    return ("POST", "/api/v1/unload_model", {"json": {"model_id": created["model_id"]}})
+
+
+def no_sessions(c: Secured, body: dict) -> None:
+    assert c.a["session"] not in body["sessions"] and body["cursor"]["total_count"] == len(body["sessions"]), body
+
+
 def ckpt_parts(path: str) -> str:
     return path.split("/", 3)[3]  # tinker://<model>/<kind>/<name> -> <kind>/<name>
 
 
 def no_runs(c: Secured, body: dict) -> None:
-    assert body["training_runs"] == [] and body["cursor"]["total_count"] == 0, body
+    """B's own runs only (B has one model of its own), counted as B's."""
+    runs = body["training_runs"]
+    assert runs and not [r for r in runs if c.a["session"] in r["training_run_id"]], body
+    assert body["cursor"]["total_count"] == len(runs), body
 
 
 def no_checkpoints(c: Secured, body: dict) -> None:
-    assert body["checkpoints"] == [] and body["cursor"]["total_count"] == 0, body
+    ckpts = body["checkpoints"]
+    assert ckpts and not [k for k in ckpts if c.a["session"] in k["tinker_path"]], body
+    assert body["cursor"]["total_count"] == len(ckpts), body
 
 
 def no_a_models(c: Secured, body: dict) -> None:
@@ -105,6 +135,11 @@ CASES: dict[tuple[str, str], list[Case]] = {
     ("POST", "/api/v1/create_session"): [Case(post("/api/v1/create_session", lambda x, c: {"tags": []}), "own")],
     ("GET", "/api/v1/get_server_capabilities"): [
         Case(lambda x, c: ("GET", "/api/v1/get_server_capabilities", {}), "own")],
+    ("GET", "/api/v1/sessions"): [Case(lambda x, c: ("GET", "/api/v1/sessions", {}), "listing", check=no_sessions)],
+    ("GET", "/api/v1/sessions/{session_id}"): [
+        Case(lambda x, c: ("GET", f"/api/v1/sessions/{x['session']}", {}))],
+    ("POST", "/api/v1/unload_model"): [
+        Case(post("/api/v1/unload_model", lambda x, c: {"model_id": x["model"]}), owner=unload_fresh)],
     ("POST", "/api/v1/session_heartbeat"): [
         Case(post("/api/v1/session_heartbeat", lambda x, c: {"session_id": x["session"]}))],
     ("POST", "/api/v1/sessions/{session_id}/finish"): [
@@ -147,11 +182,21 @@ CASES: dict[tuple[str, str], list[Case]] = {
         Case(post("/api/v1/load_weights", lambda x, c: {
             "session_id": x["b_session"], "model_seq_id": 7, "path": x["ckpt_w"]}),
             owner=post("/api/v1/load_weights", lambda x, c: {
+                "session_id": x["session"], "model_seq_id": 50 + seq(c), "path": x["ckpt_w"]})),
+        # Issue 31 item 1: B's own checkpoint into a new model of A's session (it must not appear in A's
+        # namespace, nor in B's).
+        Case(post("/api/v1/load_weights", lambda x, c: {
+            "session_id": x["session"], "model_seq_id": 8, "path": x["b_ckpt_w"]}),
+            owner=post("/api/v1/load_weights", lambda x, c: {
                 "session_id": x["session"], "model_seq_id": 50 + seq(c), "path": x["ckpt_w"]}))],
     ("POST", "/api/v1/create_sampling_session"): [
         # Hijacking A's sampling session id (hole 2), and sampling A's weights from B's own session.
         Case(post("/api/v1/create_sampling_session", lambda x, c: {
             "session_id": x["session"], "sampling_session_seq_id": 0, "base_model": "tiny"}),
+            owner=post("/api/v1/create_sampling_session", lambda x, c: {
+                "session_id": x["session"], "sampling_session_seq_id": 50 + seq(c), "model_path": x["ckpt_s"]})),
+        Case(post("/api/v1/create_sampling_session", lambda x, c: {
+            "session_id": x["session"], "sampling_session_seq_id": 3, "model_path": x["b_ckpt_s"]}),
             owner=post("/api/v1/create_sampling_session", lambda x, c: {
                 "session_id": x["session"], "sampling_session_seq_id": 50 + seq(c), "model_path": x["ckpt_s"]})),
         Case(post("/api/v1/create_sampling_session", lambda x, c: {
@@ -197,6 +242,10 @@ CASES: dict[tuple[str, str], list[Case]] = {
     **{("POST", path): [Case(openai_body(stream, kind), status=403) for stream in (False, True)]
        for kind, path in (("completions", "/v1/completions"), ("chat", "/v1/chat/completions"),
                           ("messages", "/v1/messages"))},
+    ("GET", "/oai/api/v1/models"): [Case(lambda x, c: ("GET", "/oai/api/v1/models", {}), "listing",
+                                         check=no_a_models)],
+    **{("POST", path): [Case(oai_body(stream, kind)) for stream in (False, True)]
+       for kind, path in (("completions", "/oai/api/v1/completions"), ("chat", "/oai/api/v1/chat/completions"))},
     # FastAPI's own documentation routes: the same static schema for everyone.
     **{("GET", path): [Case(lambda x, c, path=path: ("GET", path, {}), "own")]
        for path in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")},
@@ -204,7 +253,7 @@ CASES: dict[tuple[str, str], list[Case]] = {
                                                                                "request_id": x["request"]}),
                                          "refused", 400)]
        for path in ("/cancel_future", "/retrieve_futures", "/join_sampling_session", "/create_custom_loss",
-                    "/auth/token", "/copy_weights", "/unload_model")},
+                    "/auth/token", "/copy_weights")},
 }
 
 
@@ -239,8 +288,16 @@ def test_every_route_has_a_case():
 
 @pytest.fixture(scope="module")
 def b_ids(secured: Secured) -> dict[str, str]:
-    """B's own Tinker session (B may name its own things; only A's must be out of reach)."""
-    return {"b_session": secured.ok("POST", "/api/v1/create_session", B, json={"tags": []})["session_id"]}
+    """B's own Tinker session, model and checkpoints (B may name its own things; only A's must be out of reach)."""
+    c = secured
+    session = c.ok("POST", "/api/v1/create_session", B, json={"tags": []})["session_id"]
+    created = c.ok("POST", "/api/v1/create_model", B, json={"session_id": session, "model_seq_id": 0,
+                                                            "base_model": "tiny", "lora_config": {"rank": 4}})
+    c.future(created["request_id"], B)
+    paths = [c.future(c.ok("POST", f"/api/v1/{route}", B, json={
+        "model_id": created["model_id"], "seq_id": n, "path": name})["request_id"], B)["path"]
+        for n, route, name in ((1, "save_weights", "b-own-w"), (2, "save_weights_for_sampler", "b-own-s"))]
+    return {"b_session": session, "b_ckpt_w": paths[0], "b_ckpt_s": paths[1]}
 
 
 def _send(c: Secured, label: str, request: Request):
@@ -256,7 +313,7 @@ def test_tenant_b_cannot_reach_tenant_a_through_the_gateway(secured: Secured, b_
     for case in CASES[route]:
         a_ids = {**c.a, **b_ids}
         gone = {**missing_like(c.a), **b_ids}
-        before = c.snapshot()
+        before, b_before = c.snapshot(), c.tenant_state(B)
         answers = []
         for ids in (a_ids, gone):
             reply, sent = _send(c, B, case.make(ids, c))
@@ -268,6 +325,8 @@ def test_tenant_b_cannot_reach_tenant_a_through_the_gateway(secured: Secured, b_
                 case.check(c, reply.json())
                 break
         assert c.snapshot() == before, f"{route}: B's request changed A's state"
+        if case.kind == "scoped":
+            assert c.tenant_state(B) == b_before, f"{route}: B's refused request created something in B's namespace"
         if case.kind in ("scoped", "refused"):
             (status, text), (gone_status, gone_text) = answers
             assert status == case.status, (route, status, text)
@@ -283,7 +342,8 @@ def test_tenant_b_cannot_reach_tenant_a_through_the_gateway(secured: Secured, b_
             assert reply.status_code == case.status, (route, reply.text)
         elif case.kind == "listing":
             owner = c.http(A, *case.make(a_ids, c)[:2]).text
-            assert any(s in owner for s in (a_ids["model"], a_ids["reg"])), ("the owner sees its own", owner)
+            assert any(s in owner for s in (a_ids["model"], a_ids["reg"], a_ids["session"])), (
+                "the owner sees its own", owner)
 
 
 def test_streaming_refusals_reach_the_official_clients_as_their_own_errors(secured: Secured):
@@ -323,9 +383,11 @@ def test_forged_ids_never_reach_another_tenants_records(secured: Secured, b_ids)
         assert reply.status_code == 404, (forged, reply.text)
         reply = c.http(B, "POST", "/api/v1/retrieve_future", json={"request_id": forged.replace(sid, c.a["request"])})
         assert reply.status_code == 404, (forged, reply.text)
+    own = c.ok("GET", "/api/v1/training_runs?limit=1000", B)["cursor"]["total_count"]
     for offset, limit in ((0, 1000), (1, 1), (10**6, 5)):
         body = c.ok("GET", f"/api/v1/training_runs?offset={offset}&limit={limit}", B)
-        assert body["training_runs"] == [] and body["cursor"]["total_count"] == 0, body
+        assert not [r for r in body["training_runs"] if sid in r["training_run_id"]], body
+        assert body["cursor"]["total_count"] == own, body
     assert c.ok("GET", "/api/v1/training_runs", A)["cursor"]["total_count"] >= 1
 
 
@@ -367,7 +429,7 @@ def test_recorded_sequences_are_the_tenants_own(secured: Secured, b_ids):
     sampled = np.frombuffer(sample.sequences[0].tokens, dtype="<i4").tolist()
     c.secrets |= {accepted["request_id"], a_sequence}
     # B's own model, in B's own session.
-    created = c.ok("POST", "/api/v1/create_model", B, json={"session_id": b_ids["b_session"], "model_seq_id": 0,
+    created = c.ok("POST", "/api/v1/create_model", B, json={"session_id": b_ids["b_session"], "model_seq_id": 1,
                                                             "base_model": "tiny", "lora_config": {"rank": 4}})
     c.future(created["request_id"], B)
     answers = []
