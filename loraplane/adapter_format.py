@@ -24,6 +24,7 @@ from safetensors.torch import load as st_load
 
 from loraplane.errors import DataLoss, InvalidArgument, clip
 from loraplane.expert_layout import fold_copies, shared_copies
+from loraplane.models.families import TARGETS
 from loraplane.lora import (
     EXPERT_TARGETS,
     PEFT_PREFIX,
@@ -355,7 +356,7 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
         raise InvalidArgument(f"{field}: layers {sorted(layers)} are not 0..{len(layers) - 1}", field=field)
     dense = [m for m in spec.target_modules if m not in EXPERT_TARGETS]
     for layer in layers:
-        for module in dense:
+        for module in _layer_targets(dense, pairs, layer, field):
             got = pairs.get((layer, module), {})
             if "A" not in got or "B" not in got:
                 raise InvalidArgument(f"{field}: layer {layer} {module} lacks lora_A or lora_B", field=field)
@@ -385,6 +386,26 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
     if spec.has_experts and not any(m in EXPERT_TARGETS for _, m in pairs):
         raise InvalidArgument(f"{field}: expert targets {[m for m in spec.target_modules if m in EXPERT_TARGETS]} "
                               "have no tensors", field=field)
+
+
+def _layer_targets(dense: list[str], pairs: Mapping[tuple[int, str], object], layer: int, field: str) -> list[str]:
+    """The spec's non-expert targets layer `layer` must hold. A model with one token mixer has every one in every
+    layer; a hybrid one (Qwen3.5) has its attention targets in the full-attention layers and its linear-attention
+    targets in the others: a layer holds all of one mixer's targets or none, and each target is somewhere."""
+    groups: dict[str, list[str]] = {}
+    for module in dense:
+        groups.setdefault(TARGETS[module].group, []).append(module)
+    mixers = [g for g in ("attention", "linear_attention") if g in groups]
+    if "linear_attention" not in groups:
+        return dense
+    held = [g for g in mixers if any((layer, m) in pairs for m in groups[g])]
+    if len(held) != 1:
+        raise InvalidArgument(f"{field}: layer {layer} holds {'both' if held else 'neither'} of the attention and "
+                              f"linear-attention targets {[m for g in mixers for m in groups[g]]}", field=field)
+    for module in dense:
+        if TARGETS[module].group in mixers and not any(m == module for _, m in pairs):
+            raise InvalidArgument(f"{field}: {module} is in target_modules but no layer has it", field=field)
+    return [m for m in dense if TARGETS[m].group not in mixers or TARGETS[m].group == held[0]]
 
 
 def _shared_keys(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> Iterator[tuple[str, str]]:
@@ -622,6 +643,7 @@ def materialize_peft_dir(blob: bytes, directory: str | Path) -> Path:
     config = peft_adapter_config(spec, base_name)
     config.pop("loraplane_seed", None)
     config.pop(EXPERT_LAYOUT_KEY, None)
+    params, config = fuse_split_projections(params, spec, config)
     tmp_weights = directory / ".adapter_model.safetensors.tmp"
     tmp_weights.write_bytes(_save(params, {FORMAT_KEY: "pt"}))
     tmp_weights.replace(directory / "adapter_model.safetensors")
@@ -629,6 +651,38 @@ def materialize_peft_dir(blob: bytes, directory: str | Path) -> Path:
     tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
     tmp_config.replace(directory / "adapter_config.json")
     return directory
+
+
+# Tinker's separate LoRA pairs on the Q, K and V rows of a Qwen3.5 linear-attention layer's fused in_proj_qkv.
+SPLIT_QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
+FUSED_QKV = "in_proj_qkv"
+
+
+def fuse_split_projections(params: Mapping[str, torch.Tensor], spec: LoraSpec, config: dict
+                           ) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapter as HF PEFT loads it onto the model's own modules: the in_proj_q/k/v pairs of each layer become
+    one pair on in_proj_qkv of rank 3r, A = [A_q; A_k; A_v] and B block-diagonal (B_q, B_k, B_v), with alpha 3
+    alpha (rank_pattern / alpha_pattern) so the scale stays alpha / r: B A x is exactly [B_q A_q x; B_k A_k x;
+    B_v A_v x], the three deltas on their own rows. Other adapters: as they are."""
+    if not any(t in spec.target_modules for t in SPLIT_QKV):
+        return dict(params), config
+    if not all(t in spec.target_modules for t in SPLIT_QKV):
+        raise InvalidArgument(f"an HF PEFT export of {[t for t in SPLIT_QKV if t in spec.target_modules]} needs "
+                              f"all of {list(SPLIT_QKV)}: PEFT has one LoRA on the fused {FUSED_QKV}",
+                              field="lora_config.target_modules")
+    out = {k: v for k, v in params.items() if parse_peft_key(k)[1] not in SPLIT_QKV}
+    layers = sorted({parse_peft_key(k)[0] for k in params if parse_peft_key(k)[1] in SPLIT_QKV})
+    for layer in layers:
+        a = [params[peft_key(layer, t, "A")] for t in SPLIT_QKV]
+        b = [params[peft_key(layer, t, "B")] for t in SPLIT_QKV]
+        prefix = peft_key(layer, "in_proj_q", "A").rsplit(".in_proj_q.", 1)[0]
+        out[f"{prefix}.{FUSED_QKV}.lora_A.weight"] = torch.cat([t.detach() for t in a])
+        out[f"{prefix}.{FUSED_QKV}.lora_B.weight"] = torch.block_diag(*[t.detach() for t in b])
+    config = dict(config)
+    config["target_modules"] = [t for t in config["target_modules"] if t not in SPLIT_QKV] + [FUSED_QKV]
+    config["rank_pattern"] = {**(config.get("rank_pattern") or {}), FUSED_QKV: 3 * spec.rank}
+    config["alpha_pattern"] = {**(config.get("alpha_pattern") or {}), FUSED_QKV: 3 * spec.effective_alpha}
+    return out, config
 
 
 @dataclass

@@ -113,14 +113,17 @@ def _packed_forward(module, hidden_states, cache=None, attention_mask=None, **kw
     z = module.in_proj_z(hidden_states)
     b = module.in_proj_b(hidden_states)
     a = module.in_proj_a(hidden_states)
-    beta = b.sigmoid()
-    g = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
     weight = module.conv1d.weight.squeeze(1)
     outputs = []
     start = 0
     for length in lengths:
         end = start + length
         # Each datum's tensors laid out alike whatever else is in the row, so its kernels run identically.
+        # Elementwise transcendental ops too: a vectorised kernel treats a tensor's tail elements apart, so the
+        # same value could round differently at another position of a longer row.
+        beta = b[:, start:end].contiguous().sigmoid()
+        g = -module.A_log.float().exp() * torch.nn.functional.softplus(
+            a[:, start:end].float().contiguous() + module.dt_bias)
         x = mixed_qkv[:, start:end].transpose(1, 2).contiguous()
         x = modeling.causal_conv1d_fn(x, weight, module.conv1d.bias, activation=module.activation)
         x = x.transpose(1, 2)
@@ -129,15 +132,17 @@ def _packed_forward(module, hidden_states, cache=None, attention_mask=None, **kw
             query.reshape(batch, length, -1, module.head_k_dim).contiguous(),
             key.reshape(batch, length, -1, module.head_k_dim).contiguous(),
             value.reshape(batch, length, -1, module.head_v_dim).contiguous(),
-            g=g[:, start:end].contiguous(), beta=beta[:, start:end].contiguous(), initial_state=None,
+            g=g, beta=beta, initial_state=None,
             output_final_state=False, use_qk_l2norm_in_kernel=True)
-        outputs.append(out)
+        # The gated norm too, on the datum's own rows: its reduction over a head's few values is not row-for-row
+        # the same for every row count.
+        gate = z[:, start:end].reshape(-1, module.head_v_dim).contiguous()
+        outputs.append(module.norm(out.reshape(-1, module.head_v_dim), gate).reshape(batch, length, -1))
         start = end
     if start != seq_len:
         raise ValueError(f"packed lengths cover {start} tokens, the row has {seq_len}")
     core = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(batch, seq_len, -1))
+    return module.out_proj(core)
 
 
 def enable_packing(model) -> None:
@@ -152,10 +157,10 @@ def enable_packing(model) -> None:
 
 def _tiny_text(vocab_size: int, **extra) -> dict:
     # Two linear-attention layers then a full-attention one, twice (full_attention_interval 3 instead of 4 keeps
-    # it small); GQA 4/2; linear Q/K heads (2 x 8) narrower than V (4 x 12): unequal Q/K/V widths.
+    # it small); GQA 4/2; linear Q/K heads (2 x 8) narrower than V (4 x 16): unequal Q/K/V widths.
     return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
-                linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                 max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
                 layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,

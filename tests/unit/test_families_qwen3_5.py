@@ -1,0 +1,179 @@
+"""Qwen3.5 dense and MoE (tiny random vision-language checkpoints made by transformers' own classes) on the torch
+backend's building blocks: loaded text-only from the VL checkpoint, LoRA on every projection of both layer kinds
+(Tinker's split in_proj_q/k/v on the fused in_proj_qkv), datums of a packed row kept apart in the linear-attention
+layers, the HF PEFT export giving the trainer's logits, and megatron refusing it before any weight is read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter
+from loraplane.errors import FailedPrecondition
+from loraplane.lora import AdapterTensors, LoraSpec, init_lora_params, lora_segments
+from loraplane.models import families, load_base_model
+from loraplane.models.packed import packed_position_ids, packed_sequences
+from tests.fixtures.models import build_checkpoint
+from trainer_svc.backends.torch_backend import TorchBackend
+
+FAMILY_TYPES = ["qwen3_5", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module", params=FAMILY_TYPES)
+def checkpoint(request, tmp_path_factory):
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def backend(checkpoint):
+    return TorchBackend(str(checkpoint))
+
+
+def trained_like(base, spec, seed):
+    params = init_lora_params(base, spec)
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in params.values():
+        tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    return params
+
+
+def packed_logits(backend, rows, adapter, others=(), other=None):
+    """Logits of datums laid end to end in one packed row (the trainer's layout), each datum's own; `others`: more
+    datums after them, of adapter `other` (another tenant sharing the batch)."""
+    model = backend.base.model
+    everything = [*rows, *others]
+    lengths = [len(r) for r in everything]
+    ids = torch.tensor([t for r in everything for t in r]).unsqueeze(0)
+    segments, cursor = [], 0
+    for index, length in enumerate(lengths):
+        segments.append((cursor, cursor + length, adapter if index < len(rows) else other))
+        cursor += length
+    with torch.no_grad(), packed_sequences(lengths), lora_segments(model, segments):
+        hidden = model.model(input_ids=ids, position_ids=packed_position_ids(lengths), use_cache=False)
+        logits = model.lm_head(hidden.last_hidden_state[0])
+    out, cursor = [], 0
+    for length in lengths[:len(rows)]:
+        out.append(logits[cursor:cursor + length])
+        cursor += length
+    return out
+
+
+def test_loaded_text_only_from_the_vision_language_checkpoint(checkpoint, backend):
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(k.startswith("model.language_model.layers.") for k in keys)
+    assert any(k.startswith("model.visual.") for k in keys)
+    base = backend.base
+    assert base.family.checkpoint_prefix == "model.language_model."
+    assert not any("visual" in n for n, _ in base.model.named_parameters())
+    kinds = families.mixer_kinds(base.config)
+    assert kinds == ["linear_attention", "linear_attention", "attention"] * 2
+    assert base.layer_targets(0)[:7] == families.LINEAR_ATTENTION_TARGETS
+    assert base.layer_targets(2)[:4] == families.ATTENTION_TARGETS
+    # Tinker's split in_proj_q/k/v: their widths are the Q, K and V rows of the fused in_proj_qkv (unequal).
+    assert base.module_dims["in_proj_q"] == (64, 16) and base.module_dims["in_proj_v"] == (64, 64)
+    assert base.module_dims["q_proj"] == (64, 128)  # query and output gate
+    if base.family.moe:
+        assert base.layer_targets(0)[-5:] == families.SHARED_EXPERT_TARGETS + families.EXPERT_TARGETS
+
+
+def test_every_target_moves_the_logits_and_a_datum_is_the_same_packed_or_alone(backend):
+    base = backend.base
+    spec = LoraSpec.create(4, 8, [], seed=3, available=tuple(base.module_dims))
+    assert set(spec.target_modules) == set(base.module_dims)
+    params = trained_like(base, spec, 1)
+    adapter = AdapterTensors.from_params(params, spec)
+    rng = torch.Generator().manual_seed(0)
+    rows = [torch.randint(5, 250, (n,), generator=rng).tolist() for n in (19, 7, 12)]
+    # A tenant's datums give the same logits, bit for bit, whether or not another tenant's datums follow them in
+    # the packed row (what makes interleaved training equal training alone).
+    alone = packed_logits(backend, rows, adapter)
+    other = AdapterTensors.from_params(trained_like(base, spec, 9), spec)
+    fused = packed_logits(backend, rows, adapter, [[11] * 9, [13] * 14], other)
+    for mine, theirs in zip(alone, fused):
+        if base.family.moe:
+            # Not yet bit for bit: transformers' MoE block takes the shared expert's sigmoid gate over the whole
+            # row, whose vectorised tail rounds by position (left for the MoE block's own packed forward).
+            assert torch.allclose(mine, theirs, atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(mine, theirs)
+    # And it is what transformers computes for the datum alone (no packing, no adapter leak across datums).
+    with torch.no_grad():
+        plain = packed_logits(backend, [rows[1]], None)[0]
+        reference = base.model(input_ids=torch.tensor([rows[1]])).logits[0]
+    assert torch.allclose(plain, reference, atol=1e-4, rtol=0)
+    # Each target on its own changes the logits: its hook finds its module (and its rows of a fused one).
+    for target in spec.target_modules:
+        only = {k: v for k, v in params.items() if f".{families.TARGETS[target].key_path}.lora_" in k}
+        one = AdapterTensors.from_params(only, spec)
+        moved = packed_logits(backend, [rows[0]], one)[0]
+        assert not torch.allclose(moved, packed_logits(backend, [rows[0]], None)[0], atol=1e-6), target
+
+
+def test_the_packed_row_resets_the_linear_attention_state_at_each_datum(backend):
+    # Without the reset, the second datum would continue the first one's conv1d and delta-rule state.
+    rows = [[7] * 10, [9] * 10]
+    model = backend.base.model
+    ids = torch.tensor([rows[0] + rows[1]])
+    lengths = [10, 10]
+    from loraplane.models.families.qwen3_5 import _packed_forward
+
+    gdn = model.model.layers[0].linear_attn
+    assert gdn.forward.__func__ is _packed_forward
+    with torch.no_grad(), packed_sequences(lengths):
+        packed = model.model(input_ids=ids, position_ids=packed_position_ids(lengths),
+                             use_cache=False).last_hidden_state[0, 10:]
+    with torch.no_grad():
+        alone = model.model(input_ids=torch.tensor([rows[1]])).last_hidden_state[0]
+        leaked = model.model(input_ids=ids).last_hidden_state[0, 10:]  # no packing scope: one sequence
+    assert torch.allclose(packed, alone, atol=1e-4)
+    assert not torch.allclose(leaked, alone, atol=1e-2)
+
+
+def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, backend, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    base = backend.base
+    spec = LoraSpec.create(4, 8, [], seed=5, available=tuple(base.module_dims))
+    params = trained_like(base, spec, 2)
+    blob = serialize_adapter(params, spec, str(checkpoint))
+    parsed, parsed_spec, _ = parse_adapter(blob)
+    assert parsed_spec == spec and all(torch.equal(parsed[k], params[k]) for k in params)
+    directory = materialize_peft_dir(blob, tmp_path / "peft")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    assert "in_proj_qkv" in config["target_modules"] and "in_proj_q" not in config["target_modules"]
+    assert config["rank_pattern"] == {"in_proj_qkv": 12}
+    rng = torch.Generator().manual_seed(1)
+    row = torch.randint(5, 250, (21,), generator=rng).tolist()
+    ours = packed_logits(backend, [row], AdapterTensors.from_params(params, spec))[0]
+    fresh = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(fresh, str(directory)).eval()
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor([row])).logits[0]
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), float((ours - theirs).abs().max())
+    without = packed_logits(backend, [row], None)[0]
+    assert not torch.allclose(ours, without, atol=1e-3)
+
+
+def test_megatron_refuses_qwen3_5_before_reading_a_weight(checkpoint):
+    # A weights file no loader could read: the refusal must come from config.json alone.
+    (checkpoint.parent / "broken").mkdir(exist_ok=True)
+    broken = checkpoint.parent / "broken"
+    for item in checkpoint.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(FailedPrecondition) as info:
+        load_base_model(str(broken), backend="megatron")
+    message = info.value.message
+    assert info.value.reason == "UNSUPPORTED_MODEL"
+    assert "Gated DeltaNet" in message and "gated full attention" in message
+    if "moe" in checkpoint.name:
+        assert "shared expert" in message
+    with pytest.raises(Exception) as torch_side:  # the torch backend accepts the config and then reads weights
+        load_base_model(str(broken))
+    assert not isinstance(torch_side.value, FailedPrecondition)
