@@ -153,7 +153,7 @@ class MegatronBackend(TrainerBackend):
 
             # The HF model only feeds the weight conversion (and the tokenizer/description); keep it on the host.
             base = base_model if isinstance(base_model, BaseModel) else load_base_model(
-                base_model, device="cpu", dtype=torch.float32)
+                base_model, device="cpu", dtype=torch.float32, backend="megatron")
             if expert_parallel_size is None:
                 world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
                 expert_parallel_size = planned_expert_parallel(
