@@ -17,6 +17,7 @@ Prefill runs alone (one request, its true length), so prompt logprobs are batch-
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import logging
 import math
@@ -81,6 +82,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     last_token: int = 0
     finish_reason: str | None = None
+    # transformers' own cache of this row, for families the engine decodes through the HF forward (hf_decode).
+    cache: object | None = None
 
 
 class TorchEngine(Engine):
@@ -271,7 +274,11 @@ class TorchEngine(Engine):
     def _admit(self, state: _Request) -> None:
         request = state.request
         prompt = list(request.prompt_tokens)
-        logits, keys, values = self._prefill(prompt, state.adapter, all_logits=request.wants_prompt_scores)
+        if self._require_base().family.hf_decode:
+            logits, cache = self._hf_prefill(prompt, state.adapter, all_logits=request.wants_prompt_scores)
+            keys = values = None
+        else:
+            logits, keys, values = self._prefill(prompt, state.adapter, all_logits=request.wants_prompt_scores)
         if request.wants_prompt_scores:
             start = request.first_scored_position
             update = GenerationUpdate(sequence_index=0)
@@ -283,6 +290,16 @@ class TorchEngine(Engine):
         capacity = len(prompt) + request.options.max_tokens
         last_logits = logits[-1]
         for sample_index in range(request.num_samples):
+            if keys is None:
+                row = _Row(owner=state, sample_index=sample_index,
+                           generator=_row_generator(request.options.seed, sample_index), keys=None, values=None,
+                           length=len(prompt),
+                           cache=cache if sample_index == request.num_samples - 1 else copy.deepcopy(cache))
+                self._append_token(row, last_logits)
+                self._flush(row)
+                if row.finish_reason is None:
+                    self._rows.append(row)
+                continue
             row_keys = keys.new_empty((keys.shape[0], keys.shape[1], capacity, keys.shape[3]))
             row_values = values.new_empty(row_keys.shape)
             row_keys[:, :, : len(prompt)] = keys
@@ -300,6 +317,8 @@ class TorchEngine(Engine):
         all_logits) and its KV cache [layers, kv_heads, T, head_dim]. Skipping the vocabulary projection of the
         prompt positions saves a fifth of a SmolLM2 prefill when no prompt logprobs are wanted."""
         base = self._require_base()
+        if base.family.hf_decode:
+            return self._hf_prefill(tokens, adapter, all_logits=all_logits)[0], None, None
         model = base.model
         ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
         positions = torch.arange(len(tokens), device=self._device)[None]
@@ -331,8 +350,39 @@ class TorchEngine(Engine):
         self._decode_step_inner()
         self.decode_seconds += time.perf_counter() - started
 
+    def _hf_prefill(self, tokens: list[int], adapter: AdapterTensors | None, *, all_logits: bool = True):
+        """transformers' own forward of one sequence (its attention as the family runs it: gpt-oss's sinks and
+        windows): logits [T, V] (or the last position's, [1, V]) and the model's cache."""
+        model = self._require_base().model
+        ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
+        with lora_routing(model, [adapter]):
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        return out.logits[0].float(), out.past_key_values
+
+    def _hf_decode_step(self) -> None:
+        """One token for every row, each through transformers' forward alone with its own cache (a row's result
+        cannot depend on its neighbours)."""
+        model = self._require_base().model
+        rows = list(self._rows)
+        for row in rows:
+            ids = torch.tensor([[row.last_token]], dtype=torch.long, device=self._device)
+            positions = torch.tensor([[row.length]], dtype=torch.long, device=self._device)
+            with lora_routing(model, [row.owner.adapter]):
+                out = model(input_ids=ids, position_ids=positions, cache=row.cache, use_cache=True)
+            row.cache = out.past_key_values
+            row.length += 1
+            if not row.owner.cancelled:
+                self._append_token(row, out.logits[0, -1].float())
+                self._flush(row)
+        self.decode_steps += 1
+        self.decode_tokens += len(rows)
+        self._rows = [row for row in rows if row.finish_reason is None and not row.owner.cancelled]
+
     def _decode_step_inner(self) -> None:
         base = self._require_base()
+        if base.family.hf_decode:
+            self._hf_decode_step()
+            return
         model = base.model
         # Rows of one adapter side by side (row order changes no row's result: every op is per row or a
         # fixed-shape matmul); base-model rows first.

@@ -146,6 +146,9 @@ class ModelFamily:
     # The attention implementation transformers runs for this family outside packed rows ("eager" where SDPA
     # cannot compute it: gpt-oss's sinks).
     attn_implementation: str = "sdpa"
+    # The sampler's torch engine runs transformers' own forward with its cache, one row at a time, instead of its
+    # own Llama-layout decode loop (which computes neither sinks, windows nor recurrent mixer state).
+    hf_decode: bool = False
 
     # -------------------------------------------------------------- layers and targets
 

@@ -187,5 +187,6 @@ FAMILY = GptOssFamily(
     tiny=tiny_config,
     packing=enable_packing,
     attn_implementation="eager",
+    hf_decode=True,
     notes="experts [E, in, out] (transformers' is_transposed); gate_up columns interleaved gate/up",
 )
