@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fused_expert_lora
 from .kernels import aligned, grouped_mm_supported, segment_mm, segment_outer, sum_copies
 from .layout import LlamaShape, expert_factor_shared
 from .routing import LoraClass, RowSegment, current
@@ -190,6 +191,22 @@ class ExpertBatch:
             return mid
         segment_mm(mid, self.stack(target, "B", position), offs, counts, acc=out)  # casts into out's dtype
         return mid
+
+    def fusable(self, target: str, route, x: torch.Tensor, tokens: ExpertTokens | None) -> bool:
+        """Whether :meth:`fused_gemm` runs this target's expert GEMM with its LoRA (``LORAPLANE_MOE_FUSED_LORA=1``
+        on CUDA in bf16, the grouped path, no factor on the token rows)."""
+        return (fused_expert_lora.enabled(x) and route.counts is None and self._counts(route) is None
+                and not self.token_shared(target, "A", tokens) and not self.token_shared(target, "B", tokens))
+
+    def fused_gemm(self, target: str, position: int, route, x: torch.Tensor, weight: torch.Tensor,
+                   tok: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base expert GEMM of ``weight [E, out, in]`` over the rows ``x[tok]`` (``tok`` None: ``x``'s rows)
+        with the LoRA delta added, and the mid, as one fused kernel (:mod:`.fused_expert_lora`): what
+        :func:`.kernels.segment_mm` followed by :meth:`forward` compute, rounded once instead of twice."""
+        self.lora.gemms["expert_lora_fused"] = self.lora.gemms.get("expert_lora_fused", 0) + 1
+        return fused_expert_lora.fused_forward(x, weight, self.stack(target, "A", position),
+                                               self.stack(target, "B", position), route.slot_offs,
+                                               self.lora.slots + 1, tok)
 
     def combine(self, target: str, position: int, mid: torch.Tensor, tokens: ExpertTokens, y: torch.Tensor) -> None:
         """After the sum of each token's k rows into ``y [T, out]``: the shared B's delta ``scale_j B_j (sum_k

@@ -153,17 +153,25 @@ class _ExpertMLP(torch.autograd.Function):
         experts, route, lora = plan.experts, plan.route, plan.lora
         local = plan.tok is not None
         tokens = _tokens(x, probs, plan)
-        xs = x.index_select(0, plan.tok) if local else x
         p = (probs.reshape(-1)[plan.order] if local else probs).to(x.dtype)
-        h = segment_mm(xs, experts.weight1.transpose(1, 2), route.offs, route.counts)
         mid1 = mid2 = None
-        if lora is not None:
-            mid1 = lora.forward("experts.gate_up_proj", plan.position, route, xs, h, tokens)
-        del xs
+        if lora is not None and lora.fusable("experts.gate_up_proj", route, x, tokens):
+            # The token gather and the LoRA in the grouped GEMM's kernel (issue 35; off unless asked for).
+            h, mid1 = lora.fused_gemm("experts.gate_up_proj", plan.position, route, x, experts.weight1,
+                                      plan.tok if local else None)
+        else:
+            xs = x.index_select(0, plan.tok) if local else x
+            h = segment_mm(xs, experts.weight1.transpose(1, 2), route.offs, route.counts)
+            if lora is not None:
+                mid1 = lora.forward("experts.gate_up_proj", plan.position, route, xs, h, tokens)
+            del xs
         pa = _Fused.forward(h, p.unsqueeze(-1))
-        out = segment_mm(pa, experts.weight2.transpose(1, 2), route.offs, route.counts)
-        if lora is not None:
-            mid2 = lora.forward("experts.down_proj", plan.position, route, pa, out, tokens)
+        if lora is not None and lora.fusable("experts.down_proj", route, pa, tokens):
+            out, mid2 = lora.fused_gemm("experts.down_proj", plan.position, route, pa, experts.weight2, None)
+        else:
+            out = segment_mm(pa, experts.weight2.transpose(1, 2), route.offs, route.counts)
+            if lora is not None:
+                mid2 = lora.forward("experts.down_proj", plan.position, route, pa, out, tokens)
         del pa
         ctx.save_for_backward(x, probs, h, mid1, mid2)
         ctx.plan = plan
