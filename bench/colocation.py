@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, print_table, write_results  # noqa: E402
-from loraplane.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
-from loraplane.config import Settings  # noqa: E402
-from loraplane.threads import THREADS_ENV, host_cores  # noqa: E402
-from loraplane_cli.local_cluster import start_cluster, stop_cluster  # noqa: E402
+from bench.common import environment, print_table, write_results
+from loraplane.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from loraplane.config import Settings
+from loraplane.threads import THREADS_ENV, host_cores
+from loraplane_cli.local_cluster import start_cluster, stop_cluster
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 

@@ -44,7 +44,7 @@ def build_model(shape: str, directory: Path, device: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    from bench.trainer_vs_peft import SHAPES
+    from bench.harness import SHAPES
     from loraplane.models.tiny import build_tiny_tokenizer
 
     if not (directory / "config.json").is_file():

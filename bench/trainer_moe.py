@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.common import environment
-from bench.trainer_vs_peft import (
+from bench.harness import (
     PEAK_BF16_FLOPS,
     Contender,
     DirectDriver,

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.distributed as dist
 
-from bench.trainer_vs_peft import PEAK_BF16_FLOPS, SHAPES, TARGETS
+from bench.harness import PEAK_BF16_FLOPS, SHAPES, TARGETS
 
 SHAPES = {
     **SHAPES,
@@ -102,7 +102,7 @@ def profile_step(step, path: Path, cuda: bool) -> None:
     wall) and the top kernels, the evidence for a missed MFU target."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.trainer_vs_peft import kernel_breakdown
+    from bench.harness import kernel_breakdown
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         began = time.perf_counter()
