@@ -66,3 +66,14 @@ def test_the_cpu_never_takes_the_fused_kernel(monkeypatch):
     assert not fused_expert_lora.enabled(x)
     monkeypatch.setenv(fused_expert_lora.FLAG, "1")
     assert not fused_expert_lora.enabled(x)  # the CPU keeps the bit-exact unfused path
+
+
+def test_a_kernel_that_fails_here_hands_over_to_the_unfused_path_for_good(monkeypatch):
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("no such PTX target")
+
+    monkeypatch.setattr(fused_expert_lora, "fused_forward", refuse)
+    monkeypatch.setattr(fused_expert_lora, "_TRITON", [object()])  # as if Triton had built the kernel
+    assert fused_expert_lora._kernel() is not None
+    assert fused_expert_lora.fused_forward_or_none() is None
+    assert fused_expert_lora._kernel() is None  # so enabled() says no from now on

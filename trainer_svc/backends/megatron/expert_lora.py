@@ -199,14 +199,17 @@ class ExpertBatch:
                 and not self.token_shared(target, "A", tokens) and not self.token_shared(target, "B", tokens))
 
     def fused_gemm(self, target: str, position: int, route, x: torch.Tensor, weight: torch.Tensor,
-                   tok: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   tok: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The base expert GEMM of ``weight [E, out, in]`` over the rows ``x[tok]`` (``tok`` None: ``x``'s rows)
         with the LoRA delta added, and the mid, as one fused kernel (:mod:`.fused_expert_lora`): what
-        :func:`.kernels.segment_mm` followed by :meth:`forward` compute, rounded once instead of twice."""
-        self.lora.gemms["expert_lora_fused"] = self.lora.gemms.get("expert_lora_fused", 0) + 1
-        return fused_expert_lora.fused_forward(x, weight, self.stack(target, "A", position),
-                                               self.stack(target, "B", position), route.slot_offs,
-                                               self.lora.slots + 1, tok)
+        :func:`.kernels.segment_mm` followed by :meth:`forward` compute, rounded once instead of twice. None where
+        the kernel does not run here (it failed to compile: the unfused path then does, from now on)."""
+        out = fused_expert_lora.fused_forward_or_none(x, weight, self.stack(target, "A", position),
+                                                      self.stack(target, "B", position), route.slot_offs,
+                                                      self.lora.slots + 1, tok)
+        if out is not None:
+            self.lora.gemms["expert_lora_fused"] = self.lora.gemms.get("expert_lora_fused", 0) + 1
+        return out
 
     def combine(self, target: str, position: int, mid: torch.Tensor, tokens: ExpertTokens, y: torch.Tensor) -> None:
         """After the sum of each token's k rows into ``y [T, out]``: the shared B's delta ``scale_j B_j (sum_k

@@ -34,6 +34,20 @@ def enabled(x: torch.Tensor) -> bool:
     return _kernel() is not None
 
 
+def fused_forward_or_none(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`fused_forward`, or None (and never again in this process, with one warning) if the kernel fails to
+    compile or launch here: the caller runs the unfused path, which computes the same."""
+    try:
+        return fused_forward(*args, **kwargs)
+    except Exception:  # a compiler or driver refusal: the unfused path computes the same
+        import logging
+
+        logging.getLogger(__name__).warning("the fused expert-LoRA kernel failed; using the unfused path",
+                                            exc_info=True)
+        _TRITON[:] = [None]
+        return None
+
+
 def reference_forward(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                       slots: int, tok: torch.Tensor | None = None,
                       probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,10 +155,13 @@ class _ExpertMLP(torch.autograd.Function):
         tokens = _tokens(x, probs, plan)
         p = (probs.reshape(-1)[plan.order] if local else probs).to(x.dtype)
         mid1 = mid2 = None
+        # The token gather and the LoRA inside the grouped GEMM's kernel (issue 35; off unless asked for).
+        fused = None
         if lora is not None and lora.fusable("experts.gate_up_proj", route, x, tokens):
-            # The token gather and the LoRA in the grouped GEMM's kernel (issue 35; off unless asked for).
-            h, mid1 = lora.fused_gemm("experts.gate_up_proj", plan.position, route, x, experts.weight1,
-                                      plan.tok if local else None)
+            fused = lora.fused_gemm("experts.gate_up_proj", plan.position, route, x, experts.weight1,
+                                    plan.tok if local else None)
+        if fused is not None:
+            h, mid1 = fused
         else:
             xs = x.index_select(0, plan.tok) if local else x
             h = segment_mm(xs, experts.weight1.transpose(1, 2), route.offs, route.counts)
@@ -166,8 +169,11 @@ class _ExpertMLP(torch.autograd.Function):
                 mid1 = lora.forward("experts.gate_up_proj", plan.position, route, xs, h, tokens)
             del xs
         pa = _Fused.forward(h, p.unsqueeze(-1))
+        fused = None
         if lora is not None and lora.fusable("experts.down_proj", route, pa, tokens):
-            out, mid2 = lora.fused_gemm("experts.down_proj", plan.position, route, pa, experts.weight2, None)
+            fused = lora.fused_gemm("experts.down_proj", plan.position, route, pa, experts.weight2, None)
+        if fused is not None:
+            out, mid2 = fused
         else:
             out = segment_mm(pa, experts.weight2.transpose(1, 2), route.offs, route.counts)
             if lora is not None:
