@@ -39,7 +39,7 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     low = lut[(blocks & 0x0F).long()]
     high = lut[(blocks >> 4).long()]
     values = torch.stack((low, high), dim=-1).reshape(*blocks.shape[:-1], BLOCK_SIZE)
-    values = torch.ldexp(values, scales.to(torch.int32) - 127)
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1))
     return values.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK_SIZE).to(dtype)
 
 
