@@ -68,29 +68,6 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
     Console(width=width).print(table)
 
 
-def fresh_adapter_state(base, name: str, rank: int):
-    """A new adapter (alpha = 2 × rank, seed from the name) as the trainer's pool holds it."""
-    from loraplane.lora import LoraSpec, init_lora_params
-    from trainer_svc.pool import AdapterState
-
-    spec = LoraSpec.create(rank, 2.0 * rank, [], seed=sum(name.encode()))
-    return AdapterState(name=name, spec=spec, base_model=base.name, params=init_lora_params(base, spec),
-                        exp_avg={}, exp_avg_sq={})
-
-
-def random_datums(vocab_size: int, count: int, seq_len: int, generator) -> list:
-    """``count`` next-token datums of ``seq_len`` random tokens."""
-    import torch
-
-    from trainer_svc.backends.base import DatumInput
-
-    out = []
-    for _ in range(count):
-        toks = torch.randint(0, vocab_size, (seq_len + 1,), generator=generator)
-        out.append(DatumInput(toks[:-1].clone(), toks[1:].clone()))
-    return out
-
-
 def random_adapter_blob(base, seed: int, rank: int = 16, dtype: str = "float32") -> bytes:
     """A PEFT blob of a rank-`rank` adapter on every projection whose B is small and random (not zero), so that it
     changes the model's output and costs the same as a trained one."""

@@ -363,3 +363,29 @@ def kernel_breakdown(events, wall_s: float) -> str:
     lines += [f"  {family:<12} {spent * 1e3:9.1f} ms  {100 * spent / busy:5.1f}%"
               for family, spent in sorted(totals.items(), key=lambda item: -item[1])]
     return "\n".join(lines)
+
+
+# -- adapter states and datums for the benchmarks that drive a backend directly ------------------------------------
+
+
+def fresh_adapter_state(base, name: str, rank: int):
+    """A new adapter (alpha = 2 × rank, seed from the name) as the trainer's pool holds it."""
+    from loraplane.lora import LoraSpec, init_lora_params
+    from trainer_svc.pool import AdapterState
+
+    spec = LoraSpec.create(rank, 2.0 * rank, [], seed=sum(name.encode()))
+    return AdapterState(name=name, spec=spec, base_model=base.name, params=init_lora_params(base, spec),
+                        exp_avg={}, exp_avg_sq={})
+
+
+def random_datums(vocab_size: int, count: int, seq_len: int, generator) -> list:
+    """``count`` next-token datums of ``seq_len`` random tokens."""
+    import torch
+
+    from trainer_svc.backends.base import DatumInput
+
+    out = []
+    for _ in range(count):
+        toks = torch.randint(0, vocab_size, (seq_len + 1,), generator=generator)
+        out.append(DatumInput(toks[:-1].clone(), toks[1:].clone()))
+    return out

@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/trainer_megatron.json")
     args = ap.parse_args()
 
-    from bench.common import fresh_adapter_state, random_datums
+    from bench.harness import fresh_adapter_state, random_datums
     from loraplane.adapter_format import serialize_adapter
     from loraplane.models import load_base_model
     from trainer_svc.backends.base import BatchItem
