@@ -10,18 +10,14 @@ from google.protobuf import timestamp_pb2
 
 from loraplane import errors, metrics
 from loraplane.auth import current_caller
+from loraplane.lora import LoraSpec
+from loraplane.registry_client import expert_layout_name, expert_layout_value
 from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from registry_svc.store import (
-    KIND_WEIGHTS,
-    AdapterRecord,
-    EventRecord,
-    LoraSpec,
-    PublishHeader,
-    PublishTrailer,
-    RegistryStore,
-    VersionRecord,
-)
+from registry_svc.events import EventRecord
+from registry_svc.publish import PublishHeader, PublishTrailer
+from registry_svc.records import KIND_WEIGHTS, AdapterRecord, VersionRecord
+from registry_svc.store import RegistryStore
 
 
 def _timestamp(ms: int) -> timestamp_pb2.Timestamp:
@@ -35,8 +31,8 @@ def adapter_pb(record: AdapterRecord) -> registry_pb2.Adapter:
         name=record.name,
         lora_config=common_pb2.LoraConfig(rank=record.lora.rank, alpha=record.lora.alpha,
                                           target_modules=record.lora.target_modules, seed=record.lora.seed,
-                                          weights_dtype=record.lora.weights_dtype,
-                                          expert_layout=record.lora.expert_layout),
+                                          weights_dtype=record.weights_dtype,
+                                          expert_layout=expert_layout_value(record.lora.expert_layout)),
         base_model=record.base_model, keep_last=record.keep_last, metadata=record.metadata, aliases=record.aliases,
         latest_version=record.latest_version, create_time=_timestamp(record.create_time_ms))
 
@@ -70,10 +66,10 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
         adapter = request.adapter
         lora = adapter.lora_config
         record = await self.store.create_adapter(
-            adapter.name, LoraSpec(lora.rank, lora.alpha, list(lora.target_modules), lora.seed, lora.weights_dtype,
-                                   lora.expert_layout),
-            adapter.base_model,
-            adapter.keep_last, dict(adapter.metadata), caller=current_caller())
+            adapter.name, LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=tuple(lora.target_modules),
+                                   seed=lora.seed, expert_layout=expert_layout_name(lora.expert_layout)),
+            adapter.base_model, adapter.keep_last, dict(adapter.metadata), weights_dtype=lora.weights_dtype,
+            caller=current_caller())
         return registry_pb2.CreateAdapterResponse(adapter=adapter_pb(record))
 
     async def GetAdapter(self, request, context):
@@ -113,7 +109,7 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
                                                  field="header")
 
         with metrics.PUBLISH_SECONDS.time():
-            result = await self.store.publish(header, chunks(), caller=current_caller())
+            result = await self.store.publishing.publish(header, chunks(), caller=current_caller())
         if not result.deduplicated:
             metrics.PUBLISH_BYTES.labels(metrics.tenant_of(header.adapter)).inc(header.size_bytes)
         return registry_pb2.PublishVersionResponse(version=version_pb(result.version),
@@ -158,7 +154,7 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
             yield registry_pb2.DownloadVersionResponse(chunk=data)
 
     async def WatchEvents(self, request, context):
-        async for record in self.store.watch(request.after_cursor, request.adapter, request.prefix,
+        async for record in self.store.events.watch(request.after_cursor, request.adapter, request.prefix,
                                              request.start_at_end, caller=current_caller()):
             metrics.EVENT_LAG_SECONDS.observe(max(0.0, time.time() - record.time_ms / 1000))
             yield registry_pb2.WatchEventsResponse(event=event_pb(record))

@@ -89,6 +89,21 @@ def test_create_get_list_delete_adapter(registry, registry_stub):
                       (E.EVENT_TYPE_ADAPTER_DELETED, "team/exp-1")]
 
 
+def test_an_adapters_lora_config_comes_back_exactly_as_given(registry, registry_stub):
+    """The registry keeps a LoRA config as the trainer gave it (unspecified stays unspecified), whatever its domain
+    type: every expert layout and weights dtype value, alpha 0, no targets."""
+    configs = [common_pb2.LoraConfig(rank=4, expert_layout=layout, weights_dtype=dtype)
+               for layout in (0, 1, 2) for dtype in (0, 1, 2)]
+    configs.append(common_pb2.LoraConfig(rank=2, alpha=3.5, seed=2**63, target_modules=EXPERT_TARGETS,
+                                         expert_layout=common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER))
+    for index, lora in enumerate(configs):
+        made = create_adapter(registry_stub, f"as-given-{index}", lora_config=lora)
+        assert made.lora_config == lora
+        assert registry_stub.GetAdapter(E.GetAdapterRequest(name=f"as-given-{index}")).adapter.lora_config == lora
+    with rpc_error(INVALID, "adapter.lora_config.expert_layout", "7 is not an ExpertLoraLayout"):
+        create_adapter(registry_stub, "bad-layout", lora_config=common_pb2.LoraConfig(rank=4, expert_layout=7))
+
+
 def test_create_adapter_bad_input_is_rejected_and_changes_nothing(registry, registry_stub):
     stub = registry_stub
     create_adapter(stub, "taken", metadata={"k": "v"})
