@@ -5,7 +5,7 @@ registry (trainer_svc/backends/__init__.py) and hands it the function that serve
 
 World size = tensor_parallel_size x data_parallel_size; a mixture-of-experts model may spread its experts over
 ``--expert-parallel-size`` of the data-parallel ranks (EP must divide the data-parallel size and the expert
-count). Every rank loads the base model and builds its shard of the GPTModel; rank 0 then builds the service and
+count; unset, the trainer chooses it from the model and the GPUs, :mod:`.parallel_plan`). Every rank loads the base model and builds its shard of the GPTModel; rank 0 then builds the service and
 the gRPC server, and every engine call is broadcast to the other ranks (:class:`.backend.Driver`), which loop in
 :meth:`Driver.follow` until rank 0 shuts down.
 """
@@ -32,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> tuple[str, ...]:
     actions = [
         group.add_argument("--tensor-parallel-size", type=int, default=1),
         group.add_argument("--data-parallel-size", type=int, default=0, help="0 = world size / tensor parallel size"),
-        group.add_argument("--expert-parallel-size", type=int, default=1,
+        group.add_argument("--expert-parallel-size", type=int, default=0,
                            help="MoE models: experts spread over this many data-parallel ranks (tokens exchanged "
-                                "all-to-all)"),
+                                "all-to-all); 0 = chosen from the model and the GPUs (replicas where the model fits "
+                                "one GPU: parallel_plan.py)"),
         group.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16"),
         group.add_argument("--lora-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                            help="dtype of the LoRA matmuls; auto = --dtype (masters and grads are fp32 regardless)"),
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> tuple[str, ...]:
 
 def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size: int, device_slots: int,
                  dtype: torch.dtype, lora_dtype: torch.dtype | None, attention: str = "sdpa",
-                 recompute: str = "auto", expert_parallel_size: int = 1, max_fused_adapters: int = 8):
+                 recompute: str = "auto", expert_parallel_size: int = 0, max_fused_adapters: int = 8):
     from loraplane.models import load_base_model
 
     from .engine import Engine
@@ -59,11 +60,17 @@ def build_engine(base_model: str, tensor_parallel_size: int, data_parallel_size:
         raise SystemExit(f"world size {world} is not a multiple of --tensor-parallel-size {tensor_parallel_size}")
     if data_parallel_size and data_parallel_size * tensor_parallel_size != world:
         raise SystemExit(f"tensor x data parallel = {tensor_parallel_size * data_parallel_size} != world {world}")
+    base = load_base_model(base_model, device="cpu", dtype=torch.float32, backend="megatron")
+    if not expert_parallel_size:
+        from .parallel_plan import planned_expert_parallel
+
+        expert_parallel_size = planned_expert_parallel(
+            base.model.config, world, tensor_parallel_size, dtype_bytes=torch.finfo(dtype).bits // 8,
+            device_slots=device_slots, expert_lora_slots=max_fused_adapters)
     if (world // tensor_parallel_size) % expert_parallel_size:
         raise SystemExit(f"--expert-parallel-size {expert_parallel_size} must divide the data-parallel size "
                          f"{world // tensor_parallel_size}")
     init_parallel(tensor_parallel_size, expert_parallel_size=expert_parallel_size)
-    base = load_base_model(base_model, device="cpu", dtype=torch.float32, backend="megatron")
     # An MoE model routes each fused adapter's tokens through its own expert slot (.moe.SlotRouter).
     return Engine(base, device_slots=device_slots, dtype=dtype, lora_compute_dtype=lora_dtype,
                   data_parallel_size=data_parallel_size or None, attention=attention, recompute=recompute,
@@ -76,7 +83,7 @@ def _engine(config: BackendConfig):
                         int(options.get("data_parallel_size", 0)), config.device_slots,
                         DTYPES[options.get("dtype", "bfloat16")], DTYPES.get(options.get("lora_dtype", "auto")),
                         options.get("attention", "sdpa"), options.get("recompute", "auto"),
-                        int(options.get("expert_parallel_size", 1)), config.max_fused_adapters)
+                        int(options.get("expert_parallel_size", 0)), config.max_fused_adapters)
 
 
 def build(config: BackendConfig) -> TrainerBackend:
