@@ -23,6 +23,9 @@ from loraplane.threads import share_work
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass(frozen=True)
 class AdamHyper:
     """Tinker's defaults. learning_rate None = not given by the caller, which `validate` rejects: the wire format
@@ -56,6 +59,14 @@ class AdamHyper:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise InvalidArgument(f"adam_params.{name} must be in [0, 1), got {getattr(self, name)}",
                                       field=f"adam_params.{name}")
+        # The step's scalars (lr / (1 - beta1) at step 1, lr * weight_decay, eps, the clip norm) meet float32
+        # tensors: one beyond float32 is torch's overflow error, an INTERNAL failure, not the caller's error.
+        for name, value in (("learning_rate", self.learning_rate / (1.0 - self.beta1)),
+                            ("learning_rate", self.learning_rate * self.weight_decay), ("eps", self.eps),
+                            ("weight_decay", self.weight_decay), ("grad_clip_norm", self.grad_clip_norm)):
+            if value > FLOAT32_MAX:
+                raise InvalidArgument(f"adam_params.{name} {getattr(self, name)} is too large: the update's scalars "
+                                      f"must fit float32 (<= {FLOAT32_MAX:.4g})", field=f"adam_params.{name}")
         return self
 
 

@@ -86,6 +86,12 @@ def test_optim_step_with_only_a_learning_rate_uses_tinker_defaults_and_keeps_the
     ("beta1 0 set explicitly is allowed", trainer_pb2.AdamParams(learning_rate=0.05, beta1=0.0), None),
     ("inf weight_decay", trainer_pb2.AdamParams(learning_rate=0.05, weight_decay=math.inf),
      "adam_params.weight_decay"),
+    # Issue 31: finite doubles beyond float32 were torch's overflow error inside the step (INTERNAL).
+    ("learning_rate 1e300", trainer_pb2.AdamParams(learning_rate=1e300), "adam_params.learning_rate"),
+    ("learning_rate 1e38 / (1 - beta1)", trainer_pb2.AdamParams(learning_rate=1e38), "adam_params.learning_rate"),
+    ("eps 1e300", trainer_pb2.AdamParams(learning_rate=0.05, eps=1e300), "adam_params.eps"),
+    ("grad_clip_norm 1e300", trainer_pb2.AdamParams(learning_rate=0.05, grad_clip_norm=1e300),
+     "adam_params.grad_clip_norm"),
 ])
 def test_optim_step_rejects_hyper_parameters_that_would_break_the_adapter(trainer, what, adam, field):
     """Before: eps = 0 was accepted and made every zero-gradient entry 0/0 = NaN."""
