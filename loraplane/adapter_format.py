@@ -25,6 +25,7 @@ from safetensors.torch import load as st_load
 from loraplane.errors import DataLoss, InvalidArgument, clip
 from loraplane.expert_layout import fold_copies, shared_copies
 from loraplane.models.families import TARGETS
+from loraplane.models.families.base import BLOCK_TARGETS
 from loraplane.lora import (
     EXPERT_TARGETS,
     PEFT_PREFIX,
@@ -352,7 +353,8 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
         pairs.setdefault((layer, module), {})[which] = shape
     if not shapes:
         raise InvalidArgument(f"{field}: no LoRA tensors", field=field)
-    if layers != set(range(len(layers))):
+    if layers != set(range(len(layers))) and not BLOCK_TARGETS.intersection(spec.target_modules):
+        # (Nemotron-H's blocks each hold one kind's targets: a block kind left out holds none.)
         raise InvalidArgument(f"{field}: layers {sorted(layers)} are not 0..{len(layers) - 1}", field=field)
     dense = [m for m in spec.target_modules if m not in EXPERT_TARGETS]
     for layer in layers:
@@ -395,6 +397,16 @@ def _layer_targets(dense: list[str], pairs: Mapping[tuple[int, str], object], la
     groups: dict[str, list[str]] = {}
     for module in dense:
         groups.setdefault(TARGETS[module].group, []).append(module)
+    if BLOCK_TARGETS.intersection(dense):
+        # One mixer per block (Nemotron-H): a layer holds every target of its block's kind and no other kind's.
+        held = sorted({TARGETS[m].group for m in dense if (layer, m) in pairs})
+        if len(held) != 1:
+            raise InvalidArgument(f"{field}: layer {layer} holds targets of {held or 'no'} block kinds, one "
+                                  "expected", field=field)
+        for module in dense:
+            if not any(m == module for _, m in pairs):
+                raise InvalidArgument(f"{field}: {module} is in target_modules but no layer has it", field=field)
+        return [m for m in dense if TARGETS[m].group == held[0]]
     mixers = [g for g in ("attention", "linear_attention") if g in groups]
     if "linear_attention" not in groups:
         return dense

@@ -710,7 +710,7 @@ def attach_experts(model) -> list:
     """Routes every MoE layer's experts through `_loraplane_experts_forward` (returns the hook handles)."""
     handles = []
     moe_blocks = [(i, block.mlp) for i, block in enumerate(model.model.layers)
-                  if getattr(block.mlp, "experts", None) is not None]
+                  if getattr(getattr(block, "mlp", None), "experts", None) is not None]
     if not moe_blocks:
         return handles
     _register_experts_implementation()

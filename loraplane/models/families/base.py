@@ -69,6 +69,18 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     # and keys under ``mlp.experts.base_layer`` (gate_up, wrapped innermost) and ``mlp.experts`` (down).
     _t("experts.gate_up_proj", "mlp.experts", "experts", "mlp.experts.base_layer"),
     _t("experts.down_proj", "mlp.experts", "experts", "mlp.experts"),
+    # Nemotron-H: one mixer per decoder block (``mixer``: a Mamba-2 mixer, attention, a relu^2 MLP or a MoE with
+    # a shared expert); PEFT target_modules match these names as suffixes of the module paths.
+    _t("mixer.in_proj", "mixer.in_proj", "mamba"),
+    _t("mixer.out_proj", "mixer.out_proj", "mamba"),
+    _t("mixer.q_proj", "mixer.q_proj", "block_attention"),
+    _t("mixer.k_proj", "mixer.k_proj", "block_attention"),
+    _t("mixer.v_proj", "mixer.v_proj", "block_attention"),
+    _t("mixer.o_proj", "mixer.o_proj", "block_attention"),
+    _t("mixer.up_proj", "mixer.up_proj", "block_mlp"),
+    _t("mixer.down_proj", "mixer.down_proj", "block_mlp"),
+    _t("mixer.shared_experts.up_proj", "mixer.shared_experts.up_proj", "block_shared_expert"),
+    _t("mixer.shared_experts.down_proj", "mixer.shared_experts.down_proj", "block_shared_expert"),
 )}
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -76,6 +88,12 @@ LINEAR_ATTENTION_TARGETS = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", 
 DENSE_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 SHARED_EXPERT_TARGETS = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+MAMBA_TARGETS = ("mixer.in_proj", "mixer.out_proj")
+BLOCK_ATTENTION_TARGETS = ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj", "mixer.o_proj")
+BLOCK_MLP_TARGETS = ("mixer.up_proj", "mixer.down_proj")
+BLOCK_SHARED_EXPERT_TARGETS = ("mixer.shared_experts.up_proj", "mixer.shared_experts.down_proj")
+# Targets of one-mixer-per-block models: a layer holds the targets of its one block kind (group) only.
+BLOCK_TARGETS = frozenset(MAMBA_TARGETS + BLOCK_ATTENTION_TARGETS + BLOCK_MLP_TARGETS + BLOCK_SHARED_EXPERT_TARGETS)
 ALL_TARGETS = tuple(TARGETS)
 # key_path -> target (the experts' two paths included): how a PEFT / Tinker key names its target.
 TARGET_BY_KEY_PATH = {t.key_path: t.name for t in TARGETS.values()}

@@ -7,15 +7,40 @@ One mixer per decoder block, chosen by ``layers_block_type``: a Mamba-2 mixer ("
 experts ``up_proj`` / ``down_proj`` stored fused 3-D, and a shared expert). Released checkpoints name the weights
 ``backbone.*`` (transformers' causal LM maps them to ``model.*``).
 
-What loraplane computes for it today: the family is detected and checked before any weight is read; both backends
-refuse it naming what they lack (see ``backend_lacks``): the torch backend's LoRA hooks, packed rows (the Mamba
-conv and scan state must restart per datum) and the sampler's decode of Mamba layers are not built yet; megatron
-lacks the Mamba layers' kernels (mamba_ssm / causal_conv1d, CUDA only) in our image and the relu^2 experts.
+On the torch backend transformers' modules compute everything (on CPU its PyTorch fallbacks of the Mamba kernels).
+LoRA targets (PEFT target_modules match them as module-path suffixes): the Mamba mixers' ``mixer.in_proj`` /
+``mixer.out_proj``, attention ``mixer.q_proj|k_proj|v_proj|o_proj``, the relu^2 MLPs' ``mixer.up_proj`` /
+``mixer.down_proj`` and the shared experts' ``mixer.shared_experts.up_proj|down_proj``; a block offers its own
+kind's. The routed experts are not a target yet (their non-gated up/down layout has no expert-LoRA path here).
+
+Packed rows: the Mamba-2 conv1d and scan would carry one datum's state into the next, so :func:`enable_packing`
+runs them per datum from a zero state (the projections still see the whole row, as every linear layer does);
+attention layers go through the packed attention like every family's. The sampler decodes through transformers'
+forward with its hybrid cache (``hf_decode``).
+
+Megatron: refused, naming the missing pieces (its Mamba layers need the mamba_ssm / causal_conv1d CUDA kernels).
 """
 
 from __future__ import annotations
 
-from loraplane.models.families.base import MAMBA, MOE, RELU2_MLP, SHARED_EXPERTS, SIGMOID_ROUTER, ModelFamily
+import sys
+import types
+
+import torch
+
+from loraplane.models.families.base import (
+    ALL_TARGETS,
+    BLOCK_ATTENTION_TARGETS,
+    BLOCK_MLP_TARGETS,
+    BLOCK_SHARED_EXPERT_TARGETS,
+    MAMBA,
+    MAMBA_TARGETS,
+    MOE,
+    RELU2_MLP,
+    SHARED_EXPERTS,
+    SIGMOID_ROUTER,
+    ModelFamily,
+)
 
 _WEIGHTS = {
     "embed_tokens": "backbone.embeddings.weight",
@@ -43,15 +68,12 @@ _WEIGHTS = {
     "shared_experts.down_proj": "backbone.layers.{i}.mixer.shared_experts.down_proj.weight",
 }
 
-# SGLang 0.5.17's NemotronHForCausalLM LoRA modules (for when the torch side lands): in_proj, out_proj,
-# qkv_proj, o_proj, up_proj, gate_up_proj, down_proj.
-SGLANG_MODULES = ("in_proj", "out_proj", "qkv_proj", "o_proj", "up_proj", "gate_up_proj", "down_proj")
-
-_TORCH_LACKS = (
-    "LoRA on the Mamba-2 mixers, the one-mixer-per-block layout (mixer.*) and the non-gated relu^2 experts",
-    "packed rows for Mamba-2 (conv and scan state restarted per datum)",
-    "the sampler's decode of Mamba-2 layers",
-)
+# Our target -> the module SGLang 0.5.17's NemotronHForCausalLM applies it to (its LoRA modules: in_proj,
+# out_proj, qkv_proj, o_proj, up_proj, gate_up_proj, down_proj; q/k/v stacked by SGLang itself).
+_SGLANG = {"mixer.in_proj": "in_proj", "mixer.out_proj": "out_proj", "mixer.q_proj": "qkv_proj",
+           "mixer.k_proj": "qkv_proj", "mixer.v_proj": "qkv_proj", "mixer.o_proj": "o_proj",
+           "mixer.up_proj": "up_proj", "mixer.down_proj": "down_proj",
+           "mixer.shared_experts.up_proj": "up_proj", "mixer.shared_experts.down_proj": "down_proj"}
 _MEGATRON_LACKS = (
     "Mamba-2 layers (megatron-core's MambaMixer needs the mamba_ssm and causal_conv1d CUDA kernels, not in this "
     "image)",
@@ -76,6 +98,63 @@ class NemotronHFamily(ModelFamily):
         """The MLP of each block ("dense", "moe"; "none" for a mixer block)."""
         return [k if k in ("dense", "moe") else "none" for k in self._block_types(config)]
 
+    def lora_targets(self, config) -> tuple[str, ...]:
+        """Every block kind's targets (the dense relu^2 MLPs' beside the MoE blocks': their names differ, so PEFT
+        never mistakes one for the other)."""
+        offered: set[str] = set()
+        for layer in range(len(self._block_types(config))):
+            offered |= set(self.layer_targets(config, layer))
+        return tuple(t for t in ALL_TARGETS if t in offered)
+
+
+# ------------------------------------------------------------------------------------------------ packed rows
+
+def _packed_forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """transformers' Mamba-2 mixer forward (its torch path) with the conv1d and the chunked scan run per datum of
+    a packed row, each from a zero state as the datum alone would. Outside a packed scope, or with a cache
+    (generation), transformers' own forward."""
+    from loraplane.models.packed import packed_lengths
+
+    lengths = packed_lengths()
+    if lengths is None or cache is not None:
+        return module._loraplane_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    modeling = sys.modules[type(module).__module__]
+    batch, seq_len, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    projected = module.in_proj(hidden_states)
+    A = -torch.exp(module.A_log.float())
+    gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
+    weight = module.conv1d.weight.squeeze(1)
+    groups = module.n_groups * module.ssm_state_size
+    outputs = []
+    start = 0
+    for length in lengths:
+        end = start + length
+        x = xbc[:, start:end].transpose(1, 2).contiguous()
+        x = modeling.causal_conv1d_fn(x, weight, module.conv1d.bias, activation=module.activation)
+        x = x.transpose(1, 2)
+        states, B, C = torch.split(x, [module.intermediate_size, groups, groups], dim=-1)
+        out = modeling.mamba2_chunk_scan(
+            states.reshape(batch, length, module.num_heads, module.head_dim), dt[:, start:end].contiguous(), A,
+            B.reshape(batch, length, module.n_groups, module.ssm_state_size),
+            C.reshape(batch, length, module.n_groups, module.ssm_state_size), chunk_size=module.chunk_size,
+            D=module.D, z=None, return_final_states=False, dt_bias=module.dt_bias, dt_softplus=True,
+            initial_states=None, dt_limit=module.time_step_limit)
+        outputs.append(out.reshape(batch, length, -1))
+        start = end
+    if start != seq_len:
+        raise ValueError(f"packed lengths cover {start} tokens, the row has {seq_len}")
+    scan = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return module.out_proj(module.norm(scan, gate).to(dtype))
+
+
+def enable_packing(model) -> None:
+    """Routes every Mamba-2 mixer of `model` through :func:`_packed_forward` (idempotent)."""
+    for module in model.modules():
+        if type(module).__name__.endswith("Mamba2Mixer") and not hasattr(module, "_loraplane_forward"):
+            module._loraplane_forward = module.forward
+            module.forward = types.MethodType(_packed_forward, module)
+
 
 def tiny_config(vocab_size: int):
     """4 blocks: Mamba-2, MoE (4 experts top-2 + a shared expert), attention, relu^2 MLP; hidden 64."""
@@ -86,7 +165,7 @@ def tiny_config(vocab_size: int):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=4,
         mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, expand=1,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1, use_mamba_kernels=False,
+        moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1,
         max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=4, pad_token_id=0)
 
 
@@ -100,10 +179,13 @@ FAMILY = NemotronHFamily(
     moe=True,
     implied={MAMBA: "Mamba-2 mixer layers", RELU2_MLP: "non-gated relu^2 MLPs and experts",
              SIGMOID_ROUTER: "a sigmoid router with a score-correction bias and grouped top-k"},
-    backend_lacks={"torch": _TORCH_LACKS, "megatron": _MEGATRON_LACKS},
+    backend_lacks={"megatron": _MEGATRON_LACKS},
     checkpoint_prefix="backbone.",
-    mixer_targets={},
-    mlp_targets={},
-    sglang=None,
+    mixer_targets={"mamba": MAMBA_TARGETS, "attention": BLOCK_ATTENTION_TARGETS},
+    mlp_targets={"dense": BLOCK_MLP_TARGETS, "moe": BLOCK_SHARED_EXPERT_TARGETS},
+    sglang=_SGLANG,
     tiny=tiny_config,
+    packing=enable_packing,
+    hf_decode=True,
+    notes="routed experts (non-gated up/down, fused 3-D) are computed by transformers but not a LoRA target yet",
 )
