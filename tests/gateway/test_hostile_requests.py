@@ -109,17 +109,40 @@ def test_a_refused_request_spends_its_seq_id_in_every_case(cluster):
         accepted = w.ok("/optim_step", json={"model_id": model_id, "seq_id": seq, "adam_params": adam})
         failed = w.future(accepted["request_id"])
         assert failed.get("category") == "user" and "adam_params" in failed["error"], failed
+    # Other payloads the gateway or the trainer refuses, each spending its seq_id.
+    hostile = []
+    for loss, config, text in (("no-such-loss", {}, None), ("ppo", {"clip_low_threshold": 1e300}, None),
+                               ("ppo", {}, "x"), ("cross_entropy", {}, None)):
+        body = wire.ForwardBackwardRequest.FromString(fwdbwd_body(model_id, 0, [6, 7, 8]))
+        body.loss_fn = loss
+        for key, value in config.items():
+            body.loss_fn_config_v2[key].number = value
+        if text is not None:
+            body.loss_fn_config_v2["clip_low_threshold"].text = text
+        if loss == "cross_entropy":  # NaN weights, and an image chunk
+            w_in = body.data[0].loss_fn_inputs["weights"]
+            w_in.dtype, w_in.dense = wire.DTYPE_FLOAT32, np.asarray([1, np.nan, 1], dtype="<f4").tobytes()
+            w_in.shape.append(3)
+        hostile.append(body)
+    image = wire.ForwardBackwardRequest.FromString(fwdbwd_body(model_id, 0, [6, 7, 8]))
+    image.data[0].model_input.add().image.data = b"\x89PNG"
+    hostile.append(image)
+    for seq, body in enumerate(hostile, start=7):
+        body.seq_id = seq
+        accepted = w.ok("/forward_backward", content=body.SerializeToString(), headers=PROTO)
+        failed = w.future(accepted["request_id"])
+        assert failed.get("category") == "user", (seq, failed)
     # The model is not wedged: the next seq_ids run at once and succeed.
-    accepted = w.ok("/forward_backward", content=fwdbwd_body(model_id, 7, [6, 7, 8]), headers=PROTO)
+    accepted = w.ok("/forward_backward", content=fwdbwd_body(model_id, 7 + len(hostile), [6, 7, 8]), headers=PROTO)
     out = w.future(accepted["request_id"])
     assert "bytes" in out, out
-    step = w.future(w.ok("/optim_step", json={"model_id": model_id, "seq_id": 8,
+    step = w.future(w.ok("/optim_step", json={"model_id": model_id, "seq_id": 8 + len(hostile),
                                               "adam_params": {"learning_rate": 1e-3}})["request_id"])
     assert step.get("type") == "optim_step", step
     adapter = cluster.gateway_settings.default_tenant + "/" + model_id.replace(":train:", "-train-")
     listed = {a.name: a for a in cluster.trainer.stub().ListAdapters(
         trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000)).adapters}
-    assert listed[adapter].last_seq_id == 8 and listed[adapter].step == 1
+    assert listed[adapter].last_seq_id == 8 + len(hostile) and listed[adapter].step == 1
 
 
 # (body change, the field the 400 must name). Before the fix: prompt a list / chunk tokens a number were HTTP 500;
