@@ -1,0 +1,150 @@
+"""Nemotron-H / Nemotron-3 (a tiny random checkpoint made by transformers' own classes, saved as transformers and
+NVIDIA write it, weights under ``backbone.*``: a Mamba-2 block, a MoE block with a shared expert, an attention
+block, a relu^2 MLP block) on the torch backend's building blocks: LoRA on each block kind's projections, datums of
+a packed row kept apart in the Mamba-2 conv and scan (each equals transformers alone), the HF PEFT export giving the
+trainer's logits, and megatron / unsupported variants refused from config.json before any weight is read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter
+from loraplane.errors import FailedPrecondition
+from loraplane.lora import AdapterTensors, LoraSpec, init_lora_params
+from loraplane.models import families, load_base_model
+from loraplane.models.families.base import (
+    BLOCK_ATTENTION_TARGETS,
+    BLOCK_MLP_TARGETS,
+    BLOCK_SHARED_EXPERT_TARGETS,
+    MAMBA_TARGETS,
+)
+from loraplane.models.packed import packed_sequences
+from tests.e2e.test_gpt_oss_family import _broken_copy, packed_logits, rows_of, trained_like
+from tests.fixtures.models import build_checkpoint
+from trainer_svc.backends.torch_backend import TorchBackend
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint("nemotron_h", tmp_path_factory.mktemp("nemotron_h"))
+
+
+@pytest.fixture(scope="module")
+def backend(checkpoint):
+    return TorchBackend(str(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+def test_loaded_from_backbone_weights_with_each_block_kinds_targets(checkpoint, backend):
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
+        keys = list(handle.keys())
+    assert all(k.startswith("backbone.") or k == "lm_head.weight" for k in keys), keys[:4]
+    base = backend.base
+    assert base.family is families.FAMILIES["nemotron_h"]
+    assert [base.layer_targets(i) for i in range(4)] == [
+        MAMBA_TARGETS, BLOCK_SHARED_EXPERT_TARGETS, BLOCK_ATTENTION_TARGETS, BLOCK_MLP_TARGETS]
+    assert base.module_dims["mixer.in_proj"] == (64, 2 * 64 + 2 * 2 * 16 + 4)  # gate | x B C | dt
+
+
+def test_a_packed_datum_equals_transformers_alone_and_the_mamba_state_stays_in_it(backend, reference):
+    rows = rows_of(3, [11, 6, 21])
+    packed = packed_logits(backend, rows, [None, None, None])
+    for row, ours in zip(rows, packed):
+        with torch.no_grad():
+            theirs = reference(input_ids=torch.tensor([row]), use_cache=False).logits[0]
+        assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), float((ours - theirs).abs().max())
+    # Without the per-datum conv and scan the state of one datum flows into the next.
+    mixer = backend.base.model.model.layers[0].mixer
+    patched = mixer.forward
+    mixer.forward = mixer._loraplane_forward
+    try:
+        leaking = packed_logits(backend, rows, [None, None, None])
+    finally:
+        mixer.forward = patched
+    assert torch.allclose(leaking[0], packed[0], atol=1e-4) and not torch.allclose(leaking[1], packed[1], atol=1e-3)
+
+
+def test_every_target_moves_the_logits_and_a_tenant_is_the_same_packed_or_alone(backend):
+    base = backend.base
+    rows = rows_of(5, [9, 12])
+    for target in base.module_dims:
+        spec = LoraSpec.create(4, 8, [target], seed=1, available=tuple(base.module_dims))
+        adapter = AdapterTensors.from_params(trained_like(base, spec, 7), spec)
+        moved = packed_logits(backend, rows[:1], [adapter])[0]
+        plain = packed_logits(backend, rows[:1], [None])[0]
+        assert not torch.allclose(moved, plain, atol=1e-4), target
+    spec = LoraSpec.create(4, 8, [], seed=2, available=tuple(base.module_dims))
+    mine = AdapterTensors.from_params(trained_like(base, spec, 8), spec)
+    theirs = AdapterTensors.from_params(trained_like(base, spec, 9), spec)
+    alone = packed_logits(backend, rows[:1], [mine])[0]
+    shared = packed_logits(backend, rows, [mine, theirs])[0]
+    assert torch.equal(alone, shared)
+
+
+def test_an_adapter_of_some_block_kinds_round_trips(backend, checkpoint):
+    base = backend.base
+    spec = LoraSpec.create(4, 8, list(BLOCK_ATTENTION_TARGETS), seed=3, available=tuple(base.module_dims))
+    params = trained_like(base, spec, 4)
+    assert {int(k.split(".")[4]) for k in params} == {2}  # only the attention block holds tensors
+    parsed, parsed_spec, _ = parse_adapter(serialize_adapter(params, spec, str(checkpoint)))
+    assert parsed_spec == spec and all(torch.equal(parsed[k], params[k]) for k in params)
+
+
+def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, backend, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    base = backend.base
+    # HF PEFT 0.21 refuses LoRA on a Mamba mixer's out_proj (its fused training kernel bypasses the module); every
+    # other target loads.
+    targets = [t for t in base.module_dims if t != "mixer.out_proj"]
+    spec = LoraSpec.create(4, 8, targets, seed=5, available=tuple(base.module_dims))
+    params = trained_like(base, spec, 2)
+    directory = materialize_peft_dir(serialize_adapter(params, spec, str(checkpoint)), tmp_path / "peft")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    assert config["target_modules"] == targets
+    row = rows_of(1, [15])[0]
+    ours = packed_logits(backend, [row], [AdapterTensors.from_params(params, spec)])[0]
+    fresh = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(fresh, str(directory)).eval()
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), float((ours - theirs).abs().max())
+    assert not torch.allclose(ours, packed_logits(backend, [row], [None])[0], atol=1e-3)
+
+
+def test_megatron_refuses_nemotron_h_before_reading_a_weight(checkpoint):
+    broken = _broken_copy(checkpoint, "broken")
+    with pytest.raises(FailedPrecondition) as info:
+        load_base_model(str(broken), backend="megatron")
+    message = info.value.message
+    assert info.value.reason == "UNSUPPORTED_MODEL" and info.value.field == "base_model"
+    for piece in ("Mamba-2 layers", "mamba_ssm", "causal_conv1d", "relu^2 experts"):
+        assert piece in message, piece
+    with pytest.raises(Exception) as torch_side:  # the torch backend accepts the config, then reads weights
+        load_base_model(str(broken))
+    assert not isinstance(torch_side.value, FailedPrecondition)
+
+
+def test_an_unsupported_nemotron_h_variant_is_refused_naming_every_feature(checkpoint):
+    def edit(config):
+        config["mlp_bias"] = True
+        config["attention_bias"] = True
+
+    broken = _broken_copy(checkpoint, "variant", edit)
+    with pytest.raises(FailedPrecondition) as info:
+        load_base_model(str(broken))
+    message = info.value.message
+    for piece in ("MLP biases", "attention biases including o_proj (attention_bias=True) (not part of the "
+                  "nemotron_h family)"):
+        assert piece in message, piece
