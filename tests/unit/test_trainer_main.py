@@ -75,9 +75,6 @@ def test_megatron_options_are_offered_only_with_the_megatron_backend():
                               capture_output=True, text=True, timeout=120, check=False)
     assert megatron.returncode == 0, megatron.stderr
     assert "--tensor-parallel-size" in megatron.stdout
-    torchrun = subprocess.run([sys.executable, "-m", "trainer_svc.torchrun", "--help"],
-                              capture_output=True, text=True, timeout=120, check=False)
-    assert torchrun.returncode == 0 and "--tensor-parallel-size" in torchrun.stdout, torchrun.stderr
     torch_help = subprocess.run([sys.executable, "-m", "trainer_svc", "--help"],
                                 capture_output=True, text=True, timeout=120, check=False)
     assert torch_help.returncode == 0 and "--tensor-parallel-size" not in torch_help.stdout
