@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pytest -q -m gpu --noconftest -o addopts="" -p no:cacheprovider tests/gpu/test_megatron_expert_kernels.py \
   2>&1 | tee "$OUT/tests.log"
 tests=${PIPESTATUS[0]}
-python3 scripts/gpu/expert_kernels_bench.py "$@" 2>&1 | tee "$OUT/bench.jsonl"
+python3 scripts/gpu/expert_kernels_bench.py --sweep "$@" 2>&1 | tee "$OUT/bench.jsonl"
 bench=${PIPESTATUS[0]}
 echo "tests exit $tests, bench exit $bench" | tee -a "$OUT/env.log"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -18,6 +18,10 @@ import statistics
 
 import torch
 
+# Tile shapes for --sweep: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first is fused_forward's default.
+SWEEP = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 3), (64, 128, 32, 4, 4),
+         (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))
+
 
 def timed(fn, warmup: int, iters: int) -> float:
     for _ in range(warmup):
@@ -47,6 +51,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the kernel's other tile shapes (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)")
     args = ap.parse_args()
     torch.set_float32_matmul_precision("highest")
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -87,12 +93,22 @@ def main() -> None:
         err = (out.float() - ref_out.float()).abs()
         scale = ref_out.float().abs().max().item()
         unfused_ms, fused_ms = timed(unfused, args.warmup, args.iters), timed(fused, args.warmup, args.iters)
+        tiles = {}
+        for bm, bn, bk, warps, stages in (SWEEP if args.sweep else ()):
+            def shaped(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages):
+                return fused_forward(x, w, a, b, slot_offs, slots, gather_index, block_m=bm, block_n=bn,
+                                     block_k=bk, num_warps=warps, num_stages=stages)
+
+            try:
+                tiles[f"{bm}x{bn}x{bk}/w{warps}/s{stages}"] = round(timed(shaped, args.warmup, args.iters), 3)
+            except Exception as failure:  # noqa: BLE001 - a shape this GPU cannot run: reported, not fatal
+                tiles[f"{bm}x{bn}x{bk}/w{warps}/s{stages}"] = f"failed: {type(failure).__name__}"
         flops = 2 * rows * k_in * n_out + 2 * rows * args.rank * (k_in + n_out)
         row = {"gemm": name, "rows": rows, "in": k_in, "out": n_out, "rank": args.rank, "gather": gather,
                "unfused_ms": round(unfused_ms, 3), "fused_ms": round(fused_ms, 3),
                "speedup": round(unfused_ms / fused_ms, 3), "fused_tflops": round(flops / fused_ms / 1e9, 1),
                "unfused_tflops": round(flops / unfused_ms / 1e9, 1),
-               "max_abs_err_over_scale": err.max().item() / scale}
+               "max_abs_err_over_scale": err.max().item() / scale, **({"tiles_ms": tiles} if tiles else {})}
         print(json.dumps(row), flush=True)
         return row
 
