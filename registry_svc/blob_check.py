@@ -17,8 +17,8 @@ from loraplane.adapter_format import (
     spec_from_peft_config,
 )
 from loraplane.errors import InvalidArgument, LoraplaneError, clip
-from loraplane.expert_layout import CopiesCheck, shared_copies
-from loraplane.lora import PER_EXPERT, LoraSpec
+from loraplane.expert_layout import SHARED_FACTORS, CopiesCheck, shared_copies
+from loraplane.lora import PER_EXPERT, LoraSpec, parse_peft_key
 
 # The largest safetensors header accepted (the safetensors library's own limit).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -79,6 +79,18 @@ class BlobCheck:
     @property
     def received(self) -> int:
         return self._received
+
+    def shared_factor_key(self) -> str:
+        """The first tensor (in file order) that a shared-outer adapter shares among experts (gate_up lora_A, down
+        lora_B), "" when the header has none: what a layout mismatch is reported by."""
+        for extent in self._extents:
+            try:
+                _, module, which = parse_peft_key(extent.key)
+            except InvalidArgument:
+                continue
+            if (module, which) in SHARED_FACTORS:
+                return extent.key
+        return ""
 
     def _fail(self, message: str) -> InvalidArgument:
         kind = "training-state" if self.training_state else "weights"

@@ -297,8 +297,9 @@ class PublishPipeline:
         layout = adapter.lora.expert_layout or PER_EXPERT  # unspecified is per-expert, as the trainer reads it
         if spec.has_experts and spec.expert_layout != layout:
             raise errors.InvalidArgument(
-                f"chunk: the blob's expert tensors are {spec.expert_layout}, adapter {shown(adapter.name)} is "
-                f"{layout} (its lora_config.expert_layout)", field="chunk")
+                f"chunk: tensor {check.shared_factor_key()} is laid out {spec.expert_layout} (the blob's "
+                f"adapter_config), adapter {shown(adapter.name)} is {layout} (its lora_config.expert_layout)",
+                field="chunk")
         if adapter.base_model and check.base_model and check.base_model != adapter.base_model:
             raise errors.InvalidArgument(
                 f"chunk: the blob was trained on base model {shown(check.base_model)}, adapter "

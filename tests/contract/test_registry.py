@@ -411,7 +411,8 @@ def test_publish_refuses_an_expert_adapter_its_samplers_cannot_load(registry, re
          "layers.0.mlp.experts.base_layer.lora_A.weight differs between experts"),
         ("down lora_B differs between experts", expert_blob("shared_outer", differ="B"),
          "layers.0.mlp.experts.lora_B.weight differs between experts"),
-        ("a per-expert file", expert_blob("per_expert"), "per_expert"),
+        ("a per-expert file", expert_blob("per_expert"),
+         "tensor base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight is laid out per_expert"),
     ]
     for what, blob, named in cases:
         for chunk in (97, 1024 * 1024):  # the differing value inside one chunk, and across many
