@@ -55,7 +55,8 @@ class SamplingParams(_Body):
 
 class Sample(_Body):
     sampling_session_id: Id | None = None
-    seq_id: Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)] | None = None
+    # Only a dedup key (never sent to a service): any int64, as the SDK may count past int32.
+    seq_id: Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)] | None = None
     num_samples: Positive32 | None = None
     prompt: ModelInput = ModelInput()
     sampling_params: SamplingParams = SamplingParams()

@@ -31,7 +31,8 @@ def test_tinker_sdk_and_openai_client_on_a_moe_base(moe_cluster):
     losses = []
     for _ in range(4):
         backward = training.forward_backward(data, "cross_entropy")
-        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        # Tinker's LoRA scale (alpha 32 / rank 4 = 8): 5e-3 moves it about as 4e-2 did at scale 1.
+        training.optim_step(types.AdamParams(learning_rate=5e-3)).result()
         losses.append(backward.result().metrics["loss:sum"])
     assert losses[-1] < losses[0] * 0.9, losses
 
