@@ -165,9 +165,26 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, attn_implementation: str =
         # gpt-oss's released experts: dequantized by us at load (loraplane.models.mxfp4).
         return mxfp4.load_mxfp4_model(directory, dtype, attn_implementation), tokenizer
     model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+        directory, config=_text_loading_config(directory), dtype=dtype, local_files_only=True,
+        attn_implementation=attn_implementation
     )
     return model, tokenizer
+
+
+def _text_loading_config(directory: Path):
+    """The checkpoint's config, ready for loading its text decoder alone. A vision-language checkpoint (Qwen3.5)
+    says whether lm_head is tied to the embeddings at its top level (Qwen3.5-4B: tie_word_embeddings true) while
+    its text_config, which transformers' causal LM is built from, says false or nothing: carried over, lm_head is
+    the embedding matrix as in the full model, not a newly initialised random one (the checkpoint has no
+    lm_head.weight)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    text = families.text_config(config)
+    tie = getattr(config, "tie_word_embeddings", None)
+    if text is not config and tie is not None:
+        text.tie_word_embeddings = bool(tie)
+    return config
 
 
 def _wrap(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dtype: torch.dtype,

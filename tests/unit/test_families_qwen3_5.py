@@ -81,6 +81,25 @@ def test_loaded_text_only_from_the_vision_language_checkpoint(checkpoint, backen
         assert base.layer_targets(0)[-5:] == families.SHARED_EXPERT_TARGETS + families.EXPERT_TARGETS
 
 
+def test_a_checkpoint_tied_at_its_top_level_loads_with_the_full_models_logits(checkpoint, tmp_path):
+    # Qwen3.5-4B's config.json: tie_word_embeddings true at the top, not in text_config, no lm_head.weight saved.
+    # Loaded text-only without the top-level tie, lm_head would be newly initialised random weights.
+    from transformers import AutoModelForImageTextToText
+
+    model_type = json.loads((checkpoint / "config.json").read_text())["model_type"]
+    tied = build_checkpoint(model_type, tmp_path / "tied", tie_word_embeddings=True)
+    saved = json.loads((tied / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is True and not saved["text_config"].get("tie_word_embeddings")
+    base = load_base_model(str(tied))
+    full = AutoModelForImageTextToText.from_pretrained(str(tied), dtype=torch.float32).eval()
+    row = torch.tensor([[5, 17, 99, 3, 42, 250, 8, 61]])
+    with torch.no_grad():
+        ours = base.model(input_ids=row).logits
+        theirs = full(input_ids=row).logits
+    assert base.model.lm_head.weight.data_ptr() == base.model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(ours, theirs)
+
+
 def test_every_target_moves_the_logits_and_a_datum_is_the_same_packed_or_alone(backend):
     base = backend.base
     spec = LoraSpec.create(4, 8, [], seed=3, available=tuple(base.module_dims))
