@@ -104,6 +104,11 @@ class Identity:
         if self.role != ROLE_ADMIN:
             raise errors.PermissionDenied(f"{what} needs an admin key")
 
+    def require_service(self, what: str) -> None:
+        """PERMISSION_DENIED for a tenant's key: `what` is between the services of one deployment (and operators)."""
+        if self.role not in (ROLE_SERVICE, ROLE_ADMIN):
+            raise errors.PermissionDenied(f"{what} needs a service key")
+
     def narrow_prefix(self, prefix: str) -> str | None:
         """The listing prefix to use for a caller asking for `prefix`: the caller's scope when the prefix is
         broader, the prefix itself when narrower, None when the two are disjoint (the answer is empty)."""

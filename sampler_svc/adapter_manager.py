@@ -5,6 +5,9 @@ instance), downloads each newly published WEIGHTS version, verifies it and loads
 `<adapter>@v<N>`. It keeps the newest `keep_versions` versions of every adapter, never unloads a version while a
 request holds it (leases), evicts least-recently-used idle versions past `max_loaded`, loads a requested-but-absent
 version on demand (one load per version however many requests wait for it) and unloads on delete events.
+A version whose bytes a trainer pushed here ahead of the commit (sampler_svc/staging.py) is loaded from them instead
+of being downloaded, when the registry's digest for it is the pushed one; each load counts under its path
+(`push` or `registry`: loraplane_sampler_version_loads_total).
 
 The persisted state is the cursor of the last applied event plus the versions retention wanted at that point, so a
 restarted sampler reloads exactly those and resumes after the cursor: no event is skipped or applied twice.
@@ -25,10 +28,11 @@ from typing import Self
 
 import redis.exceptions
 
-from loraplane import errors
+from loraplane import errors, metrics
 from loraplane.redis_pool import async_redis
 from loraplane.registry_client import EventType, RegistryClient, RegistryEvent, StoredVersion, VersionKind
 from sampler_svc.engines.base import Engine
+from sampler_svc.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,9 @@ MAX_LOAD_ATTEMPTS = 3
 # Longest wait for each background task or connection to wind down in stop().
 STOP_WAIT_S = 5.0
 WEIGHT_KINDS = (VersionKind.WEIGHTS, VersionKind.UNSPECIFIED)
+# Where a loaded version's bytes came from: pushed by the trainer that published it, or read from the registry.
+PATH_PUSH = "push"
+PATH_REGISTRY = "registry"
 
 
 def version_key(adapter: str, version: int) -> str:
@@ -62,6 +69,8 @@ class LoadedVersion:
     retired: bool = False
     # Deleted in the registry: no new leases.
     deleted: bool = False
+    # PATH_PUSH or PATH_REGISTRY.
+    path: str = PATH_REGISTRY
 
 
 @dataclass
@@ -105,6 +114,7 @@ class AdapterManager:
         keep_versions: int = 2,
         max_loaded: int = 64,
         watch_prefix: str = "",
+        staging: Staging | None = None,
     ):
         if keep_versions < 1:
             raise errors.InvalidArgument(f"keep_versions must be >= 1, got {keep_versions}", field="keep_versions")
@@ -115,6 +125,7 @@ class AdapterManager:
         self.keep_versions = keep_versions
         self.max_loaded = max_loaded
         self.watch_prefix = watch_prefix
+        self.staging = staging or Staging()
         self.instance_id = instance_id
         self.state_key = f"{key_prefix}sampler:{instance_id}:state"
         self._redis = async_redis(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0,
@@ -138,6 +149,7 @@ class AdapterManager:
         self._stopping = False
         self.events_applied = 0
         self.loads = 0
+        self.loads_by_path = {PATH_PUSH: 0, PATH_REGISTRY: 0}
         # Whether a version published for an adapter is loaded ahead of its first request. A fleet replica
         # (sampler_svc/fleet.py) preloads only the adapters whose requests it is first in line for; the others'
         # versions are recorded (retention counts them) and loaded on demand.
@@ -296,22 +308,29 @@ class AdapterManager:
             if existing is not None and not existing.deleted:
                 existing.active_requests += self._waiting_holds.pop(key, 0)
                 return existing
-            described, blob = await self.registry.download(adapter, version)
-            self._check_weights(described)
-            if expected_sha256 and described.sha256 != expected_sha256:
-                raise errors.DataLoss(f"{key}: registry serves sha256 {described.sha256}, the publish event said "
-                                      f"{expected_sha256}")
+            sha256, blob = await self._pushed(adapter, version, expected_sha256)
+            path = PATH_PUSH
+            if blob is None:
+                path = PATH_REGISTRY
+                described, blob = await self.registry.download(adapter, version)
+                self._check_weights(described)
+                if expected_sha256 and described.sha256 != expected_sha256:
+                    raise errors.DataLoss(f"{key}: registry serves sha256 {described.sha256}, the publish event "
+                                          f"said {expected_sha256}")
+                sha256 = described.sha256
             self._make_room(exclude=key)
             info = await self.engine.load_adapter(key, blob)
             now = time.time()
-            entry = LoadedVersion(adapter=adapter, version=version, sha256=described.sha256, key=key,
+            entry = LoadedVersion(adapter=adapter, version=version, sha256=sha256, key=key,
                                   rank=info.rank, load_time=now, last_used_time=now,
-                                  pinned=key in self._pinned_keys)
+                                  pinned=key in self._pinned_keys, path=path)
             entry.active_requests = self._waiting_holds.pop(key, 0)
             self._loaded[key] = entry
             self._known.setdefault(adapter, set()).add(version)
             self.loads += 1
-            log.info("loaded %s (rank %d)", key, info.rank)
+            self.loads_by_path[path] += 1
+            metrics.SAMPLER_VERSION_LOADS.labels(path).inc()
+            log.info("loaded %s (rank %d, path %s)", key, info.rank, path)
             self._enforce_retention(adapter)
             return entry
         except BaseException:
@@ -319,6 +338,22 @@ class AdapterManager:
             raise
         finally:
             self._flights.pop(key, None)
+
+    async def _pushed(self, adapter: str, version: int, committed_sha256: str) -> tuple[str, bytes | None]:
+        """The committed digest of the version and its pushed bytes, if staged here: only bytes whose digest the
+        registry committed as this version are ever used. An on-demand load knows no digest yet; it asks the
+        registry (one small call) only when something of the adapter was pushed."""
+        if not committed_sha256:
+            if not self.staging.holds(adapter):
+                return "", None
+            described = await self.registry.get_version(adapter, version)
+            self._check_weights(described)
+            committed_sha256 = described.sha256
+        return committed_sha256, await self.staging.claim(adapter, committed_sha256)
+
+    def holds_blob(self, adapter: str, sha256: str) -> bool:
+        """Whether a version of `adapter` with these bytes is loaded (a push of them would add nothing)."""
+        return any(e.adapter == adapter and e.sha256 == sha256 and not e.deleted for e in self._loaded.values())
 
     def _make_room(self, exclude: str) -> None:
         """Evicts least-recently-used idle, unpinned versions until one more fits under max_loaded."""
@@ -392,6 +427,7 @@ class AdapterManager:
                          [e.version for e in self._loaded.values() if e.adapter == adapter])
             self._known.pop(adapter, None)
             self._aliases.pop(adapter, None)
+            self.staging.forget(adapter)
         elif event.type == EventType.ALIAS_SET:
             aliases = self._aliases.setdefault(adapter, {})
             if event.version:
@@ -489,6 +525,7 @@ class AdapterManager:
     async def _flush_loop(self) -> None:
         while not self._stopping:
             await asyncio.sleep(0.5)
+            self.staging.sweep()
             if self._dirty and self.state_restored.is_set():
                 await self._persist_state()
 

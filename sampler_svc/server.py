@@ -156,6 +156,10 @@ async def start_sampler_server(
                                               lambda: len(manager.list_loaded())),
         "loraplane_sampler_loads": ("Adapter versions loaded since start (a counter)", lambda: manager.loads),
         "loraplane_sampler_events_applied": ("Registry events applied since start", lambda: manager.events_applied),
+        "loraplane_sampler_staged_bytes": ("Bytes pushed by trainers and staged, not yet committed and loaded",
+                                           lambda: manager.staging.held_bytes),
+        "loraplane_sampler_staged_dropped": ("Pushed blobs dropped unused (a counter)",
+                                             lambda: manager.staging.dropped),
         "loraplane_sampler_engine_queue_depth": ("Requests waiting in the engine", lambda: engine_impl.queue_depth),
         "loraplane_sampler_running_requests": ("Requests the engine is running", lambda: engine_impl.running_requests),
     })

@@ -6,9 +6,11 @@ status codes by `loraplane.rpc`.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import dataclasses
+import hashlib
 import math
 import re
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -27,6 +29,7 @@ from sampler_svc.engines.base import (
     TopkRows,
 )
 from sampler_svc.fleet import Replica
+from sampler_svc.staging import read_shared_memory
 
 ALIAS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MAX_TOKENS_LIMIT = 4096
@@ -38,6 +41,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_TOPK_PROMPT_LOGPROBS = 20
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}\Z")
+MAX_PUSH_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,17 @@ class SamplerStatus:
     keep_versions: int
     max_loaded: int
     engine_servers: list[str]
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    """PushVersion's header: the blob a trainer is publishing for `adapter`, in a shared-memory segment of this host
+    (`shared_memory_name`) or as the chunks that follow."""
+
+    adapter: str
+    sha256: str
+    size_bytes: int
+    shared_memory_name: str = ""
 
 
 @dataclass
@@ -337,6 +353,55 @@ class SamplerService:
             keep_versions=self.manager.keep_versions, max_loaded=self.manager.max_loaded,
             engine_servers=self.engine.server_urls if caller.scope is None else [])
 
+
+    def authorize_push(self, caller: Identity) -> None:
+        """Before a push's first message is read: only the services of this deployment (and operators) push."""
+        caller.require_service("PushVersion")
+
+    async def push_version(self, header: PushHeader, chunks: AsyncIterator[bytes], *,
+                           caller: Identity = OPEN) -> bool:
+        """Stages a pushed blob for the adapter manager (sampler_svc/staging.py); True when staged, False when this
+        sampler already holds those bytes. Staging serves nothing by itself: the bytes become a version only when the
+        registry commits them as one. A push cut off midway, or whose bytes do not hash to header.sha256, stages
+        nothing."""
+        self.authorize_push(caller)
+        validate_name(header.adapter, "header.adapter")
+        caller.authorize(header.adapter, "header.adapter")
+        if not header.adapter.startswith(self.manager.watch_prefix):
+            raise errors.PermissionDenied(f"header.adapter: this sampler serves only adapters named "
+                                          f"{self.manager.watch_prefix}*", field="header.adapter")
+        if not SHA256_HEX.match(header.sha256):
+            raise errors.InvalidArgument(f"header.sha256 {errors.shown(header.sha256)} is not a lower-case hex sha256",
+                                         field="header.sha256")
+        if header.size_bytes < 1:
+            raise errors.InvalidArgument("header.size_bytes must be > 0", field="header.size_bytes")
+        staging = self.manager.staging
+        if self.manager.holds_blob(header.adapter, header.sha256) or staging.has(header.adapter, header.sha256):
+            return False
+        incoming = staging.begin(header.adapter, header.sha256, header.size_bytes)
+        try:
+            if header.shared_memory_name:
+                async for _ in chunks:
+                    raise errors.InvalidArgument("chunk: a push through shared memory carries no chunks",
+                                                 field="chunk")
+                blob = await asyncio.to_thread(read_shared_memory, header.shared_memory_name, header.size_bytes)
+                await staging.finish(incoming, blob)
+                return True
+            received = bytearray()
+            hasher = hashlib.sha256()
+            async for chunk in chunks:
+                if len(chunk) > MAX_PUSH_CHUNK_BYTES:
+                    raise errors.InvalidArgument(f"chunk has {len(chunk)} bytes; the limit is {MAX_PUSH_CHUNK_BYTES}",
+                                                 field="chunk")
+                if len(received) + len(chunk) > header.size_bytes:
+                    raise errors.InvalidArgument(f"the chunks exceed header.size_bytes ({header.size_bytes})",
+                                                 field="chunk")
+                hasher.update(chunk)
+                received += chunk
+            await staging.finish(incoming, bytes(received), hasher)
+            return True
+        finally:
+            staging.abort(incoming)  # no-op once staged
 
     def list_replicas(self, page_size: int, page_token: str, *, caller: Identity = OPEN) -> ReplicaListing:
         """The fleet's live replicas (this sampler alone outside a fleet). Replica addresses and loads are the

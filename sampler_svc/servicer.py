@@ -12,7 +12,7 @@ from loraplane.rpc import map_servicer_errors
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from sampler_svc.adapter_manager import LoadedVersion
 from sampler_svc.engines.base import FINISH_LENGTH, FINISH_STOP
-from sampler_svc.service import AdapterSelector, SamplerService, SamplingInput
+from sampler_svc.service import AdapterSelector, PushHeader, SamplerService, SamplingInput
 
 _FINISH = {
     None: sampler_pb2.FINISH_REASON_UNSPECIFIED,
@@ -149,3 +149,23 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
                 loaded_versions=r.loaded_versions,
                 heartbeat_time=_timestamp(r.heartbeat_at) if r.heartbeat_at else None) for r in listing.replicas],
             next_page_token=listing.next_page_token, fleet=listing.fleet, replica_id=listing.replica_id)
+
+    async def PushVersion(self, request_iterator, context) -> sampler_pb2.PushVersionResponse:
+        caller = current_caller()
+        self.service.authorize_push(caller)  # before reading anything of the stream
+        requests = request_iterator.__aiter__()
+        first = await anext(requests, None)
+        if first is None or first.WhichOneof("payload") != "header":
+            raise errors.InvalidArgument("the first message of PushVersion must be the header", field="header")
+        header = first.header
+
+        async def chunks():
+            async for message in requests:
+                if message.WhichOneof("payload") != "chunk":
+                    raise errors.InvalidArgument("only chunks follow the header", field="chunk")
+                yield message.chunk
+
+        staged = await self.service.push_version(
+            PushHeader(adapter=header.adapter, sha256=header.sha256, size_bytes=header.size_bytes,
+                       shared_memory_name=header.shared_memory_name), chunks(), caller=caller)
+        return sampler_pb2.PushVersionResponse(staged=staged)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from loraplane import errors
 from loraplane.auth import authenticator_from_settings
 from loraplane.config import Settings
+from loraplane.membership import Membership
 from loraplane.metrics import register_source, unregister_source
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import ClientSecurity, GrpcServer, ServerSecurity
@@ -18,6 +19,7 @@ from trainer_svc.backends import build_backend
 from trainer_svc.backends.base import TrainerBackend
 from trainer_svc.fleet import FleetMember
 from trainer_svc.fleet_store import FleetStore
+from trainer_svc.handoff import Handoff
 from trainer_svc.journal import TrainingJournal
 from trainer_svc.service import TrainerLimits, TrainerService
 from trainer_svc.servicer import TrainerServicer
@@ -50,6 +52,8 @@ class RunningTrainer:
         finally:
             if self.servicer is not None:
                 await self.servicer._close()
+            if self.service.handoff is not None:
+                await self.service.handoff.close()
             await self.service.close()
             self.service.backend.close()
             await self.registry.close()
@@ -110,6 +114,12 @@ async def start_trainer_server(
         log.warning("NO TRAINING JOURNAL: set LORAPLANE_REDIS_URL to make training durable; a crash of this trainer "
                     "loses every adapter's state since its last SaveState")
     service = service_class(backend_impl, registry, trainer_limits, journal=training_journal)
+    if settings.sampler_fleet and settings.redis_url:
+        # Published versions also go straight to the replicas of this deployment's sampler fleet that load them
+        # first (trainer_svc/handoff.py); the registry stays the record.
+        service.handoff = Handoff(Membership(settings.redis_url, key_prefix=settings.key_prefix,
+                                             fleet=settings.sampler_fleet),
+                                  ClientSecurity.from_settings(settings), preload=settings.sampler_fleet_preload)
     server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "trainer"),
                         security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
     servicer = TrainerServicer(service, trainer_id=settings.trainer_id,
@@ -136,6 +146,8 @@ async def start_trainer_server(
     except BaseException:
         if member is not None:
             await member.stop()
+        if service.handoff is not None:
+            await service.handoff.close()
         await service.close()
         await registry.close()
         raise

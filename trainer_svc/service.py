@@ -182,6 +182,8 @@ class TrainerService:
         self._queued = TenantCounter("max_queued_requests")
         # A trainer_svc.fleet.FleetMember when this trainer is one of a fleet (it decides which adapters it serves).
         self.fleet = None
+        # A trainer_svc.handoff.Handoff when published versions are also pushed to the deployment's samplers.
+        self.handoff = None
 
     @property
     def base_model(self) -> str:
@@ -413,13 +415,24 @@ class TrainerService:
                     # arrive only when the digest comes first; with a trailer it holds the blob and writes it
                     # after the stream, measured slower at the 8B shape (docs/benchmarks.md, bench/publish.py).
                     await asyncio.to_thread(exported.blob.make)
-                version = await self.registry.publish(
-                    adapter, exported.blob, kind=kind, training_step=exported.step, metadata=dict(metadata),
-                    aliases=list(aliases), idempotency_key=exported.idempotency_key)
+                # The samplers that will load this version get its bytes straight from here, beside the upload
+                # (trainer_svc/handoff.py); they use them only once the registry has committed them.
+                push = (self.handoff.start(adapter, exported.blob) if self.handoff is not None
+                        and kind == VERSION_KIND_WEIGHTS and isinstance(exported.blob, StreamedBlob) else None)
+                try:
+                    version = await self.registry.publish(
+                        adapter, exported.blob, kind=kind, training_step=exported.step, metadata=dict(metadata),
+                        aliases=list(aliases), idempotency_key=exported.idempotency_key)
+                except BaseException:
+                    if push is not None:
+                        await self.handoff.settle(push, committed=False)
+                    raise
                 exported.version = version
                 exported.blob = None  # the cache keeps the version, not the bytes
                 await self.durability.published(adapter, exported.seq_id, version, exported.step,
                                                 exported.idempotency_key)
+                if push is not None:
+                    await self.handoff.settle(push, committed=True)
             return exported.version
 
     async def load_state(self, adapter: str, seq_id: int, source: SourceRef, with_optimizer: bool,

@@ -541,3 +541,69 @@ class ListReplicasResponse(google.protobuf.message.Message):
     def ClearField(self, field_name: typing.Literal["fleet", b"fleet", "next_page_token", b"next_page_token", "replica_id", b"replica_id", "replicas", b"replicas"]) -> None: ...
 
 global___ListReplicasResponse = ListReplicasResponse
+
+@typing.final
+class PushVersionHeader(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: builtins.int
+    SHA256_FIELD_NUMBER: builtins.int
+    SIZE_BYTES_FIELD_NUMBER: builtins.int
+    SHARED_MEMORY_NAME_FIELD_NUMBER: builtins.int
+    adapter: builtins.str
+    sha256: builtins.str
+    """Lower-case hex sha256 of the whole blob: what the registry's commit event must carry for it to be used."""
+    size_bytes: builtins.int
+    shared_memory_name: builtins.str
+    """A POSIX shared-memory segment of the sampler's host holding the blob in its first size_bytes bytes (the
+    pusher's; it is unlinked after the answer). Empty = the bytes follow as chunks.
+    """
+    def __init__(
+        self,
+        *,
+        adapter: builtins.str = ...,
+        sha256: builtins.str = ...,
+        size_bytes: builtins.int = ...,
+        shared_memory_name: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["adapter", b"adapter", "sha256", b"sha256", "shared_memory_name", b"shared_memory_name", "size_bytes", b"size_bytes"]) -> None: ...
+
+global___PushVersionHeader = PushVersionHeader
+
+@typing.final
+class PushVersionRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: builtins.int
+    CHUNK_FIELD_NUMBER: builtins.int
+    chunk: builtins.bytes
+    """At most 4 MiB each, size_bytes in all."""
+    @property
+    def header(self) -> global___PushVersionHeader: ...
+    def __init__(
+        self,
+        *,
+        header: global___PushVersionHeader | None = ...,
+        chunk: builtins.bytes = ...,
+    ) -> None: ...
+    def HasField(self, field_name: typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["payload", b"payload"]) -> typing.Literal["header", "chunk"] | None: ...
+
+global___PushVersionRequest = PushVersionRequest
+
+@typing.final
+class PushVersionResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    STAGED_FIELD_NUMBER: builtins.int
+    staged: builtins.bool
+    """False when nothing was staged because the sampler already holds this blob (staged or loaded)."""
+    def __init__(
+        self,
+        *,
+        staged: builtins.bool = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["staged", b"staged"]) -> None: ...
+
+global___PushVersionResponse = PushVersionResponse

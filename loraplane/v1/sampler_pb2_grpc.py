@@ -75,6 +75,11 @@ class SamplerServiceStub(object):
                 request_serializer=loraplane_dot_v1_dot_sampler__pb2.ListReplicasRequest.SerializeToString,
                 response_deserializer=loraplane_dot_v1_dot_sampler__pb2.ListReplicasResponse.FromString,
                 _registered_method=True)
+        self.PushVersion = channel.stream_unary(
+                '/loraplane.v1.SamplerService/PushVersion',
+                request_serializer=loraplane_dot_v1_dot_sampler__pb2.PushVersionRequest.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_sampler__pb2.PushVersionResponse.FromString,
+                _registered_method=True)
 
 
 class SamplerServiceServicer(object):
@@ -136,6 +141,18 @@ class SamplerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushVersion(self, request_iterator, context):
+        """The bytes of a version a trainer is publishing, handed straight to the samplers of its deployment while the
+        registry stores them (docs/architecture.md, "Which path a version took"). First message: the header; then
+        chunks, or none when the header names a shared-memory segment on this host. The sampler only stages the bytes
+        (sha256 verified) and activates them as version N when the registry's commit event for N carries the same
+        sha256; staged bytes never committed are dropped. Service and admin keys only: a tenant's key is
+        PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +195,11 @@ def add_SamplerServiceServicer_to_server(servicer, server):
                     servicer.ListReplicas,
                     request_deserializer=loraplane_dot_v1_dot_sampler__pb2.ListReplicasRequest.FromString,
                     response_serializer=loraplane_dot_v1_dot_sampler__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'PushVersion': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushVersion,
+                    request_deserializer=loraplane_dot_v1_dot_sampler__pb2.PushVersionRequest.FromString,
+                    response_serializer=loraplane_dot_v1_dot_sampler__pb2.PushVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +419,33 @@ class SamplerService(object):
             '/loraplane.v1.SamplerService/ListReplicas',
             loraplane_dot_v1_dot_sampler__pb2.ListReplicasRequest.SerializeToString,
             loraplane_dot_v1_dot_sampler__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushVersion(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/loraplane.v1.SamplerService/PushVersion',
+            loraplane_dot_v1_dot_sampler__pb2.PushVersionRequest.SerializeToString,
+            loraplane_dot_v1_dot_sampler__pb2.PushVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,18 @@ class SamplerServiceStub:
     server without auth); a tenant's key gets an empty list and keeps calling the address it was given.
     """
 
+    PushVersion: grpc.StreamUnaryMultiCallable[
+        loraplane.v1.sampler_pb2.PushVersionRequest,
+        loraplane.v1.sampler_pb2.PushVersionResponse,
+    ]
+    """The bytes of a version a trainer is publishing, handed straight to the samplers of its deployment while the
+    registry stores them (docs/architecture.md, "Which path a version took"). First message: the header; then
+    chunks, or none when the header names a shared-memory segment on this host. The sampler only stages the bytes
+    (sha256 verified) and activates them as version N when the registry's commit event for N carries the same
+    sha256; staged bytes never committed are dropped. Service and admin keys only: a tenant's key is
+    PERMISSION_DENIED.
+    """
+
 class SamplerServiceAsyncStub:
     """Samples from the base model or any loaded adapter version. Versions arrive from the registry's event stream."""
 
@@ -118,6 +130,18 @@ class SamplerServiceAsyncStub:
     "Sampler fleet"), from any replica: clients route each adapter to a replica by bounded-load consistent hashing
     over this list. Shown only to callers not confined to a tenant's namespace (admin and service keys, or a
     server without auth); a tenant's key gets an empty list and keeps calling the address it was given.
+    """
+
+    PushVersion: grpc.aio.StreamUnaryMultiCallable[
+        loraplane.v1.sampler_pb2.PushVersionRequest,
+        loraplane.v1.sampler_pb2.PushVersionResponse,
+    ]
+    """The bytes of a version a trainer is publishing, handed straight to the samplers of its deployment while the
+    registry stores them (docs/architecture.md, "Which path a version took"). First message: the header; then
+    chunks, or none when the header names a shared-memory segment on this host. The sampler only stages the bytes
+    (sha256 verified) and activates them as version N when the registry's commit event for N carries the same
+    sha256; staged bytes never committed are dropped. Service and admin keys only: a tenant's key is
+    PERMISSION_DENIED.
     """
 
 class SamplerServiceServicer(metaclass=abc.ABCMeta):
@@ -185,6 +209,20 @@ class SamplerServiceServicer(metaclass=abc.ABCMeta):
         "Sampler fleet"), from any replica: clients route each adapter to a replica by bounded-load consistent hashing
         over this list. Shown only to callers not confined to a tenant's namespace (admin and service keys, or a
         server without auth); a tenant's key gets an empty list and keeps calling the address it was given.
+        """
+
+    @abc.abstractmethod
+    def PushVersion(
+        self,
+        request_iterator: _MaybeAsyncIterator[loraplane.v1.sampler_pb2.PushVersionRequest],
+        context: _ServicerContext,
+    ) -> typing.Union[loraplane.v1.sampler_pb2.PushVersionResponse, collections.abc.Awaitable[loraplane.v1.sampler_pb2.PushVersionResponse]]:
+        """The bytes of a version a trainer is publishing, handed straight to the samplers of its deployment while the
+        registry stores them (docs/architecture.md, "Which path a version took"). First message: the header; then
+        chunks, or none when the header names a shared-memory segment on this host. The sampler only stages the bytes
+        (sha256 verified) and activates them as version N when the registry's commit event for N carries the same
+        sha256; staged bytes never committed are dropped. Service and admin keys only: a tenant's key is
+        PERMISSION_DENIED.
         """
 
 def add_SamplerServiceServicer_to_server(servicer: SamplerServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...
