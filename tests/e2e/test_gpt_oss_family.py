@@ -160,6 +160,18 @@ def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, b
     assert not torch.allclose(ours, packed_logits(backend, [row], [None])[0], atol=1e-3)
 
 
+def test_tinkers_attn_key_names_are_the_same_targets(backend):
+    base = backend.base
+    spec = LoraSpec.create(4, 8, [], seed=6, available=tuple(base.module_dims))
+    params = trained_like(base, spec, 3)
+    tinker = {k.replace(".self_attn.", ".attn."): v for k, v in params.items()}
+    assert sum(".attn." in k for k in tinker) == 2 * 4 * base.num_layers
+    row = rows_of(2, [10])[0]
+    ours = packed_logits(backend, [row], [AdapterTensors.from_params(params, spec)])[0]
+    theirs = packed_logits(backend, [row], [AdapterTensors.from_params(tinker, spec)])[0]
+    assert torch.equal(ours, theirs)
+
+
 def _broken_copy(checkpoint, name, edit=None):
     broken = checkpoint.parent / name
     broken.mkdir(exist_ok=True)

@@ -97,6 +97,9 @@ BLOCK_TARGETS = frozenset(MAMBA_TARGETS + BLOCK_ATTENTION_TARGETS + BLOCK_MLP_TA
 ALL_TARGETS = tuple(TARGETS)
 # key_path -> target (the experts' two paths included): how a PEFT / Tinker key names its target.
 TARGET_BY_KEY_PATH = {t.key_path: t.name for t in TARGETS.values()}
+# Tinker names gpt-oss's attention ``.attn`` in its adapter keys (the cookbook remaps it to ``.self_attn``): a key of
+# either spelling names the same target.
+TARGET_BY_KEY_PATH.update({f"attn.{name}": name for name in ATTENTION_TARGETS})
 
 # ------------------------------------------------------------------------------------------------ features
 
