@@ -50,7 +50,8 @@ class SamplingParams(_Body):
     top_p: Annotated[Finite, Field(ge=0)] | None = None
     top_k: Annotated[int, Field(strict=True, ge=-1, le=INT32_MAX)] | None = None
     seed: Seed | None = None
-    stop: str | list[str] | list[Token] | None = None
+    # Strings or token ids: checked by the service (a union here would name a union member, not the field).
+    stop: Any = None
 
 
 class Sample(_Body):

@@ -105,7 +105,11 @@ def sampling_spec(params: dict[str, Any], default_max_tokens: int) -> SamplingSp
         elif all(isinstance(s, int) for s in stop):
             spec.stop_token_ids = [num(s, "sampling_params.stop", lo=0, hi=INT32_MAX) for s in stop]
         else:
-            raise errors.InvalidArgument("sampling_params.stop: strings or token ids, not both", field="stop")
+            raise errors.InvalidArgument("sampling_params.stop: strings or token ids, not both",
+                                         field="sampling_params.stop")
+    elif stop is not None:
+        raise errors.InvalidArgument(f"sampling_params.stop {errors.shown(stop)}: a string or a list of strings or "
+                                     "token ids", field="sampling_params.stop")
     if spec.top_p is not None and spec.top_p >= 1.0:
         spec.top_p = None
     return spec
@@ -684,6 +688,7 @@ class TinkerService:
             raise errors.InvalidArgument(
                 f"prompt_logprobs_last_n {last_n}: must be >= 1 and needs prompt_logprobs or topk_prompt_logprobs",
                 field="prompt_logprobs_last_n")
+        sampling_spec(body.get("sampling_params") or {}, self.settings.default_max_tokens)  # refused here, not later
         # (sampling session, seq_id) identifies a sample; a request without a seq_id is never deduplicated.
         seq_id = num(body["seq_id"], "seq_id") if body.get("seq_id") is not None else None
         request_id = await self._submit(f"sampler:{sampler_id}", seq_id, {

@@ -162,6 +162,8 @@ MALFORMED = [
     ({"sampling_params": {"top_k": 2**40}}, "sampling_params.top_k"),
     ({"sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
     ({"sampling_params": {"stop": [5, 2**33]}}, "sampling_params.stop"),
+    ({"sampling_params": {"stop": 5}}, "sampling_params.stop"),
+    ({"sampling_params": {"stop": ["a", 5]}}, "sampling_params.stop"),
     ({"num_samples": True}, "num_samples"),
     ({"num_samples": 2**40}, "num_samples"),
     ({"seq_id": 2**70}, "seq_id"),
