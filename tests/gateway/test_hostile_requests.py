@@ -331,6 +331,9 @@ def test_sessions_are_listed_and_described(cluster, service):
     assert len(rest.list_sessions(limit=1, offset=0).result().sessions) == 1
     with pytest.raises(tinker.NotFoundError):
         rest.get_session("s000000000000").result()
+    # No JWT is issued (docs/tinker.md): the SDK's whoami says so itself, without a request.
+    with pytest.raises(RuntimeError, match="JWT"):
+        rest.whoami().result()
 
 
 def test_a_served_name_loads_the_tokenizer_offline(cluster, service, tmp_path):

@@ -17,7 +17,13 @@ namespace shared by all tenants, and most lookups checked only that the id exist
 - hole 6: the streaming completions / chat / messages routes answered 200 and put the permission error inside the
   event stream; now 403 before the stream starts (and, via the official clients, PermissionDeniedError);
 - counts: `total_count` of /training_runs and /checkpoints counted every tenant's items; B's now counts its own.
-The snapshot check (A's state unchanged) failed for holes 2 and 4 before the fix: B's writes landed in A's records."""
+The snapshot check (A's state unchanged) failed for holes 2 and 4 before the fix: B's writes landed in A's records.
+
+Issue 31 added the write routes tried with B's own resources and A's ids (B's own checkpoint loaded into a new model
+of A's session, B's own sampler weights in a sampling session of A's session), a check that a refused case leaves
+B's own registry and trainer listings unchanged too, and the routes that issue added: `/sessions` (listing and
+get), `/unload_model`, and Tinker's OpenAI surface `/oai/api/v1` with A's tinker:// sampler path as the model (a 404
+exactly like a never-saved path). Before issue 31 those routes did not exist (the suite fails 7 tests there)."""
 
 from __future__ import annotations
 
