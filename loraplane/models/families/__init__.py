@@ -160,7 +160,7 @@ def detect_features(config) -> dict[str, str]:
     if rope_type == "llama3":
         found[ROPE_LLAMA3] = "llama3 RoPE scaling"
     elif rope_type == "yarn":
-        found[ROPE_YARN] = "YaRN RoPE scaling"
+        found[ROPE_YARN] = "rope_scaling type 'yarn' (YaRN)"
     elif rope_type not in _SUPPORTED_ROPE:
         found[f"unsupported:rope:{rope_type}"] = f"rope_scaling type {rope_type!r}"
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
