@@ -55,29 +55,63 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": {"arch": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+    # transformers' Qwen3.5 text configs default to these two models' shapes (9B: 32 layers, 3 Gated DeltaNet : 1
+    # gated attention, hidden 4096; 35B-A3B: 40 layers, 256 experts top-8 beside a shared expert).
+    "qwen3.5-9b": {"arch": "qwen3_5_text"},
+    "qwen3.5-35b-a3b": {"arch": "qwen3_5_moe_text"},
+    # gpt-oss-20b: 24 layers, 32 experts top-4 (the config's defaults are the 120b's).
+    "gpt-oss-20b": {"arch": "gpt_oss", "num_hidden_layers": 24, "num_local_experts": 32,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072},
 }
+# Families whose HF attention is eager only (gpt-oss's sinks: transformers refuses SDPA for them).
+_EAGER_ARCHES = ("gpt_oss",)
 
 
 def build_hf_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """A random-weight HF causal LM of the shape, allocated and initialized on ``device`` (an 8B model never
     passes through host memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if shape in SHAPES:
         fields = dict(SHAPES[shape])
         arch = fields.pop("arch")
-        config = (LlamaConfig if arch == "llama" else Qwen3Config)(max_position_embeddings=8192, **fields)
+        fields.setdefault("max_position_embeddings", 8192)
+        config = AutoConfig.for_model(arch, **fields)
     elif Path(shape).is_dir():
         config = AutoConfig.from_pretrained(shape, local_files_only=True)
     else:
         raise SystemExit(f"--shape {shape!r}: not one of {sorted(SHAPES)} and not a local HF directory")
-    config._attn_implementation = "sdpa"
+    attention = "eager" if config.model_type in _EAGER_ARCHES else "sdpa"
+    config._attn_implementation = attention
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     model.to(dtype)
     model.eval().requires_grad_(False)
     return model
+
+
+def model_targets(hf) -> tuple[str, ...]:
+    """Every LoRA target the model's family offers (for Qwen3.5 the linear-attention projections and the shared
+    expert too; for MoE models the routed experts): what both contenders train."""
+    from loraplane.models import families
+
+    return families.lora_targets(hf.config)
+
+
+def peft_targets(targets: tuple[str, ...]) -> dict[str, list[str]]:
+    """The same targets as PEFT names them: projections by module name (Tinker's split in_proj_q/k/v of Qwen3.5's
+    fused in_proj_qkv is one PEFT module), the routed experts' fused 3-D parameters by target_parameters."""
+    from loraplane.models.families import EXPERT_TARGETS
+
+    modules: list[str] = []
+    for t in targets:
+        if t in EXPERT_TARGETS:
+            continue
+        name = "in_proj_qkv" if t in ("in_proj_q", "in_proj_k", "in_proj_v") else t
+        if name not in modules:
+            modules.append(name)
+    return {"target_modules": modules, "target_parameters": [f"mlp.{t}" for t in targets if t in EXPERT_TARGETS]}
 
 
 def count_params(model) -> int:
@@ -150,13 +184,13 @@ class DirectDriver:
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
-    def create(self, name: str, rank: int, seed: int) -> None:
+    def create(self, name: str, rank: int, seed: int, targets: tuple[str, ...] = TARGETS) -> None:
         """What CreateAdapter does on the trainer, minus the registry record (nothing is published here)."""
         from loraplane.lora import LoraSpec
         from trainer_svc.journal import AdapterRecord
 
         svc = self.service
-        spec = LoraSpec.create(rank, 2.0 * rank, list(TARGETS), seed, max_rank=svc.limits.max_lora_rank)
+        spec = LoraSpec.create(rank, 2.0 * rank, list(targets), seed, max_rank=svc.limits.max_lora_rank)
         record = AdapterRecord(name=name, rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules),
                                seed=spec.seed, base_model=svc.base_model, uid=uuid.uuid4().hex)
 
@@ -232,9 +266,9 @@ class GrpcDriver:
         self.client = ServiceClient(trainer=self.trainer.address, registry=self.registry.address)
         self.training: dict[str, Any] = {}
 
-    def create(self, name: str, rank: int, seed: int) -> None:
+    def create(self, name: str, rank: int, seed: int, targets: tuple[str, ...] = TARGETS) -> None:
         self.training[name] = self.client.create_lora_training_client(rank=rank, alpha=2.0 * rank, seed=seed,
-                                                                      name=name)
+                                                                      target_modules=list(targets), name=name)
 
     def step_fn(self, shares: dict[str, list[DatumPayload]], lr: float):
         from loraplane.client import AdamParams, Datum, ModelInput

@@ -44,7 +44,6 @@ from bench.common import environment
 from bench.harness import (
     PEAK_BF16_FLOPS,
     SHAPES,
-    TARGETS,
     Contender,
     DirectDriver,
     GrpcDriver,
@@ -52,6 +51,8 @@ from bench.harness import (
     build_backend,
     build_hf_model,
     count_params,
+    model_targets,
+    peft_targets,
     profile_steps,
     random_data,
     time_rounds,
@@ -70,7 +71,7 @@ def peft_contender(hf, ids: torch.Tensor, targets: torch.Tensor, rank: int, chec
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                          target_modules=list(TARGETS)))
+                                          **peft_targets(model_targets(hf))))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # HF applies gradient checkpointing in training mode only; every dropout of these configs is 0
@@ -201,7 +202,7 @@ def main(argv=None) -> dict:
                 shares = {}
                 for t in range(n):
                     name = f"{mode}-{n}t-{t}"
-                    driver.create(name, args.rank, seed=100 + t)
+                    driver.create(name, args.rank, seed=100 + t, targets=model_targets(hf))
                     shares[name] = rows_data[t * per : (t + 1) * per]
                 contenders.append(Contender(f"{backend_kind}/{mode}/{n}t", driver.step_fn(shares, args.lr)))
     if not args.no_peft:
