@@ -24,8 +24,6 @@ from safetensors.torch import load as st_load
 
 from loraplane.errors import DataLoss, InvalidArgument, clip
 from loraplane.expert_layout import fold_copies, shared_copies
-from loraplane.models.families import TARGETS
-from loraplane.models.families.base import BLOCK_TARGETS
 from loraplane.lora import (
     EXPERT_TARGETS,
     PEFT_PREFIX,
@@ -36,6 +34,8 @@ from loraplane.lora import (
     parse_peft_key,
     peft_key,
 )
+from loraplane.models.families import TARGETS
+from loraplane.models.families.base import BLOCK_TARGETS
 
 ADAPTER_CONFIG_KEY = "adapter_config"
 TRAINING_STATE_KEY = "loraplane_training_state"

@@ -62,7 +62,8 @@ def dequantized_state_dict(directory: Path, dtype: torch.dtype, transpose: bool 
     raw: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
+            names = handle.keys()
+            for key in names:
                 raw[key] = handle.get_tensor(key)
     state: dict[str, torch.Tensor] = {}
     for key, tensor in raw.items():

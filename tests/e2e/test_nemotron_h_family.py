@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter
 from loraplane.errors import FailedPrecondition
-from loraplane.lora import AdapterTensors, LoraSpec, init_lora_params
+from loraplane.lora import AdapterTensors, LoraSpec
 from loraplane.models import families, load_base_model
 from loraplane.models.families.base import (
     BLOCK_ATTENTION_TARGETS,
@@ -22,7 +22,6 @@ from loraplane.models.families.base import (
     BLOCK_SHARED_EXPERT_TARGETS,
     MAMBA_TARGETS,
 )
-from loraplane.models.packed import packed_sequences
 from tests.e2e.test_gpt_oss_family import _broken_copy, packed_logits, rows_of, trained_like
 from tests.fixtures.models import build_checkpoint
 from trainer_svc.backends.torch_backend import TorchBackend
@@ -145,6 +144,6 @@ def test_an_unsupported_nemotron_h_variant_is_refused_naming_every_feature(check
     with pytest.raises(FailedPrecondition) as info:
         load_base_model(str(broken))
     message = info.value.message
-    for piece in ("MLP biases", "attention biases including o_proj (attention_bias=True) (not part of the "
-                  "nemotron_h family)"):
+    for piece in ("MLP biases",
+                  "attention biases including o_proj (attention_bias=True) (not part of the nemotron_h family)"):
         assert piece in message, piece

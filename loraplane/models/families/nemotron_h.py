@@ -75,8 +75,8 @@ _SGLANG = {"mixer.in_proj": "in_proj", "mixer.out_proj": "out_proj", "mixer.q_pr
            "mixer.up_proj": "up_proj", "mixer.down_proj": "down_proj",
            "mixer.shared_experts.up_proj": "up_proj", "mixer.shared_experts.down_proj": "down_proj"}
 _MEGATRON_LACKS = (
-    "Mamba-2 layers (megatron-core's MambaMixer needs the mamba_ssm and causal_conv1d CUDA kernels, not in this "
-    "image)",
+    ("Mamba-2 layers (megatron-core's MambaMixer needs the mamba_ssm and causal_conv1d CUDA kernels, not in this "
+     "image)"),
     "non-gated relu^2 experts with a sigmoid grouped router",
 )
 
