@@ -33,7 +33,14 @@ import torch.nn.functional as F
 
 from loraplane import errors
 from loraplane.adapter_format import parse_adapter
-from loraplane.lora import AdapterTensors, attach_multi_lora, expected_shapes, lora_routing, lora_row_windows
+from loraplane.lora import (
+    AdapterTensors,
+    attach_multi_lora,
+    expected_shapes,
+    lora_routing,
+    lora_row_windows,
+    lora_segments,
+)
 from loraplane.models import BaseModel, load_base_model
 from sampler_svc.engines.base import (
     FINISH_LENGTH,
@@ -355,7 +362,7 @@ class TorchEngine(Engine):
         windows): logits [T, V] (or the last position's, [1, V]) and the model's cache."""
         model = self._require_base().model
         ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
-        with lora_routing(model, [adapter]):
+        with _whole_call(model, adapter, len(tokens)):
             out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1)
         return out.logits[0].float(), out.past_key_values
 
@@ -367,7 +374,7 @@ class TorchEngine(Engine):
         for row in rows:
             ids = torch.tensor([[row.last_token]], dtype=torch.long, device=self._device)
             positions = torch.tensor([[row.length]], dtype=torch.long, device=self._device)
-            with lora_routing(model, [row.owner.adapter]):
+            with _whole_call(model, row.owner.adapter, 1):
                 out = model(input_ids=ids, position_ids=positions, cache=row.cache, use_cache=True)
             row.cache = out.past_key_values
             row.length += 1
@@ -454,6 +461,13 @@ class TorchEngine(Engine):
         # One update per new token: SampleStream relays them as they come.
         row.owner.emit(GenerationUpdate(sequence_index=row.sample_index, tokens=[row.tokens[-1]],
                                         logprobs=[row.logprobs[-1]], finish_reason=row.finish_reason))
+
+
+def _whole_call(model, adapter: AdapterTensors | None, tokens: int):
+    """LoRA routing for a forward of one row: its `tokens` tokens all use `adapter`. As token ranges, like the
+    trainer's packed rows, so a module that flattens the row to [tokens, hidden] (Qwen3.5-MoE's shared expert) is
+    routed as well."""
+    return lora_segments(model, [(0, tokens, adapter)])
 
 
 def _project_qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -13,6 +13,9 @@ the Q, K and V rows of the fused in_proj_qkv: Tinker's keys ``linear_attn.in_pro
 out_proj of the linear-attention layers; the dense MLP, or the routed experts and the shared expert's three
 projections. The shared expert's gate (hidden -> 1) is not a target.
 
+Sampling: the torch engine decodes through transformers' own forward and cache (``hf_decode``: the conv and
+recurrent states of the linear-attention layers beside the full-attention layers' KV cache).
+
 Packed rows: the trainer lays datums end to end in one row. The Gated DeltaNet's causal conv1d and its recurrent
 state would carry one datum into the next, so :func:`enable_packing` makes each linear-attention layer run its
 conv1d and delta rule per datum (the projections still see the whole row, as every other linear layer does).
@@ -168,8 +171,8 @@ def _tiny_text(vocab_size: int, **extra) -> dict:
                 bos_token_id=1, eos_token_id=4, pad_token_id=0, **extra)
 
 
-_TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                    temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+_TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}
 
 
 def tiny_dense_config(vocab_size: int):
@@ -204,7 +207,7 @@ DENSE = HybridFamily(
     lacks=("moe",), implied=_IMPLIED, backend_lacks={"megatron": _MEGATRON_LACKS},
     checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS,
     mlp_targets={"dense": DENSE_MLP_TARGETS}, sglang=_SGLANG, tiny=tiny_dense_config, packing=enable_packing,
-    notes="q_proj's output is [query | gate] per head (2 x heads x head_dim rows)")
+    hf_decode=True, notes="q_proj's output is [query | gate] per head (2 x heads x head_dim rows)")
 
 MOE_FAMILY = HybridFamily(
     model_type="qwen3_5_moe", config_types=("qwen3_5_moe_text",),
@@ -216,6 +219,6 @@ MOE_FAMILY = HybridFamily(
     backend_lacks={"megatron": _MEGATRON_LACKS + ("the shared expert and its sigmoid gate",)},
     checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS,
     mlp_targets={"moe": SHARED_EXPERT_TARGETS + EXPERT_TARGETS}, sglang=_SGLANG_MOE, tiny=tiny_moe_config,
-    packing=enable_packing)
+    packing=enable_packing, hf_decode=True)
 
 FAMILIES = (DENSE, MOE_FAMILY)
