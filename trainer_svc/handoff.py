@@ -12,7 +12,9 @@ gets the stream too.
 A push is only a head start. Samplers stage the bytes and use them only when the registry commits them as the version
 (same sha256), so the registry stays the record: the publish is acknowledged after the registry's commit, as before,
 and a push that fails, is cut off or is never committed costs a sampler a download and nothing else. The publish
-waits for its pushes at most `ack_wait_s` after the commit; then they finish (or not) on their own.
+waits for its pushes at most `ack_wait_s` after the commit; then they finish (or not) on their own. A small blob (up
+to `lead_bytes`) is pushed before its upload starts instead of beside it: that takes milliseconds, and a sampler
+then holds the bytes before the commit event can reach it, rather than racing its own download of them.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def on_this_host(address: str) -> bool:
 class Handoff:
     def __init__(self, membership: Membership, security: ClientSecurity | None = None, *, preload: int = 2,
                  timeout_s: float = 60.0, ack_wait_s: float = 5.0, refresh_s: float = 1.0,
-                 shared_memory: bool = True):
+                 shared_memory: bool = True, lead_bytes: int = 16 << 20):
         self.membership = membership
         self.security = security
         self.preload = preload
@@ -73,6 +75,7 @@ class Handoff:
         self.ack_wait_s = ack_wait_s
         self.refresh_s = refresh_s
         self.shared_memory = shared_memory
+        self.lead_bytes = lead_bytes
         self._members: list[tuple[str, str]] = []  # (replica id, address) of the live replicas
         self._read_at = 0.0
         self._clients: dict[str, SamplerPushClient] = {}
@@ -105,13 +108,20 @@ class Handoff:
 
     # ------------------------------------------------------------------ pushing
 
-    def start(self, adapter: str, blob: StreamedBlob) -> asyncio.Task:
-        """Starts pushing a made blob (its digest known) beside the registry upload; see `settle`."""
+    async def start(self, adapter: str, blob: StreamedBlob) -> asyncio.Task:
+        """Starts pushing a made blob (its digest known), to go on beside the registry upload; returns once the
+        upload may start (at once, or for a small blob when its push is done); see `settle`."""
         task = asyncio.create_task(self.push(adapter, blob), name=f"handoff {adapter}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         # A push's failures are its own (logged in `push`); nothing else is reported.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if blob.size <= self.lead_bytes:
+            try:
+                await asyncio.wait({task}, timeout=self.ack_wait_s)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
         return task
 
     async def settle(self, task: asyncio.Task, *, committed: bool) -> None:

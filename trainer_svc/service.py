@@ -417,7 +417,7 @@ class TrainerService:
                     await asyncio.to_thread(exported.blob.make)
                 # The samplers that will load this version get its bytes straight from here, beside the upload
                 # (trainer_svc/handoff.py); they use them only once the registry has committed them.
-                push = (self.handoff.start(adapter, exported.blob) if self.handoff is not None
+                push = (await self.handoff.start(adapter, exported.blob) if self.handoff is not None
                         and kind == VERSION_KIND_WEIGHTS and isinstance(exported.blob, StreamedBlob) else None)
                 try:
                     version = await self.registry.publish(

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from loraplane.membership import Membership
 from loraplane.v1 import (
     common_pb2,
     registry_pb2,
@@ -180,6 +181,36 @@ def test_a_push_cut_off_midway_stages_nothing_and_the_next_publish_is_pushed(dep
         replica.wait_loaded({f"cut@v{version}"})
         assert entry(replica, f"cut@v{version}").path == "push"
         assert staged_nothing(replica)
+
+    # A sampler that dies (still listed: its heartbeat has not expired) fails its push, never the publish; the
+    # other gets the bytes as a stream when shared memory is off (samplers on other hosts).
+    crash(samplers[IDS[1]], deployment[2])
+    handoff = trainer.service.handoff
+    handoff.shared_memory = False
+    before = dict(handoff.pushes)
+    version = train_and_publish(stub, "cut", seq=3, create=False)
+    live.wait_loaded({f"cut@v{version}"})
+    assert entry(live, f"cut@v{version}").path == "push"
+    assert (handoff.pushes["stream"] - before["stream"], handoff.pushes["failed"] - before["failed"]) == (1, 1)
+    assert registry_sha(live, "cut", version) == entry(live, f"cut@v{version}").sha256
+
+
+def crash(live, started) -> None:
+    """The sampler's server goes away without leaving the fleet (its heartbeat just stops), as a killed one's does."""
+    running = live.running
+
+    async def down():
+        running.fleet._task.cancel()
+        await running.server.stop(grace=0)
+        await running.manager.stop()
+        await running.engine.stop()
+        await running.registry.close()
+    live.loop.run(down(), timeout=60)
+    started.remove(live)
+    # Listed as alive for a while yet, however long the next steps take on a busy machine (a heartbeat's TTL).
+    membership = Membership(live.settings.redis_url, key_prefix=live.settings.key_prefix, fleet=FLEET)
+    membership.heartbeat(running.service.replica_id, running.fleet.report(), 60.0)
+    membership.close()
 
 
 def test_pushed_bytes_the_registry_did_not_commit_are_never_served(registry, background_loop):
