@@ -51,6 +51,13 @@ def blob_stream(adapter: str, seed: int, aliases=()) -> Iterator[registry_pb2.Pu
     yield registry_pb2.PublishVersionRequest(chunk=blob)
 
 
+def push_stream(adapter: str, seed: int) -> Iterator[sampler_pb2.PushVersionRequest]:
+    blob = adapter_blob(seed)
+    yield sampler_pb2.PushVersionRequest(header=sampler_pb2.PushVersionHeader(
+        adapter=adapter, sha256=hashlib.sha256(blob).hexdigest(), size_bytes=len(blob)))
+    yield sampler_pb2.PushVersionRequest(chunk=blob)
+
+
 def fresh(prefix: str = "acme/fresh") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
@@ -186,6 +193,8 @@ CASES: dict[str, list[Case]] = {
     S + "GetStatus": [Case(lambda x, c: sampler_pb2.GetStatusRequest(), "own")],
     # Replica addresses and loads are the operator's: a tenant gets an empty list (test_list_replicas_... below).
     S + "ListReplicas": [Case(lambda x, c: sampler_pb2.ListReplicasRequest(), "own")],
+    # The trainer's handoff to the samplers: between a deployment's services, refused to every tenant alike.
+    S + "PushVersion": [Case(lambda x, c: push_stream(x["reg"], 5), "admin")],
 }
 
 if hasattr(trainer_pb2, "ResolveAdapterRequest"):  # the trainer fleet's lookup, as its proto lands
