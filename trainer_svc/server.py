@@ -163,8 +163,16 @@ async def start_trainer_server(
         "loraplane_trainer_fleet_draining": ("1 while this fleet member hands its adapters over",
                                              lambda: int(member.draining)),
     }
+    handoff = service.handoff
+    handoff_metrics = {} if handoff is None else {
+        "loraplane_trainer_handoff_pushes": ("Versions pushed to a sampler by this trainer (a counter)",
+                                             lambda: handoff.pushes["shared_memory"] + handoff.pushes["stream"]),
+        "loraplane_trainer_handoff_push_failures": ("Pushes to a sampler that failed (a counter)",
+                                                    lambda: handoff.pushes["failed"]),
+    }
     running.metrics_source = register_source("trainer", server.address, {
         **fleet_metrics,
+        **handoff_metrics,
         # Read from the metrics thread while the worker changes them: a failed read is skipped (metrics.py).
         "loraplane_trainer_queue_depth": ("Sequenced requests queued or running", lambda: service.scheduler._queued),
         "loraplane_trainer_adapters": ("Adapters on this trainer", lambda: len(service.pool)),
