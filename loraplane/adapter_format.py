@@ -25,7 +25,6 @@ from safetensors.torch import load as st_load
 from loraplane.errors import DataLoss, InvalidArgument, clip
 from loraplane.expert_layout import fold_copies, shared_copies
 from loraplane.lora import (
-    EXPERT_TARGETS,
     PEFT_PREFIX,
     PER_EXPERT,
     SHARED_OUTER,
@@ -35,7 +34,7 @@ from loraplane.lora import (
     peft_key,
 )
 from loraplane.models.families import TARGETS
-from loraplane.models.families.base import BLOCK_TARGETS
+from loraplane.models.families.base import BLOCK_TARGETS, NONGATED_EXPERT_TARGETS, ROUTED_EXPERT_TARGETS
 
 ADAPTER_CONFIG_KEY = "adapter_config"
 TRAINING_STATE_KEY = "loraplane_training_state"
@@ -46,6 +45,8 @@ EXP_AVG_SQ = "optimizer.exp_avg_sq."
 
 # PEFT target_parameters names of the expert targets (transformers' fused 3-D expert parameters).
 PEFT_TARGET_PARAMETERS = {"experts.gate_up_proj": "mlp.experts.gate_up_proj", "experts.down_proj": "mlp.experts.down_proj"}
+PEFT_TARGET_PARAMETERS.update({"mixer.experts.up_proj": "mixer.experts.up_proj",
+                               "mixer.experts.down_proj": "mixer.experts.down_proj"})  # Nemotron-H
 EXPERT_LAYOUT_KEY = "loraplane_expert_layout"
 
 
@@ -57,7 +58,7 @@ def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
         "r": spec.rank,
         "lora_alpha": spec.effective_alpha,
         "lora_dropout": 0.0,
-        "target_modules": [t for t in spec.target_modules if t not in EXPERT_TARGETS],
+        "target_modules": [t for t in spec.target_modules if t not in ROUTED_EXPERT_TARGETS],
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -74,7 +75,7 @@ def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
     if spec.has_experts:
         # HF PEFT's LoRA on transformers' fused 3-D experts; the per-expert tensors are in the file whatever the
         # layout (shared factors repeated per expert), the layout is recorded so a reader can fold them back.
-        config["target_parameters"] = [PEFT_TARGET_PARAMETERS[t] for t in spec.target_modules if t in EXPERT_TARGETS]
+        config["target_parameters"] = [PEFT_TARGET_PARAMETERS[t] for t in spec.target_modules if t in ROUTED_EXPERT_TARGETS]
         config[EXPERT_LAYOUT_KEY] = spec.expert_layout
     return config
 
@@ -348,7 +349,7 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
             raise InvalidArgument(f"{field}: {key} targets {module}, not in target_modules", field=field)
         if len(shape) != 2 or min(shape) < 1:
             raise InvalidArgument(f"{field}: {key} must be 2-D and non-empty, got shape {shape}", field=field)
-        if module not in EXPERT_TARGETS:
+        if module not in ROUTED_EXPERT_TARGETS:
             layers.add(layer)
         pairs.setdefault((layer, module), {})[which] = shape
     if not shapes:
@@ -356,7 +357,7 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
     if layers != set(range(len(layers))) and not BLOCK_TARGETS.intersection(spec.target_modules):
         # (Nemotron-H's blocks each hold one kind's targets: a block kind left out holds none.)
         raise InvalidArgument(f"{field}: layers {sorted(layers)} are not 0..{len(layers) - 1}", field=field)
-    dense = [m for m in spec.target_modules if m not in EXPERT_TARGETS]
+    dense = [m for m in spec.target_modules if m not in ROUTED_EXPERT_TARGETS]
     for layer in layers:
         for module in _layer_targets(dense, pairs, layer, field):
             got = pairs.get((layer, module), {})
@@ -368,7 +369,7 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
                     f"{spec.rank}", field=field)
     experts_seen: set[int] = set()
     for (layer, module), got in pairs.items():
-        if module not in EXPERT_TARGETS:
+        if module not in ROUTED_EXPERT_TARGETS:
             continue
         if "A" not in got or "B" not in got:
             raise InvalidArgument(f"{field}: layer {layer} {module} lacks lora_A or lora_B", field=field)
@@ -385,8 +386,8 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
     if len(experts_seen) > 1:
         raise InvalidArgument(f"{field}: expert factors disagree on the number of experts {sorted(experts_seen)}",
                               field=field)
-    if spec.has_experts and not any(m in EXPERT_TARGETS for _, m in pairs):
-        raise InvalidArgument(f"{field}: expert targets {[m for m in spec.target_modules if m in EXPERT_TARGETS]} "
+    if spec.has_experts and not any(m in ROUTED_EXPERT_TARGETS for _, m in pairs):
+        raise InvalidArgument(f"{field}: expert targets {[m for m in spec.target_modules if m in ROUTED_EXPERT_TARGETS]} "
                               "have no tensors", field=field)
 
 
@@ -514,9 +515,13 @@ def sglang_packing(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: 
     parts: dict[str, list[ExpertPart]] = {}
     for key, tensor in params.items():
         layer, module, which = parse_peft_key(key)
-        if module not in EXPERT_TARGETS:
+        if module not in ROUTED_EXPERT_TARGETS:
             whole[key] = tensor
             continue
+        if module in NONGATED_EXPERT_TARGETS:
+            # SGLang 0.5.17 serves no LoRA on Nemotron-H's non-gated routed experts.
+            raise InvalidArgument(f"{module}: SGLang does not serve LoRA on Nemotron-H's routed experts",
+                                  field="lora_config.target_modules")
         experts = tensor.shape[0] // spec.rank if which == "A" else tensor.shape[1] // spec.rank
         if which == "A":
             stacked = tensor.view(experts, spec.rank, tensor.shape[1])  # expert e's rows [e r, (e+1) r)
@@ -528,7 +533,7 @@ def sglang_packing(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: 
         if form == "per_expert":
             parts[stacked_key] = list(_expert_parts(layer, proj, which, experts, stacked.shape[1]))
     config = {k: v for k, v in peft_adapter_config(spec, "").items() if k != "target_parameters"}
-    targets = [t for t in spec.target_modules if t not in EXPERT_TARGETS]
+    targets = [t for t in spec.target_modules if t not in ROUTED_EXPERT_TARGETS]
     if spec.has_experts:
         names = _SGLANG_EXPERT_PROJ if form == "per_expert" else _SGLANG_STACKED_PROJ
         targets += [p for p in names if p not in targets]

@@ -34,7 +34,8 @@ import torch
 
 from loraplane.errors import InvalidArgument
 from loraplane.models import families
-from loraplane.models.families import ALL_TARGETS, EXPERT_TARGETS, TARGET_BY_KEY_PATH, TARGETS
+from loraplane.models.families import ALL_TARGETS, TARGET_BY_KEY_PATH, TARGETS
+from loraplane.models.families.base import ROUTED_EXPERT_TARGETS
 from loraplane.threads import one_thread, share_work
 
 # The default targets of a dense model (every decoder projection); a MoE model's defaults come from its family
@@ -59,7 +60,7 @@ class LoraSpec:
 
     @property
     def has_experts(self) -> bool:
-        return any(t in EXPERT_TARGETS for t in self.target_modules)
+        return any(t in ROUTED_EXPERT_TARGETS for t in self.target_modules)
 
     @property
     def effective_alpha(self) -> float:
@@ -141,7 +142,7 @@ def expected_shapes(base, spec: LoraSpec) -> dict[str, tuple[int, int]]:
         for module in spec.target_modules:
             if module not in offered:
                 continue
-            if module in EXPERT_TARGETS:
+            if module in ROUTED_EXPERT_TARGETS:
                 a_shape, b_shape = expert_shapes(module, base.module_dims[module], spec.rank, base.num_experts,
                                                  spec.expert_layout)
                 shapes[peft_key(layer, module, "A")] = a_shape
@@ -235,7 +236,7 @@ def attach_multi_lora(model, target_modules: Sequence[str] = ALL_TARGETS) -> Non
     for layer_index, block in enumerate(model.model.layers):
         by_module: dict[int, tuple[torch.nn.Module, list[str]]] = {}
         for module_name in target_modules:
-            if module_name in EXPERT_TARGETS:
+            if module_name in ROUTED_EXPERT_TARGETS:
                 continue  # the experts' LoRA runs inside the experts implementation (attach_experts)
             linear = family.target_module(block, module_name)
             if linear is None:
@@ -627,14 +628,21 @@ def _experts_range(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
     # a clamped SwiGLU (its own _apply_gate); the Qwen layout is [E, out, in], gate rows first, silu.
     transposed = getattr(module, "is_transposed", False)
     biased = getattr(module, "has_bias", False)
-    gate_up_w = module.gate_up_proj if transposed else module.gate_up_proj.transpose(1, 2)
+    # Nemotron-H's experts are not gated (has_gate False): up_proj [E, ffn, hidden], act(up), down_proj.
+    gated = getattr(module, "has_gate", True)
+    in_target, out_target = getattr(module, "_loraplane_targets", ("experts.gate_up_proj", "experts.down_proj"))
+    in_param = module.gate_up_proj if gated else module.up_proj
+    gate_up_w = in_param if transposed else in_param.transpose(1, 2)
     gate_up = grouped_mm(rows, gate_up_w, offsets, expert_of_row)
     if biased:
-        gate_up = gate_up + module.gate_up_proj_bias.index_select(0, expert_of_row)
-    pair = None if adapter is None else _module_tensors(adapter, (layer, "experts.gate_up_proj"))
+        gate_up = gate_up + (module.gate_up_proj_bias if gated else module.up_proj_bias).index_select(
+            0, expert_of_row)
+    pair = None if adapter is None else _module_tensors(adapter, (layer, in_target))
     if pair is not None:
         gate_up = gate_up + _lora_through(rows, pair, adapter.rank, experts, offsets, expert_of_row, adapter.scale)
-    if transposed or biased:
+    if not gated:
+        hidden = module.act_fn(gate_up)
+    elif transposed or biased:
         hidden = module._apply_gate(gate_up)
     else:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -643,7 +651,7 @@ def _experts_range(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
                      expert_of_row)
     if biased:
         out = out + module.down_proj_bias.index_select(0, expert_of_row)
-    pair = None if adapter is None else _module_tensors(adapter, (layer, "experts.down_proj"))
+    pair = None if adapter is None else _module_tensors(adapter, (layer, out_target))
     if pair is not None:
         out = out + _lora_through(hidden, pair, adapter.rank, experts, offsets, expert_of_row, adapter.scale)
     out = out * weight_of_row.unsqueeze(-1)
@@ -709,14 +717,23 @@ def _record_moe_shape(_module, args, kwargs):
 def attach_experts(model) -> list:
     """Routes every MoE layer's experts through `_loraplane_experts_forward` (returns the hook handles)."""
     handles = []
-    moe_blocks = [(i, block.mlp) for i, block in enumerate(model.model.layers)
-                  if getattr(getattr(block, "mlp", None), "experts", None) is not None]
+    # The experts live in a decoder layer's mlp, or in a Nemotron-H MoE block's mixer; their two targets are the
+    # ones TARGETS places there (input side first).
+    moe_blocks = []
+    for i, block in enumerate(model.model.layers):
+        for owner_name in ("mlp", "mixer"):
+            owner = getattr(block, owner_name, None)
+            if getattr(owner, "experts", None) is not None:
+                moe_blocks.append((i, owner, tuple(t for t in ROUTED_EXPERT_TARGETS
+                                                   if TARGETS[t].module == f"{owner_name}.experts")))
+                break
     if not moe_blocks:
         return handles
     _register_experts_implementation()
-    for index, mlp in moe_blocks:
+    for index, mlp, targets in moe_blocks:
         mlp.experts._loraplane_layer = index
         mlp.experts._loraplane_model_id = id(model)
+        mlp.experts._loraplane_targets = targets
         handles.append(mlp.register_forward_pre_hook(_record_moe_shape, with_kwargs=True))
     # The config object is shared by every experts module of the model (and its sub-configs).
     if model.config._experts_implementation != EXPERTS_IMPLEMENTATION:

@@ -1,8 +1,8 @@
 """Nemotron-H through the services on CPU fp32 (a tiny random checkpoint directory, ``backbone.*`` weights, as the
-base model): the trainer trains LoRA on every block kind (Mamba-2 in/out_proj, attention, relu^2 MLP, shared
-expert; loss decreases), publishes, the torch-engine sampler serves exactly that version, and both its prompt
-scoring and its generated tokens' logprobs (decoded through transformers' hybrid Mamba/attention cache) equal the
-trainer's Forward within 1e-4."""
+base model): the trainer trains LoRA on every block kind (Mamba-2 in/out_proj, attention, relu^2 MLP, shared expert,
+routed experts; loss decreases), publishes, the torch-engine sampler serves exactly that version, and both its
+prompt scoring and its generated tokens' logprobs (decoded through transformers' hybrid Mamba/attention cache) equal
+the trainer's Forward within 1e-4."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_train_publish_sample_through_the_client(registry, checkpoint, nemotron_
         training = service.create_lora_training_client(checkpoint, rank=4, seed=5, name="nemo/rl")
         assert list(training.info.target_modules) == [
             "mixer.in_proj", "mixer.out_proj", "mixer.q_proj", "mixer.k_proj", "mixer.v_proj", "mixer.o_proj",
-            "mixer.up_proj", "mixer.down_proj", "mixer.shared_experts.up_proj", "mixer.shared_experts.down_proj"]
+            "mixer.up_proj", "mixer.down_proj", "mixer.shared_experts.up_proj", "mixer.shared_experts.down_proj",
+            "mixer.experts.up_proj", "mixer.experts.down_proj"]
         rng = random.Random(0)
         data = [datum_from_sequence([rng.randrange(5, 200) for _ in range(n)]) for n in (13, 9, 17)]
         losses = []

@@ -1,6 +1,6 @@
 """Nemotron-H / Nemotron-3 (a tiny random checkpoint made by transformers' own classes, saved as transformers and
 NVIDIA write it, weights under ``backbone.*``: a Mamba-2 block, a MoE block with a shared expert, an attention
-block, a relu^2 MLP block) on the torch backend's building blocks: LoRA on each block kind's projections, datums of
+block, a relu^2 MLP block) on the torch backend's building blocks: LoRA on each block kind's projections and the routed experts, datums of
 a packed row kept apart in the Mamba-2 conv and scan (each equals transformers alone), the HF PEFT export giving the
 trainer's logits, and megatron / unsupported variants refused from config.json before any weight is read."""
 
@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter
-from loraplane.errors import FailedPrecondition
+from loraplane.errors import FailedPrecondition, InvalidArgument
 from loraplane.lora import AdapterTensors, LoraSpec
 from loraplane.models import families, load_base_model
 from loraplane.models.families.base import (
@@ -21,6 +21,7 @@ from loraplane.models.families.base import (
     BLOCK_MLP_TARGETS,
     BLOCK_SHARED_EXPERT_TARGETS,
     MAMBA_TARGETS,
+    NONGATED_EXPERT_TARGETS,
 )
 from tests.e2e.test_gpt_oss_family import _broken_copy, packed_logits, rows_of, trained_like
 from tests.fixtures.models import build_checkpoint
@@ -51,8 +52,13 @@ def test_loaded_from_backbone_weights_with_each_block_kinds_targets(checkpoint, 
     base = backend.base
     assert base.family is families.FAMILIES["nemotron_h"]
     assert [base.layer_targets(i) for i in range(4)] == [
-        MAMBA_TARGETS, BLOCK_SHARED_EXPERT_TARGETS, BLOCK_ATTENTION_TARGETS, BLOCK_MLP_TARGETS]
+        MAMBA_TARGETS, BLOCK_SHARED_EXPERT_TARGETS + NONGATED_EXPERT_TARGETS, BLOCK_ATTENTION_TARGETS,
+        BLOCK_MLP_TARGETS]
     assert base.module_dims["mixer.in_proj"] == (64, 2 * 64 + 2 * 2 * 16 + 4)  # gate | x B C | dt
+    # The routed experts: non-gated, (in, out) of one expert; 4 experts of the one MoE block.
+    assert base.module_dims["mixer.experts.up_proj"] == (64, 32)
+    assert base.module_dims["mixer.experts.down_proj"] == (32, 64)
+    assert base.num_experts == 4
 
 
 def test_a_packed_datum_equals_transformers_alone_and_the_mamba_state_stays_in_it(backend, reference):
@@ -111,7 +117,8 @@ def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, b
     params = trained_like(base, spec, 2)
     directory = materialize_peft_dir(serialize_adapter(params, spec, str(checkpoint)), tmp_path / "peft")
     config = json.loads((directory / "adapter_config.json").read_text())
-    assert config["target_modules"] == targets
+    assert config["target_modules"] == [t for t in targets if t not in NONGATED_EXPERT_TARGETS]
+    assert config["target_parameters"] == list(NONGATED_EXPERT_TARGETS)
     row = rows_of(1, [15])[0]
     ours = packed_logits(backend, [row], [AdapterTensors.from_params(params, spec)])[0]
     fresh = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
@@ -120,6 +127,22 @@ def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, b
         theirs = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), float((ours - theirs).abs().max())
     assert not torch.allclose(ours, packed_logits(backend, [row], [None])[0], atol=1e-3)
+
+
+def test_sglang_gets_every_target_but_the_routed_experts(backend):
+    from loraplane.adapter_format import to_sglang
+
+    base = backend.base
+    family = base.family
+    assert set(family.sglang) == set(base.module_dims) - set(NONGATED_EXPERT_TARGETS)
+    spec = LoraSpec.create(4, 8, list(BLOCK_ATTENTION_TARGETS) + ["mixer.in_proj"], seed=1,
+                           available=tuple(base.module_dims))
+    tensors, _ = to_sglang(trained_like(base, spec, 1), spec)
+    assert any(".mixer.in_proj." in k for k in tensors)
+    routed = LoraSpec.create(4, 8, list(NONGATED_EXPERT_TARGETS), seed=1, available=tuple(base.module_dims))
+    with pytest.raises(InvalidArgument) as info:
+        to_sglang(trained_like(base, routed, 1), routed)
+    assert "routed experts" in info.value.message
 
 
 def test_megatron_refuses_nemotron_h_before_reading_a_weight(checkpoint):

@@ -81,6 +81,10 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     _t("mixer.down_proj", "mixer.down_proj", "block_mlp"),
     _t("mixer.shared_experts.up_proj", "mixer.shared_experts.up_proj", "block_shared_expert"),
     _t("mixer.shared_experts.down_proj", "mixer.shared_experts.down_proj", "block_shared_expert"),
+    # Nemotron-H's routed experts: non-gated ``mixer.experts.up_proj`` [E, ffn, hidden] and ``down_proj``
+    # [E, hidden, ffn], HF PEFT's target_parameters on one module as for the fused experts above (up innermost).
+    _t("mixer.experts.up_proj", "mixer.experts", "experts", "mixer.experts.base_layer"),
+    _t("mixer.experts.down_proj", "mixer.experts", "experts", "mixer.experts"),
 )}
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -88,6 +92,9 @@ LINEAR_ATTENTION_TARGETS = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", 
 DENSE_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 SHARED_EXPERT_TARGETS = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+NONGATED_EXPERT_TARGETS = ("mixer.experts.up_proj", "mixer.experts.down_proj")
+# Every routed-expert target (LoRA inside the experts implementation, PEFT target_parameters): (in, out) per layout.
+ROUTED_EXPERT_TARGETS = EXPERT_TARGETS + NONGATED_EXPERT_TARGETS
 MAMBA_TARGETS = ("mixer.in_proj", "mixer.out_proj")
 BLOCK_ATTENTION_TARGETS = ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj", "mixer.o_proj")
 BLOCK_MLP_TARGETS = ("mixer.up_proj", "mixer.down_proj")

@@ -10,8 +10,9 @@ experts ``up_proj`` / ``down_proj`` stored fused 3-D, and a shared expert). Rele
 On the torch backend transformers' modules compute everything (on CPU its PyTorch fallbacks of the Mamba kernels).
 LoRA targets (PEFT target_modules match them as module-path suffixes): the Mamba mixers' ``mixer.in_proj`` /
 ``mixer.out_proj``, attention ``mixer.q_proj|k_proj|v_proj|o_proj``, the relu^2 MLPs' ``mixer.up_proj`` /
-``mixer.down_proj`` and the shared experts' ``mixer.shared_experts.up_proj|down_proj``; a block offers its own
-kind's. The routed experts are not a target yet (their non-gated up/down layout has no expert-LoRA path here).
+``mixer.down_proj``, the shared experts' ``mixer.shared_experts.up_proj|down_proj`` and the routed experts'
+``mixer.experts.up_proj|down_proj`` (HF PEFT target_parameters; computed by the LoRA experts path, non-gated);
+a block offers its own kind's. SGLang serves all but the routed experts (refused before a version reaches it).
 
 Packed rows: the Mamba-2 conv1d and scan would carry one datum's state into the next, so :func:`enable_packing`
 runs them per datum from a zero state (the projections still see the whole row, as every linear layer does);
@@ -36,6 +37,7 @@ from loraplane.models.families.base import (
     MAMBA,
     MAMBA_TARGETS,
     MOE,
+    NONGATED_EXPERT_TARGETS,
     RELU2_MLP,
     SHARED_EXPERTS,
     SIGMOID_ROUTER,
@@ -97,6 +99,16 @@ class NemotronHFamily(ModelFamily):
     def layer_kinds(self, config) -> list[str]:
         """The MLP of each block ("dense", "moe"; "none" for a mixer block)."""
         return [k if k in ("dense", "moe") else "none" for k in self._block_types(config)]
+
+    def target_dims(self, block, target: str) -> tuple[int, int] | None:
+        if target not in NONGATED_EXPERT_TARGETS:
+            return super().target_dims(block, target)
+        experts = self.target_module(block, target)
+        if experts is None:
+            return None
+        # up_proj [E, ffn, hidden], down_proj [E, hidden, ffn]: (in, out) of one expert.
+        _, ffn, hidden = experts.up_proj.shape
+        return (int(hidden), int(ffn)) if target == "mixer.experts.up_proj" else (int(ffn), int(hidden))
 
     def lora_targets(self, config) -> tuple[str, ...]:
         """Every block kind's targets (the dense relu^2 MLPs' beside the MoE blocks': their names differ, so PEFT
@@ -182,10 +194,9 @@ FAMILY = NemotronHFamily(
     backend_lacks={"megatron": _MEGATRON_LACKS},
     checkpoint_prefix="backbone.",
     mixer_targets={"mamba": MAMBA_TARGETS, "attention": BLOCK_ATTENTION_TARGETS},
-    mlp_targets={"dense": BLOCK_MLP_TARGETS, "moe": BLOCK_SHARED_EXPERT_TARGETS},
+    mlp_targets={"dense": BLOCK_MLP_TARGETS, "moe": BLOCK_SHARED_EXPERT_TARGETS + NONGATED_EXPERT_TARGETS},
     sglang=_SGLANG,
     tiny=tiny_config,
     packing=enable_packing,
     hf_decode=True,
-    notes="routed experts (non-gated up/down, fused 3-D) are computed by transformers but not a LoRA target yet",
 )
