@@ -131,10 +131,16 @@ def _packed_forward(module, hidden_states, cache=None, attention_mask=None, **kw
         x = modeling.causal_conv1d_fn(x, weight, module.conv1d.bias, activation=module.activation)
         x = x.transpose(1, 2)
         query, key, value = torch.split(x, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        query = query.reshape(batch, length, -1, module.head_k_dim)
+        key = key.reshape(batch, length, -1, module.head_k_dim)
+        value = value.reshape(batch, length, -1, module.head_v_dim)
+        groups = value.shape[2] // query.shape[2]
+        if groups > 1:
+            # Each Q/K head serves `groups` consecutive V heads. transformers 5.24's kernel repeats them itself,
+            # 5.17's (the GPU image's) expects its caller to: repeating here is right for both.
+            query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
         out, _ = modeling.torch_chunk_gated_delta_rule(
-            query.reshape(batch, length, -1, module.head_k_dim).contiguous(),
-            key.reshape(batch, length, -1, module.head_k_dim).contiguous(),
-            value.reshape(batch, length, -1, module.head_v_dim).contiguous(),
+            query.contiguous(), key.contiguous(), value.contiguous(),
             g=g, beta=beta, initial_state=None,
             output_final_state=False, use_qk_l2norm_in_kernel=True)
         # The gated norm too, on the datum's own rows: its reduction over a head's few values is not row-for-row
