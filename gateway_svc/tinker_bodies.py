@@ -113,7 +113,7 @@ class LoadWeights(_Body):
     seq_id: SeqId | None = None
     session_id: Id | None = None
     model_seq_id: Int32 = 0
-    path: Id = ""
+    path: Id | None = ""
     optimizer: bool | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
