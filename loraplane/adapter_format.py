@@ -354,10 +354,13 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
         pairs.setdefault((layer, module), {})[which] = shape
     if not shapes:
         raise InvalidArgument(f"{field}: no LoRA tensors", field=field)
-    if layers != set(range(len(layers))) and not BLOCK_TARGETS.intersection(spec.target_modules):
-        # (Nemotron-H's blocks each hold one kind's targets: a block kind left out holds none.)
-        raise InvalidArgument(f"{field}: layers {sorted(layers)} are not 0..{len(layers) - 1}", field=field)
     dense = [m for m in spec.target_modules if m not in ROUTED_EXPERT_TARGETS]
+    if (layers != set(range(len(layers))) and not BLOCK_TARGETS.intersection(spec.target_modules)
+            and not _one_mixer_kind(dense)):
+        # (Nemotron-H's blocks each hold one kind's targets: a block kind left out holds none. A hybrid model's
+        # layers of the other token mixer hold none of an adapter on one mixer kind's targets: Qwen3.5's
+        # linear-attention layers have no q_proj.)
+        raise InvalidArgument(f"{field}: layers {sorted(layers)} are not 0..{len(layers) - 1}", field=field)
     for layer in layers:
         for module in _layer_targets(dense, pairs, layer, field):
             got = pairs.get((layer, module), {})
@@ -408,17 +411,28 @@ def _layer_targets(dense: list[str], pairs: Mapping[tuple[int, str], object], la
             if not any(m == module for _, m in pairs):
                 raise InvalidArgument(f"{field}: {module} is in target_modules but no layer has it", field=field)
         return [m for m in dense if TARGETS[m].group == held[0]]
-    mixers = [g for g in ("attention", "linear_attention") if g in groups]
-    if "linear_attention" not in groups:
-        return dense
+    mixers = [g for g in _MIXER_GROUPS if g in groups]
     held = [g for g in mixers if any((layer, m) in pairs for m in groups[g])]
-    if len(held) != 1:
+    # A layer holds all of its token mixer's targets and none of the other mixer's. An adapter on both kinds'
+    # targets has one kind in every layer; one on a single kind's targets (q_proj only) has them in the layers of
+    # that kind, and a hybrid model's layers of the other kind (Qwen3.5's linear attention) hold none of them.
+    if len(held) > 1 or (not held and len(mixers) > 1):
         raise InvalidArgument(f"{field}: layer {layer} holds {'both' if held else 'neither'} of the attention and "
                               f"linear-attention targets {[m for g in mixers for m in groups[g]]}", field=field)
     for module in dense:
         if TARGETS[module].group in mixers and not any(m == module for _, m in pairs):
             raise InvalidArgument(f"{field}: {module} is in target_modules but no layer has it", field=field)
-    return [m for m in dense if TARGETS[m].group not in mixers or TARGETS[m].group == held[0]]
+    return [m for m in dense if TARGETS[m].group not in mixers or TARGETS[m].group in held]
+
+
+_MIXER_GROUPS = ("attention", "linear_attention")
+
+
+def _one_mixer_kind(dense: list[str]) -> bool:
+    """Whether every non-expert target of an adapter is of one token-mixer kind (attention or linear attention):
+    then a hybrid model's layers of the other kind hold none of its tensors."""
+    kinds = {TARGETS[m].group for m in dense}
+    return len(kinds) == 1 and kinds <= set(_MIXER_GROUPS)
 
 
 def _shared_keys(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> Iterator[tuple[str, str]]:

@@ -196,3 +196,60 @@ def test_megatron_refuses_qwen3_5_before_reading_a_weight(checkpoint):
     with pytest.raises(Exception) as torch_side:  # the torch backend accepts the config and then reads weights
         load_base_model(str(broken))
     assert not isinstance(torch_side.value, FailedPrecondition)
+
+
+def blob_check(blob: bytes) -> None:
+    from registry_svc.blob_check import BlobCheck
+
+    checker = BlobCheck(len(blob), training_state=False)
+    checker.feed(blob)
+    checker.finish()
+
+
+@pytest.mark.parametrize("targets", [["q_proj"], ["in_proj_q"], ["q_proj", "down_proj"], ["out_proj", "v_proj"]])
+def test_an_adapter_on_some_targets_passes_the_registrys_check(backend, targets):
+    # Each layer holds what its mixer and MLP kind offer of the adapter's targets: q_proj only in the
+    # full-attention layers, in_proj_q only in the linear-attention ones.
+    base = backend.base
+    if "down_proj" in targets and base.family.moe:
+        targets = ["q_proj", "shared_expert.down_proj", "experts.down_proj"]
+    spec = LoraSpec.create(4, 8, targets, seed=3, available=tuple(base.module_dims))
+    params = trained_like(base, spec, 4)
+    blob = serialize_adapter(params, spec, "qwen")
+    blob_check(blob)
+    parsed, parsed_spec, _ = parse_adapter(blob)
+    assert parsed_spec == spec and set(parsed) == set(params)
+    if targets == ["q_proj"]:
+        assert sorted({int(k.split(".layers.")[1].split(".")[0]) for k in params}) == [2, 5]
+
+
+def test_a_malformed_hybrid_adapter_is_still_refused(backend):
+    from loraplane import errors
+    from loraplane.adapter_format import ADAPTER_CONFIG_KEY, _save, peft_adapter_config
+
+    base = backend.base
+    dense = [t for t in base.module_dims if t not in families.EXPERT_TARGETS]
+    everything = LoraSpec.create(4, 8, dense, seed=3, available=tuple(base.module_dims))
+    full = trained_like(base, everything, 5)
+    qk = LoraSpec.create(4, 8, ["q_proj", "k_proj", "in_proj_z"], seed=3, available=tuple(base.module_dims))
+    some = trained_like(base, qk, 6)
+    cases = {
+        # a linear-attention layer without one of its targets
+        "layer 0 in_proj_z lacks": ({k: v for k, v in full.items() if ".layers.0.linear_attn.in_proj_z." not in k},
+                                   everything),
+        # a full-attention layer holding only part of its targets
+        "layer 5 k_proj lacks": ({k: v for k, v in some.items() if ".layers.5.self_attn.k_proj." not in k}, qk),
+        # a layer without any mixer target of an adapter on both kinds'
+        "layers [0, 1, 3, 4, 5] are not 0..4": ({k: v for k, v in some.items() if ".layers.2.self_attn." not in k}, qk),
+        # a layer holding both kinds' targets
+        "layer 1 holds both": ({**some, **{k.replace(".layers.2.", ".layers.1."): v for k, v in some.items()
+                                   if ".layers.2." in k}}, qk),
+        # a target no layer holds
+        "layers [2, 5] are not 0..1": ({k: v for k, v in some.items() if "in_proj_z" not in k},
+                            LoraSpec.create(4, 8, ["q_proj", "k_proj", "in_proj_z"], seed=3)),
+    }
+    for expected, (params, spec) in cases.items():
+        blob = _save(params, {ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, "qwen"))})
+        with pytest.raises(errors.InvalidArgument) as caught:
+            blob_check(blob)
+        assert expected in caught.value.message, caught.value.message
