@@ -44,8 +44,8 @@ def read_shared_memory(name: str, size: int) -> bytes:
     try:
         segment = shared_memory.SharedMemory(name=name, create=False)
     except FileNotFoundError:
-        raise errors.FailedPrecondition(f"no shared-memory segment {name} on this sampler's host; send the bytes as "
-                                        "chunks", field="header.shared_memory_name") from None
+        raise errors.FailedPrecondition(f"header.shared_memory_name: no segment {name} on this sampler's host; send "
+                                        "the bytes as chunks", field="header.shared_memory_name") from None
     try:
         # Attaching registers the segment with this process's resource tracker (before Python 3.13), which would
         # unlink the pusher's segment when this process exits: the pusher owns it.

@@ -224,6 +224,26 @@ def test_pushed_bytes_the_registry_did_not_commit_are_never_served(registry, bac
                                                                    .hexdigest())), grpc.StatusCode.DATA_LOSS)
         assert "header.sha256" in error.details()
         assert staged_nothing(live)
+        # Malformed pushes are the caller's error, naming the field, and stage nothing either.
+        header = next(push_requests("mix", pushed))
+        segment = "lp_handoff_" + "0" * 32  # the right shape, but no such segment on this host
+        for requests, code, field in [
+            ([sampler_pb2.PushVersionRequest(chunk=pushed)], grpc.StatusCode.INVALID_ARGUMENT, "header"),
+            ([sampler_pb2.PushVersionRequest(header=sampler_pb2.PushVersionHeader(
+                adapter="mix", sha256="abc", size_bytes=len(pushed)))], grpc.StatusCode.INVALID_ARGUMENT,
+             "header.sha256"),
+            ([header, sampler_pb2.PushVersionRequest(chunk=pushed + b"x")], grpc.StatusCode.INVALID_ARGUMENT,
+             "chunk"),
+            ([sampler_pb2.PushVersionRequest(header=sampler_pb2.PushVersionHeader(
+                adapter="mix", sha256=header.header.sha256, size_bytes=len(pushed), shared_memory_name="/etc/x"))],
+             grpc.StatusCode.INVALID_ARGUMENT, "header.shared_memory_name"),
+            ([sampler_pb2.PushVersionRequest(header=sampler_pb2.PushVersionHeader(
+                adapter="mix", sha256=header.header.sha256, size_bytes=len(pushed), shared_memory_name=segment))],
+             grpc.StatusCode.FAILED_PRECONDITION, "header.shared_memory_name"),
+        ]:
+            error = expect_code(lambda r=requests: stub.PushVersion(iter(r)), code)
+            assert field in error.details(), (field, error.details())
+            assert staged_nothing(live) and not live.manager.staging.holds("mix")
         assert stub.PushVersion(push_requests("mix", pushed)).staged
         assert live.manager.staging.keys() == [("mix", hashlib.sha256(pushed).hexdigest())]
 
