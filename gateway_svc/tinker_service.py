@@ -334,8 +334,7 @@ class TinkerService:
             ids = stability.referenced(request.data)
             raw = await self.store.get_sequences(ids, ttl_s=self.settings.stability_ttl_s)
             records = {i: stability.SequenceRecord.decode(r) for i, r in raw.items()}
-            filled = stability.apply_records(request.data, records, record["session_id"])
-            return filled
+            return stability.apply_records(request.data, records, record["session_id"])
         filled = await self._checked(record, seq, check)
         # Building the gRPC request converts every value to its protobuf type: a refusal there is the caller's too.
         prepared = await self._checked(record, seq, self._prepare(
@@ -356,6 +355,7 @@ class TinkerService:
         return PROTO, tinker_codec.encode_forward_backward(result, [d.targets_per_position for d in request.data])
 
     def _prepare(self, *args):
+        """The trainer request's build as a `_checked` check (see upstream.prepare_forward_backward)."""
         async def prepare():
             return self.upstream.prepare_forward_backward(*args)
         return prepare
