@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
-from loraplane.errors import DataLoss, InvalidArgument, clip
+from loraplane.errors import DataLoss, FailedPrecondition, InvalidArgument, clip
 from loraplane.expert_layout import fold_copies, shared_copies
 from loraplane.lora import (
     PEFT_PREFIX,
@@ -492,6 +492,31 @@ _SGLANG_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 # The 3-D ("stacked") expert keys: one tensor per layer and projection with the expert dimension first.
 _SGLANG_STACKED_PROJ = ("gate_up_proj", "down_proj")
 SGLANG_EXPERT_FORMS = ("per_expert", "stacked")
+
+
+# The module SGLang 0.5.17 applies each LoRA target to, for the families of the Llama layout (their ``sglang`` map
+# is empty): it stacks q/k/v into qkv_proj and gate/up into gate_up_proj itself from PEFT's names.
+_SGLANG_LLAMA_LAYOUT = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+                        "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
+                        "experts.gate_up_proj": "experts", "experts.down_proj": "experts"}
+
+
+def sglang_modules(spec: LoraSpec, family) -> dict[str, str]:
+    """Each target of `spec` -> the module SGLang 0.5.17 applies it to on a model of `family` (a
+    ``loraplane.models.families.ModelFamily``: its ``sglang`` map). An adapter with a target SGLang cannot serve
+    there would load with that target silently dropped, or not at all: FailedPrecondition naming every such target
+    and the ones it can serve, before the adapter reaches SGLang (Qwen3.5: Tinker's in_proj_q/k/v, three pairs on
+    the fused in_proj_qkv, and in_proj_b/a, on SGLang's in_proj_ba which takes no LoRA)."""
+    table = family.sglang or _SGLANG_LLAMA_LAYOUT
+    modules = {target: table.get(target) for target in spec.target_modules}
+    refused = [target for target, module in modules.items() if not module]
+    if refused:
+        servable = [t for t in TARGETS if table.get(t)]
+        raise FailedPrecondition(
+            f"adapter targets {refused} cannot be served by SGLang on a {family.model_type} model (SGLang 0.5.17 "
+            f"applies LoRA to {sorted(set(filter(None, table.values())))} there); sample it with the torch engine, "
+            f"or train with target_modules among {servable}", field="adapter")
+    return modules
 
 
 def sglang_expert_key(layer: int, expert: int, proj: str, which: str) -> str:

@@ -141,6 +141,7 @@ class SGLangEngine(Engine):
         base = await asyncio.to_thread(_base_model_facts, self._base_model_name)
         self.transport.checkpoint_dtype = str(getattr(base.config, "dtype", None)
                                               or getattr(base.config, "torch_dtype", "")).removeprefix("torch.")
+        self.transport.family = base.family
         self._vocab_size = base.vocab_size
         self._max_context = base.max_context_length
         self.generation.eos = list(base.eos_token_ids)

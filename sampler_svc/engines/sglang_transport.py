@@ -35,6 +35,7 @@ from loraplane.adapter_format import (
     materialize_peft_dir,
     materialize_sglang_dir,
     peft_adapter_config,
+    sglang_modules,
     sglang_packing,
 )
 from sampler_svc.engines.base import LoadedAdapterInfo
@@ -72,6 +73,9 @@ class AdapterTransport:
     # the server surely shares this host's /dev/shm: SGLang 0.5.17 unpickles in its scheduler without a guard, so a
     # segment it cannot open would end the server, not fail the request.
     shared_memory_tensors: str = "launched"
+    # The base model's family (loraplane.models.families): which LoRA targets SGLang serves on it. None: not known
+    # (every target goes to SGLang as it is).
+    family: object | None = None
 
     def __post_init__(self):
         if self.adapter_transport not in TRANSPORTS:
@@ -94,6 +98,8 @@ class AdapterTransport:
         if spec.rank > self.max_lora_rank:
             raise errors.FailedPrecondition(
                 f"{key} has rank {spec.rank}; the SGLang servers allow at most {self.max_lora_rank}", field="adapter")
+        if self.family is not None:
+            sglang_modules(spec, self.family)  # a target SGLang cannot serve: refused here, never sent
         status, body = None, None
         if tensors:
             status, body = await self.load_tensors(server, key, blob)
