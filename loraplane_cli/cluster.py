@@ -100,8 +100,10 @@ def up(
                                  param_hint="--services")
     extra_env = {"LORAPLANE_BASE_MODEL": settings.base_model}
     if sampler_engine is not None:
-        if sampler_engine not in ("torch", "sglang"):
-            raise typer.BadParameter(f"unknown engine {sampler_engine!r}: use torch or sglang",
+        from sampler_svc.engines import ENGINE_NAMES
+
+        if sampler_engine not in ENGINE_NAMES:
+            raise typer.BadParameter(f"unknown engine {sampler_engine!r}: use {' or '.join(ENGINE_NAMES)}",
                                      param_hint="--sampler-engine")
         extra_env["LORAPLANE_SAMPLER_ENGINE"] = sampler_engine
     gpus = {"trainer": trainer_gpus, "sampler": sampler_gpus}

@@ -64,6 +64,7 @@ from loraplane.config import Settings
 from loraplane.rpc import sync_channel
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
 from loraplane_cli.local_cluster import start_cluster, stop_cluster
+from sampler_svc.engines import ENGINE_NAMES, ENGINES
 
 REPO = Path(__file__).resolve().parents[1]
 # megatron-core asks CUDA for the RoPE device and forks a CUDA RNG tracker; on CPU the shims redirect both (the same
@@ -205,7 +206,7 @@ def load_rl_example() -> ModuleType:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tests.production_e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=["sglang", "torch"], default="sglang")
+    p.add_argument("--engine", choices=ENGINE_NAMES, default="sglang")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="the trainer's: cuda (NCCL) or cpu (gloo, megatron-core through tests/fixtures/megatron_cpu.py)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="",
@@ -787,7 +788,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
         status = probe.stub.GetStatus(sampler_pb2.GetStatusRequest(), timeout=30)
         # The driver holds the cluster's admin key, so the sampler names the SGLang servers it launched.
         probe.sglang_urls = list(status.engine_servers)
-        if args.engine == "sglang" and not probe.sglang_urls:
+        if ENGINES[args.engine].uses_servers and not probe.sglang_urls:
             raise RuntimeError("the sampler reports no SGLang server (GetStatus.engine_servers is empty)")
         report["sglang_urls"] = probe.sglang_urls
         shape = {"trainer_backend": info.backend, "trainer_base_model": info.base_model,

@@ -26,7 +26,7 @@ def main() -> None:
 
     init_parallel(1)
     base = load_base_model("tiny", device="cpu", dtype=torch.float32)
-    from bench.common import fresh_adapter_state
+    from bench.harness import fresh_adapter_state
 
     results = {}
     for attention, recompute in (("unfused", "none"), ("sdpa", "none"), ("sdpa", "full")):

@@ -98,7 +98,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from bench.common import fresh_adapter_state, random_datums
+    from bench.harness import fresh_adapter_state, random_datums
     from trainer_svc.backends.base import BatchItem
     from trainer_svc.backends.megatron.backend import MegatronBackend
     from trainer_svc.backends.megatron.engine import Engine
