@@ -18,7 +18,8 @@ recurrent states of the linear-attention layers beside the full-attention layers
 
 Packed rows: the trainer lays datums end to end in one row. The Gated DeltaNet's causal conv1d and its recurrent
 state would carry one datum into the next, so :func:`enable_packing` makes each linear-attention layer run its
-conv1d and delta rule per datum (the projections still see the whole row, as every other linear layer does).
+conv1d and delta rule per datum (the projections still see the whole row, as every other linear layer does), and
+each MoE block its shared expert's sigmoid gate.
 """
 
 from __future__ import annotations
@@ -154,12 +155,47 @@ def _packed_forward(module, hidden_states, cache=None, attention_mask=None, **kw
     return module.out_proj(core)
 
 
+def _packed_moe_forward(module, hidden_states):
+    """transformers' Qwen3.5-MoE block with the shared expert's sigmoid gate taken per datum of a packed row. The
+    router, the experts and the shared expert are row-wise as transformers runs them; the gate's hidden -> 1
+    projection and its sigmoid, over the whole row, would round a datum's values by where they sit in it (a
+    vectorised kernel treats a tensor's tail elements apart), so a tenant's logits would depend on its neighbours'
+    datums. Outside a packed scope, transformers' own forward."""
+    from loraplane.models.packed import packed_lengths
+
+    lengths = packed_lengths()
+    if lengths is None:
+        return module._loraplane_forward(hidden_states)
+    batch, seq_len, hidden = hidden_states.shape
+    flat = hidden_states.view(-1, hidden)
+    shared = module.shared_expert(flat).view(batch, seq_len, hidden)
+    _, routing_weights, selected = module.gate(flat)
+    routed = module.experts(flat, selected, routing_weights).view(batch, seq_len, hidden)
+    gates = []
+    start = 0
+    for length in lengths:
+        end = start + length
+        piece = hidden_states[:, start:end].reshape(-1, hidden).contiguous()
+        gates.append(torch.sigmoid(module.shared_expert_gate(piece)).view(batch, length, 1))
+        start = end
+    if start != seq_len:
+        raise ValueError(f"packed lengths cover {start} tokens, the row has {seq_len}")
+    gate = gates[0] if len(gates) == 1 else torch.cat(gates, dim=1)
+    return routed + gate * shared
+
+
 def enable_packing(model) -> None:
-    """Routes every Gated DeltaNet layer of `model` through :func:`_packed_forward` (idempotent)."""
+    """Routes every Gated DeltaNet layer of `model` through :func:`_packed_forward` and every MoE block with a
+    gated shared expert through :func:`_packed_moe_forward` (idempotent)."""
     for module in model.modules():
-        if type(module).__name__.endswith("GatedDeltaNet") and not hasattr(module, "_loraplane_forward"):
+        if hasattr(module, "_loraplane_forward"):
+            continue
+        if type(module).__name__.endswith("GatedDeltaNet"):
             module._loraplane_forward = module.forward
             module.forward = types.MethodType(_packed_forward, module)
+        elif hasattr(module, "shared_expert_gate") and hasattr(module, "experts"):
+            module._loraplane_forward = module.forward
+            module.forward = types.MethodType(_packed_moe_forward, module)
 
 
 # ------------------------------------------------------------------------------------------------ tiny configs
