@@ -114,8 +114,8 @@ class Handoff:
         task = asyncio.create_task(self.push(adapter, blob), name=f"handoff {adapter}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        # A push's failures are its own (logged in `push`); nothing else is reported.
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        # A push's failures are its own: logged, never the publish's.
+        task.add_done_callback(_log_failure)
         if blob.size <= self.lead_bytes:
             try:
                 await asyncio.wait({task}, timeout=self.ack_wait_s)
@@ -155,6 +155,8 @@ class Handoff:
                     # The thread goes on filling: its segment is unlinked when it is done.
                     filling.add_done_callback(lambda f: f.cancelled() or f.exception() or _unlink(f.result()))
                     raise
+                except OSError as exc:  # /dev/shm full or absent: these samplers get the stream too
+                    log.warning("handoff of %s through shared memory impossible (%s); streaming it", adapter, exc)
             await asyncio.gather(*(self._push_one(adapter, blob, a, segment.name if segment and a in local else "",
                                                   outcomes) for a in addresses))
         finally:
@@ -184,6 +186,11 @@ class Handoff:
             outcomes[address] = FAILED
             log.warning("handoff of %s to a sampler failed (it will download the version): %s", adapter,
                         exc.message)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("handoff failed (its samplers download the version instead)", exc_info=task.exception())
 
 
 def _filled_segment(blob: StreamedBlob):
