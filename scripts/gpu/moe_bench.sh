@@ -18,6 +18,8 @@
 #     trainer-alone  the trainer's contenders by themselves
 #     profile-alone  one profiled step of each layout, no PEFT (recompute auto; kernel families, top ops)
 #     gpu-tests  tests/gpu/test_megatron_moe.py (bf16 MoE logits and expert LoRA against fp32 references)
+#     dp2      the full 48 layers as replicas (EP=1, data parallel over the GPUs; what the trainer plans on H200s) on 1
+#              GPU, then on 2, each layout, $EP_DATUMS x 2048 tokens per GPU
 #   one call on one H100 (under 9 minutes; each case capped by its own timeout):
 #     h100    vs-peft with one profiled step of each contender (kernel families into summary.log), then fused
 #             (8 tenants x 1 x 2048 tokens against 1 tenant x 8 x 2048: the same 16k tokens per step, the 1-tenant
@@ -90,6 +92,14 @@ for c in ${*:-$default}; do
                --datums ${EP_DATUMS:-4} --recompute ${EP_RECOMPUTE:-full} --rounds ${ROUNDS:-3} --warmup 1
              ep qwen3moe48_ep${n}_shared_outer_$((2 * n))t "$n" --shape qwen3-30b-a3b --contenders shared_outer:$((2 * n)) \
                --datums ${EP_DATUMS:-4} --recompute ${EP_RECOMPUTE:-full} --rounds ${ROUNDS:-3} --warmup 1 ;;
+    # What the trainer's parallel plan picks for Qwen3-30B-A3B on H200s (it fits one: replicas, EP=1) against one
+    # GPU at equal tokens per GPU: one torchrun job on 1 GPU, then on 2 (data parallel, every rank the whole model).
+    dp2) for layout in shared_outer per_expert; do
+           ep qwen3moe48_one_gpu_${layout} 1 --shape qwen3-30b-a3b --ep 1 --contenders $layout:1 \
+             --datums ${EP_DATUMS:-4} --recompute ${EP_RECOMPUTE:-full} --rounds ${ROUNDS:-3} --warmup 1
+           [ "$GPUS" -ge 2 ] && ep qwen3moe48_dp2_${layout} 2 --shape qwen3-30b-a3b --ep 1 --contenders $layout:1 \
+             --datums ${EP_DATUMS:-4} --recompute ${EP_RECOMPUTE:-full} --rounds ${ROUNDS:-3} --warmup 1
+         done ;;
     h100) CASE_TIMEOUT=170 single qwen3moe24_8x2048_vs_peft --shape qwen3-30b-a3b-24l --contenders per_expert:1 \
             --rounds ${ROUNDS:-3} --warmup 1 --profile "$OUT/profile"
           for f in "$OUT"/profile/profile_*.txt; do
