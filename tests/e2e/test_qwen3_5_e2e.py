@@ -116,3 +116,24 @@ def test_tinker_sdk_and_openai_client_through_the_gateway(qwen_cluster):
     assert len(tuned.choices[0].logprobs.token_logprobs) == 4
     assert tuned.choices[0].logprobs.token_logprobs != base.choices[0].logprobs.token_logprobs
     service.close("success")
+
+
+def test_an_adapter_on_the_full_attention_layers_only_publishes_and_samples(qwen_cluster):
+    # q_proj lives in the full-attention layers only (2 and 5 of 6): the registry checks each layer against its
+    # own mixer kind, so the version publishes and the sampler serves it.
+    model_type, checkpoint, cluster = qwen_cluster
+    service = ServiceClient(trainer=cluster.trainer.address, sampler=cluster.sampler.address,
+                            registry=cluster.registry.address)
+    try:
+        training = service.create_lora_training_client(checkpoint, rank=4, seed=2, target_modules=["q_proj"],
+                                                       name=f"{model_type}/q-only")
+        data = [datum_from_sequence(list(range(10, 30)))]
+        backward = training.forward_backward(data, "cross_entropy")
+        training.optim_step(AdamParams(learning_rate=5e-2)).result(60)
+        backward.result(60)
+        sampling = training.save_weights_for_sampler(f"{model_type}-q-only").result(60)
+        tokens = list(range(10, 30))
+        sampled = sampling.compute_logprobs(tokens).result(60)
+        assert sampled[1:] == pytest.approx(learned_logprobs(training, tokens), abs=1e-4)
+    finally:
+        service.close()
