@@ -7,7 +7,8 @@ by one module-scoped cluster (registry, trainer, torch-engine sampler, gateway):
   prompt scoring and its generated tokens' logprobs (decoded through transformers' cache: the linear-attention
   layers' conv and recurrent states beside the KV cache) equal the trainer's Forward within 1e-4;
 * through the gateway, the official ``tinker`` SDK trains and samples the same way and the ``openai`` client
-  samples the new version by name, differently from the base model."""
+  samples the new version by name, differently from the base model;
+* an adapter on q_proj only (held by the full-attention layers alone) publishes and is served."""
 
 from __future__ import annotations
 
