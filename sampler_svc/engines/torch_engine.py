@@ -191,6 +191,13 @@ class TorchEngine(Engine):
                 raise errors.FailedPrecondition(
                     f"{key}: tensor {name} has shape {tuple(tensor.shape)}, base model {base.name!r} needs "
                     f"{expected.get(name)}", field="adapter")
+        # The registry checks a blob's layers against each other only (it has no base model): a layer of this
+        # model without one of the adapter's targets it offers would silently serve the base weights there.
+        missing = [name for name in expected if name not in params]
+        if missing:
+            raise errors.FailedPrecondition(
+                f"{key}: {len(missing)} tensors base model {base.name!r} needs for the adapter's targets are "
+                f"missing, first {missing[0]}", field="adapter")
         params = {k: v.to(device=self._device, dtype=torch.float32) for k, v in params.items()}
         return AdapterTensors.from_params(params, spec, name=key)
 

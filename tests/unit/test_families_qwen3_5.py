@@ -249,3 +249,23 @@ def test_a_malformed_hybrid_adapter_is_still_refused(backend):
         with pytest.raises(errors.InvalidArgument) as caught:
             blob_check(blob)
         assert expected in caught.value.message, caught.value.message
+
+
+def test_an_adapter_missing_a_layer_the_registry_cannot_tell_is_refused_by_the_sampler(checkpoint, backend):
+    # q_proj only, without layer 5's: well formed for the registry (which has no base model: the layer could be a
+    # linear-attention one), but this model's layer 5 is a full-attention layer offering q_proj.
+    from loraplane import errors
+    from loraplane.adapter_format import ADAPTER_CONFIG_KEY, _save, peft_adapter_config
+    from sampler_svc.engines.torch_engine import TorchEngine
+
+    base = backend.base
+    spec = LoraSpec.create(4, 8, ["q_proj"], seed=3, available=tuple(base.module_dims))
+    params = {k: v for k, v in trained_like(base, spec, 7).items() if ".layers.5." not in k}
+    blob = _save(params, {ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, str(checkpoint)))})
+    blob_check(blob)
+    engine = TorchEngine(str(checkpoint))
+    with pytest.raises(errors.FailedPrecondition) as caught:
+        engine._prepare_adapter(base, "tenant/q@v1", blob)
+    assert "2 tensors" in caught.value.message and "layers.5.self_attn.q_proj.lora_A" in caught.value.message
+    whole = serialize_adapter(trained_like(base, spec, 7), spec, str(checkpoint))
+    assert engine._prepare_adapter(base, "tenant/q@v2", whole).name == "tenant/q@v2"
