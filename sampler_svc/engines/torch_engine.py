@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import inspect
 import logging
 import math
 import os
@@ -382,7 +383,7 @@ class TorchEngine(Engine):
             ids = torch.tensor([[row.last_token]], dtype=torch.long, device=self._device)
             positions = torch.tensor([[row.length]], dtype=torch.long, device=self._device)
             with _whole_call(model, row.owner.adapter, 1):
-                out = model(input_ids=ids, position_ids=positions, cache=row.cache, use_cache=True)
+                out = model(input_ids=ids, position_ids=positions, use_cache=True, **{_cache_kwarg(model): row.cache})
             row.cache = out.past_key_values
             row.length += 1
             if not row.owner.cancelled:
@@ -468,6 +469,13 @@ class TorchEngine(Engine):
         # One update per new token: SampleStream relays them as they come.
         row.owner.emit(GenerationUpdate(sequence_index=row.sample_index, tokens=[row.tokens[-1]],
                                         logprobs=[row.logprobs[-1]], finish_reason=row.finish_reason))
+
+
+def _cache_kwarg(model) -> str:
+    """The name transformers' forward takes the cache by: ``cache`` (5.2x, ``past_key_values`` deprecated) or
+    ``past_key_values`` (the GPU image's 5.17, whose forward would take ``cache=`` into its **kwargs and ignore it,
+    decoding every token without its history)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _whole_call(model, adapter: AdapterTensors | None, tokens: int):

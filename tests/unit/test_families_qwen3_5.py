@@ -269,3 +269,16 @@ def test_an_adapter_missing_a_layer_the_registry_cannot_tell_is_refused_by_the_s
     assert "2 tensors" in caught.value.message and "layers.5.self_attn.q_proj.lora_A" in caught.value.message
     whole = serialize_adapter(trained_like(base, spec, 7), spec, str(checkpoint))
     assert engine._prepare_adapter(base, "tenant/q@v2", whole).name == "tenant/q@v2"
+
+
+def test_the_sampler_hands_transformers_its_cache_by_the_name_its_forward_takes(backend):
+    # transformers 5.2x takes `cache` (past_key_values deprecated); the GPU image's 5.17 takes past_key_values and
+    # would swallow `cache=` into **kwargs, decoding each token without its history.
+    from sampler_svc.engines.torch_engine import _cache_kwarg
+
+    class OlderForward(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return past_key_values
+
+    assert _cache_kwarg(backend.base.model) == "cache"
+    assert _cache_kwarg(OlderForward()) == "past_key_values"
