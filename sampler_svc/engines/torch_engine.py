@@ -472,9 +472,9 @@ class TorchEngine(Engine):
 
 
 def _cache_kwarg(model) -> str:
-    """The name transformers' forward takes the cache by: ``cache`` (5.2x, ``past_key_values`` deprecated) or
-    ``past_key_values`` (the GPU image's 5.17, whose forward would take ``cache=`` into its **kwargs and ignore it,
-    decoding every token without its history)."""
+    """The name transformers' forward takes the cache by: ``cache`` (5.24, ``past_key_values`` deprecated) or
+    ``past_key_values`` (releases before the rename, whose forward would take ``cache=`` into its **kwargs and
+    ignore it, decoding every token without its history)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 

@@ -272,8 +272,8 @@ def test_an_adapter_missing_a_layer_the_registry_cannot_tell_is_refused_by_the_s
 
 
 def test_the_sampler_hands_transformers_its_cache_by_the_name_its_forward_takes(backend):
-    # transformers 5.2x takes `cache` (past_key_values deprecated); the GPU image's 5.17 takes past_key_values and
-    # would swallow `cache=` into **kwargs, decoding each token without its history.
+    # transformers 5.24 takes `cache` (past_key_values deprecated); a release before the rename takes
+    # past_key_values and would swallow `cache=` into **kwargs, decoding each token without its history.
     from sampler_svc.engines.torch_engine import _cache_kwarg
 
     class OlderForward(torch.nn.Module):
