@@ -204,7 +204,10 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
 
         for spec in SERVICES:
             names = _instance_names(spec.name, state, trainers, samplers)
-            fleet = spec.name in _FLEET_ENV and len(names) > 1
+            # Samplers always form the local sampler fleet (of one, by default) and trainers name it: a trainer hands
+            # each new version straight to the fleet's replicas (trainer_svc/handoff.py), which it finds only through
+            # the fleet's membership; a lone sampler would take every version from the registry instead.
+            fleet = spec.name in _FLEET_ENV and (len(names) > 1 or spec.name == "sampler")
             fleet_env, fleet_name, id_env = _FLEET_ENV.get(spec.name, ("", "", ""))
             for index, name in enumerate(names):
                 component = state.component(name)
@@ -219,6 +222,8 @@ def start_cluster(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
                     instance_env = dict(env)
                     if fleet:
                         instance_env.update({fleet_env: fleet_name, id_env: name})
+                    if spec.name == "trainer":
+                        instance_env["LORAPLANE_SAMPLER_FLEET"] = LOCAL_SAMPLER_FLEET
                     if spec.name in pins:
                         instance_env.update(gpu_env(pins[spec.name][index]))
                     if name in threads:

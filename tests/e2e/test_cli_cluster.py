@@ -97,6 +97,36 @@ def _torch_threads(state, *names: str) -> list[int]:
     return [int(value(scrape(state.component(name).metrics), "loraplane_torch_threads")) for name in names]
 
 
+def test_up_hands_each_published_version_to_its_sampler_in_memory(tmp_path, valkey, seaweed):
+    """`loraplane up`'s sampler is a sampler fleet of one that its trainer names, so a published version reaches the
+    sampler straight from the trainer (shared memory on one host), not through a registry download."""
+    from loraplane.client import AdamParams, ServiceClient, datum_from_sequence
+    from loraplane.client.types import SamplingParams
+
+    data_dir = tmp_path / "cluster"
+    env = {"LORAPLANE_REDIS_URL": valkey.url, "LORAPLANE_S3_ENDPOINT": seaweed.endpoint,
+           "LORAPLANE_S3_ACCESS_KEY": seaweed.access_key, "LORAPLANE_S3_SECRET_KEY": seaweed.secret_key,
+           "LORAPLANE_S3_BUCKET": "lp-cli-handoff", "LORAPLANE_KEY_PREFIX": "lpclihandoff:"}
+    up = _cli("up", "--data-dir", str(data_dir), "--no-gateway", env=env)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        state = read_cluster_state(data_dir)
+        assert state.component("trainer").env.get("LORAPLANE_SAMPLER_FLEET") == "sampler"
+        service = ServiceClient(data_dir=data_dir)
+        training = service.create_lora_training_client("tiny", rank=4, seed=3, name="team/handoff")
+        training.forward_backward([datum_from_sequence(list(range(10, 30)))], "cross_entropy").result(timeout=120)
+        training.optim_step(AdamParams(learning_rate=1e-2)).result(timeout=60)
+        sampling = training.save_weights_and_get_sampling_client()
+        out = sampling.sample([5, 6, 7], 1, SamplingParams(max_tokens=3, seed=1)).result(timeout=60)
+        assert len(out.sequences[0].tokens) == 3
+        loads = scrape(state.component("sampler").metrics)
+        assert value(loads, "loraplane_sampler_version_loads_total", path="push") >= 1, loads
+        assert value(loads, "loraplane_sampler_version_loads_total", path="registry") == 0, loads
+    finally:
+        down = _cli("down", "--data-dir", str(data_dir), env=env)
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
 def test_up_rejects_an_unknown_service(tmp_path):
     result = _cli("up", "--data-dir", str(tmp_path / "c"), "--services", "registry,bogus")
     assert result.returncode != 0
