@@ -59,6 +59,8 @@ def test_loaded_from_backbone_weights_with_each_block_kinds_targets(checkpoint, 
     assert base.module_dims["mixer.experts.up_proj"] == (64, 32)
     assert base.module_dims["mixer.experts.down_proj"] == (32, 64)
     assert base.num_experts == 4
+    # Each block's MLP kind, as the family reads layers_block_type (a mixer-only block has none).
+    assert base.layer_kinds == ("none", "moe", "none", "dense")
 
 
 def test_a_packed_datum_equals_transformers_alone_and_the_mamba_state_stays_in_it(backend, reference):

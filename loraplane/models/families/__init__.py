@@ -125,8 +125,10 @@ def sliding_window_in_use(config) -> str:
 
 
 def layer_kinds(config) -> list[str]:
-    """"moe" or "dense" for each decoder layer, as transformers' Qwen3-MoE decoder layer decides it."""
-    return mlp_kinds(config)
+    """The MLP kind of each decoder layer ("dense", "moe"; Nemotron-H's mixer-only blocks "none"), as the family
+    decides it (Qwen3-MoE's mlp_only_layers and decoder_sparse_step by default)."""
+    family = lookup(config)
+    return family.layer_kinds(text_config(config)) if family else mlp_kinds(config)
 
 
 def mixer_kinds(config) -> list[str]:

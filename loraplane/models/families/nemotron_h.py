@@ -34,6 +34,7 @@ from loraplane.models.families.base import (
     BLOCK_ATTENTION_TARGETS,
     BLOCK_MLP_TARGETS,
     BLOCK_SHARED_EXPERT_TARGETS,
+    DENSE_AND_MOE_LAYERS,
     MAMBA,
     MAMBA_TARGETS,
     MOE,
@@ -186,7 +187,8 @@ FAMILY = NemotronHFamily(
     description="Nemotron-H / Nemotron-3 (Nano 30B-A3B, Super 120B): blocks of Mamba-2 mixers, GQA attention "
                 "(no RoPE), relu^2 MLPs and MoE (sigmoid grouped router, relu^2 experts, a shared expert); "
                 "checkpoint weights under backbone.",
-    features=frozenset({MAMBA, RELU2_MLP, SIGMOID_ROUTER, MOE, SHARED_EXPERTS}),
+    # Its layers_block_type mixes relu^2 MLP blocks ("-") and MoE blocks ("E").
+    features=frozenset({MAMBA, RELU2_MLP, SIGMOID_ROUTER, MOE, SHARED_EXPERTS, DENSE_AND_MOE_LAYERS}),
     hf_weights=_WEIGHTS,
     moe=True,
     implied={MAMBA: "Mamba-2 mixer layers", RELU2_MLP: "non-gated relu^2 MLPs and experts",
