@@ -58,9 +58,11 @@ _WEIGHTS = {
     "experts.down_proj_bias": "model.layers.{i}.mlp.experts.down_proj_bias",  # [E, hidden]
 }
 
-# SGLang 0.5.17's GptOssForCausalLM: LoRA on qkv_proj (stacked q/k/v), o_proj and the fused experts.
-_SGLANG = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-           "experts.gate_up_proj": "experts", "experts.down_proj": "experts"}
+# SGLang 0.5.17's GptOssForCausalLM: LoRA on qkv_proj (stacked q/k/v), o_proj and the fused experts. The experts
+# are left out until checked on a GPU: SGLang keeps gpt-oss's gate/up rows interleaved ([g0, u0, g1, ...]) while our
+# SGLang expert conversion splits a gate_up LoRA B at its half (the Qwen layout), which would serve other numbers
+# than the trainer's; an adapter with expert targets is refused for SGLang (the torch engine serves it).
+_SGLANG = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj"}
 
 # Tinker names gpt-oss's attention ``.attn`` in its adapter keys (the cookbook's weights remap it to
 # ``.self_attn``): Tinker key fragment -> ours.
