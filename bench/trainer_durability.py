@@ -29,8 +29,8 @@ from bench.common import embedded_storage, environment, print_table, write_resul
 from loraplane.rpc import BackgroundLoop, channel_options
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from registry_svc.server import start_registry_server
-from trainer_svc.journal import TrainingJournal
 from trainer_svc.backends import build_backend
+from trainer_svc.journal import TrainingJournal
 from trainer_svc.server import start_trainer_server
 
 TARGET_OVERHEAD = 0.05

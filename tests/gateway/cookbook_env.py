@@ -240,13 +240,13 @@ def random_qwen3_5_model(target: Path, tokenizer_dir: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = Qwen3_5Config(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
-                         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                         max_position_embeddings=4096,
-                         layer_types=["linear_attention"] * 3 + ["full_attention"],
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "max_position_embeddings": 4096,
+                     "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                     "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64},
         tie_word_embeddings=True)
     torch.manual_seed(0)
     Qwen3_5ForConditionalGeneration(config).save_pretrained(str(target), safe_serialization=True)

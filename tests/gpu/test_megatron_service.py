@@ -34,8 +34,8 @@ ADAM = trainer_pb2.AdamParams(learning_rate=0.02, beta1=0.9, beta2=0.95, eps=1e-
 def megatron_trainer(registry, background_loop):
     from trainer_svc.backends.megatron.backend import MegatronBackend
     from trainer_svc.backends.megatron.engine import Engine
-    from trainer_svc.server import start_trainer_server as start_megatron_trainer_server
     from trainer_svc.backends.megatron.model import init_parallel
+    from trainer_svc.server import start_trainer_server as start_megatron_trainer_server
 
     init_parallel(1)
     backend = MegatronBackend(engine=Engine(load_base_model("tiny"), device_slots=2, dtype=torch.float32))
