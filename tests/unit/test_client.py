@@ -36,6 +36,7 @@ from loraplane.client import (
 )
 from loraplane.rpc import GrpcServer, map_servicer_errors
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from trainer_svc.losses import supported_losses
 
 FAST_RETRY = RetryConfig(max_attempts=5, initial_backoff_s=0.01, max_backoff_s=0.05, total_timeout_s=10)
 
@@ -82,8 +83,10 @@ class RecordingTrainer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.TrainerServiceListAdaptersResponse(adapters=list(self.adapters.values()))
 
     async def GetInfo(self, request, context):
+        # What a real trainer lists: the SDK checks a loss against it before taking a seq_id.
         return trainer_pb2.GetInfoResponse(base_model="tiny", backend="torch",
-                                           max_batch_datums=self.max_batch_datums)
+                                           max_batch_datums=self.max_batch_datums,
+                                           supported_losses=supported_losses())
 
     def _outputs(self, request):
         def make():
