@@ -136,7 +136,7 @@ class Contender:
 
 
 def build_backend(kind: str, hf, name: str, device: torch.device, dtype: torch.dtype, lora_dtype, slots: int,
-                  megatron_options: dict | None = None):
+                  megatron_options: dict | None = None, own_copy: bool = True):
     from loraplane.models.base import from_hf_model
     from loraplane.models.tiny import build_tiny_tokenizer
 
@@ -144,8 +144,9 @@ def build_backend(kind: str, hf, name: str, device: torch.device, dtype: torch.d
     if kind == "torch":
         from trainer_svc.backends.torch_backend import TorchBackend
 
-        # Its own copy: PEFT injects its layers into the model it wraps.
-        return TorchBackend(from_hf_model(name, copy.deepcopy(hf), tokenizer, device=str(device), dtype=dtype))
+        # Its own copy when PEFT runs beside it (PEFT injects its layers into the model it wraps); alone, the model.
+        model = copy.deepcopy(hf) if own_copy else hf
+        return TorchBackend(from_hf_model(name, model, tokenizer, device=str(device), dtype=dtype))
     if kind == "megatron":
         from trainer_svc.backends.megatron.backend import MegatronBackend
         from trainer_svc.backends.megatron.engine import Engine

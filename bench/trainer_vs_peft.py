@@ -178,7 +178,7 @@ def main(argv=None) -> dict:
             # on n slots never spills (spills are bench/trainer_megatron.py's subject).
             slots = max(8, sum(tenant_counts) * len(modes))
             backend = build_backend(backend_kind, hf, f"{shape_name}-random", device, dtype, lora_dtype,
-                                    slots=slots, megatron_options=options)
+                                    slots=slots, megatron_options=options, own_copy=not args.no_peft)
     if args.no_peft and backend_kind == "megatron" and device.type == "cuda" and backend is not None:
         # The engine holds its own converted copy; without PEFT the HF weights need not stay on the device (the
         # launcher loads them on the host), so the memory picture is the deployment's.

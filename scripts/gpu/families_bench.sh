@@ -4,7 +4,7 @@
 # Both sides train rank-32 LoRA on every target the family offers (Qwen3.5: attention, the Gated DeltaNet
 # projections, the MLP; gpt-oss: q/k/v/o and the experts). Gated DeltaNet runs on transformers' torch fallback on
 # both sides (fla refuses this image's Triton 3.6 on Hopper).
-#   bash scripts/gpu/families_bench.sh [CASE ...]   default: q9b-2048 q9b-512 oss-2048 oss-512
+#   bash scripts/gpu/families_bench.sh [CASE ...]   default: q9b-2048 q9b-512 oss-2048 oss-512; also q35-peft q35-ours
 # Needs .gpuwh/megatron and .gpuwh/tvp_extra (bench_env.sh; build them with the shared build-wheelhouse.sh).
 set -uo pipefail
 . "$(dirname "$0")/bench_env.sh" families
@@ -28,6 +28,9 @@ for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
     q9b-512) run_case qwen3.5-9b_8x512 --shape qwen3.5-9b --datums 8 --seq-len 512 --peft-checkpointing on --rounds 4 --warmup 1 --profile "$OUT" ;;
     oss-2048) run_case gpt-oss-20b_8x2048 --shape gpt-oss-20b --datums 8 --seq-len 2048 --peft-checkpointing on --rounds 3 --warmup 1 ;;
     oss-512) run_case gpt-oss-20b_8x512 --shape gpt-oss-20b --datums 8 --seq-len 512 --peft-checkpointing on --rounds 4 --warmup 1 --profile "$OUT" ;;
+    # Qwen3.5-35B-A3B (70 GB in bf16): two copies do not fit one H200, so each contender runs in its own process.
+    q35-peft) run_case qwen3.5-35b-a3b_8x512_peft_alone --shape qwen3.5-35b-a3b --datums 8 --seq-len 512 --tenants "" --peft-checkpointing on --rounds 3 --warmup 1 ;;
+    q35-ours) run_case qwen3.5-35b-a3b_8x512_torch_alone --shape qwen3.5-35b-a3b --datums 8 --seq-len 512 --no-peft --rounds 3 --warmup 1 ;;
     *) echo "unknown case $c" | summary ;;
   esac
 done
