@@ -34,6 +34,7 @@ from gateway_svc.store import Store
 from gateway_svc.types import SamplingSpec
 from gateway_svc.upstream import Upstream
 from loraplane import auth, errors
+from loraplane.client.targets import narrow_targets
 
 PROTO = tinker_codec.PROTO
 JSON = "application/json"
@@ -45,7 +46,6 @@ URL_TTL_S = 3600
 # target_prompt_logprobs: cells scored per request (each costs the sampler one prefill of its prefix).
 MAX_TARGET_CELLS = 256
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-ATTN, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
 # The LoRA scale numerator of every adapter the gateway creates, whatever its rank: what Tinker's adapters carry
 # (tinker_cookbook/hyperparam_utils.py:66 `lora_alpha: int = 32`, weights/README.md:59; its get_lr takes no rank,
 # hyperparam_utils.py:306), so a learning rate tuned on Tinker means the same here (scale alpha / rank).
@@ -236,9 +236,9 @@ class TinkerService:
         if opt != "adamw":
             raise Unsupported(f"optimizer_config.type {errors.shown(opt)} is not supported (adamw only)")
         model_id = f"{session_id}:train:{num(body.get('model_seq_id', 0), 'model_seq_id', lo=0, hi=INT32_MAX)}"
-        # train_mlp means the MLP the model has: a dense model's gate/up/down, a MoE model's routed experts.
-        offered = info.target_modules or ATTN + MLP
-        targets = [t for t in offered if (train_attn if t in ATTN else train_mlp)]
+        # The flags select by the base model's family: its token mixers (attention, linear attention, Mamba) and
+        # the MLP it has (dense projections, shared and routed experts).
+        targets = narrow_targets(info.target_modules, train_attn=bool(train_attn), train_mlp=bool(train_mlp))
         now = time.time()
         seed = lora.get("seed")
         # LoraConfig.seed=None is a random seed (the SDK's documented meaning); it is recorded with the model, so a

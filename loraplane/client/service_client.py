@@ -12,13 +12,12 @@ from loraplane.client._runtime import runtime
 from loraplane.client._session import Session
 from loraplane.client.errors import AlreadyExistsError, error_from_domain
 from loraplane.client.routing import routed_call
+from loraplane.client.targets import narrow_targets
 from loraplane.client.training_client import SeqCounter, TrainingClient
 from loraplane.client.types import TrainerAdapterInfo, VersionInfo, parse_path
 from loraplane.registry_client import RegistryClient, RegistryEvent, weights_dtype_name, weights_dtype_value
 from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 _seq_counters: dict[tuple[str, str], SeqCounter] = {}
 _seq_lock = threading.Lock()
@@ -90,10 +89,9 @@ class ServiceClient(Session):
             if train_attn and train_mlp:
                 target_modules = []  # the server's default: every projection
             else:
-                # "MLP" is what the base model has: a dense model's gate/up/down, a MoE model's routed experts.
-                offered = list(self.get_server_capabilities().supported_target_modules) or [
-                    *ATTENTION_MODULES, *MLP_MODULES]
-                target_modules = [t for t in offered if (train_attn if t in ATTENTION_MODULES else train_mlp)]
+                # By the base model's family: its token mixers vs the MLP it has (dense, shared, routed experts).
+                target_modules = narrow_targets(self.get_server_capabilities().supported_target_modules,
+                                                train_attn=train_attn, train_mlp=train_mlp)
         name = name or f"run-{uuid.uuid4().hex[:8]}"
         lora = common_pb2.LoraConfig(rank=rank, alpha=float(alpha or 0.0), target_modules=list(target_modules),
                                      seed=random.getrandbits(63) if seed is None else seed,
