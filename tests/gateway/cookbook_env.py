@@ -205,6 +205,17 @@ def qwen3_5_tokenizer(target: Path) -> Path:
     byte-level BPE with a small vocabulary learnt from the recipes' own rows, plus every added token of the real
     one (ChatML, vision, tool and <think> markers) as single tokens, <|im_end|> as EOS and <|endoftext|> as PAD.
     Token ids differ from the real tokenizer's; what the cookbook's qwen3_5 renderers rely on holds."""
+    return byte_level_bpe_tokenizer(
+        target, "The answer is. Let me think step by step. Guess the number between one and a hundred.",
+        eos_token="<|im_end|>", chat_template=_QWEN3_5_CHAT_TEMPLATE, added_tokens=QWEN3_5_ADDED_TOKENS,
+        special=_QWEN3_5_SPECIAL)
+
+
+def byte_level_bpe_tokenizer(target: Path, extra_text: str, *, eos_token: str, chat_template: str,
+                             added_tokens, special) -> Path:
+    """A fixture tokenizer written to `target` (kept when there): Qwen's pre-tokenizer split and byte-level BPE with
+    a small vocabulary learnt from the recipes' own rows and `extra_text` (the words its chat format uses), plus
+    `added_tokens` as single tokens (those in `special` marked special), <|endoftext|> as PAD."""
     if (target / "tokenizer.json").exists():
         return target
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -218,13 +229,12 @@ def qwen3_5_tokenizer(target: Path) -> Path:
     corpus = [m["content"] for r in _no_robots_rows()["train"] for m in r["messages"]]
     corpus += [r["question"] + " " + r["answer"] for r in _gsm8k_rows()["train"]]
     corpus += [r["problem"] + " " + r["solution"] for r in _math_rows()]
-    corpus += ["The answer is. Let me think step by step. Guess the number between one and a hundred."]
+    corpus += [extra_text]
     backend.train_from_iterator(corpus, trainers.BpeTrainer(
         vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        chat_template=_QWEN3_5_CHAT_TEMPLATE)
-    tokenizer.add_tokens([AddedToken(t, special=t in _QWEN3_5_SPECIAL, normalized=False)
-                          for t in QWEN3_5_ADDED_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos_token, pad_token="<|endoftext|>",
+                                        chat_template=chat_template)
+    tokenizer.add_tokens([AddedToken(t, special=t in special, normalized=False) for t in added_tokens])
     tokenizer.save_pretrained(str(target))
     return target
 

@@ -18,10 +18,7 @@ import shutil
 from pathlib import Path
 
 from tests.gateway.cookbook_env import (
-    _QWEN_PATTERN,
-    _gsm8k_rows,
-    _math_rows,
-    _no_robots_rows,
+    byte_level_bpe_tokenizer,
     cached_repo,
     hf_home,
     qwen3_5_tokenizer,
@@ -38,27 +35,10 @@ _GPT_OSS_CHAT_TEMPLATE = (
 
 
 def gpt_oss_tokenizer(target: Path) -> Path:
-    if (target / "tokenizer.json").exists():
-        return target
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    corpus = [m["content"] for r in _no_robots_rows()["train"] for m in r["messages"]]
-    corpus += [r["question"] + " " + r["answer"] for r in _gsm8k_rows()["train"]]
-    corpus += [r["problem"] + " " + r["solution"] for r in _math_rows()]
-    corpus += ["system user assistant analysis final commentary Reasoning: medium Knowledge cutoff Current date"]
-    backend.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|return|>", pad_token="<|endoftext|>",
-                                        chat_template=_GPT_OSS_CHAT_TEMPLATE)
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in GPT_OSS_ADDED_TOKENS])
-    tokenizer.save_pretrained(str(target))
-    return target
+    return byte_level_bpe_tokenizer(
+        target, "system user assistant analysis final commentary Reasoning: medium Knowledge cutoff Current date",
+        eos_token="<|return|>", chat_template=_GPT_OSS_CHAT_TEMPLATE, added_tokens=GPT_OSS_ADDED_TOKENS,
+        special=GPT_OSS_ADDED_TOKENS)
 
 
 def random_family_model(model_type: str, target: Path, tokenizer_dir: Path) -> Path:
