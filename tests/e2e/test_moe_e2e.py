@@ -5,16 +5,15 @@ with the sampler's logprobs equal to the trainer's Forward."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from loraplane.client import AdamParams, ModelInput, RetryConfig, SamplingParams, ServiceClient, datum_from_sequence
+from loraplane.client import ServiceClient
 from loraplane.lora import LoraSpec, init_lora_params
 from loraplane.models import load_base_model
 from loraplane.v1 import common_pb2, trainer_pb2
 from tests.e2e.test_trainer_isolation import ADAM, assert_states_identical, fb, rounds, saved_state, wait_queued
+from tests.fixtures.family_flow import publish_and_sample, random_data, retrying_service, train_until_loss_drops
 from tests.fixtures.sampler import start_live_sampler
 from tests.fixtures.trainer import start_live_trainer
 
@@ -141,10 +140,7 @@ def test_the_clients_train_mlp_flag_means_the_experts_on_a_moe_model(registry, m
 
 @pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
 def test_train_publish_sample_through_the_client(registry, moe_trainer, moe_sampler, layout):
-    retry = RetryConfig(max_attempts=8, initial_backoff_s=0.05, max_backoff_s=0.5, total_timeout_s=60,
-                        attempt_timeout_s=60)
-    service = ServiceClient(trainer=moe_trainer.address, sampler=moe_sampler.address, registry=registry.address,
-                            retry=retry)
+    service = retrying_service(moe_trainer.address, moe_sampler.address, registry.address)
     name = f"moe/{layout.replace('_', '-')}"
     if layout == "per_expert":
         training = service.create_lora_training_client("tiny-moe", rank=4, seed=5, name=name)
@@ -152,25 +148,9 @@ def test_train_publish_sample_through_the_client(registry, moe_trainer, moe_samp
         stub = moe_trainer.stub()
         create(stub, name, 4, 8, 5, [], SHARED_OUTER)
         training = service.get_training_client(name)
-    rng = random.Random(0)
-    data = [datum_from_sequence([rng.randrange(5, 200) for _ in range(17)]) for _ in range(3)]
-    losses = []
-    for _ in range(4):
-        backward = training.forward_backward(data, "cross_entropy")
-        assert not training.optim_step(AdamParams(learning_rate=5e-2)).result(60).skipped
-        losses.append(backward.result(60).loss)
-    assert losses[-1] < losses[0] * 0.9, losses
-
-    sampling = training.save_weights_for_sampler("moe").result(60)
-    prompt = ModelInput.from_ints(data[0].model_input.tokens[:6])
-    reply = sampling.sample(prompt, 1, SamplingParams(max_tokens=8, temperature=1.0, seed=3)).result(60)
-    assert reply.served_version == sampling.version and len(reply.sequences[0].tokens) == 8
-    tokens = data[0].model_input.tokens + [data[0].loss_fn_inputs["target_tokens"][-1]]
-    sampled = sampling.compute_logprobs(tokens).result(60)
-    learned = [lp for o in training.forward([data[0]]).result(60).loss_fn_outputs for lp in o["logprobs"].tolist()]
-    assert sampled[1:] == pytest.approx(learned, abs=1e-4)
-    base = service.create_sampling_client().compute_logprobs(tokens).result(60)
-    assert base[1:] != pytest.approx(sampled[1:], abs=1e-3)
+    data = random_data(lengths=(17, 17, 17))
+    train_until_loss_drops(training, data)
+    publish_and_sample(service, training, data, "moe", num_samples=1, check_generated=False)
 
 
 def test_a_restarted_trainer_brings_a_shared_outer_adapter_back_bit_for_bit(registry, background_loop):
