@@ -12,12 +12,21 @@ import json
 import pytest
 import torch
 
-from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter
+from loraplane.adapter_format import materialize_peft_dir
 from loraplane.errors import FailedPrecondition
-from loraplane.lora import AdapterTensors, LoraSpec, init_lora_params, lora_segments
+from loraplane.lora import AdapterTensors, LoraSpec
 from loraplane.models import families, load_base_model
 from loraplane.models.families import gpt_oss
-from loraplane.models.packed import packed_position_ids, packed_sequences
+from tests.fixtures.family_checks import (
+    assert_every_target_moves_and_a_tenant_is_the_same_packed_or_alone,
+    assert_hf_peft_gives_ours,
+    assert_round_trips,
+    broken_copy,
+    megatron_refusal,
+    packed_logits,
+    rows_of,
+    trained_like,
+)
 from tests.fixtures.models import build_checkpoint
 from trainer_svc.backends.torch_backend import TorchBackend
 
@@ -39,38 +48,6 @@ def reference(checkpoint):
 
     return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
                                                 attn_implementation="eager").eval()
-
-
-def trained_like(base, spec, seed):
-    params = init_lora_params(base, spec)
-    generator = torch.Generator().manual_seed(seed)
-    for tensor in params.values():
-        tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
-    return params
-
-
-def packed_logits(backend, rows, adapters):
-    """Each datum's logits from one packed row (the trainer's layout), datum i with adapters[i]."""
-    model = backend.base.model
-    lengths = [len(r) for r in rows]
-    ids = torch.tensor([t for r in rows for t in r]).unsqueeze(0)
-    segments, cursor = [], 0
-    for length, adapter in zip(lengths, adapters):
-        segments.append((cursor, cursor + length, adapter))
-        cursor += length
-    with torch.no_grad(), packed_sequences(lengths), lora_segments(model, segments):
-        hidden = model.model(input_ids=ids, position_ids=packed_position_ids(lengths), use_cache=False)
-        logits = model.lm_head(hidden.last_hidden_state[0])
-    out, cursor = [], 0
-    for length in lengths:
-        out.append(logits[cursor:cursor + length])
-        cursor += length
-    return out
-
-
-def rows_of(seed, lengths):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 250, (n,), generator=generator).tolist() for n in lengths]
 
 
 def test_loaded_with_sinks_windows_and_transposed_biased_experts(backend):
@@ -121,43 +98,22 @@ def test_a_packed_datum_equals_transformers_alone_with_its_own_window_and_sinks(
 
 
 def test_every_target_moves_the_logits_and_a_tenant_is_the_same_packed_or_alone(backend):
-    base = backend.base
-    rows = rows_of(5, [9, 12])
-    for target in base.module_dims:
-        spec = LoraSpec.create(4, 8, [target], seed=1, available=tuple(base.module_dims))
-        adapter = AdapterTensors.from_params(trained_like(base, spec, 7), spec)
-        moved = packed_logits(backend, rows[:1], [adapter])[0]
-        plain = packed_logits(backend, rows[:1], [None])[0]
-        assert not torch.allclose(moved, plain, atol=1e-4), target
-    spec = LoraSpec.create(4, 8, [], seed=2, available=tuple(base.module_dims))
-    mine = AdapterTensors.from_params(trained_like(base, spec, 8), spec)
-    theirs = AdapterTensors.from_params(trained_like(base, spec, 9), spec)
-    alone = packed_logits(backend, rows[:1], [mine])[0]
-    shared = packed_logits(backend, rows, [mine, theirs])[0]
-    assert torch.equal(alone, shared)
+    assert_every_target_moves_and_a_tenant_is_the_same_packed_or_alone(backend)
 
 
 def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, backend, tmp_path):
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
+    pytest.importorskip("peft")
     base = backend.base
     spec = LoraSpec.create(4, 8, [], seed=5, available=tuple(base.module_dims))
     params = trained_like(base, spec, 2)
-    blob = serialize_adapter(params, spec, str(checkpoint))
-    parsed, parsed_spec, _ = parse_adapter(blob)
-    assert parsed_spec == spec and all(torch.equal(parsed[k], params[k]) for k in params)
+    blob = assert_round_trips(params, spec, checkpoint)
     directory = materialize_peft_dir(blob, tmp_path / "peft")
     config = json.loads((directory / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     row = rows_of(1, [15])[0]
     ours = packed_logits(backend, [row], [AdapterTensors.from_params(params, spec)])[0]
-    fresh = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    model = peft.PeftModel.from_pretrained(fresh, str(directory)).eval()
-    with torch.no_grad():
-        theirs = model(input_ids=torch.tensor([row])).logits[0]
-    assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), float((ours - theirs).abs().max())
-    assert not torch.allclose(ours, packed_logits(backend, [row], [None])[0], atol=1e-3)
+    assert_hf_peft_gives_ours(checkpoint, directory, row, ours, packed_logits(backend, [row], [None])[0],
+                              load_kwargs={"attn_implementation": "eager"})
 
 
 def test_tinkers_attn_key_names_are_the_same_targets(backend):
@@ -172,32 +128,12 @@ def test_tinkers_attn_key_names_are_the_same_targets(backend):
     assert torch.equal(ours, theirs)
 
 
-def _broken_copy(checkpoint, name, edit=None):
-    broken = checkpoint.parent / name
-    broken.mkdir(exist_ok=True)
-    for item in checkpoint.iterdir():
-        (broken / item.name).write_bytes(item.read_bytes())
-    (broken / "model.safetensors").write_bytes(b"not safetensors")
-    if edit is not None:
-        config = json.loads((broken / "config.json").read_text())
-        edit(config)
-        (broken / "config.json").write_text(json.dumps(config))
-    return broken
-
-
 def test_megatron_refuses_gpt_oss_before_reading_a_weight(checkpoint):
-    # A weights file no loader could read: the refusal must come from config.json alone.
-    broken = _broken_copy(checkpoint, "broken")
-    with pytest.raises(FailedPrecondition) as info:
-        load_base_model(str(broken), backend="megatron")
-    message = info.value.message
-    assert info.value.reason == "UNSUPPORTED_MODEL" and info.value.field == "base_model"
+    refusal = megatron_refusal(checkpoint)
+    assert refusal.field == "base_model"
     for piece in ("attention sinks", "sliding-window", "YaRN", "expert biases", "clamped SwiGLU",
                   "including o_proj"):
-        assert piece in message, piece
-    with pytest.raises(Exception) as torch_side:  # the torch backend accepts the config, then reads weights
-        load_base_model(str(broken))
-    assert not isinstance(torch_side.value, FailedPrecondition)
+        assert piece in refusal.message, piece
 
 
 def test_an_unsupported_gpt_oss_variant_is_refused_naming_every_feature(checkpoint):
@@ -207,7 +143,7 @@ def test_an_unsupported_gpt_oss_variant_is_refused_naming_every_feature(checkpoi
         config["hidden_act"] = "gelu"
         config["mlp_bias"] = True
 
-    broken = _broken_copy(checkpoint, "variant", edit)
+    broken = broken_copy(checkpoint, "variant", edit)
     with pytest.raises(FailedPrecondition) as info:
         load_base_model(str(broken))
     message = info.value.message

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter
+from loraplane.adapter_format import materialize_peft_dir, serialize_adapter
 from loraplane.errors import FailedPrecondition, InvalidArgument
 from loraplane.lora import AdapterTensors, LoraSpec
 from loraplane.models import families, load_base_model
@@ -23,7 +23,16 @@ from loraplane.models.families.base import (
     MAMBA_TARGETS,
     NONGATED_EXPERT_TARGETS,
 )
-from tests.e2e.test_gpt_oss_family import _broken_copy, packed_logits, rows_of, trained_like
+from tests.fixtures.family_checks import (
+    assert_every_target_moves_and_a_tenant_is_the_same_packed_or_alone,
+    assert_hf_peft_gives_ours,
+    assert_round_trips,
+    broken_copy,
+    megatron_refusal,
+    packed_logits,
+    rows_of,
+    trained_like,
+)
 from tests.fixtures.models import build_checkpoint
 from trainer_svc.backends.torch_backend import TorchBackend
 
@@ -82,20 +91,7 @@ def test_a_packed_datum_equals_transformers_alone_and_the_mamba_state_stays_in_i
 
 
 def test_every_target_moves_the_logits_and_a_tenant_is_the_same_packed_or_alone(backend):
-    base = backend.base
-    rows = rows_of(5, [9, 12])
-    for target in base.module_dims:
-        spec = LoraSpec.create(4, 8, [target], seed=1, available=tuple(base.module_dims))
-        adapter = AdapterTensors.from_params(trained_like(base, spec, 7), spec)
-        moved = packed_logits(backend, rows[:1], [adapter])[0]
-        plain = packed_logits(backend, rows[:1], [None])[0]
-        assert not torch.allclose(moved, plain, atol=1e-4), target
-    spec = LoraSpec.create(4, 8, [], seed=2, available=tuple(base.module_dims))
-    mine = AdapterTensors.from_params(trained_like(base, spec, 8), spec)
-    theirs = AdapterTensors.from_params(trained_like(base, spec, 9), spec)
-    alone = packed_logits(backend, rows[:1], [mine])[0]
-    shared = packed_logits(backend, rows, [mine, theirs])[0]
-    assert torch.equal(alone, shared)
+    assert_every_target_moves_and_a_tenant_is_the_same_packed_or_alone(backend)
 
 
 def test_an_adapter_of_some_block_kinds_round_trips(backend, checkpoint):
@@ -103,14 +99,11 @@ def test_an_adapter_of_some_block_kinds_round_trips(backend, checkpoint):
     spec = LoraSpec.create(4, 8, list(BLOCK_ATTENTION_TARGETS), seed=3, available=tuple(base.module_dims))
     params = trained_like(base, spec, 4)
     assert {int(k.split(".")[4]) for k in params} == {2}  # only the attention block holds tensors
-    parsed, parsed_spec, _ = parse_adapter(serialize_adapter(params, spec, str(checkpoint)))
-    assert parsed_spec == spec and all(torch.equal(parsed[k], params[k]) for k in params)
+    assert_round_trips(params, spec, checkpoint)
 
 
 def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, backend, tmp_path):
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
+    pytest.importorskip("peft")
     base = backend.base
     # HF PEFT 0.21 refuses LoRA on a Mamba mixer's out_proj (its fused training kernel bypasses the module); every
     # other target loads.
@@ -123,12 +116,8 @@ def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, b
     assert config["target_parameters"] == list(NONGATED_EXPERT_TARGETS)
     row = rows_of(1, [15])[0]
     ours = packed_logits(backend, [row], [AdapterTensors.from_params(params, spec)])[0]
-    fresh = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(fresh, str(directory)).eval()
-    with torch.no_grad():
-        theirs = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
-    assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), float((ours - theirs).abs().max())
-    assert not torch.allclose(ours, packed_logits(backend, [row], [None])[0], atol=1e-3)
+    assert_hf_peft_gives_ours(checkpoint, directory, row, ours, packed_logits(backend, [row], [None])[0],
+                              call_kwargs={"use_cache": False})
 
 
 def test_sglang_gets_every_target_but_the_routed_experts(backend):
@@ -148,16 +137,10 @@ def test_sglang_gets_every_target_but_the_routed_experts(backend):
 
 
 def test_megatron_refuses_nemotron_h_before_reading_a_weight(checkpoint):
-    broken = _broken_copy(checkpoint, "broken")
-    with pytest.raises(FailedPrecondition) as info:
-        load_base_model(str(broken), backend="megatron")
-    message = info.value.message
-    assert info.value.reason == "UNSUPPORTED_MODEL" and info.value.field == "base_model"
+    refusal = megatron_refusal(checkpoint)
+    assert refusal.field == "base_model"
     for piece in ("Mamba-2 layers", "mamba_ssm", "causal_conv1d", "relu^2 experts"):
-        assert piece in message, piece
-    with pytest.raises(Exception) as torch_side:  # the torch backend accepts the config, then reads weights
-        load_base_model(str(broken))
-    assert not isinstance(torch_side.value, FailedPrecondition)
+        assert piece in refusal.message, piece
 
 
 def test_an_unsupported_nemotron_h_variant_is_refused_naming_every_feature(checkpoint):
@@ -165,7 +148,7 @@ def test_an_unsupported_nemotron_h_variant_is_refused_naming_every_feature(check
         config["mlp_bias"] = True
         config["attention_bias"] = True
 
-    broken = _broken_copy(checkpoint, "variant", edit)
+    broken = broken_copy(checkpoint, "variant", edit)
     with pytest.raises(FailedPrecondition) as info:
         load_base_model(str(broken))
     message = info.value.message

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter
-from loraplane.errors import FailedPrecondition
-from loraplane.lora import AdapterTensors, LoraSpec, init_lora_params, lora_segments
+from loraplane.lora import AdapterTensors, LoraSpec
 from loraplane.models import families, load_base_model
 from loraplane.models.packed import packed_position_ids, packed_sequences
+from tests.fixtures.family_checks import assert_hf_peft_gives_ours, assert_round_trips, megatron_refusal, trained_like
+from tests.fixtures.family_checks import packed_logits as shared_packed_logits
 from tests.fixtures.models import build_checkpoint
 from trainer_svc.backends.torch_backend import TorchBackend
 
@@ -31,33 +32,11 @@ def backend(checkpoint):
     return TorchBackend(str(checkpoint))
 
 
-def trained_like(base, spec, seed):
-    params = init_lora_params(base, spec)
-    generator = torch.Generator().manual_seed(seed)
-    for tensor in params.values():
-        tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
-    return params
-
-
 def packed_logits(backend, rows, adapter, others=(), other=None):
     """Logits of datums laid end to end in one packed row (the trainer's layout), each datum's own; `others`: more
     datums after them, of adapter `other` (another tenant sharing the batch)."""
-    model = backend.base.model
-    everything = [*rows, *others]
-    lengths = [len(r) for r in everything]
-    ids = torch.tensor([t for r in everything for t in r]).unsqueeze(0)
-    segments, cursor = [], 0
-    for index, length in enumerate(lengths):
-        segments.append((cursor, cursor + length, adapter if index < len(rows) else other))
-        cursor += length
-    with torch.no_grad(), packed_sequences(lengths), lora_segments(model, segments):
-        hidden = model.model(input_ids=ids, position_ids=packed_position_ids(lengths), use_cache=False)
-        logits = model.lm_head(hidden.last_hidden_state[0])
-    out, cursor = [], 0
-    for length in lengths[:len(rows)]:
-        out.append(logits[cursor:cursor + length])
-        cursor += length
-    return out
+    adapters = [adapter] * len(rows) + [other] * len(others)
+    return shared_packed_logits(backend, [*rows, *others], adapters)[:len(rows)]
 
 
 def test_loaded_text_only_from_the_vision_language_checkpoint(checkpoint, backend):
@@ -150,15 +129,11 @@ def test_the_packed_row_resets_the_linear_attention_state_at_each_datum(backend)
 
 
 def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, backend, tmp_path):
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
+    pytest.importorskip("peft")
     base = backend.base
     spec = LoraSpec.create(4, 8, [], seed=5, available=tuple(base.module_dims))
     params = trained_like(base, spec, 2)
-    blob = serialize_adapter(params, spec, str(checkpoint))
-    parsed, parsed_spec, _ = parse_adapter(blob)
-    assert parsed_spec == spec and all(torch.equal(parsed[k], params[k]) for k in params)
+    blob = assert_round_trips(params, spec, checkpoint)
     directory = materialize_peft_dir(blob, tmp_path / "peft")
     config = json.loads((directory / "adapter_config.json").read_text())
     assert "in_proj_qkv" in config["target_modules"] and "in_proj_q" not in config["target_modules"]
@@ -166,32 +141,14 @@ def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, b
     rng = torch.Generator().manual_seed(1)
     row = torch.randint(5, 250, (21,), generator=rng).tolist()
     ours = packed_logits(backend, [row], AdapterTensors.from_params(params, spec))[0]
-    fresh = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(fresh, str(directory)).eval()
-    with torch.no_grad():
-        theirs = model(input_ids=torch.tensor([row])).logits[0]
-    assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), float((ours - theirs).abs().max())
-    without = packed_logits(backend, [row], None)[0]
-    assert not torch.allclose(ours, without, atol=1e-3)
+    assert_hf_peft_gives_ours(checkpoint, directory, row, ours, packed_logits(backend, [row], None)[0])
 
 
 def test_megatron_refuses_qwen3_5_before_reading_a_weight(checkpoint):
-    # A weights file no loader could read: the refusal must come from config.json alone.
-    (checkpoint.parent / "broken").mkdir(exist_ok=True)
-    broken = checkpoint.parent / "broken"
-    for item in checkpoint.iterdir():
-        (broken / item.name).write_bytes(item.read_bytes())
-    (broken / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(FailedPrecondition) as info:
-        load_base_model(str(broken), backend="megatron")
-    message = info.value.message
-    assert info.value.reason == "UNSUPPORTED_MODEL"
+    message = megatron_refusal(checkpoint).message
     assert "Gated DeltaNet" in message and "gated full attention" in message
     if "moe" in checkpoint.name:
         assert "shared expert" in message
-    with pytest.raises(Exception) as torch_side:  # the torch backend accepts the config and then reads weights
-        load_base_model(str(broken))
-    assert not isinstance(torch_side.value, FailedPrecondition)
 
 
 def blob_check(blob: bytes) -> None:
