@@ -233,13 +233,17 @@ class ModelFamily:
             return None
         spec = TARGETS[target]
         if spec.group == "experts":
-            # transformers' fused experts: gate_up_proj [E, 2 ffn, hidden], down_proj [E, hidden, ffn].
-            _, two_ffn, hidden = module.gate_up_proj.shape
-            return (int(hidden), int(two_ffn)) if target == "experts.gate_up_proj" else (int(two_ffn) // 2,
-                                                                                      int(hidden))
+            return self.expert_dims(module, target)
         if spec.part is not None:
             return int(module.in_features), int(self.fused_widths(block, target)[spec.part])
         return int(module.in_features), int(module.out_features)
+
+    def expert_dims(self, experts, target: str) -> tuple[int, int]:
+        """(in_features, out_features) of one expert of `target` in the `experts` module, whose 3-D parameters
+        each family lays out its own way; here transformers' fused experts: gate_up_proj [E, 2 ffn, hidden],
+        down_proj [E, hidden, ffn]."""
+        _, two_ffn, hidden = experts.gate_up_proj.shape
+        return (int(hidden), int(two_ffn)) if target == "experts.gate_up_proj" else (int(two_ffn) // 2, int(hidden))
 
     def tiny_config(self, vocab_size: int = 261):
         if self.tiny is None:

@@ -78,16 +78,10 @@ _MEGATRON_LACKS = (
 
 
 class GptOssFamily(ModelFamily):
-    def target_dims(self, block, target: str) -> tuple[int, int] | None:
-        if target not in EXPERT_TARGETS:
-            return super().target_dims(block, target)
-        experts = self.target_module(block, target)
-        if experts is None:
-            return None
+    def expert_dims(self, experts, target: str) -> tuple[int, int]:
         # Transposed experts: gate_up_proj [E, hidden, 2 ffn], down_proj [E, ffn, hidden] (in, out per expert).
         _, hidden, two_ffn = experts.gate_up_proj.shape
-        return (int(hidden), int(two_ffn)) if target == "experts.gate_up_proj" else (int(two_ffn) // 2,
-                                                                                  int(hidden))
+        return (int(hidden), int(two_ffn)) if target == "experts.gate_up_proj" else (int(two_ffn) // 2, int(hidden))
 
 
 # ------------------------------------------------------------------------------------------------ packed rows

@@ -101,13 +101,8 @@ class NemotronHFamily(ModelFamily):
         """The MLP of each block ("dense", "moe"; "none" for a mixer block)."""
         return [k if k in ("dense", "moe") else "none" for k in self._block_types(config)]
 
-    def target_dims(self, block, target: str) -> tuple[int, int] | None:
-        if target not in NONGATED_EXPERT_TARGETS:
-            return super().target_dims(block, target)
-        experts = self.target_module(block, target)
-        if experts is None:
-            return None
-        # up_proj [E, ffn, hidden], down_proj [E, hidden, ffn]: (in, out) of one expert.
+    def expert_dims(self, experts, target: str) -> tuple[int, int]:
+        # Non-gated experts: up_proj [E, ffn, hidden], down_proj [E, hidden, ffn]: (in, out) of one expert.
         _, ffn, hidden = experts.up_proj.shape
         return (int(hidden), int(ffn)) if target == "mixer.experts.up_proj" else (int(ffn), int(hidden))
 
