@@ -221,8 +221,12 @@ _local = threading.local()
 
 
 def _current(model) -> _Routing | None:
+    return _routing_for(id(model))
+
+
+def _routing_for(model_id: int) -> _Routing | None:
     table = getattr(_local, "routing", None)
-    return None if table is None else table.get(id(model))
+    return None if table is None else table.get(model_id)
 
 
 def attach_multi_lora(model, target_modules: Sequence[str] = ALL_TARGETS) -> None:
@@ -270,8 +274,7 @@ def _make_hook(model, layer_index: int, module_name: str):
     model_id = id(model)
 
     def hook(_module, inputs, output):
-        table = getattr(_local, "routing", None)
-        routing = None if table is None else table.get(model_id)
+        routing = _routing_for(model_id)
         if routing is None:
             return None
         return _apply_routing(routing, key, inputs[0], output)
@@ -283,8 +286,7 @@ def _make_parts_hook(model, layer_index: int, names: list[str | None], widths: t
     model_id = id(model)
 
     def hook(_module, inputs, output):
-        table = getattr(_local, "routing", None)
-        routing = None if table is None else table.get(model_id)
+        routing = _routing_for(model_id)
         if routing is None:
             return None
         # Each part's delta goes to its own slice of the fused output, computed as for a projection of its own
