@@ -7,12 +7,9 @@ from config.json before any weight is read."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from loraplane.adapter_format import materialize_peft_dir
 from loraplane.errors import FailedPrecondition
 from loraplane.lora import AdapterTensors, LoraSpec
 from loraplane.models import families, load_base_model
@@ -20,25 +17,16 @@ from loraplane.models.families import gpt_oss
 from tests.fixtures.family_checks import (
     assert_every_target_moves_and_a_tenant_is_the_same_packed_or_alone,
     assert_hf_peft_gives_ours,
-    assert_round_trips,
+    backend_fixtures,
     broken_copy,
     megatron_refusal,
     packed_logits,
+    peft_export,
     rows_of,
     trained_like,
 )
-from tests.fixtures.models import build_checkpoint
-from trainer_svc.backends.torch_backend import TorchBackend
 
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss"))
-
-
-@pytest.fixture(scope="module")
-def backend(checkpoint):
-    return TorchBackend(str(checkpoint))
+checkpoint, backend = backend_fixtures("gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +91,7 @@ def test_every_target_moves_the_logits_and_a_tenant_is_the_same_packed_or_alone(
 
 def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, backend, tmp_path):
     pytest.importorskip("peft")
-    base = backend.base
-    spec = LoraSpec.create(4, 8, [], seed=5, available=tuple(base.module_dims))
-    params = trained_like(base, spec, 2)
-    blob = assert_round_trips(params, spec, checkpoint)
-    directory = materialize_peft_dir(blob, tmp_path / "peft")
-    config = json.loads((directory / "adapter_config.json").read_text())
+    spec, params, directory, config = peft_export(backend, checkpoint, tmp_path)
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     row = rows_of(1, [15])[0]
     ours = packed_logits(backend, [row], [AdapterTensors.from_params(params, spec)])[0]

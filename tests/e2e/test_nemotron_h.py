@@ -6,36 +6,13 @@ the trainer's Forward within 1e-4."""
 
 from __future__ import annotations
 
-import pytest
+from tests.fixtures.family_flow import live_fixtures, retrying_service, train_publish_sample
 
-from tests.fixtures.family_flow import retrying_service, train_publish_sample
-from tests.fixtures.models import build_checkpoint
-from tests.fixtures.sampler import start_live_sampler
-from tests.fixtures.trainer import start_live_trainer
+checkpoint, family_trainer, family_sampler = live_fixtures("nemotron_h")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return str(build_checkpoint("nemotron_h", tmp_path_factory.mktemp("nemotron_h")))
-
-
-@pytest.fixture
-def nemotron_trainer(registry, background_loop, checkpoint):
-    live = start_live_trainer(registry.settings, background_loop, registry.address, gap_timeout_s=5.0,
-                              base_model=checkpoint)
-    yield live
-    live.close()
-
-
-@pytest.fixture
-def nemotron_sampler(registry, background_loop, checkpoint):
-    live = start_live_sampler(registry.settings, background_loop, registry.address, base_model=checkpoint)
-    yield live
-    live.close()
-
-
-def test_train_publish_sample_through_the_client(registry, checkpoint, nemotron_trainer, nemotron_sampler):
-    service = retrying_service(nemotron_trainer.address, nemotron_sampler.address, registry.address)
+def test_train_publish_sample_through_the_client(registry, checkpoint, family_trainer, family_sampler):
+    service = retrying_service(family_trainer.address, family_sampler.address, registry.address)
     try:
         # The generated tokens' logprobs are decoded with the conv / SSM states and the KV cache.
         train_publish_sample(service, checkpoint, "nemo/rl", "nemo", [

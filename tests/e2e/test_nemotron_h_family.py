@@ -27,24 +27,15 @@ from tests.fixtures.family_checks import (
     assert_every_target_moves_and_a_tenant_is_the_same_packed_or_alone,
     assert_hf_peft_gives_ours,
     assert_round_trips,
+    backend_fixtures,
     broken_copy,
     megatron_refusal,
     packed_logits,
     rows_of,
     trained_like,
 )
-from tests.fixtures.models import build_checkpoint
-from trainer_svc.backends.torch_backend import TorchBackend
 
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_checkpoint("nemotron_h", tmp_path_factory.mktemp("nemotron_h"))
-
-
-@pytest.fixture(scope="module")
-def backend(checkpoint):
-    return TorchBackend(str(checkpoint))
+checkpoint, backend = backend_fixtures("nemotron_h")
 
 
 @pytest.fixture(scope="module")

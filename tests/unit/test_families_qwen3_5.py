@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from loraplane.adapter_format import materialize_peft_dir, parse_adapter, serialize_adapter
+from loraplane.adapter_format import parse_adapter, serialize_adapter
 from loraplane.lora import AdapterTensors, LoraSpec
 from loraplane.models import families, load_base_model
 from loraplane.models.packed import packed_position_ids, packed_sequences
-from tests.fixtures.family_checks import assert_hf_peft_gives_ours, assert_round_trips, megatron_refusal, trained_like
+from tests.fixtures.family_checks import assert_hf_peft_gives_ours, megatron_refusal, peft_export, trained_like
 from tests.fixtures.family_checks import packed_logits as shared_packed_logits
 from tests.fixtures.models import build_checkpoint
 from trainer_svc.backends.torch_backend import TorchBackend
@@ -130,12 +130,7 @@ def test_the_packed_row_resets_the_linear_attention_state_at_each_datum(backend)
 
 def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, backend, tmp_path):
     pytest.importorskip("peft")
-    base = backend.base
-    spec = LoraSpec.create(4, 8, [], seed=5, available=tuple(base.module_dims))
-    params = trained_like(base, spec, 2)
-    blob = assert_round_trips(params, spec, checkpoint)
-    directory = materialize_peft_dir(blob, tmp_path / "peft")
-    config = json.loads((directory / "adapter_config.json").read_text())
+    spec, params, directory, config = peft_export(backend, checkpoint, tmp_path)
     assert "in_proj_qkv" in config["target_modules"] and "in_proj_q" not in config["target_modules"]
     assert config["rank_pattern"] == {"in_proj_qkv": 12}
     rng = torch.Generator().manual_seed(1)
