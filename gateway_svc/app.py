@@ -8,6 +8,7 @@ for the OpenAI / Anthropic bodies."""
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -21,6 +22,7 @@ from gateway_svc.upstream import Upstream
 from loraplane import auth, errors
 from loraplane.config import Settings
 from loraplane.membership import Membership
+from loraplane.metrics import RPC_SECONDS, MetricsEndpoint
 from loraplane.rpc import ClientSecurity, quiet_grpc_poller
 
 # Answered without a key: load balancers and `loraplane status` probe it.
@@ -59,6 +61,24 @@ async def authenticate(request: Request) -> None:
     auth.set_caller(caller)
 
 
+class RouteSeconds:
+    """Times each HTTP request into loraplane_rpc_seconds{service="gateway", method=<route template>} (the
+    template, not the path: paths carry ids). Plain ASGI, so streamed answers pass through untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            RPC_SECONDS.labels("gateway", route).observe(time.perf_counter() - start)
+
+
 def create_app(settings: GatewaySettings | None = None, cluster: Settings | None = None) -> FastAPI:
     """`cluster`: the loraplane settings the gateway shares with the services (LORAPLANE_AUTH, the service key in
     LORAPLANE_API_KEY, TLS, the Redis holding the keys); by default read from the environment."""
@@ -78,9 +98,12 @@ def create_app(settings: GatewaySettings | None = None, cluster: Settings | None
                             if cluster.trainer_fleet and cluster.redis_url else None)
         app.state.tinker = TinkerService(settings, store, upstream)
         app.state.openai = OpenAIService(settings, upstream, tinker_paths=app.state.tinker.sampler_weights)
+        endpoint = MetricsEndpoint(settings.host, settings.metrics_port) if settings.metrics_port >= 0 else None
         try:
             yield
         finally:
+            if endpoint is not None:
+                endpoint.close()
             await app.state.tinker.futures.close()
             await upstream.close()
             await store.close()
@@ -89,6 +112,7 @@ def create_app(settings: GatewaySettings | None = None, cluster: Settings | None
     app.state.settings = settings
     app.state.authenticator = auth.authenticator_from_settings(cluster, "gateway")
     http_errors.install(app)
+    app.add_middleware(RouteSeconds)
     app.include_router(tinker_routes.router)
     # One set of OpenAI handlers, two mounts: loraplane's /v1 and Tinker's OpenAI-compatible /oai/api/v1.
     app.include_router(openai_routes.router, prefix="/v1")

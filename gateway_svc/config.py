@@ -10,6 +10,9 @@ class GatewaySettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8900
+    # Prometheus /metrics on its own port, as the services serve theirs (-1 = none; 0 = any free port): the time of
+    # each HTTP route and of each future's work (loraplane_rpc_seconds, service="gateway").
+    metrics_port: int = -1
     # gRPC addresses (host:port) of the services the gateway translates onto.
     trainer_address: str = "127.0.0.1:50052"
     registry_address: str = "127.0.0.1:50051"

@@ -118,12 +118,24 @@ def tokens_of_chunks(chunks) -> list[int]:
     return tokens
 
 
-def decode_forward_backward(body: bytes) -> FwdBwdRequest:
+def _parsed_forward_backward(body: bytes) -> wire.ForwardBackwardRequest:
     msg = wire.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
         raise errors.InvalidArgument("body: not a ForwardBackwardRequest protobuf", field="body") from None
+    return msg
+
+
+def forward_backward_target(body: bytes) -> tuple[str, int]:
+    """The model_id and seq_id of a ForwardBackwardRequest: all that sequencing it needs. Its datums are converted
+    once, when the future runs (a bad datum fails the future there, as decode_forward_backward reports it)."""
+    msg = _parsed_forward_backward(body)
+    return msg.model_id, msg.seq_id
+
+
+def decode_forward_backward(body: bytes) -> FwdBwdRequest:
+    msg = _parsed_forward_backward(body)
     request = FwdBwdRequest(model_id=msg.model_id, seq_id=msg.seq_id, data=[], loss_fn=msg.loss_fn,
                             loss_fn_config={}, forward_only=msg.forward_only)
     try:

@@ -35,6 +35,7 @@ from gateway_svc.types import SamplingSpec
 from gateway_svc.upstream import Upstream
 from loraplane import auth, errors
 from loraplane.client.targets import narrow_targets
+from loraplane.metrics import RPC_SECONDS
 
 PROTO = tinker_codec.PROTO
 JSON = "application/json"
@@ -214,7 +215,11 @@ class TinkerService:
         acting_for = spec.get("acting_for")
         auth.set_caller(auth.Identity(key_id="", tenant=acting_for, role=auth.ROLE_TENANT) if acting_for
                         else auth.OPEN)
-        return await getattr(self, f"_run_{spec['kind']}")(spec)
+        start = time.perf_counter()
+        try:
+            return await getattr(self, f"_run_{spec['kind']}")(spec)
+        finally:
+            RPC_SECONDS.labels("gateway", f"future:{spec['kind']}").observe(time.perf_counter() - start)
 
     # ---- training models -------------------------------------------------------------------------------------
     async def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -315,9 +320,8 @@ class TinkerService:
 
     async def forward_backward(self, body: bytes, encoding: str) -> dict[str, Any]:
         raw = tinker_codec.decompress(body, encoding)
-        request = tinker_codec.decode_forward_backward(raw)
-        return await self._sequenced(request.model_id, request.seq_id,
-                                     {"kind": "fwdbwd", "body": base64.b64encode(raw).decode()})
+        model_id, seq_id = tinker_codec.forward_backward_target(raw)
+        return await self._sequenced(model_id, seq_id, {"kind": "fwdbwd", "body": base64.b64encode(raw).decode()})
 
     async def _run_fwdbwd(self, spec: dict[str, Any]) -> tuple[str, bytes]:
         request = tinker_codec.decode_forward_backward(base64.b64decode(spec["body"]))
