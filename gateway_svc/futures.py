@@ -24,6 +24,19 @@ log = logging.getLogger(__name__)
 Runner = Callable[[dict[str, Any]], Awaitable[tuple[str, bytes]]]
 
 
+class _Running:
+    """A future running on this replica: its waiters here wake when it ends and take the reply it stored (no
+    Redis read back; waiters on other replicas read Redis)."""
+
+    def __init__(self):
+        self.done = asyncio.Event()
+        self.reply: FutureReply | None = None  # None: it ended without storing an outcome (cancelled, Redis lost)
+
+    def finish(self, reply: FutureReply | None) -> None:
+        self.reply = reply
+        self.done.set()
+
+
 @dataclass
 class FutureReply:
     state: str  # done | failed | pending
@@ -38,7 +51,7 @@ class Futures:
         self.long_poll_s = long_poll_s
         self.lease_s = lease_s
         self.owner = uuid.uuid4().hex
-        self._local: dict[str, asyncio.Event] = {}
+        self._local: dict[str, _Running] = {}
         self._tasks: set[asyncio.Task] = set()
 
     async def submit(self, request_id: str, spec: dict[str, Any]) -> str:
@@ -51,13 +64,14 @@ class Futures:
         return self.store.k("future", request_id)
 
     def _start(self, request_id: str, spec: dict[str, Any]) -> None:
-        self._local[self._local_key(request_id)] = asyncio.Event()
+        self._local[self._local_key(request_id)] = _Running()
         task = asyncio.create_task(self._run(request_id, spec))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, request_id: str, spec: dict[str, Any]) -> None:
         renew = asyncio.create_task(self._renew(request_id))
+        reply = None
         try:
             try:
                 content_type, body = await self.runner(spec)
@@ -68,11 +82,12 @@ class Futures:
                 state, content_type = "failed", "application/json"
                 body = json.dumps(future_failure(exc)).encode()
             await self.store.finish_future(request_id, state, content_type, body)
+            reply = FutureReply(state, content_type, body)
         finally:
             renew.cancel()
-            event = self._local.pop(self._local_key(request_id), None)
-            if event:
-                event.set()
+            running = self._local.pop(self._local_key(request_id), None)
+            if running:
+                running.finish(reply)
 
     async def _renew(self, request_id: str) -> None:
         while True:
@@ -97,12 +112,14 @@ class Futures:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return FutureReply("pending")
-            event = self._local.get(self._local_key(request_id))
-            if event is not None:
+            running = self._local.get(self._local_key(request_id))
+            if running is not None:
                 try:
-                    await asyncio.wait_for(event.wait(), timeout=remaining)
+                    await asyncio.wait_for(running.done.wait(), timeout=remaining)
                 except TimeoutError:
                     pass
+                if running.reply is not None:
+                    return running.reply
             else:
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 2, 0.1)
