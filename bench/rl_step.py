@@ -6,14 +6,17 @@ the recipe gathers them), group-centred advantages, one forward_backward("import
 rollout and one optim_step. It runs on `loraplane up`'s local cluster (real processes on loopback) with the
 official tinker SDK.
 
-Per step it reports: the wall time; the SDK-side time of each route (its submit + retrieve_future until the result);
-the services' own handling time of each RPC, read from their Prometheus histograms (loraplane_rpc_seconds, the
-existing metrics hook, scraped before and after the step); what is left is the gateway, HTTP, futures and Redis.
+Per step it reports: the wall time; the SDK-side time of each route (submit + retrieve_future until the result);
+the gateway's own time per HTTP route and per future (its /metrics, LORAPLANE_GATEWAY_METRICS_PORT); the services'
+handling time of each RPC (their /metrics); all from the existing loraplane_rpc_seconds histograms, scraped before
+and after the step. Then the engines' own time for the same work, in a fresh process with the threads each service
+gets here: the sampler's engine generating every group's rollouts (all queued at once) and the trainer backend's
+forward_backward of the same datum lengths + optim_step, called directly. ours / engines is the step's ratio.
 
     .venv/bin/python bench/rl_step.py [--model tiny] [--steps 3] [--groups 32] [--group-size 16] [--max-tokens 5]
 
-Not yet here: the engines' own anchor (the sampler engine generating the same rollouts in one call, the backend's
-forward_backward + optim_step alone), and the gateway's per-route server-side time (it has no metrics endpoint).
+Sample rows sum over the concurrent calls (the route's own wall time is the SDK column). The trainer orders
+optim_step after forward_backward, so its OptimStep RPC time includes that wait.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import environment, print_table, write_results
 from loraplane.config import Settings
 from loraplane.local.processes import free_port
+from loraplane.threads import host_cores, thread_shares
 from loraplane_cli.local_cluster import start_cluster, stop_cluster
 
 _SUM = re.compile(r'^loraplane_rpc_seconds_sum\{([^}]*)\}\s+(\S+)$')
@@ -151,6 +155,9 @@ def engines_anchor(model: str, steps: int, groups: int, group_size: int, max_tok
     from trainer_svc.backends.torch_backend import TorchBackend
     from trainer_svc.optimizer import AdamHyper
     from trainer_svc.pool import AdapterState
+
+    # Each engine with the threads its service gets on this host (`loraplane up` splits the cores between them).
+    torch.set_num_threads(thread_shares(host_cores(), 2)[-1])
 
     async def sample_all(engine) -> None:
         options = SamplingOptions(max_tokens=max_tokens, temperature=1.0)
