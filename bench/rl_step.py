@@ -258,7 +258,7 @@ def summarize(results: dict) -> dict:
 
 
 def print_summary(summary: dict) -> None:
-    ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
+    ms = lambda s: f"{1000 * s:.1f}"
     rows = [[route, ms(r["ours_s"]), ms(r["gateway_future_s"]), ms(r["service_rpc_s"]), ms(r["engine_s"])]
             for route, r in summary["routes"].items()]
     rows.append(["step (wall)", ms(summary["wall_s"]), "", "", ms(summary["engines_s"])])

@@ -18,7 +18,6 @@ from loraplane.client.types import TrainerAdapterInfo, VersionInfo, parse_path
 from loraplane.registry_client import RegistryClient, RegistryEvent, weights_dtype_name, weights_dtype_value
 from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2
 
-
 _seq_counters: dict[tuple[str, str], SeqCounter] = {}
 _seq_lock = threading.Lock()
 

@@ -7,8 +7,13 @@ import pytest
 import tinker
 
 from loraplane.client import ServiceClient
-from loraplane.models.families.base import (BLOCK_ATTENTION_TARGETS, BLOCK_MLP_TARGETS, BLOCK_SHARED_EXPERT_TARGETS,
-                                            MAMBA_TARGETS, NONGATED_EXPERT_TARGETS)
+from loraplane.models.families.base import (
+    BLOCK_ATTENTION_TARGETS,
+    BLOCK_MLP_TARGETS,
+    BLOCK_SHARED_EXPERT_TARGETS,
+    MAMBA_TARGETS,
+    NONGATED_EXPERT_TARGETS,
+)
 from tests.fixtures.models import build_checkpoint
 from tests.gateway.conftest import start_cluster, stop_cluster
 
