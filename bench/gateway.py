@@ -53,8 +53,8 @@ def run(model: str, iterations: int, seq_len: int, max_tokens: int, workdir: Pat
     import loraplane.client as lp
 
     settings = Settings(data_dir=workdir, base_model=model)
-    state = start_cluster(settings, extra_env={"LORAPLANE_BASE_MODEL": model, "TINKER_TELEMETRY": "0"},
-                          gateway=True)
+    state, _started = start_cluster(settings, extra_env={"LORAPLANE_BASE_MODEL": model, "TINKER_TELEMETRY": "0"},
+                                    gateway=True)
     try:
         addresses = state.addresses()
         base_url = state.component("gateway").endpoint
