@@ -81,17 +81,6 @@ def test_up_uses_external_redis_and_s3_when_configured(tmp_path, valkey, seaweed
         _cli("down", "--data-dir", str(data_dir))
 
 
-def test_a_torch_thread_count_the_user_sets_reaches_every_service(tmp_path):
-    data_dir = tmp_path / "cluster"
-    up = _cli("up", "--data-dir", str(data_dir), "--services", "registry,sampler", "--no-gateway",
-              env={THREADS_ENV: "3"})
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
-        assert _torch_threads(read_cluster_state(data_dir), "sampler") == [3]
-    finally:
-        _cli("down", "--data-dir", str(data_dir))
-
-
 def _torch_threads(state, *names: str) -> list[int]:
     """Each named service's intra-op torch threads, as its own metrics endpoint reports them."""
     return [int(value(scrape(state.component(name).metrics), "loraplane_torch_threads")) for name in names]
@@ -99,18 +88,20 @@ def _torch_threads(state, *names: str) -> list[int]:
 
 def test_up_hands_each_published_version_to_its_sampler_in_memory(tmp_path, valkey, seaweed):
     """`loraplane up`'s sampler is a sampler fleet of one that its trainer names, so a published version reaches the
-    sampler straight from the trainer (shared memory on one host), not through a registry download."""
+    sampler straight from the trainer (shared memory on one host), not through a registry download. A torch thread
+    count the user sets reaches every service in place of the cluster's shares."""
     from loraplane.client import AdamParams, ServiceClient, datum_from_sequence
     from loraplane.client.types import SamplingParams
 
     data_dir = tmp_path / "cluster"
     env = {"LORAPLANE_REDIS_URL": valkey.url, "LORAPLANE_S3_ENDPOINT": seaweed.endpoint,
            "LORAPLANE_S3_ACCESS_KEY": seaweed.access_key, "LORAPLANE_S3_SECRET_KEY": seaweed.secret_key,
-           "LORAPLANE_S3_BUCKET": "lp-cli-handoff", "LORAPLANE_KEY_PREFIX": "lpclihandoff:"}
+           "LORAPLANE_S3_BUCKET": "lp-cli-handoff", "LORAPLANE_KEY_PREFIX": "lpclihandoff:", THREADS_ENV: "3"}
     up = _cli("up", "--data-dir", str(data_dir), "--no-gateway", env=env)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         state = read_cluster_state(data_dir)
+        assert _torch_threads(state, "trainer", "sampler") == [3, 3]
         assert state.component("trainer").env.get("LORAPLANE_SAMPLER_FLEET") == "sampler"
         service = ServiceClient(data_dir=data_dir)
         training = service.create_lora_training_client("tiny", rank=4, seed=3, name="team/handoff")
