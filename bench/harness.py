@@ -188,12 +188,18 @@ class DirectDriver:
     def create(self, name: str, rank: int, seed: int, targets: tuple[str, ...] = TARGETS) -> None:
         """What CreateAdapter does on the trainer, minus the registry record (nothing is published here)."""
         from loraplane.lora import LoraSpec
+
+        self.adopt(name, LoraSpec.create(rank, 2.0 * rank, list(targets), seed,
+                                         max_rank=self.service.limits.max_lora_rank))
+
+    def adopt(self, name: str, spec) -> None:
+        """A new adapter of `spec` on the service, as CreateAdapter makes it (minus the registry record)."""
         from trainer_svc.journal import AdapterRecord
 
         svc = self.service
-        spec = LoraSpec.create(rank, 2.0 * rank, list(targets), seed, max_rank=svc.limits.max_lora_rank)
         record = AdapterRecord(name=name, rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules),
-                               seed=spec.seed, base_model=svc.base_model, uid=uuid.uuid4().hex)
+                               seed=spec.seed, base_model=svc.base_model, uid=uuid.uuid4().hex,
+                               expert_layout=spec.expert_layout)
 
         async def go():
             svc._loop = asyncio.get_running_loop()

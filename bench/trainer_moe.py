@@ -41,7 +41,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -173,26 +172,11 @@ class ExpertDirectDriver(DirectDriver):
         self.available = available
 
     def create(self, name: str, rank: int, seed: int) -> None:
-        import asyncio
-
         from loraplane.lora import LoraSpec
-        from trainer_svc.journal import AdapterRecord
 
-        svc = self.service
-        spec = LoraSpec.create(rank, 2.0 * rank, [*ATTENTION, *EXPERTS], seed, max_rank=svc.limits.max_lora_rank,
-                               expert_layout=self.layout, available=self.available)
-        record = AdapterRecord(name=name, rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules),
-                               seed=spec.seed, base_model=svc.base_model, uid=uuid.uuid4().hex,
-                               expert_layout=spec.expert_layout)
-
-        async def go():
-            svc._loop = asyncio.get_running_loop()
-            await svc._on_worker(lambda: svc._new_state(record, spec))
-            svc._adopt(record)
-            svc.scheduler.open_lane(name)
-
-        self.run(go())
-        self.seq[name] = 0
+        self.adopt(name, LoraSpec.create(rank, 2.0 * rank, [*ATTENTION, *EXPERTS], seed,
+                                         max_rank=self.service.limits.max_lora_rank, expert_layout=self.layout,
+                                         available=self.available))
 
 
 def slot_bytes(engine, name: str) -> int:
