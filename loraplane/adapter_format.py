@@ -5,6 +5,15 @@ Weights blob: one safetensors file holding the PEFT LoRA tensors under PEFT key 
 exported version after `materialize_peft_dir` splits it into adapter_model.safetensors + adapter_config.json. Its
 tensors are float32, or bfloat16 for an adapter whose LoraConfig.weights_dtype asks for it (readers upcast).
 
+Format versions (metadata "loraplane_format"; docs/architecture.md, "Weights blob format versions"):
+- absent ("1"): every tensor in PEFT's shapes; a shared-outer adapter's shared factors (gate_up lora_A, down
+  lora_B) repeated once per expert (2.57 GB for Qwen3-30B-A3B rank 32, as much as per-expert).
+- "2": a shared-outer adapter's shared factors stored once (gate_up A [r, in], down B [out, r]: the trainer's own
+  tensors, as Tinker keeps them), everything else as in "1". Only shared-outer adapters are written so; per-expert
+  and dense blobs stay "1", byte for byte. Every reader takes both; the expansion to per-expert shapes happens
+  where a consumer needs it (`materialize_peft_dir`, SGLang's packing on the sampler).
+A version this code does not know is refused (DATA_LOSS naming the key), never misread.
+
 Training-state blob: also safetensors (never pickle): params under their PEFT keys, AdamW moments under
 `optimizer.exp_avg.<key>` / `optimizer.exp_avg_sq.<key>`, metadata "loraplane_training_state" = JSON with the
 step, the LoRA spec and the base model name.
@@ -37,6 +46,9 @@ from loraplane.models.families import TARGETS
 from loraplane.models.families.base import BLOCK_TARGETS, NONGATED_EXPERT_TARGETS, ROUTED_EXPERT_TARGETS
 
 ADAPTER_CONFIG_KEY = "adapter_config"
+FORMAT_VERSION_KEY = "loraplane_format"
+COMPACT_FORMAT = "2"
+KNOWN_FORMATS = ("1", COMPACT_FORMAT)
 TRAINING_STATE_KEY = "loraplane_training_state"
 FORMAT_KEY = "format"
 EXP_AVG = "optimizer.exp_avg."
@@ -160,22 +172,42 @@ def weights_dtype(name: str, field: str = "weights_dtype") -> torch.dtype:
     return dtype
 
 
+def writes_compact(spec: LoraSpec) -> bool:
+    """Whether a weights blob of `spec` is written in the compact format "2" (a shared-outer expert adapter)."""
+    return spec.has_experts and spec.expert_layout == SHARED_OUTER
+
+
 def adapter_writer(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_model_name: str,
-                   dtype: str = "float32") -> SafetensorsWriter:
-    """The PEFT weights file of `params` in `dtype` (a WEIGHTS_DTYPES name), after checking the params. A
-    shared-outer adapter's shared factors are written once per expert (PEFT's per-expert shapes)."""
+                   dtype: str = "float32", *, compact: bool = True) -> SafetensorsWriter:
+    """The weights file of `params` in `dtype` (a WEIGHTS_DTYPES name), after checking the params. A shared-outer
+    adapter's shared factors are written once (format "2"); `compact=False` writes them once per expert (PEFT's
+    per-expert shapes, format "1", what every blob was before "2": kept to write such blobs for tests and for a
+    reader that predates "2"). `params`: the trainer's own (compact) tensors."""
     _check_params(params, spec, field="params", compact=True)
-    params = expand_shared_outer(params, spec)
     metadata = {
         FORMAT_KEY: "pt",
         ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name), sort_keys=True),
     }
+    if compact and writes_compact(spec):
+        metadata[FORMAT_VERSION_KEY] = COMPACT_FORMAT
+    else:
+        params = expand_shared_outer(params, spec)
     return SafetensorsWriter(params, metadata, weights_dtype(dtype))
 
 
 def serialize_adapter(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_model_name: str,
-                      dtype: str = "float32") -> bytes:
-    return adapter_writer(params, spec, base_model_name, dtype).to_bytes()
+                      dtype: str = "float32", *, compact: bool = True) -> bytes:
+    return adapter_writer(params, spec, base_model_name, dtype, compact=compact).to_bytes()
+
+
+def blob_format(metadata: Mapping[str, str], field: str = "blob", error=None) -> str:
+    """The format version of a weights blob from its metadata ("1" when absent); an unknown version raises
+    `error` (DataLoss by default: a stored blob this reader cannot read) naming the key."""
+    version = metadata.get(FORMAT_VERSION_KEY, "1")
+    if version not in KNOWN_FORMATS:
+        raise (error or DataLoss)(f"{field}: {FORMAT_VERSION_KEY} {clip(str(version))!r} is not a weights format "
+                                  f"this reader knows ({', '.join(KNOWN_FORMATS)})", field=field)
+    return version
 
 
 def _header(blob: bytes, what: str) -> dict:
@@ -237,9 +269,10 @@ def parse_adapter(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
     """Reads a weights blob -> (params, spec, base model name). Shapes and keys are checked against the config."""
     tensors, metadata = _read(blob, "adapter blob")
     spec, base_name = _adapter_config(metadata)
+    compact = blob_format(metadata) == COMPACT_FORMAT
     params = {k: v.to(torch.float32) for k, v in tensors.items()}
-    _check_params(params, spec, field="blob")
-    return fold_shared_outer(params, spec), spec, base_name
+    _check_params(params, spec, field="blob", compact=compact)
+    return (params if compact else fold_shared_outer(params, spec)), spec, base_name
 
 
 def _pop_metadata(header: dict) -> dict[str, str]:
@@ -259,13 +292,14 @@ def adapter_header(blob: bytes) -> tuple[LoraSpec, str, dict[str, str]]:
     shapes are checked against the config, the values are not read (for a consumer that hands the bytes on as they
     are, such as a PEFT file for SGLang, of a blob whose digest it has checked: the registry checked its values)."""
     header = _header(blob, "adapter blob")
-    spec, base_name = _adapter_config(_pop_metadata(header))
+    metadata = _pop_metadata(header)
+    spec, base_name = _adapter_config(metadata)
     try:
         shapes = {name: tuple(int(n) for n in entry["shape"]) for name, entry in header.items()}
         dtypes = {name: str(entry["dtype"]) for name, entry in header.items()}
     except (KeyError, TypeError, ValueError) as exc:
         raise DataLoss(f"adapter blob: malformed safetensors header entry: {exc}", field="blob") from None
-    check_shapes(shapes, spec, field="blob")
+    check_shapes(shapes, spec, field="blob", compact=blob_format(metadata) == COMPACT_FORMAT)
     return spec, base_name, dtypes
 
 
@@ -276,12 +310,15 @@ def adapter_tensor_views(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec
     """(tensors, spec, base model name) of a weights blob whose digest was checked (the registry checked its
     values): each tensor a read-only view of the blob's bytes in its stored dtype, nothing copied or upcast (a
     Qwen3-30B-A3B expert adapter is 2.6 GB of bf16: parse_adapter's float32 copy is 5.1 GB more and seconds of
-    work). Keys and shapes checked as :func:`adapter_header` checks them; shared-outer factors stay expanded, as
-    the blob stores them. The views keep `blob` alive."""
+    work). Keys and shapes checked as :func:`adapter_header` checks them; shared-outer factors as the blob stores
+    them (once in format "2", once per expert in "1": `expand_shared_outer` and `sglang_packing` take either).
+    The views keep `blob` alive."""
     import warnings
 
     header = _header(blob, "adapter blob")
-    spec, base_name = _adapter_config(_pop_metadata(header))
+    metadata = _pop_metadata(header)
+    spec, base_name = _adapter_config(metadata)
+    compact = blob_format(metadata) == COMPACT_FORMAT
     start = 8 + int.from_bytes(bytes(blob[:8]), "little")
     tensors: dict[str, torch.Tensor] = {}
     try:
@@ -289,7 +326,7 @@ def adapter_tensor_views(blob: bytes) -> tuple[dict[str, torch.Tensor], LoraSpec
                           [int(o) for o in entry["data_offsets"]]) for name, entry in header.items()}
     except (KeyError, TypeError, ValueError) as exc:
         raise DataLoss(f"adapter blob: malformed safetensors header entry: {exc}", field="blob") from None
-    check_shapes({name: shape for name, (_, shape, _) in entries.items()}, spec, field="blob")
+    check_shapes({name: shape for name, (_, shape, _) in entries.items()}, spec, field="blob", compact=compact)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a bytes blob is not writable; the views are only read
         for name, (dtype, shape, (begin, end)) in entries.items():
@@ -367,8 +404,9 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
             if "A" not in got or "B" not in got:
                 raise InvalidArgument(f"{field}: layer {layer} {module} lacks lora_A or lora_B", field=field)
             if got["A"][0] != spec.rank or got["B"][1] != spec.rank:
+                bad = peft_key(layer, module, "A" if got["A"][0] != spec.rank else "B")
                 raise InvalidArgument(
-                    f"{field}: layer {layer} {module} shapes {got['A']}/{got['B']} disagree with rank "
+                    f"{field}: tensor {bad}: layer {layer} {module} shapes {got['A']}/{got['B']} disagree with rank "
                     f"{spec.rank}", field=field)
     experts_seen: set[int] = set()
     for (layer, module), got in pairs.items():
@@ -382,8 +420,11 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], spec: LoraSpec, *, field: s
         counts = {rows // spec.rank if not shared_a else None, cols // spec.rank if not shared_b else None} - {None}
         if ((shared_a and rows != spec.rank) or (shared_b and cols != spec.rank) or rows % spec.rank
                 or cols % spec.rank or len(counts) != 1):
+            # Named by the factor at fault (the A unless the A's shape is consistent on its own).
+            a_wrong = (shared_a and rows != spec.rank) or (not shared_a and rows % spec.rank)
+            bad = peft_key(layer, module, "A" if a_wrong else "B")
             raise InvalidArgument(
-                f"{field}: layer {layer} {module} shapes {got['A']}/{got['B']} are not rank-{spec.rank} "
+                f"{field}: tensor {bad}: layer {layer} {module} shapes {got['A']}/{got['B']} are not rank-{spec.rank} "
                 f"{'compact ' if compact else ''}{spec.expert_layout} expert factors", field=field)
         experts_seen |= counts
     if len(experts_seen) > 1:

@@ -10,9 +10,11 @@ import numpy as np
 
 from loraplane.adapter_format import (
     ADAPTER_CONFIG_KEY,
+    COMPACT_FORMAT,
     EXP_AVG,
     EXP_AVG_SQ,
     TRAINING_STATE_KEY,
+    blob_format,
     check_shapes,
     spec_from_peft_config,
 )
@@ -46,9 +48,10 @@ class _Extent:
 
 class BlobCheck:
     """Checks an uploaded blob while it streams, before the registry commits it: a weights blob must be a PEFT
-    safetensors LoRA adapter (header, adapter_config, tensor names and shapes consistent with it, finite values,
-    and in a shared-outer adapter every expert's copy of a shared factor the same: the rule the samplers load by,
-    `loraplane.expert_layout`), a training-state blob what `parse_training_state` accepts. Memory stays at one
+    safetensors LoRA adapter (header, adapter_config, tensor names and shapes consistent with it and with its format
+    version, `loraplane.adapter_format`: a compact shared-outer adapter's shared factors of one expert's shape;
+    finite values; and in a format-"1" shared-outer adapter every expert's copy of a shared factor the same: the
+    rule the samplers load by, `loraplane.expert_layout`), a training-state blob what `parse_training_state` accepts. Memory stays at one
     chunk plus the header (and one expert's copy of a shared factor).
 
     Every failure is InvalidArgument naming `field` (the upload's bytes), since the caller sent them. `feed` only
@@ -61,6 +64,7 @@ class BlobCheck:
         self.field = field
         self.spec: LoraSpec | None = None
         self.base_model = ""
+        self.format = ""  # a weights blob's format version ("1" or "2"), once its header is read
         self._head = bytearray()
         self._data_start: int | None = None
         self._extents: list[_Extent] = []
@@ -183,7 +187,13 @@ class BlobCheck:
             raise InvalidArgument("adapter_config is not a JSON object")
         self.spec = spec_from_peft_config(config)
         self.base_model = str(config.get("base_model_name_or_path") or "")
-        check_shapes(shapes, self.spec, field="tensors")
+        # Format "2" stores a shared-outer adapter's shared factors once (compact shapes, nothing to compare);
+        # "1" (no version) once per expert, every copy checked equal as it streams in.
+        self.format = blob_format(metadata, field="tensors", error=InvalidArgument)
+        compact = self.format == COMPACT_FORMAT
+        check_shapes(shapes, self.spec, field="tensors", compact=compact)
+        if compact:
+            return
         for extent in self._extents:
             copies = shared_copies(extent.key, shapes[extent.key], self.spec)
             if copies is not None and copies.experts > 1:

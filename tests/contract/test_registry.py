@@ -362,8 +362,8 @@ EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 def expert_blob(layout: str, *, differ: str = "") -> bytes:
-    """A rank-4 expert adapter of 3 experts (PEFT file). `layout` "shared_outer" (the shared factors repeated per
-    expert, as the trainer writes them) or "per_expert"; `differ` names a shared factor ("A": gate_up lora_A, "B":
+    """A rank-4 expert adapter of 3 experts (PEFT file, format "1"). `layout` "shared_outer" (the shared factors
+    repeated per expert, as the trainer wrote them before the compact format "2") or "per_expert"; `differ` names a shared factor ("A": gate_up lora_A, "B":
     down lora_B) in which one expert's copy is changed after the file says shared_outer."""
     import torch
     from safetensors.torch import load, save
@@ -383,7 +383,7 @@ def expert_blob(layout: str, *, differ: str = "") -> bytes:
         peft_key(0, "experts.down_proj", "B"): torch.randn(hidden, rank * (1 if shared else experts),
                                                            generator=generator),
     }
-    blob = serialize_adapter(params, spec, TEST_BASE_MODEL)
+    blob = serialize_adapter(params, spec, TEST_BASE_MODEL, compact=False)
     if not differ:
         return blob
     assert layout != PER_EXPERT

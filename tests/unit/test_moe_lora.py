@@ -179,13 +179,15 @@ def test_sglang_adapter_with_separate_gate_and_up_a_is_refused(moe):
         from_sglang(tensors, spec)
 
 
-def test_shared_outer_blob_is_per_expert_on_the_wire_and_folds_back(moe):
+def test_shared_outer_blob_of_format_1_is_per_expert_on_the_wire_and_folds_back(moe):
+    """The blobs written before format "2" (tests/unit/test_adapter_compact.py has the compact ones)."""
     base, _ = moe
     spec, params = trained(base, "shared_outer")
-    blob = serialize_adapter(params, spec, base.name)
+    blob = serialize_adapter(params, spec, base.name, compact=False)
     header = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
     gate_up_a = peft_key(1, "experts.gate_up_proj", "A")
     assert header[gate_up_a]["shape"] == [4 * 8, 64]  # repeated per expert: what PEFT loads
+    assert "loraplane_format" not in header["__metadata__"]
     assert json.loads(header["__metadata__"]["adapter_config"])["loraplane_expert_layout"] == "shared_outer"
     parsed, parsed_spec, _ = parse_adapter(blob)
     assert parsed_spec == spec
