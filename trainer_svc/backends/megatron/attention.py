@@ -96,8 +96,17 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (x.reshape(t, x.shape[-2], x.shape[-1]) for x in (query, key, value))
         if packed_seq_params.rope_angles is not None:
             cos, sin = packed_seq_params.rope_cos_sin(q.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         return packed_attention(q, k, v, packed_seq_params, self.softmax_scale).reshape(t, 1, -1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` values of each head, the rest passed through (partial rotary, as
+    transformers and megatron split it)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
 
 
 def packed_attention(q, k, v, packed: PackedRows, scale: float) -> torch.Tensor:

@@ -26,10 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-COLUMN_PARALLEL_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL_TARGETS = ("o_proj", "down_proj")
+COLUMN_PARALLEL_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+                           "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a")
+ROW_PARALLEL_TARGETS = ("o_proj", "down_proj", "out_proj")
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Qwen3.5's Gated DeltaNet layers (:mod:`.gated_delta_net`): Tinker's three pairs on the Q, K and V rows of the fused
+# in_proj_qkv, then in_proj_z/b/a and out_proj.
+LINEAR_ATTENTION_TARGETS = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 # Which megatron module of a decoder layer each HF projection lives in.
 MCORE_MODULE_OF_TARGET = {
@@ -53,6 +58,27 @@ HF_MODULE_OF_TARGET = {
 
 
 @dataclass(frozen=True)
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's dimensions (Qwen3.5's ``linear_*`` config fields): ``num_k_heads`` query/key heads
+    of ``head_k_dim``, ``num_v_heads`` value heads of ``head_v_dim`` (each q/k head serves ``num_v_heads /
+    num_k_heads`` consecutive value heads), a depthwise causal conv1d of ``conv_kernel`` taps."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+
+@dataclass(frozen=True)
 class LlamaShape:
     """The dimensions of a Llama-family decoder that the layout depends on."""
 
@@ -68,15 +94,35 @@ class LlamaShape:
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0
     moe_layers: tuple[int, ...] = ()
+    # Hybrid decoders (Qwen3.5): the layers whose token mixer is a Gated DeltaNet (the others attend), its
+    # dimensions; whether q_proj also emits a sigmoid output gate per head (HF rows [query | gate] per head); whether
+    # the RMSNorms scale by (1 + w) (the decoder's norms and q/k norms, not the DeltaNet's gated norm): the
+    # megatron model's torch RMSNorm gets 1 + w as its weight.
+    linear_layers: tuple[int, ...] = ()
+    linear: LinearAttentionShape | None = None
+    gated_attention: bool = False
+    zero_centered_norms: bool = False
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
 
+    def is_linear(self, layer: int) -> bool:
+        return layer in self.linear_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
     def has_target(self, layer: int, target: str) -> bool:
-        """Whether ``layer`` offers the dense projection ``target`` as a LoRA target: an MoE model's MLP targets
-        are its experts (loraplane.models.families.lora_targets: not even its dense layers offer gate/up/down,
-        which HF PEFT would rewrite into the experts' target_parameters)."""
-        return target in ATTENTION_TARGETS or not self.moe_layers
+        """Whether ``layer`` offers the dense projection ``target`` as a LoRA target: its token mixer's (attention
+        or Gated DeltaNet) and, on a dense model, the MLP's; an MoE model's MLP targets are its experts
+        (loraplane.models.families.lora_targets: not even its dense layers offer gate/up/down, which HF PEFT would
+        rewrite into the experts' target_parameters)."""
+        if target in ATTENTION_TARGETS:
+            return not self.is_linear(layer)
+        if target in LINEAR_ATTENTION_TARGETS:
+            return self.is_linear(layer)
+        return not self.moe_layers
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
@@ -99,14 +145,23 @@ class LlamaShape:
             problems.append(f"num_key_value_heads={self.num_kv_heads}")
         if self.dense_layers and self.ffn_hidden_size % tp:
             problems.append(f"intermediate_size={self.ffn_hidden_size}")
+        if self.linear_layers and self.linear.num_k_heads % tp:
+            problems.append(f"linear_num_key_heads={self.linear.num_k_heads}")
+        if self.linear_layers and self.linear.num_v_heads % tp:
+            problems.append(f"linear_num_value_heads={self.linear.num_v_heads}")
         if self.vocab_size % tp:
             problems.append(f"vocab_size={self.vocab_size}")
         if problems:
             raise ValueError(f"tensor_parallel_size={tp} must divide {', '.join(problems)}")
 
     def out_features(self, target: str) -> int:
+        lin = self.linear
+        if target in LINEAR_ATTENTION_TARGETS:
+            return {"in_proj_q": lin.key_dim, "in_proj_k": lin.key_dim, "in_proj_v": lin.value_dim,
+                    "in_proj_z": lin.value_dim, "in_proj_b": lin.num_v_heads, "in_proj_a": lin.num_v_heads,
+                    "out_proj": self.hidden_size}[target]
         return {
-            "q_proj": self.num_heads * self.head_dim,
+            "q_proj": self.num_heads * self.head_dim * (2 if self.gated_attention else 1),
             "k_proj": self.num_kv_heads * self.head_dim,
             "v_proj": self.num_kv_heads * self.head_dim,
             "o_proj": self.hidden_size,
@@ -116,28 +171,38 @@ class LlamaShape:
         }[target]
 
     def in_features(self, target: str) -> int:
+        if target == "out_proj":
+            return self.linear.value_dim
         return {
             "o_proj": self.num_heads * self.head_dim,
             "down_proj": self.ffn_hidden_size,
         }.get(target, self.hidden_size)
 
 
-def shape_from_hf_config(config, moe_layers: tuple[int, ...] = ()) -> LlamaShape:
+def shape_from_hf_config(config, moe_layers: tuple[int, ...] = (), linear_layers: tuple[int, ...] = (),
+                         gated_attention: bool = False, zero_centered_norms: bool = False) -> LlamaShape:
     """LlamaShape of a transformers Llama/Qwen-style config object; ``moe_layers``: the layers whose MLP is the
-    routed experts (the model family says which: :func:`.model.spec_from_hf_config`)."""
+    routed experts, ``linear_layers`` those whose token mixer is a Gated DeltaNet (the model family says which:
+    :func:`.model.spec_from_hf_config`)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     moe = {}
     if moe_layers:
         moe = {"num_experts": int(config.num_experts), "moe_ffn_hidden_size": int(config.moe_intermediate_size),
                "moe_layers": tuple(moe_layers)}
-    return LlamaShape(**moe,
+    if linear_layers:
+        moe["linear_layers"] = tuple(linear_layers)
+        moe["linear"] = LinearAttentionShape(
+            num_k_heads=int(config.linear_num_key_heads), num_v_heads=int(config.linear_num_value_heads),
+            head_k_dim=int(config.linear_key_head_dim), head_v_dim=int(config.linear_value_head_dim),
+            conv_kernel=int(config.linear_conv_kernel_dim))
+    return LlamaShape(**moe, gated_attention=gated_attention, zero_centered_norms=zero_centered_norms,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
-        ffn_hidden_size=config.intermediate_size,
+        ffn_hidden_size=int(getattr(config, "intermediate_size", 0) or 0),
         vocab_size=config.vocab_size,
     )
 
@@ -162,6 +227,33 @@ def interleave_qkv(
     vg = v.reshape(*lead, num_groups, head_dim, *tail)
     fused = torch.cat([qg, kg, vg], dim=dim + 1)
     return fused.reshape(*lead, -1, *tail)
+
+
+def interleave_gated_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int, head_dim: int, dim: int = 0
+) -> torch.Tensor:
+    """Qwen3.5's gated attention: HF's q_proj rows (or output columns) are ``[query | gate]`` per head; megatron's
+    ``linear_qkv`` with ``attention_output_gate`` wants per query group ``[queries, gates, k head, v head]``.
+    ``q`` holds the ``[query | gate]`` rows of this rank's heads."""
+    dim = dim % q.dim()
+    lead, tail = q.shape[:dim], q.shape[dim + 1 :]
+    qg = q.reshape(*lead, num_groups, -1, 2, head_dim, *tail)  # [..., G, hpg, 2, hd, ...]
+    qg = qg.transpose(dim + 1, dim + 2).reshape(*lead, num_groups, -1, *tail)  # [..., G, 2 * hpg * hd, ...]
+    kg = k.reshape(*lead, num_groups, head_dim, *tail)
+    vg = v.reshape(*lead, num_groups, head_dim, *tail)
+    return torch.cat([qg, kg, vg], dim=dim + 1).reshape(*lead, -1, *tail)
+
+
+def split_gated_qkv(
+    fused: torch.Tensor, num_groups: int, heads_per_group: int, head_dim: int, dim: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`interleave_gated_qkv`: (q_proj's ``[query | gate]`` per head, k, v)."""
+    dim = dim % fused.dim()
+    lead, tail = fused.shape[:dim], fused.shape[dim + 1 :]
+    g = fused.reshape(*lead, num_groups, (2 * heads_per_group + 2) * head_dim, *tail)
+    qg, k, v = torch.split(g, [2 * heads_per_group * head_dim, head_dim, head_dim], dim=dim + 1)
+    qg = qg.reshape(*lead, num_groups, 2, heads_per_group, head_dim, *tail).transpose(dim + 1, dim + 2)
+    return (qg.reshape(*lead, -1, *tail), k.reshape(*lead, -1, *tail), v.reshape(*lead, -1, *tail))
 
 
 def split_qkv(
@@ -219,6 +311,43 @@ def hf_moe_to_mcore(router: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     }
 
 
+def linear_qkv_split(lin: LinearAttentionShape, tp: int) -> tuple[int, int, int]:
+    """The widths of one rank's Q, K and V blocks of in_proj_qkv (and of its conv1d channels)."""
+    return lin.key_dim // tp, lin.key_dim // tp, lin.value_dim // tp
+
+
+def hf_linear_attention_to_mcore(hf: dict[str, torch.Tensor], lin: LinearAttentionShape, tp: int,
+                                 rank: int) -> dict[str, torch.Tensor]:
+    """One Gated DeltaNet layer's HF weights (keys ``linear_attn.*``) → this rank's weights of
+    :class:`.gated_delta_net.GatedDeltaNet`. A rank holds whole heads: its chunk of the q/k heads and of the value
+    heads they serve (every q/k head serves consecutive value heads, so contiguous chunks agree); in_proj_qkv and
+    the conv1d channels, whose HF rows are ``Q | K | V``, take the rank's chunk of each block (the rank's rows are
+    its ``Q | K | V``); z, b, a, A_log and dt_bias its value heads; out_proj its input columns; the gated norm
+    (over one value head) is replicated."""
+    left = set(hf) - {f"linear_attn.{k}" for k in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                                      "in_proj_a.weight", "conv1d.weight", "A_log", "dt_bias",
+                                                      "norm.weight", "out_proj.weight")}
+    if left:
+        raise ValueError(f"HF linear-attention weights with no megatron counterpart: {sorted(left)}")
+
+    def qkv_rows(t: torch.Tensor) -> torch.Tensor:
+        q, k, v = torch.split(t, [lin.key_dim, lin.key_dim, lin.value_dim], dim=0)
+        return torch.cat([chunk_for_rank(x, tp, rank, 0) for x in (q, k, v)], 0)
+
+    p = "linear_attn."
+    return {
+        "self_attention.in_proj_qkv.weight": qkv_rows(hf[p + "in_proj_qkv.weight"]),
+        "self_attention.in_proj_z.weight": chunk_for_rank(hf[p + "in_proj_z.weight"], tp, rank, 0),
+        "self_attention.in_proj_b.weight": chunk_for_rank(hf[p + "in_proj_b.weight"], tp, rank, 0),
+        "self_attention.in_proj_a.weight": chunk_for_rank(hf[p + "in_proj_a.weight"], tp, rank, 0),
+        "self_attention.conv1d_weight": qkv_rows(hf[p + "conv1d.weight"]),
+        "self_attention.A_log": chunk_for_rank(hf[p + "A_log"], tp, rank, 0),
+        "self_attention.dt_bias": chunk_for_rank(hf[p + "dt_bias"], tp, rank, 0),
+        "self_attention.norm_weight": hf[p + "norm.weight"],
+        "self_attention.out_proj.weight": chunk_for_rank(hf[p + "out_proj.weight"], tp, rank, 1),
+    }
+
+
 def hf_layer_to_mcore_shards(
     hf_layer: dict[str, torch.Tensor], shape: LlamaShape, tp: int, rank: int, ep: int = 1, ep_rank: int = 0
 ) -> dict[str, torch.Tensor]:
@@ -235,14 +364,26 @@ def hf_layer_to_mcore_shards(
 
     def fused_qkv(kind: str) -> torch.Tensor:
         q, k, v = (chunk_for_rank(take(f"self_attn.{p}_proj.{kind}"), tp, rank, 0) for p in "qkv")
+        if shape.gated_attention:
+            return interleave_gated_qkv(q, k, v, groups_local, shape.head_dim, dim=0)
         return interleave_qkv(q, k, v, groups_local, shape.head_dim, dim=0)
 
+    def norm(key: str) -> torch.Tensor:
+        # Qwen3.5's RMSNorms scale by (1 + w): torch's RMSNorm by its weight, so it gets 1 + w (in fp32, as HF
+        # adds it).
+        w = take(key)
+        return (1.0 + w.float()).to(w.dtype) if shape.zero_centered_norms else w
+
     out = {
-        "input_layernorm.weight": take("input_layernorm.weight"),
-        "self_attention.linear_qkv.weight": fused_qkv("weight"),
-        "self_attention.linear_proj.weight": chunk_for_rank(take("self_attn.o_proj.weight"), tp, rank, 1),
-        "pre_mlp_layernorm.weight": take("post_attention_layernorm.weight"),
+        "input_layernorm.weight": norm("input_layernorm.weight"),
+        "pre_mlp_layernorm.weight": norm("post_attention_layernorm.weight"),
     }
+    if "linear_attn.in_proj_qkv.weight" in hf_layer:
+        out.update(hf_linear_attention_to_mcore({k: take(k) for k in hf_layer if k.startswith("linear_attn.")},
+                                                shape.linear, tp, rank))
+    else:
+        out["self_attention.linear_qkv.weight"] = fused_qkv("weight")
+        out["self_attention.linear_proj.weight"] = chunk_for_rank(take("self_attn.o_proj.weight"), tp, rank, 1)
     if "mlp.experts.gate_up_proj" in hf_layer:
         out.update(hf_moe_to_mcore(take("mlp.gate.weight"), take("mlp.experts.gate_up_proj"),
                                    take("mlp.experts.down_proj"), ep, ep_rank))
@@ -254,8 +395,8 @@ def hf_layer_to_mcore_shards(
     if "self_attn.q_proj.bias" in hf_layer:
         out["self_attention.linear_qkv.bias"] = fused_qkv("bias")
     if "self_attn.q_norm.weight" in hf_layer:
-        out["self_attention.q_layernorm.weight"] = take("self_attn.q_norm.weight")
-        out["self_attention.k_layernorm.weight"] = take("self_attn.k_norm.weight")
+        out["self_attention.q_layernorm.weight"] = norm("self_attn.q_norm.weight")
+        out["self_attention.k_layernorm.weight"] = norm("self_attn.k_norm.weight")
     left = sorted(set(hf_layer) - used)
     if left:
         raise ValueError(f"HF layer weights with no megatron counterpart: {left}")
@@ -267,9 +408,12 @@ def hf_to_mcore_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Full HF state dict (``model.…`` keys, tied or untied head) → this rank's GPTModel state dict (TP rank
     ``rank``, expert-parallel rank ``ep_rank``)."""
+    final_norm = hf_sd["model.norm.weight"]
+    if shape.zero_centered_norms:
+        final_norm = (1.0 + final_norm.float()).to(final_norm.dtype)
     out: dict[str, torch.Tensor] = {
         "embedding.word_embeddings.weight": chunk_for_rank(hf_sd["model.embed_tokens.weight"], tp, rank, 0),
-        "decoder.final_layernorm.weight": hf_sd["model.norm.weight"],
+        "decoder.final_layernorm.weight": final_norm,
     }
     if "lm_head.weight" in hf_sd and not _same_storage(hf_sd["lm_head.weight"], hf_sd["model.embed_tokens.weight"]):
         out["output_layer.weight"] = chunk_for_rank(hf_sd["lm_head.weight"], tp, rank, 0)
@@ -290,7 +434,10 @@ def mcore_to_hf_state_dict(
     ep_sds: list[dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Inverse of :func:`hf_to_mcore_state_dict` given every TP rank's state dict (index = TP rank) and, for MoE
-    layers under expert parallelism, every EP rank's (index = EP rank; default: the TP ranks' first)."""
+    layers under expert parallelism, every EP rank's (index = EP rank; default: the TP ranks' first). Llama-layout
+    decoders only (not Qwen3.5's hybrid layers)."""
+    if shape.linear_layers or shape.gated_attention or shape.zero_centered_norms:
+        raise NotImplementedError("mcore_to_hf_state_dict: hybrid (Qwen3.5) layouts are not converted back")
     tp = len(rank_sds)
     groups_local = shape.num_kv_heads // tp
     hpg = shape.heads_per_group

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from . import routing as _routing
 from .expert_lora import ExpertBatch, ExpertLora
 from .kernels import aligned, grouped_mm_supported
-from .layout import LlamaShape, fuse_gate_up, interleave_qkv, split_gate_up, split_qkv
+from .layout import LlamaShape, interleave_gated_qkv, interleave_qkv, split_gated_qkv, split_qkv
 from .routing import AdapterTensors, LoraClass, RowSegment
 
 __all__ = ["HOOK_TARGETS", "AdapterTensors", "BatchRouting", "LoraClass", "MegatronLora", "RowSegment",
@@ -71,8 +71,25 @@ HOOK_TARGETS = {
     "o_proj": ("o_proj",),
     "fc1": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
+    # Qwen3.5's Gated DeltaNet layers (:mod:`.gated_delta_net`): Tinker's three pairs on the fused in_proj_qkv's
+    # Q, K and V rows, then the unfused in_proj_z/b/a and out_proj.
+    "in_proj_qkv": ("in_proj_q", "in_proj_k", "in_proj_v"),
+    "in_proj_z": ("in_proj_z",),
+    "in_proj_b": ("in_proj_b",),
+    "in_proj_a": ("in_proj_a",),
+    "out_proj": ("out_proj",),
 }
-ROW_PARALLEL_HOOKS = ("o_proj", "down_proj")
+ROW_PARALLEL_HOOKS = ("o_proj", "down_proj", "out_proj")
+LINEAR_ATTENTION_HOOKS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+ATTENTION_HOOKS = ("qkv", "o_proj")
+
+
+def model_hooks(shape: LlamaShape) -> tuple[str, ...]:
+    """The hooks a model of this shape has: attention's where some layer attends, the Gated DeltaNet's where some
+    layer is one, the dense MLP's always (an MoE model's stay zero: the flat layout's order does not depend on it)."""
+    return tuple(h for h in HOOK_TARGETS
+                 if (h not in ATTENTION_HOOKS or shape.attention_layers)
+                 and (h not in LINEAR_ATTENTION_HOOKS or shape.linear_layers))
 
 
 def a_class_name(hook: str) -> str:
@@ -86,7 +103,8 @@ def b_class_name(target: str) -> str:
 def lora_classes(shape: LlamaShape, tp: int) -> list[LoraClass]:
     """This rank's classes, TP-sharded ones first (the gradient-norm reduction relies on that order)."""
     out = []
-    for hook, targets in HOOK_TARGETS.items():
+    for hook in model_hooks(shape):
+        targets = HOOK_TARGETS[hook]
         row = hook in ROW_PARALLEL_HOOKS
         in_full = shape.in_features(targets[0])
         out.append(LoraClass(a_class_name(hook), hook, targets, "A", in_full // tp if row else in_full, tp > 1 and row))
@@ -123,8 +141,12 @@ class MegatronLora:
         self.experts = ExpertLora(shape, compute_dtype, self.tp, ep)
         for i, layer in enumerate(model.decoder.layers if model is not None else ()):
             attn, mlp = layer.self_attention, layer.mlp
-            attn.linear_qkv.register_forward_hook(self._hook(i, "qkv"))
-            attn.linear_proj.register_forward_hook(self._hook(i, "o_proj"))
+            if shape.is_linear(i):
+                for hook in LINEAR_ATTENTION_HOOKS:
+                    getattr(attn, hook).register_forward_hook(self._hook(i, hook))
+            else:
+                attn.linear_qkv.register_forward_hook(self._hook(i, "qkv"))
+                attn.linear_proj.register_forward_hook(self._hook(i, "o_proj"))
             if shape.is_moe(i):
                 self.experts.attach(mlp)  # no dense MLP
                 continue
@@ -172,15 +194,18 @@ class MegatronLora:
         """Whether every operand of the grouped products has 16-byte aligned strides and column offsets (what
         ``torch._grouped_mm`` requires): the rank, this rank's feature dims and the head dim (the q, k, v column
         views) in multiples of 16 bytes."""
-        return aligned([rank, self.shape.head_dim, *(c.dim for c in self.classes)], dtype)
+        lin = self.shape.linear
+        dims = [lin.head_k_dim, lin.head_v_dim] if lin is not None else []
+        return aligned([rank, self.shape.head_dim, *dims, *(c.dim for c in self.classes)], dtype)
 
     # -- the work of one hook ---------------------------------------------------------------------------------
 
     def place(self, hook: str, deltas: list[torch.Tensor]) -> torch.Tensor:
         if hook == "qkv":
-            return interleave_qkv(*deltas, self.groups_local, self.shape.head_dim, dim=-1)
-        if hook == "fc1":
-            return fuse_gate_up(*deltas, dim=-1)
+            interleave = interleave_gated_qkv if self.shape.gated_attention else interleave_qkv
+            return interleave(*deltas, self.groups_local, self.shape.head_dim, dim=-1)
+        if hook in ("fc1", "in_proj_qkv"):
+            return torch.cat(deltas, dim=-1)
         return deltas[0]
 
     def out_views(self, hook: str, out2: torch.Tensor) -> list[torch.Tensor]:
@@ -189,19 +214,30 @@ class MegatronLora:
         for gate|up halves and unfused outputs, ``[T, G, cols]`` for the GQA-interleaved q, k, v."""
         if hook == "qkv":
             hd, hpg = self.shape.head_dim, self.shape.heads_per_group
+            if self.shape.gated_attention:
+                # q_proj's delta is [query | gate] per head; megatron's rows per group [queries, gates, k, v]:
+                # the q view is [T, G, hpg, 2, hd] (strided), which the delta viewed so adds into exactly.
+                t, groups = out2.shape[0], self.groups_local
+                g = out2.view(t, groups, (2 * hpg + 2) * hd)
+                q = g[:, :, : 2 * hpg * hd].unflatten(-1, (2, hpg, hd)).transpose(2, 3)
+                return [q, g[:, :, 2 * hpg * hd : (2 * hpg + 1) * hd], g[:, :, (2 * hpg + 1) * hd :]]
             g = out2.view(out2.shape[0], self.groups_local, (hpg + 2) * hd)
             return [g[:, :, : hpg * hd], g[:, :, hpg * hd : (hpg + 1) * hd], g[:, :, (hpg + 1) * hd :]]
-        if hook == "fc1":
-            half = out2.shape[1] // 2
-            return [out2[:, :half], out2[:, half:]]
+        if hook in ("fc1", "in_proj_qkv"):
+            return list(torch.split(out2, self._widths(hook), dim=1))
         return [out2]
 
     def unplace(self, hook: str, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if hook == "qkv":
-            return split_qkv(g, self.groups_local, self.shape.heads_per_group, self.shape.head_dim, dim=-1)
-        if hook == "fc1":
-            return split_gate_up(g, dim=-1)
+            split = split_gated_qkv if self.shape.gated_attention else split_qkv
+            return split(g, self.groups_local, self.shape.heads_per_group, self.shape.head_dim, dim=-1)
+        if hook in ("fc1", "in_proj_qkv"):
+            return torch.split(g, self._widths(hook), dim=-1)
         return (g,)
+
+    def _widths(self, hook: str) -> list[int]:
+        """This rank's output widths of the projections fused in one column-parallel output."""
+        return [self.shape.out_features(t) // self.tp for t in HOOK_TARGETS[hook]]
 
 
 class BatchRouting:

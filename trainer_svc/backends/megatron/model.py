@@ -56,6 +56,8 @@ class MegatronModelSpec:
     # when norm_topk_prob.
     moe_top_k: int = 0
     norm_topk_prob: bool = False
+    # RoPE on the first rotary_dim values of each head (Qwen3.5: a quarter); 0 = all of it.
+    rotary_dim: int = 0
 
 
 def spec_from_hf_config(config) -> MegatronModelSpec:
@@ -73,8 +75,20 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
     moe_layers = moe_layer_indices(config)
+    family = families.family_for(config)
+    linear_layers = tuple(i for i, kind in enumerate(family.mixer_kinds(families.text_config(config)))
+                          if kind == "linear_attention")
+    shape = shape_from_hf_config(config, moe_layers, linear_layers,
+                                 gated_attention=families.GATED_ATTENTION in features,
+                                 zero_centered_norms=family.model_type in ZERO_CENTERED_NORM_FAMILIES)
+    rotary_dim = 0
+    if families.PARTIAL_ROTARY in features:
+        # transformers' compute_default_rope_parameters: int(head_dim * partial_rotary_factor). For text the
+        # multimodal RoPE (mrope_section) rotates every section by the same position: plain RoPE on that fraction.
+        rotary_dim = int(shape.head_dim * float(rope.get("partial_rotary_factor", 1.0)))
     return MegatronModelSpec(
-        shape=shape_from_hf_config(config, moe_layers),
+        shape=shape,
+        rotary_dim=rotary_dim,
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
@@ -85,6 +99,11 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
         moe_top_k=int(config.num_experts_per_tok) if moe_layers else 0,
         norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)) if moe_layers else False,
     )
+
+
+# Families whose RMSNorms scale by (1 + weight) (transformers' Qwen3_5RMSNorm); the megatron model's torch RMSNorm is
+# given 1 + weight (layout.hf_layer_to_mcore_shards).
+ZERO_CENTERED_NORM_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
 def moe_layer_indices(config) -> tuple[int, ...]:
@@ -102,7 +121,7 @@ def rope_inv_freq(spec: MegatronModelSpec) -> torch.Tensor:
     """fp32 RoPE inverse frequencies ``[head_dim / 2]``, computed as transformers computes them
     (``_compute_default_rope_parameters`` / ``_compute_llama3_parameters``), so both models rotate by the same
     angles. megatron's own llama3 rescaling fixes low/high_freq_factor and the original context (1, 4, 8192)."""
-    dim = spec.shape.head_dim
+    dim = spec.rotary_dim or spec.shape.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = spec.rope_scaling
     if s is None:
@@ -180,6 +199,7 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_layernorm,
+        attention_output_gate=s.gated_attention,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -205,15 +225,19 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         from .attention import SDPACoreAttention
 
         layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if s.moe_layers:
+    if s.linear_layers and attention != "sdpa":
+        raise ValueError("a model with Gated DeltaNet layers runs packed rows: attention='sdpa'")
+    if s.moe_layers or s.linear_layers:
         from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-        prepare_megatron_moe()
-
-        # Per layer: Qwen3-MoE may keep dense MLPs in some layers (mlp_only_layers, decoder_sparse_step).
-        sparse = moe_layer_spec(layer_spec, s.num_experts)
+        # Per layer: Qwen3-MoE may keep dense MLPs in some layers (mlp_only_layers, decoder_sparse_step); Qwen3.5
+        # has a Gated DeltaNet instead of attention in most layers.
+        sparse = layer_spec
+        if s.moe_layers:
+            prepare_megatron_moe()
+            sparse = moe_layer_spec(layer_spec, s.num_experts)
         layer_spec = TransformerBlockSubmodules(
-            layer_specs=[sparse if s.is_moe(i) else layer_spec for i in range(s.num_layers)],
+            layer_specs=[_with_mixer(sparse if s.is_moe(i) else layer_spec, spec, i) for i in range(s.num_layers)],
             layer_norm=LayerNormImpl)
     model = GPTModel(
         config=config,
@@ -234,6 +258,21 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
     model.packed_attention = attention == "sdpa"
     model.rotary_pos_emb = PackedRotaryEmbedding(rope_inv_freq(spec).to(device), model.packed_attention)
     return model.to(device=device, dtype=dtype)
+
+
+def _with_mixer(layer_spec, spec: MegatronModelSpec, layer: int):
+    """``layer_spec`` with our Gated DeltaNet as the token mixer where ``layer`` is a linear-attention layer."""
+    if not spec.shape.is_linear(layer):
+        return layer_spec
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .gated_delta_net import GatedDeltaNet
+
+    mixer = ModuleSpec(module=GatedDeltaNet, params={"linear": spec.shape.linear, "eps": spec.rms_norm_eps})
+    return ModuleSpec(module=layer_spec.module, params=dict(layer_spec.params),
+                      submodules=dataclasses.replace(layer_spec.submodules, self_attention=mixer))
 
 
 def _tp_size() -> int:
