@@ -15,6 +15,7 @@ Mapping:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import json
@@ -549,11 +550,14 @@ class TinkerService:
         if ckpt is None:
             raise errors.NotFound("download URL not found or expired (ask for new URLs)", field="url")
         blob = await self.upstream.download_version(ckpt["adapter"], ckpt["version"])
-        if name == "adapter_model.safetensors":
-            return blob
-        from loraplane.adapter_format import ADAPTER_CONFIG_KEY, blob_metadata
+        # What Tinker hands out: its own layout (routed experts as 3-D w1/w3/w2 tensors, a shared-outer adapter's
+        # shared side once), the input of tinker-cookbook's build_hf_model / build_lora_adapter; a dense adapter's
+        # is plain PEFT. `loraplane` exports HF PEFT's per-expert layout where a consumer needs that
+        # (adapter_format.materialize_peft_dir).
+        from loraplane.adapter_format import tinker_files
 
-        return blob_metadata(blob).get(ADAPTER_CONFIG_KEY, "{}").encode()
+        weights, config = await asyncio.to_thread(tinker_files, blob)
+        return weights if name == "adapter_model.safetensors" else config
 
     async def _alive(self, model_id: str, ckpt: dict[str, Any] | None) -> dict[str, Any] | None:
         """The checkpoint, or None once its ttl_seconds have passed (it is then deleted, registry version too)."""

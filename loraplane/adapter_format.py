@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -780,6 +781,199 @@ def fuse_split_projections(params: Mapping[str, torch.Tensor], spec: LoraSpec, c
     config["rank_pattern"] = {**(config.get("rank_pattern") or {}), FUSED_QKV: 3 * spec.rank}
     config["alpha_pattern"] = {**(config.get("alpha_pattern") or {}), FUSED_QKV: 3 * spec.effective_alpha}
     return out, config
+
+
+# ------------------------------------------------------------------------------------------------ Tinker layout
+#
+# What Tinker hands out (`tinker checkpoint download`) and what tinker-cookbook's weights tools (build_hf_model,
+# build_lora_adapter) read: adapter_model.safetensors + adapter_config.json ("r", "lora_alpha"), PEFT key names for
+# the dense targets, and each MoE layer's routed experts as 3-D tensors under Tinker's own projection names,
+# ``...layers.{i}.mlp.experts.w{1,3,2}.lora_{A,B}.weight`` (w1 gate, w3 up, w2 down): A [E, r, in], B [E, out, r],
+# with a shared-outer adapter's shared side (the factor on the hidden size: w1/w3 A, w2 B) stored once, shape[0] 1.
+# PEFT's fused gate_up LoRA shares one A between gate and up, so w1 and w3 carry the same A.
+
+TINKER_EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
+_TINKER_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.layers)\.(?P<layer>\d+)\.mlp\.experts\.(?P<proj>w[123])"
+                                r"\.lora_(?P<which>[AB])\.weight\Z")
+
+
+def tinker_expert_key(layer: int, proj: str, which: str) -> str:
+    return f"{PEFT_PREFIX}.{layer}.mlp.experts.{proj}.lora_{which}.weight"
+
+
+def is_tinker_layout(keys) -> bool:
+    """Whether adapter tensor names are Tinker's (3-D routed-expert keys w1/w2/w3)."""
+    return any(_TINKER_EXPERT_KEY.match(k) for k in keys)
+
+
+def to_tinker(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """The adapter in Tinker's layout (see above): dense keys as they are, expert factors as 3-D tensors, the
+    shared side of a shared-outer adapter once (`params` compact or expanded). Contiguous copies (safetensors
+    writes no views). Gate rows first in gate_up (Qwen3-MoE, Qwen3.5-MoE); Nemotron-H's non-gated experts and
+    gpt-oss's interleaved gate/up have other Tinker names or orders and are refused."""
+    params = fold_shared_outer(params, spec)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in params.items():
+        layer, module, which = parse_peft_key(key)
+        tensor = tensor.detach()
+        if module not in ROUTED_EXPERT_TARGETS:
+            out[key] = tensor.contiguous()
+            continue
+        if module in NONGATED_EXPERT_TARGETS:
+            raise InvalidArgument(f"{key}: a Tinker-layout export of Nemotron-H's routed-expert LoRA is not "
+                                  "supported (export it as HF PEFT)", field="format")
+        if which == "A":  # [r E', in], expert e's rows [e r, (e+1) r)
+            stacked = tensor.reshape(-1, spec.rank, tensor.shape[1])
+        else:  # [out, r E'], expert e's column j at j E' + e
+            experts = tensor.shape[1] // spec.rank
+            stacked = tensor.reshape(tensor.shape[0], spec.rank, experts).permute(2, 0, 1)
+        if module == "experts.down_proj":
+            out[tinker_expert_key(layer, "w2", which)] = stacked.contiguous()
+        elif which == "A":
+            out[tinker_expert_key(layer, "w1", "A")] = stacked.contiguous()
+            out[tinker_expert_key(layer, "w3", "A")] = stacked.contiguous().clone()
+        else:
+            ffn = stacked.shape[1] // 2
+            out[tinker_expert_key(layer, "w1", "B")] = stacked[:, :ffn].contiguous()
+            out[tinker_expert_key(layer, "w3", "B")] = stacked[:, ffn:].contiguous()
+    return out
+
+
+def tinker_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
+    """Tinker's adapter_config.json: what the cookbook's tools read ("r", "lora_alpha"), plus PEFT's usual fields
+    and the loraplane LoRA shape, so an import gives back the same adapter."""
+    config = {k: v for k, v in peft_adapter_config(spec, base_model_name).items() if k != "target_parameters"}
+    config["target_modules"] = [t for t in spec.target_modules if t not in ROUTED_EXPERT_TARGETS]
+    if spec.has_experts:
+        config["target_modules"] += list(TINKER_EXPERT_PROJ)
+    return config
+
+
+def from_tinker(tensors: Mapping[str, torch.Tensor], config: Mapping) -> tuple[dict[str, torch.Tensor], LoraSpec]:
+    """A Tinker-layout adapter (tensors and adapter_config.json) -> (params in loraplane's compact form, spec).
+    The expert layout is read from the shapes: every expert factor E experts (per-expert), or w1/w3 A and w2 B of
+    one (shared-outer). Refused, InvalidArgument naming the key: a key that is neither a decoder projection's PEFT
+    key nor a Tinker expert key (Tinker's unembed_tokens among them: loraplane has no LoRA on the LM head), w1 and
+    w3 with different A (PEFT's fused gate_up LoRA has one), inconsistent ranks or expert counts."""
+    try:
+        rank = int(config["r"])
+        alpha = float(config.get("lora_alpha", rank))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"adapter_config.json lacks a valid r / lora_alpha: {exc}", field="adapter_config.r"
+                              ) from None
+    dense: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str, str], tuple[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _TINKER_EXPERT_KEY.match(key)
+        if match and match["prefix"] == PEFT_PREFIX:
+            if tensor.dim() != 3:
+                raise InvalidArgument(f"{key}: a Tinker expert factor is 3-D [experts, ...], got shape "
+                                      f"{tuple(tensor.shape)}", field="tensors")
+            experts[(int(match["layer"]), match["proj"], match["which"])] = (key, tensor)
+            continue
+        try:
+            parse_peft_key(key)
+        except InvalidArgument:
+            raise InvalidArgument(f"{key}: not a LoRA key loraplane can train (a decoder projection's "
+                                  f"{PEFT_PREFIX}.<i>.<module>.lora_{{A,B}}.weight or a Tinker expert key "
+                                  "...mlp.experts.w{1,2,3}.lora_{A,B}.weight)", field="tensors") from None
+        if tensor.dim() != 2:
+            raise InvalidArgument(f"{key}: a dense LoRA factor is 2-D, got shape {tuple(tensor.shape)}",
+                                  field="tensors")
+        dense[key] = tensor
+    params = {k: v.to(torch.float32).contiguous() for k, v in dense.items()}
+    targets = {parse_peft_key(k)[1] for k in dense}
+    shared_sides: set[bool] = set()
+    for layer in sorted({layer for layer, _, _ in experts}):
+        def get(proj: str, which: str, layer: int = layer) -> tuple[str, torch.Tensor]:
+            found = experts.get((layer, proj, which))
+            if found is None:
+                raise InvalidArgument(f"{tinker_expert_key(layer, proj, which)} is missing (layer {layer} has "
+                                      "other Tinker expert factors)", field="tensors")
+            return found
+        (w1a_key, w1a), (w3a_key, w3a) = get("w1", "A"), get("w3", "A")
+        (w1b_key, w1b), (w3b_key, w3b) = get("w1", "B"), get("w3", "B")
+        (w2a_key, w2a), (w2b_key, w2b) = get("w2", "A"), get("w2", "B")
+        if w1a.shape != w3a.shape or not torch.equal(w1a, w3a):
+            raise InvalidArgument(f"{w3a_key} differs from {w1a_key}: loraplane's gate_up LoRA (HF PEFT's fused "
+                                  "experts.gate_up_proj) shares one lora_A between gate (w1) and up (w3)",
+                                  field="tensors")
+        count = max(w1b.shape[0], w2a.shape[0])
+        shared = w1a.shape[0] == 1 and w2b.shape[0] == 1 and count > 1
+        for key, tensor, side in ((w1a_key, w1a, "shared"), (w1b_key, w1b, "own"), (w3b_key, w3b, "own"),
+                                  (w2a_key, w2a, "own"), (w2b_key, w2b, "shared")):
+            if tensor.shape[1 if key.endswith("lora_A.weight") else 2] != rank:
+                raise InvalidArgument(f"{key}: shape {tuple(tensor.shape)} is not of rank {rank} (adapter_config.r)",
+                                      field="tensors")
+            want = 1 if shared and side == "shared" else count
+            if tensor.shape[0] != want:
+                raise InvalidArgument(f"{key}: {tensor.shape[0]} experts, expected {want} (per-expert: every "
+                                      "factor E; shared-outer: w1/w3 lora_A and w2 lora_B 1, the others E)",
+                                      field="tensors")
+        if w1b.shape[2] != w1a.shape[1] or w3b.shape[1] != w1b.shape[1]:
+            raise InvalidArgument(f"{w3b_key}: shape {tuple(w3b.shape)} does not pair with {w1a_key} "
+                                  f"{tuple(w1a.shape)}", field="tensors")
+        shared_sides.add(shared)
+        gate_up_b = torch.cat([w1b, w3b], dim=1)  # [E, 2 ffn, r], gate rows first
+        params[peft_key(layer, "experts.gate_up_proj", "A")] = w1a.reshape(-1, w1a.shape[2])
+        params[peft_key(layer, "experts.gate_up_proj", "B")] = gate_up_b.permute(1, 2, 0).reshape(
+            gate_up_b.shape[1], -1)
+        params[peft_key(layer, "experts.down_proj", "A")] = w2a.reshape(-1, w2a.shape[2])
+        params[peft_key(layer, "experts.down_proj", "B")] = w2b.permute(1, 2, 0).reshape(w2b.shape[1], -1)
+        targets |= {"experts.gate_up_proj", "experts.down_proj"}
+    if len(shared_sides) > 1:
+        raise InvalidArgument("the Tinker adapter's MoE layers mix shared-outer and per-expert factors",
+                              field="tensors")
+    layout = SHARED_OUTER if shared_sides == {True} else PER_EXPERT
+    spec = LoraSpec.create(rank, alpha, sorted(targets), int(config.get("loraplane_seed", 0) or 0),
+                           max_rank=1 << 20, field_prefix="adapter_config", expert_layout=layout)
+    params = {k: v.to(torch.float32).contiguous() for k, v in params.items()}
+    _check_params(params, spec, field="tensors", compact=True)
+    return params, spec
+
+
+def tinker_files(blob: bytes) -> tuple[bytes, bytes]:
+    """(adapter_model.safetensors, adapter_config.json) of a weights blob in Tinker's layout: what `tinker
+    checkpoint download` hands out. A dense adapter's tensors are its blob's, re-encoded in the blob's dtype."""
+    tensors, metadata = _read(blob, "adapter blob")
+    spec, base_name = _adapter_config(metadata)
+    params, _, _ = parse_adapter(blob)
+    dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+    out = to_tinker(params, spec)
+    weights = SafetensorsWriter(out, {FORMAT_KEY: "pt"}, dtype if dtype in _SAFETENSORS_DTYPES else torch.float32)
+    config = json.dumps(tinker_adapter_config(spec, base_name), indent=2, sort_keys=True).encode()
+    return weights.to_bytes(), config
+
+
+def materialize_tinker_dir(blob: bytes, directory: str | Path) -> Path:
+    """adapter_model.safetensors + adapter_config.json in Tinker's layout (see :func:`tinker_files`)."""
+    weights, config = tinker_files(blob)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in (("adapter_model.safetensors", weights), ("adapter_config.json", config)):
+        temporary = directory / f".{name}.tmp"
+        temporary.write_bytes(data)
+        temporary.replace(directory / name)
+    return directory
+
+
+def read_tinker_dir(directory: str | Path) -> tuple[dict[str, torch.Tensor], LoraSpec, str]:
+    """(params, spec, base model name) of a Tinker-layout adapter directory (adapter_model.safetensors +
+    adapter_config.json), as :func:`from_tinker` reads it."""
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / "adapter_config.json").read_text())
+        blob = (directory / "adapter_model.safetensors").read_bytes()
+    except FileNotFoundError as exc:
+        raise InvalidArgument(f"{exc.filename}: missing (a Tinker adapter directory holds adapter_model.safetensors "
+                              "and adapter_config.json)", field="path") from None
+    except ValueError as exc:
+        raise InvalidArgument(f"{directory / 'adapter_config.json'} is not JSON: {exc}", field="path") from None
+    if not isinstance(config, dict):
+        raise InvalidArgument("adapter_config.json is not a JSON object", field="path")
+    tensors, _ = _read(blob, "adapter_model.safetensors")
+    params, spec = from_tinker(tensors, config)
+    return params, spec, str(config.get("base_model_name_or_path") or "")
 
 
 @dataclass
