@@ -10,8 +10,11 @@ at 0 for each datum), same SDPA call HF makes for an unpadded causal sequence.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -20,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 PACKED_ATTENTION = "loraplane_packed"
 _local = threading.local()
+log = logging.getLogger(__name__)
 
 
 def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -100,12 +104,13 @@ def enable_packed_attention(model) -> None:
 @contextlib.contextmanager
 def packed_sequences(lengths: Sequence[int]) -> Iterator[None]:
     """Within this scope, a forward of a (1, sum(lengths)) input treats each length as its own sequence."""
-    previous = getattr(_local, "lengths", None)
+    previous = getattr(_local, "lengths", None), getattr(_local, "layouts", None)
     _local.lengths = [int(n) for n in lengths]
+    _local.layouts = {}
     try:
         yield
     finally:
-        _local.lengths = previous
+        _local.lengths, _local.layouts = previous
 
 
 def packed_lengths() -> list[int] | None:
@@ -115,3 +120,161 @@ def packed_lengths() -> list[int] | None:
 
 def packed_position_ids(lengths: Sequence[int], device=None) -> torch.Tensor:
     return torch.cat([torch.arange(n, dtype=torch.long, device=device) for n in lengths]).unsqueeze(0)
+
+
+# ------------------------------------------------------------------------------------------------ implementations
+#
+# How the families' per-datum pieces (Qwen3.5's Gated DeltaNet conv1d + delta rule, gpt-oss's sink attention,
+# Nemotron-H's Mamba-2 conv1d + scan) run over a packed row:
+#
+# * EXACT: one datum at a time, on the datum's own tensors. On CPU this is what makes a fused batch bit-identical,
+#   per tenant, to the tenant alone: the CPU kernels (oneDNN conv, MKL GEMMs of the chunked delta rule, vectorised
+#   transcendental ops) pick their blocking and tail handling by tensor shape, so the same datum rounds differently
+#   inside a larger batch. The CPU contract is bit-exactness, so the CPU always runs EXACT.
+# * BATCHED: all datums of the row in one call, as a (datums, longest, ...) batch with each datum zero-padded at
+#   its end. Every one of these operators is causal (the conv1d looks back only, the delta rule / scan carry state
+#   forward only, attention is causally masked), so trailing padding never reaches a datum's real positions. The
+#   CUDA contract is bf16 bounds (tests/gpu/test_packed_fast_paths.py), and one call instead of one per datum and
+#   layer is what keeps the GPU busy.
+# * FLA: fla's varlen Triton kernels over the packed row itself (cu_seqlens), no padding: Gated DeltaNet only, where
+#   fla is importable and usable on this device (:func:`fla_unusable`).
+#
+# LORAPLANE_PACKED_IMPL (exact | batched | fla | auto, default auto) or :func:`packed_implementation` choose another
+# (tests run BATCHED on CPU against EXACT; the benchmark pins one).
+
+EXACT, BATCHED, FLA = "exact", "batched", "fla"
+IMPLEMENTATIONS = (EXACT, BATCHED, FLA)
+IMPL_ENV = "LORAPLANE_PACKED_IMPL"
+
+
+@contextlib.contextmanager
+def packed_implementation(name: str | None) -> Iterator[None]:
+    """Within this scope (this thread), the packed pieces run as `name` (None: as chosen by device)."""
+    if name is not None and name not in IMPLEMENTATIONS:
+        raise ValueError(f"packed implementation {name!r}: one of {IMPLEMENTATIONS}")
+    previous = getattr(_local, "impl", None)
+    _local.impl = name
+    try:
+        yield
+    finally:
+        _local.impl = previous
+
+
+def packed_impl(device: torch.device, fla: bool = False) -> str:
+    """The implementation the packed pieces run with on `device`; `fla`: the caller has an fla path (a family
+    without one runs BATCHED where FLA is asked for)."""
+    choice = getattr(_local, "impl", None) or os.environ.get(IMPL_ENV, "").strip().lower() or "auto"
+    if choice == "auto":
+        if device.type != "cuda":
+            return EXACT
+        return FLA if fla and fla_unusable(device) is None else BATCHED
+    if choice not in IMPLEMENTATIONS:
+        raise ValueError(f"{IMPL_ENV}={choice!r}: one of {IMPLEMENTATIONS} or auto")
+    if choice == FLA:
+        if not fla:
+            return BATCHED
+        reason = fla_unusable(device)
+        if reason is not None:
+            raise RuntimeError(f"{IMPL_ENV}=fla, but fla cannot run here: {reason}")
+    return choice
+
+
+@functools.cache
+def fla_unusable(device: torch.device) -> str | None:
+    """None when fla's Gated DeltaNet and causal conv1d kernels can run on `device`; else why not. fla-core 0.6
+    imports under any Triton but its gated backward is wrong on Hopper with Triton >= 3.4, < 3.7.1 (it raises
+    there unless tilelang is installed): that case is refused here, before a step."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    try:
+        import fla.utils as fla_utils
+        from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not usable
+        return f"fla is not importable ({type(exc).__name__}: {str(exc)[:200]})"
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    broken = (getattr(fla_utils, "TRITON_ABOVE_3_4_0", False)
+              and not getattr(fla_utils, "TRITON_ABOVE_3_7_1", True))
+    if hopper and broken:
+        import importlib.util
+
+        if importlib.util.find_spec("tilelang") is None:
+            import triton
+
+            return f"Triton {triton.__version__} on Hopper (fla needs >= 3.7.1 or tilelang for its gated backward)"
+    log.info("packed rows: fla kernels usable on %s", device)
+    return None
+
+
+class PackedLayout:
+    """Index helpers for one packed row's datums on one device, built once per packed scope and device."""
+
+    def __init__(self, lengths: Sequence[int], device: torch.device):
+        self.lengths = [int(n) for n in lengths]
+        self.count = len(self.lengths)
+        self.longest = max(self.lengths)
+        self.equal = all(n == self.longest for n in self.lengths)
+        self._device = device
+        self._mask: torch.Tensor | None = None
+        self._cu: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def mask(self) -> torch.Tensor:
+        """(datums, longest) bool: True at a datum's real positions."""
+        if self._mask is None:
+            lengths = torch.tensor(self.lengths, device=self._device)
+            self._mask = torch.arange(self.longest, device=self._device)[None, :] < lengths[:, None]
+        return self._mask
+
+    def cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device int32, host int64) cumulative lengths [0, n0, n0+n1, ...], one object per scope (fla caches
+        its chunk indices by the tensor)."""
+        if self._cu is None:
+            host = torch.tensor([0] + self.lengths, dtype=torch.long).cumsum(0)
+            self._cu = (host.to(self._device, torch.int32), host)
+        return self._cu
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, N, ...) packed -> (datums, longest, ...), each datum zero-padded at its end."""
+        if self.equal:
+            return x.reshape(self.count, self.longest, *x.shape[2:])
+        pieces = x[0].split(self.lengths)
+        return torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True)
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """(datums, longest, ...) -> (1, N, ...), the real positions in packed order."""
+        if self.equal:
+            return y.reshape(1, self.count * self.longest, *y.shape[2:])
+        return y[self.mask()].unsqueeze(0)
+
+
+def packed_layout(device: torch.device) -> PackedLayout | None:
+    """The layout of the packed row being computed on this thread (None outside packed_sequences)."""
+    lengths = getattr(_local, "lengths", None)
+    if lengths is None:
+        return None
+    layouts = getattr(_local, "layouts", None)
+    if layouts is None:
+        layouts = _local.layouts = {}
+    key = str(device)
+    if key not in layouts:
+        layouts[key] = PackedLayout(lengths, device)
+    return layouts[key]
+
+
+def packed_state() -> Callable[[], contextlib.AbstractContextManager]:
+    """What this thread's packed scope is (lengths, implementation), as a context-manager factory that puts it in
+    force on another thread: activation recomputation reruns a layer's forward inside the backward, on autograd's
+    thread, after the scope has exited."""
+    lengths = getattr(_local, "lengths", None)
+    impl = getattr(_local, "impl", None)
+
+    @contextlib.contextmanager
+    def restore() -> Iterator[None]:
+        with packed_implementation(impl):
+            if lengths is None:
+                yield
+            else:
+                with packed_sequences(lengths):
+                    yield
+
+    return restore

@@ -19,7 +19,9 @@ gate_up, whose B rows are in the interleaved order). Tinker's checkpoints name t
 (the cookbook remaps it to ``.self_attn``); SGLang serves ``self_attn.qkv_proj|o_proj`` and ``mlp.experts``.
 
 Packed rows: :func:`enable_packing` routes attention through :func:`_packed_sink_attention`, which runs transformers'
-eager sink attention per datum with the datum's own causal (+ window) mask, so no datum sees another's keys.
+eager sink attention per datum with the datum's own causal (+ window) mask on CPU (bit-exactness), so no datum sees
+another's keys; on CUDA one fused SDPA call per layer over the padded datums with the sink as an extra key
+(:func:`_batched_sink_attention`).
 """
 
 from __future__ import annotations
@@ -104,11 +106,16 @@ def _packed_sink_attention(module, query, key, value, attention_mask, dropout: f
     transformers runs it outside a packed scope."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from loraplane.models.packed import packed_lengths
+    from loraplane.models import packed
 
-    lengths = packed_lengths()
+    lengths = packed.packed_lengths()
     if lengths is None:
         return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+    if sum(lengths) != query.shape[2]:
+        raise ValueError(f"packed lengths cover {sum(lengths)} tokens, the row has {query.shape[2]}")
+    if packed.packed_impl(query.device) != packed.EXACT:
+        return _batched_sink_attention(module, query, key, value, scaling, sliding_window,
+                                       packed.packed_layout(query.device)), None
     outputs = []
     start = 0
     for length in lengths:
@@ -121,6 +128,50 @@ def _packed_sink_attention(module, query, key, value, attention_mask, dropout: f
     if start != query.shape[2]:
         raise ValueError(f"packed lengths cover {start} tokens, the row has {query.shape[2]}")
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _sink_visibility(length: int, window: int | None, device) -> torch.Tensor:
+    """(length, 1 + length) bool: the sink key (column 0) visible to every query, then :func:`_datum_mask`'s
+    causal (+ window) visibility."""
+    q = torch.arange(length, device=device)[:, None]
+    k = torch.arange(length, device=device)[None, :]
+    visible = k <= q
+    if window:
+        visible = visible & (k > q - window)
+    return torch.cat([torch.ones(length, 1, dtype=torch.bool, device=device), visible], dim=1)
+
+
+def _batched_sink_attention(module, query, key, value, scaling, window, layout) -> torch.Tensor:
+    """Sink attention over every datum of a packed row in one fused SDPA call (CUDA; EXACT per datum on CPU).
+
+    The sink is a per-head logit in the softmax's denominator with no value: softmax over [scores, sink], sink
+    column dropped. That is attention over one extra key whose score is the sink and whose value is zero. The
+    extra key is made a real key through one extra feature column: every query gets 1 there, the sink key
+    sinks[h] / scaling (SDPA multiplies q . k by scaling), every real key 0; so the kernel computes exactly that
+    softmax, and the sinks' gradient flows back through the sink key. Datums are zero-padded at their ends into a
+    (datums, heads, longest, dim) batch: causal masking keeps the padding out of every real query's keys, and the
+    padded queries' rows are dropped."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import repeat_kv
+
+    groups = module.num_key_value_groups
+
+    def batch(x):  # (1, heads, N, d) -> (datums, heads, longest, d)
+        return layout.pad(x.transpose(1, 2)).transpose(1, 2)
+
+    q, k, v = batch(query), repeat_kv(batch(key), groups), repeat_kv(batch(value), groups)
+    count, heads, longest, dim = q.shape
+    width = -(-(dim + 1) // 8) * 8  # the fused kernels want head dims in multiples of 8
+    zeros = q.new_zeros(count, heads, longest, width - dim - 1)
+    q = torch.cat([q, q.new_ones(count, heads, longest, 1), zeros], dim=-1)
+    k = torch.cat([k, k.new_zeros(count, heads, longest, width - dim)], dim=-1)
+    sink = (module.sinks.to(q.dtype) / scaling).reshape(1, heads, 1, 1).expand(count, heads, 1, 1)
+    sink_key = torch.cat([k.new_zeros(count, heads, 1, dim), sink, k.new_zeros(count, heads, 1, width - dim - 1)],
+                         dim=-1)
+    k = torch.cat([sink_key, k], dim=2)
+    v = torch.cat([v.new_zeros(count, heads, 1, v.shape[-1]), v], dim=2)
+    mask = _sink_visibility(longest, window, q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return layout.unpad(out.transpose(1, 2))  # (1, N, heads, dim), as eager attention returns it
 
 
 def _packed_sink_mask(*args, **kwargs):

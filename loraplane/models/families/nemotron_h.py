@@ -15,7 +15,8 @@ LoRA targets (PEFT target_modules match them as module-path suffixes): the Mamba
 a block offers its own kind's. SGLang serves all but the routed experts (refused before a version reaches it).
 
 Packed rows: the Mamba-2 conv1d and scan would carry one datum's state into the next, so :func:`enable_packing`
-runs them per datum from a zero state (the projections still see the whole row, as every linear layer does);
+runs them from a zero state at each datum (the projections still see the whole row, as every linear layer does):
+per datum on CPU (bit-exactness), as one zero-padded batch on CUDA;
 attention layers go through the packed attention like every family's. The sampler decodes through transformers'
 forward with its hybrid cache (``hf_decode``).
 
@@ -118,42 +119,53 @@ class NemotronHFamily(ModelFamily):
 # ------------------------------------------------------------------------------------------------ packed rows
 
 def _packed_forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
-    """transformers' Mamba-2 mixer forward (its torch path) with the conv1d and the chunked scan run per datum of
-    a packed row, each from a zero state as the datum alone would. Outside a packed scope, or with a cache
-    (generation), transformers' own forward."""
-    from loraplane.models.packed import packed_lengths
+    """transformers' Mamba-2 mixer forward (its torch path) with the conv1d and the chunked scan starting from a zero
+    state at each datum of a packed row, as the datum alone would: per datum on CPU (bit-exact), as one padded
+    batch on CUDA (loraplane.models.packed). Outside a packed scope, or with a cache (generation), transformers'
+    own forward."""
+    from loraplane.models import packed
 
-    lengths = packed_lengths()
+    lengths = packed.packed_lengths()
     if lengths is None or cache is not None:
         return module._loraplane_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    modeling = sys.modules[type(module).__module__]
-    batch, seq_len, _ = hidden_states.shape
+    seq_len = hidden_states.shape[1]
+    if sum(lengths) != seq_len:
+        raise ValueError(f"packed lengths cover {sum(lengths)} tokens, the row has {seq_len}")
     dtype = hidden_states.dtype
     projected = module.in_proj(hidden_states)
-    A = -torch.exp(module.A_log.float())
     gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
-    weight = module.conv1d.weight.squeeze(1)
-    groups = module.n_groups * module.ssm_state_size
-    outputs = []
-    start = 0
-    for length in lengths:
-        end = start + length
-        x = xbc[:, start:end].transpose(1, 2).contiguous()
-        x = modeling.causal_conv1d_fn(x, weight, module.conv1d.bias, activation=module.activation)
-        x = x.transpose(1, 2)
-        states, B, C = torch.split(x, [module.intermediate_size, groups, groups], dim=-1)
-        out = modeling.mamba2_chunk_scan(
-            states.reshape(batch, length, module.num_heads, module.head_dim), dt[:, start:end].contiguous(), A,
-            B.reshape(batch, length, module.n_groups, module.ssm_state_size),
-            C.reshape(batch, length, module.n_groups, module.ssm_state_size), chunk_size=module.chunk_size,
-            D=module.D, z=None, return_final_states=False, dt_bias=module.dt_bias, dt_softplus=True,
-            initial_states=None, dt_limit=module.time_step_limit)
-        outputs.append(out.reshape(batch, length, -1))
-        start = end
-    if start != seq_len:
-        raise ValueError(f"packed lengths cover {start} tokens, the row has {seq_len}")
-    scan = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    if packed.packed_impl(hidden_states.device) == packed.EXACT:
+        outputs = []
+        start = 0
+        for length in lengths:
+            end = start + length
+            outputs.append(_scan(module, xbc[:, start:end], dt[:, start:end].contiguous()))
+            start = end
+        scan = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    else:
+        # Every datum in one (datums, longest, ...) batch, zero-padded at its end: the conv1d and the scan are
+        # causal, so the padding never reaches a datum's real positions.
+        layout = packed.packed_layout(hidden_states.device)
+        scan = layout.unpad(_scan(module, layout.pad(xbc), layout.pad(dt)))
     return module.out_proj(module.norm(scan, gate).to(dtype))
+
+
+def _scan(module, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """conv1d + SSM scan of (batch, T, conv_dim) sequences from a zero state: (batch, T, intermediate)."""
+    modeling = sys.modules[type(module).__module__]
+    batch, length, _ = xbc.shape
+    groups = module.n_groups * module.ssm_state_size
+    x = modeling.causal_conv1d_fn(xbc.transpose(1, 2).contiguous(), module.conv1d.weight.squeeze(1),
+                                  module.conv1d.bias, activation=module.activation)
+    x = x.transpose(1, 2)
+    states, B, C = torch.split(x, [module.intermediate_size, groups, groups], dim=-1)
+    out = modeling.mamba2_chunk_scan(
+        states.reshape(batch, length, module.num_heads, module.head_dim), dt, -torch.exp(module.A_log.float()),
+        B.reshape(batch, length, module.n_groups, module.ssm_state_size),
+        C.reshape(batch, length, module.n_groups, module.ssm_state_size), chunk_size=module.chunk_size,
+        D=module.D, z=None, return_final_states=False, dt_bias=module.dt_bias, dt_softplus=True,
+        initial_states=None, dt_limit=module.time_step_limit)
+    return out.reshape(batch, length, -1)
 
 
 def enable_packing(model) -> None:

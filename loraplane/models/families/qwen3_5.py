@@ -17,13 +17,16 @@ Sampling: the torch engine decodes through transformers' own forward and cache (
 recurrent states of the linear-attention layers beside the full-attention layers' KV cache).
 
 Packed rows: the trainer lays datums end to end in one row. The Gated DeltaNet's causal conv1d and its recurrent
-state would carry one datum into the next, so :func:`enable_packing` makes each linear-attention layer run its
-conv1d and delta rule per datum (the projections still see the whole row, as every other linear layer does), and
-each MoE block its shared expert's sigmoid gate.
+state would carry one datum into the next, so :func:`enable_packing` makes each linear-attention layer start each
+datum from a zero state (the projections still see the whole row, as every other linear layer does): on CPU per
+datum, and each MoE block its shared expert's sigmoid gate per datum too (bit-exactness); on CUDA in one call per
+layer, fla's varlen kernels where fla can run, else transformers' torch kernels on a padded batch
+(loraplane.models.packed's implementations).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -102,21 +105,62 @@ class HybridFamily(ModelFamily):
 # ------------------------------------------------------------------------------------------------ packed rows
 
 def _packed_forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
-    """transformers' Gated DeltaNet forward with the conv1d and the delta rule run per datum of a packed row (each
-    starting from a zero state, as the datum alone would). Outside a packed scope, or with a cache (generation),
+    """transformers' Gated DeltaNet forward over a packed row, each datum's conv1d and delta rule starting from a
+    zero state as the datum alone would: per datum on CPU (bit-exact), in one call per layer on CUDA
+    (loraplane.models.packed: EXACT / BATCHED / FLA). Outside a packed scope, or with a cache (generation),
     transformers' own forward."""
-    from loraplane.models.packed import packed_lengths
+    from loraplane.models import packed
 
-    lengths = packed_lengths()
+    lengths = packed.packed_lengths()
     if lengths is None or cache is not None:
         return module._loraplane_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    # The kernels transformers picked (hub kernels when installed, else its torch reference implementations).
-    modeling = sys.modules[type(module).__module__]
-    batch, seq_len, _ = hidden_states.shape
+    if sum(lengths) != hidden_states.shape[1]:
+        raise ValueError(f"packed lengths cover {sum(lengths)} tokens, the row has {hidden_states.shape[1]}")
+    # The projections see the whole row, as every other linear layer does.
     mixed_qkv = module.in_proj_qkv(hidden_states)
     z = module.in_proj_z(hidden_states)
     b = module.in_proj_b(hidden_states)
     a = module.in_proj_a(hidden_states)
+    impl = packed.packed_impl(hidden_states.device, fla=True)
+    if impl == packed.EXACT:
+        core = _exact_core(module, lengths, mixed_qkv, z, b, a)
+    else:
+        layout = packed.packed_layout(hidden_states.device)
+        run = _fla_core if impl == packed.FLA else _batched_core
+        out = run(module, layout, mixed_qkv, b, a)  # (1, N, value heads, head_v_dim)
+        # The gated norm over the whole row at once (row-wise; only the CPU needs it per datum, see _exact_core).
+        head_v = module.head_v_dim
+        core = module.norm(out.reshape(-1, head_v), z.reshape(-1, head_v)).reshape(1, out.shape[1], -1)
+    return module.out_proj(core)
+
+
+def _gate_beta(module, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' decay (log space, fp32) and beta for `a`, `b` of any batch shape."""
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
+    return g, beta
+
+
+def _split_heads(module, x: torch.Tensor, repeat: bool):
+    """(batch, T, conv_dim) after the conv -> query, key (batch, T, k heads, dk) and value (batch, T, v heads, dv);
+    `repeat`: query and key repeated to the value heads (transformers' torch kernel: 5.24's repeats them itself,
+    5.17's, the GPU image's, expects its caller to; repeating here is right for both)."""
+    batch, length, _ = x.shape
+    query, key, value = torch.split(x, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = query.reshape(batch, length, -1, module.head_k_dim)
+    key = key.reshape(batch, length, -1, module.head_k_dim)
+    value = value.reshape(batch, length, -1, module.head_v_dim)
+    groups = value.shape[2] // query.shape[2]
+    if repeat and groups > 1:
+        query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
+    return query, key, value
+
+
+def _exact_core(module, lengths, mixed_qkv, z, b, a) -> torch.Tensor:
+    """Per datum, on the datum's own contiguous tensors (the CPU's bit-exact path)."""
+    # The kernels transformers picked (hub kernels when installed, else its torch reference implementations).
+    modeling = sys.modules[type(module).__module__]
+    batch = mixed_qkv.shape[0]
     weight = module.conv1d.weight.squeeze(1)
     outputs = []
     start = 0
@@ -125,21 +169,10 @@ def _packed_forward(module, hidden_states, cache=None, attention_mask=None, **kw
         # Each datum's tensors laid out alike whatever else is in the row, so its kernels run identically.
         # Elementwise transcendental ops too: a vectorised kernel treats a tensor's tail elements apart, so the
         # same value could round differently at another position of a longer row.
-        beta = b[:, start:end].contiguous().sigmoid()
-        g = -module.A_log.float().exp() * torch.nn.functional.softplus(
-            a[:, start:end].float().contiguous() + module.dt_bias)
+        g, beta = _gate_beta(module, b[:, start:end].contiguous(), a[:, start:end].contiguous())
         x = mixed_qkv[:, start:end].transpose(1, 2).contiguous()
         x = modeling.causal_conv1d_fn(x, weight, module.conv1d.bias, activation=module.activation)
-        x = x.transpose(1, 2)
-        query, key, value = torch.split(x, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        query = query.reshape(batch, length, -1, module.head_k_dim)
-        key = key.reshape(batch, length, -1, module.head_k_dim)
-        value = value.reshape(batch, length, -1, module.head_v_dim)
-        groups = value.shape[2] // query.shape[2]
-        if groups > 1:
-            # Each Q/K head serves `groups` consecutive V heads. transformers 5.24's kernel repeats them itself,
-            # 5.17's (the GPU image's) expects its caller to: repeating here is right for both.
-            query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
+        query, key, value = _split_heads(module, x.transpose(1, 2), repeat=True)
         out, _ = modeling.torch_chunk_gated_delta_rule(
             query.contiguous(), key.contiguous(), value.contiguous(),
             g=g, beta=beta, initial_state=None,
@@ -149,10 +182,41 @@ def _packed_forward(module, hidden_states, cache=None, attention_mask=None, **kw
         gate = z[:, start:end].reshape(-1, module.head_v_dim).contiguous()
         outputs.append(module.norm(out.reshape(-1, module.head_v_dim), gate).reshape(batch, length, -1))
         start = end
-    if start != seq_len:
-        raise ValueError(f"packed lengths cover {start} tokens, the row has {seq_len}")
-    core = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-    return module.out_proj(core)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+def _batched_core(module, layout, mixed_qkv, b, a) -> torch.Tensor:
+    """Every datum in one (datums, longest, ...) batch, zero-padded at its end: the conv1d and the delta rule are
+    causal, so the padding never reaches a datum's real positions (transformers' chunked kernel pads each sequence
+    to a multiple of its chunk the same way, with zeros at the end). The delta rule is transformers' torch
+    reference, also where transformers itself picked fla: this path is the one for when fla cannot run."""
+    modeling = sys.modules[type(module).__module__]
+    delta_rule = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
+    x = layout.pad(mixed_qkv).transpose(1, 2)
+    x = modeling.causal_conv1d_fn(x, module.conv1d.weight.squeeze(1), module.conv1d.bias,
+                                  activation=module.activation)
+    query, key, value = _split_heads(module, x.transpose(1, 2), repeat=True)
+    g, beta = _gate_beta(module, layout.pad(b), layout.pad(a))
+    out, _ = delta_rule(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=True)
+    return layout.unpad(out)
+
+
+def _fla_core(module, layout, mixed_qkv, b, a) -> torch.Tensor:
+    """fla's varlen kernels over the packed row itself: its causal conv1d and chunked gated delta rule restart at
+    each cu_seqlens boundary (fla handles grouped value heads itself, value head i reading key head
+    i // (value heads / key heads), as transformers' repeat_interleave lays them out)."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cu, cu_host = layout.cu_seqlens()
+    x, _ = causal_conv1d(mixed_qkv.contiguous(), weight=module.conv1d.weight.squeeze(1), bias=module.conv1d.bias,
+                         activation=module.activation, cu_seqlens=cu, cu_seqlens_cpu=cu_host)
+    query, key, value = _split_heads(module, x, repeat=False)
+    g, beta = _gate_beta(module, b, a)
+    out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
+                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_host)
+    return out
 
 
 def _packed_moe_forward(module, hidden_states):
@@ -161,11 +225,11 @@ def _packed_moe_forward(module, hidden_states):
     projection and its sigmoid, over the whole row, would round a datum's values by where they sit in it (a
     vectorised kernel treats a tensor's tail elements apart), so a tenant's logits would depend on its neighbours'
     datums. Outside a packed scope, transformers' own forward."""
-    from loraplane.models.packed import packed_lengths
+    from loraplane.models.packed import EXACT, packed_impl, packed_lengths
 
     lengths = packed_lengths()
-    if lengths is None:
-        return module._loraplane_forward(hidden_states)
+    if lengths is None or packed_impl(hidden_states.device) != EXACT:
+        return module._loraplane_forward(hidden_states)  # off CPU the row-wise gate runs over the whole row
     batch, seq_len, hidden = hidden_states.shape
     flat = hidden_states.view(-1, hidden)
     shared = module.shared_expert(flat).view(batch, seq_len, hidden)
@@ -246,7 +310,7 @@ DENSE = HybridFamily(
                 "layer, dense SwiGLU MLP; vision-language checkpoints (text weights under model.language_model.)",
     features=_HYBRID_FEATURES,
     hf_weights={**COMMON_WEIGHTS, **QK_NORM_WEIGHTS, **_LINEAR_WEIGHTS, **DENSE_MLP_WEIGHTS},
-    lacks=("moe",), implied=_IMPLIED, backend_lacks={"megatron": _MEGATRON_LACKS},
+    lacks=("moe",), implied=_IMPLIED, backend_lacks={},
     checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS,
     mlp_targets={"dense": DENSE_MLP_TARGETS}, sglang=_SGLANG, tiny=tiny_dense_config, packing=enable_packing,
     hf_decode=True, notes="q_proj's output is [query | gate] per head (2 x heads x head_dim rows)")
