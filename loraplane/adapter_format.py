@@ -872,11 +872,14 @@ def from_tinker(tensors: Mapping[str, torch.Tensor], config: Mapping) -> tuple[d
             experts[(int(match["layer"]), match["proj"], match["which"])] = (key, tensor)
             continue
         try:
-            parse_peft_key(key)
+            module = parse_peft_key(key)[1]
         except InvalidArgument:
             raise InvalidArgument(f"{key}: not a LoRA key loraplane can train (a decoder projection's "
                                   f"{PEFT_PREFIX}.<i>.<module>.lora_{{A,B}}.weight or a Tinker expert key "
                                   "...mlp.experts.w{1,2,3}.lora_{A,B}.weight)", field="tensors") from None
+        if module in ROUTED_EXPERT_TARGETS:
+            raise InvalidArgument(f"{key}: HF PEFT's 2-D target_parameters expert key, not Tinker's layout (3-D "
+                                  "...mlp.experts.w{1,2,3}.lora_{A,B}.weight)", field="tensors")
         if tensor.dim() != 2:
             raise InvalidArgument(f"{key}: a dense LoRA factor is 2-D, got shape {tuple(tensor.shape)}",
                                   field="tensors")
@@ -900,6 +903,9 @@ def from_tinker(tensors: Mapping[str, torch.Tensor], config: Mapping) -> tuple[d
                                   field="tensors")
         count = max(w1b.shape[0], w2a.shape[0])
         shared = w1a.shape[0] == 1 and w2b.shape[0] == 1 and count > 1
+        if count > 1 and (w1a.shape[0] == 1) != (w2b.shape[0] == 1):
+            raise InvalidArgument(f"{w1a_key} has {w1a.shape[0]} experts and {w2b_key} {w2b.shape[0]}: shared-outer "
+                                  "shares both (1 each), per-expert neither", field="tensors")
         for key, tensor, side in ((w1a_key, w1a, "shared"), (w1b_key, w1b, "own"), (w3b_key, w3b, "own"),
                                   (w2a_key, w2a, "own"), (w2b_key, w2b, "shared")):
             if tensor.shape[1 if key.endswith("lora_A.weight") else 2] != rank:
