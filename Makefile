@@ -18,8 +18,10 @@ install: $(PY)
 	# tokenizer file (its declared deps are not needed to read it).
 	$(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1 llama-models==0.3.0
 
+# Three xdist workers, whole files each (module-scoped clusters are built once), the longest files first
+# (tests/conftest.py): the suite mostly waits on servers and subprocesses, so it overlaps well on two cores.
 test:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 3 --dist loadfile
 
 test-slow:
 	$(PY) -m pytest -q -m slow

@@ -2,6 +2,8 @@
 
 Each test gets its own Redis key prefix and S3 bucket (`isolated_settings`), so tests never see each other's data.
 Tests that crash or restart a server start their own private instances instead of touching these.
+Under pytest-xdist (`make test`) each worker is a session of its own: its own servers on its own free ports, its own
+tmp_path root, so nothing here is shared between workers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,33 @@ os.environ.setdefault("LORAPLANE_BASE_MODEL", "tiny")
 pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.trainer", "tests.fixtures.sampler"]
 
 
+# The suite's longest files (a cluster of processes each, or a torchrun launch), in decreasing serial time. `make
+# test` hands whole files to xdist workers in collection order, so these go first: started last, one of them
+# would run alone at the end while the other workers sit idle.
+LONGEST_FIRST = (
+    "tests/e2e/test_cli_cluster.py",
+    "tests/gateway/test_cookbook.py",
+    "tests/e2e/test_megatron_cpu.py",
+    "tests/e2e/test_multinode_cpu.py",
+    "tests/e2e/test_megatron_moe_cpu.py",
+    "tests/e2e/test_tls_cluster.py",
+    "tests/e2e/test_trainer_fleet_cli.py",
+    "tests/gateway/test_cookbook_qwen3_5.py",
+    "tests/gateway/test_tinker_cli.py",
+    "tests/e2e/test_cluster_gpu_pinning.py",
+    "tests/e2e/test_sampler_fleet_cli.py",
+    "tests/e2e/test_megatron_moe_launch_cpu.py",
+    "tests/e2e/test_sampler_restart.py",
+    "tests/e2e/test_trainer_durability.py",
+    "tests/e2e/test_cli_product.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {path: n for n, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep order
+
+
 @pytest.fixture(scope="session")
 def server_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("servers")
@@ -42,7 +71,9 @@ def seaweed(server_root) -> SeaweedS3Server:
     server = seaweed_s3_server(server_root / "seaweed")
     server.start()
     yield server
-    server.stop()
+    # Not `stop()`: `weed server` sits out the whole 10 s grace after SIGTERM (stuck in its filer's graceful gRPC
+    # stop), and the tests' data is thrown away anyway.
+    server.kill()
 
 
 def unique_suffix() -> str:

@@ -26,7 +26,9 @@ def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) ->
                           env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 
-def test_up_starts_embedded_servers_and_every_service_then_down_stops_them(tmp_path):
+def test_up_starts_every_service_the_supervisor_restarts_what_dies_and_down_stops_them(tmp_path):
+    """One embedded cluster (its own Valkey and SeaweedFS) through its life: `up`, `status`, a second `up`, the
+    supervisor's restarts and crash-loop report, `up` over a partly dead cluster, `down`."""
     data_dir = tmp_path / "cluster"
     up = _cli("up", "--data-dir", str(data_dir))
     assert up.returncode == 0, up.stdout + up.stderr
@@ -51,13 +53,13 @@ def test_up_starts_embedded_servers_and_every_service_then_down_stops_them(tmp_p
         again = _cli("up", "--data-dir", str(data_dir))
         assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
         assert [c.pid for c in read_cluster_state(data_dir).components] == [c.pid for c in state.components]
-        state = read_cluster_state(data_dir)
+
+        after = _supervisor_restarts_what_dies_and_up_starts_only_what_is_missing(data_dir)
     finally:
         down = _cli("down", "--data-dir", str(data_dir))
     assert down.returncode == 0, down.stdout + down.stderr
     assert "stopped: gateway, sampler, trainer, registry, s3, redis" in down.stdout
-    assert not any(pid_alive(c.pid) for c in state.components)
-    assert not pid_alive(state.supervisor_pid)
+    assert not any(pid_alive(c.pid) for c in after.components) and not pid_alive(after.supervisor_pid)
     assert read_cluster_state(data_dir) is None
     gone = _cli("status", "--data-dir", str(data_dir))
     assert gone.returncode == 1 and "no cluster is running" in gone.stdout
@@ -160,60 +162,54 @@ def _trainer_adapters(address: str, data_dir) -> dict[str, trainer_pb2.AdapterIn
     return {a.name: a for a in listed.adapters}
 
 
-def test_supervisor_restarts_what_dies_reports_a_crash_loop_and_up_starts_only_what_is_missing(tmp_path):
-    data_dir = tmp_path / "cluster"
-    up = _cli("up", "--data-dir", str(data_dir))
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
-        first = read_cluster_state(data_dir)
-        trainer = first.component("trainer")
-        with sync_channel(trainer.endpoint, client_security(data_dir)) as channel:  # with the admin key
-            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-            create(stub, "kept")
-            Sequenced(stub, "kept", ADAM).train([datum(1)])
+def _supervisor_restarts_what_dies_and_up_starts_only_what_is_missing(data_dir):
+    """The running cluster's supervisor restarts a SIGKILLed trainer where it was, reports a crash loop, and `up`
+    on a partly dead cluster starts only what is missing. Returns the cluster's state at the end."""
+    first = read_cluster_state(data_dir)
+    trainer = first.component("trainer")
+    with sync_channel(trainer.endpoint, client_security(data_dir)) as channel:  # with the admin key
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        create(stub, "kept")
+        Sequenced(stub, "kept", ADAM).train([datum(1)])
 
-        # A crash of the trainer: the supervisor restarts it where it was and it recovers its adapter from the journal.
-        os.killpg(trainer.pid, signal.SIGKILL)
-        restarted = _wait_for(lambda: (c := read_cluster_state(data_dir).component("trainer")).pid != trainer.pid
-                              and component_health(c, str(data_dir)) == "healthy" and c, 180, "the trainer's restart")
-        assert restarted.restarts == 1 and restarted.endpoint == trainer.endpoint
-        assert "SIGKILL" in restarted.last_exit or "unknown" in restarted.last_exit
-        kept = _trainer_adapters(restarted.endpoint, data_dir)["kept"]
-        assert (kept.step, kept.last_seq_id) == (1, 2)
+    # A crash of the trainer: the supervisor restarts it where it was and it recovers its adapter from the journal.
+    os.killpg(trainer.pid, signal.SIGKILL)
+    restarted = _wait_for(lambda: (c := read_cluster_state(data_dir).component("trainer")).pid != trainer.pid
+                          and component_health(c, str(data_dir)) == "healthy" and c, 180, "the trainer's restart")
+    assert restarted.restarts == 1 and restarted.endpoint == trainer.endpoint
+    assert "SIGKILL" in restarted.last_exit or "unknown" in restarted.last_exit
+    kept = _trainer_adapters(restarted.endpoint, data_dir)["kept"]
+    assert (kept.step, kept.last_seq_id) == (1, 2)
 
-        # A crash loop: the registry dies again each time soon after it is restarted.
-        for death in range(CRASH_LOOP_AFTER):
-            current = read_cluster_state(data_dir).component("registry")
-            os.killpg(current.pid, signal.SIGKILL)
-            if death < CRASH_LOOP_AFTER - 1:
-                _wait_for(lambda dead=current.pid: (c := read_cluster_state(data_dir).component("registry")).pid != dead
-                          and pid_alive(c.pid), 60, "the registry's restart")
-        looping = _wait_for(lambda: (c := read_cluster_state(data_dir).component("registry")).supervision
-                            == "crash-loop" and c, 60, "the crash loop to be reported")
-        assert looping.restarts >= CRASH_LOOP_AFTER - 1 and "SIGKILL" in looping.last_exit
-        status = _cli("status", "--data-dir", str(data_dir))
-        assert "crash-loop" in status.stdout, status.stdout
-        # Left alone, the next restart sticks.
-        _wait_for(lambda: component_health(read_cluster_state(data_dir).component("registry"),
-                                           str(data_dir)) == "healthy", 90, "the registry to come back")
+    # A crash loop: the registry dies again each time soon after it is restarted.
+    for death in range(CRASH_LOOP_AFTER):
+        current = read_cluster_state(data_dir).component("registry")
+        os.killpg(current.pid, signal.SIGKILL)
+        if death < CRASH_LOOP_AFTER - 1:
+            _wait_for(lambda dead=current.pid: (c := read_cluster_state(data_dir).component("registry")).pid != dead
+                      and pid_alive(c.pid), 60, "the registry's restart")
+    looping = _wait_for(lambda: (c := read_cluster_state(data_dir).component("registry")).supervision
+                        == "crash-loop" and c, 60, "the crash loop to be reported")
+    assert looping.restarts >= CRASH_LOOP_AFTER - 1 and "SIGKILL" in looping.last_exit
+    status = _cli("status", "--data-dir", str(data_dir))
+    assert "crash-loop" in status.stdout, status.stdout
+    # Left alone, the next restart sticks.
+    _wait_for(lambda: component_health(read_cluster_state(data_dir).component("registry"),
+                                       str(data_dir)) == "healthy", 90, "the registry to come back")
 
-        # `up` on a partly dead cluster (supervisor and sampler gone) starts only those two.
-        before = read_cluster_state(data_dir)
-        os.killpg(before.supervisor_pid, signal.SIGKILL)
-        os.killpg(before.component("sampler").pid, signal.SIGKILL)
-        _wait_for(lambda: not pid_alive(before.supervisor_pid) and not pid_alive(before.component("sampler").pid),
-                  10, "the kills")
-        status = _cli("status", "--data-dir", str(data_dir))
-        assert "supervisor: down" in status.stdout and "down" in status.stdout
-        again = _cli("up", "--data-dir", str(data_dir))
-        assert again.returncode == 0 and "started: sampler)" in again.stdout, again.stdout + again.stderr
-        after = read_cluster_state(data_dir)
-        for name in ("redis", "s3", "registry", "trainer"):
-            assert after.component(name).pid == before.component(name).pid, name
-        assert pid_alive(after.supervisor_pid) and after.supervisor_pid != before.supervisor_pid
-        assert all(component_health(c, str(data_dir)) == "healthy" for c in after.components)
-    finally:
-        down = _cli("down", "--data-dir", str(data_dir))
-    assert down.returncode == 0, down.stdout + down.stderr
-    final = [c.pid for c in after.components]
-    assert not any(pid_alive(pid) for pid in final) and not pid_alive(after.supervisor_pid)
+    # `up` on a partly dead cluster (supervisor and sampler gone) starts only those two.
+    before = read_cluster_state(data_dir)
+    os.killpg(before.supervisor_pid, signal.SIGKILL)
+    os.killpg(before.component("sampler").pid, signal.SIGKILL)
+    _wait_for(lambda: not pid_alive(before.supervisor_pid) and not pid_alive(before.component("sampler").pid),
+              10, "the kills")
+    status = _cli("status", "--data-dir", str(data_dir))
+    assert "supervisor: down" in status.stdout and "down" in status.stdout
+    again = _cli("up", "--data-dir", str(data_dir))
+    assert again.returncode == 0 and "started: sampler)" in again.stdout, again.stdout + again.stderr
+    after = read_cluster_state(data_dir)
+    for name in ("redis", "s3", "registry", "trainer"):
+        assert after.component(name).pid == before.component(name).pid, name
+    assert pid_alive(after.supervisor_pid) and after.supervisor_pid != before.supervisor_pid
+    assert all(component_health(c, str(data_dir)) == "healthy" for c in after.components)
+    return after

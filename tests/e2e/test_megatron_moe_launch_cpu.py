@@ -111,7 +111,7 @@ def test_expert_parallel_trainer_trains_and_publishes_canonical_expert_adapters(
             code = "killed"
         loop.run(registry.stop(), timeout=30)
         loop.close()
-        seaweed.stop()
+        seaweed.kill()  # its data is thrown away; `weed server` sits out a 10 s grace after SIGTERM
         valkey.stop()
     assert code == 0, (code, log_path.read_text(errors="replace")[-3000:])  # every rank exited cleanly
 
