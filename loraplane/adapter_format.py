@@ -587,11 +587,14 @@ def sglang_packing(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: 
       slice; B is split at its gate|up rows). A consumer that lays a stacked tensor out contiguously has every part
       of it contiguous too: one copy per layer tensor instead of one per expert (37k for Qwen3-30B-A3B).
     Lossless either way; a shared-outer factor is every expert's. The tensors are VIEWS of `params` (A as it is,
-    B permuted, not contiguous): nothing is copied here. `params`: the trainer's tensors (either layout, compact or
-    expanded) or a blob's."""
+    B permuted, not contiguous; a compact shared factor broadcast over the experts): nothing is copied here.
+    `params`: the trainer's tensors (either layout, compact or expanded) or a blob's (either format)."""
     if form not in SGLANG_EXPERT_FORMS:
         raise InvalidArgument(f"form must be one of {SGLANG_EXPERT_FORMS}, not {form!r}", field="form")
-    params = expand_shared_outer(params, spec)
+    # SGLang serves expert LoRA per expert only: a compact shared factor becomes every expert's here, on the
+    # sampler, as a broadcast view (stride 0 over experts), so nothing is copied until the consumer lays it out.
+    shared = dict(_shared_keys(params, spec))
+    total_experts = _experts_of(params, spec)
     whole: dict[str, torch.Tensor] = {}
     parts: dict[str, list[ExpertPart]] = {}
     for key, tensor in params.items():
@@ -604,7 +607,10 @@ def sglang_packing(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: 
             raise InvalidArgument(f"{module}: SGLang does not serve LoRA on Nemotron-H's routed experts",
                                   field="lora_config.target_modules")
         experts = tensor.shape[0] // spec.rank if which == "A" else tensor.shape[1] // spec.rank
-        if which == "A":
+        if key in shared and experts == 1 < total_experts:  # compact: [r, in] or [out, r], every expert's
+            stacked = tensor.unsqueeze(0).expand(total_experts, -1, -1)
+            experts = total_experts
+        elif which == "A":
             stacked = tensor.view(experts, spec.rank, tensor.shape[1])  # expert e's rows [e r, (e+1) r)
         else:
             stacked = tensor.view(tensor.shape[0], spec.rank, experts).permute(2, 0, 1)  # column j*E + e

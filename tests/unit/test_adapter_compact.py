@@ -133,6 +133,9 @@ def test_a_shared_outer_blob_is_written_compact_and_every_reader_takes_both_form
             whole, _, _ = sglang_packing(views, spec, form=form)
             reference, _, _ = sglang_packing(params, spec, form=form)
             assert all(torch.equal(whole[k], reference[k]) for k in reference)
+            # From the compact blob the shared factor is every expert's as a broadcast view, not 8 copies.
+            stacked_a = whole["base_model.model.model.layers.1.mlp.experts.gate_up_proj.lora_A.weight"]
+            assert stacked_a.shape == (8, 4, 64) and stacked_a.stride(0) == (0 if blob is new else 4 * 64)
         assert checked(blob).spec == spec
     assert checked(new).format == "2" and checked(old).format == "1"
 
