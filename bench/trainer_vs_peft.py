@@ -57,6 +57,7 @@ from bench.harness import (
     random_data,
     time_rounds,
 )
+from loraplane.errors import ResourceExhausted
 from trainer_svc.validation import DatumPayload
 
 CPU_PRESET = {"shape": "smollm2", "device": "cpu", "backend": "torch", "rank": 16, "datums": 8, "seq_len": 64,
@@ -93,6 +94,37 @@ def peft_contender(hf, ids: torch.Tensor, targets: torch.Tensor, rank: int, chec
     return step, model
 
 
+def torch_backend_facts(backend, hf, rank: int, tokens: int, device: torch.device) -> dict[str, Any]:
+    """What the torch backend ran with: the packed rows' implementation, fla's state, the recomputation of the last
+    step and the memory plan of one adapter slot at this step's tokens (empty for another backend)."""
+    from trainer_svc.backends.torch_backend import TorchBackend
+
+    if not isinstance(backend, TorchBackend):
+        return {}
+    from importlib import metadata
+
+    from loraplane.lora import LoraSpec
+    from loraplane.models import packed
+
+    unusable = packed.fla_unusable(device) if device.type == "cuda" else "not a CUDA device"
+    try:
+        fla = f"fla-core {metadata.version('fla-core')}, triton {metadata.version('triton')}"
+    except metadata.PackageNotFoundError:
+        fla = "fla not installed"
+    spec = LoraSpec.create(rank, 2.0 * rank, list(model_targets(hf)), 0, max_rank=max(rank, 256))
+    return {"packed_impl": packed.packed_impl(device, fla=True), "fla": fla if unusable is None else
+            f"{fla}; not used: {unusable}", "recompute": backend.recompute.mode,
+            "recomputed_layers": len(backend.recompute.selected), "layers": len(backend.recompute.layers),
+            "memory_plan": {k: round(v, 2) for k, v in backend.memory_plan(spec, tokens).items()}}
+
+
+def _facts_or_error(*args) -> dict[str, Any]:
+    try:
+        return torch_backend_facts(*args)
+    except Exception as exc:  # noqa: BLE001 - the numbers are taken; say what went wrong
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
 # -- the run ---------------------------------------------------------------------------------------------------------
 
 
@@ -110,7 +142,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention", default=None, choices=["sdpa", "unfused"],
                     help="megatron's core attention (default: the backend's)")
     ap.add_argument("--recompute", default=None, choices=["auto", "none", "full"],
-                    help="megatron's activation recomputation (default: the backend's)")
+                    help="the backend's activation recomputation (default: the backend's; torch: auto)")
+    ap.add_argument("--packed-impl", default=None, choices=["auto", "exact", "batched", "fla"],
+                    help="torch backend: how the families' per-datum pieces of a packed row run (default auto: "
+                         "fla where usable, else batched, on CUDA; exact per datum on CPU)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--datums", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -174,6 +209,14 @@ def main(argv=None) -> dict:
             notes.append("megatron backend: Qwen3's q/k norms are not supported; its contenders were left out")
         else:
             options = {k: v for k, v in (("attention", args.attention), ("recompute", args.recompute)) if v}
+            if backend_kind == "torch":
+                # The torch backend reads both from its environment (bench.harness builds it with defaults).
+                from loraplane.models.packed import IMPL_ENV
+                from trainer_svc.backends.torch_backend import RECOMPUTE_ENV
+
+                for env, value in ((RECOMPUTE_ENV, args.recompute), (IMPL_ENV, args.packed_impl)):
+                    if value:
+                        os.environ[env] = value
             # A device slot for every adapter of every contender: they alternate, and a deployment with n tenants
             # on n slots never spills (spills are bench/trainer_megatron.py's subject).
             slots = max(8, sum(tenant_counts) * len(modes))
@@ -200,10 +243,14 @@ def main(argv=None) -> dict:
             for n in tenant_counts:
                 per = args.datums // n
                 shares = {}
-                for t in range(n):
-                    name = f"{mode}-{n}t-{t}"
-                    driver.create(name, args.rank, seed=100 + t, targets=model_targets(hf))
-                    shares[name] = rows_data[t * per : (t + 1) * per]
+                try:
+                    for t in range(n):
+                        name = f"{mode}-{n}t-{t}"
+                        driver.create(name, args.rank, seed=100 + t, targets=model_targets(hf))
+                        shares[name] = rows_data[t * per : (t + 1) * per]
+                except ResourceExhausted as exc:  # the backend's memory plan refused the adapter before a step
+                    notes.append(f"{backend_kind}/{mode}/{n}t: not run: {exc}")
+                    continue
                 contenders.append(Contender(f"{backend_kind}/{mode}/{n}t", driver.step_fn(shares, args.lr)))
     if not args.no_peft:
         ids_d, tgt_d = ids.to(device), tgt.to(device)
@@ -234,6 +281,7 @@ def main(argv=None) -> dict:
         "peak_flops": peak, "attention": args.attention, "recompute": args.recompute,
         "megatron_compile": os.environ.get("LORAPLANE_MEGATRON_COMPILE", "1"),
         "megatron_stats": dict(getattr(getattr(backend, "engine", None), "stats", {}) or {}),
+        "torch_backend": _facts_or_error(backend, hf, args.rank, tokens, device),
         "environment": environment(), "notes": notes, "contenders": {},
     }
     for c in contenders:
@@ -286,6 +334,14 @@ def main(argv=None) -> dict:
         print(f"{row[0]:<24}" + "".join(f"{c:>14}" for c in row[1:]))
     for note in notes:
         print("note:", note)
+    facts = results["torch_backend"]
+    if facts.get("error"):
+        print(f"torch backend: {facts['error']}")
+    elif facts:
+        plan = facts.get("memory_plan", {})
+        print(f"torch backend: packed rows {facts['packed_impl']} ({facts['fla']}), recompute {facts['recompute']}: "
+              f"{facts['recomputed_layers']} of {facts['layers']} layers in the last step; memory GiB: "
+              + ", ".join(f"{k.removesuffix('_gib')} {v:.1f}" for k, v in plan.items()))
     print(f"first-step losses agree within {results.get('first_loss_rel_spread')} (relative); JSON: {out}")
     return results
 

@@ -159,7 +159,10 @@ class TorchBackend(TrainerBackend):
         targets = packed_targets([datum.target_tokens for datum in datums]).to(device)
         wide = targets.dim() == 2
         grad_mode = torch.enable_grad() if backward else torch.no_grad()
-        self.recompute.plan(len(position_ids[0]), backward, device)
+        # The gradients the backward allocates for the first time (an adapter's first step) come out of the budget.
+        new_grads = sum(p.numel() * p.element_size() for item in items for p in item.state.params.values()
+                        if p.grad is None) if backward else 0
+        self.recompute.plan(len(position_ids[0]), backward, device, extra_bytes=new_grads)
         with grad_mode, packed_sequences(lengths), lora_segments(self.base.model, segments):
             hidden = self.base.model.model(input_ids=input_ids, position_ids=position_ids,
                                            use_cache=False).last_hidden_state[0]
@@ -293,16 +296,18 @@ class LayerRecompute:
 
     # -- the plan -------------------------------------------------------------------------------------------------
 
-    def plan(self, tokens: int, backward: bool, device: torch.device) -> frozenset[int]:
-        """Sets (and returns) the layers the next forward recomputes."""
+    def plan(self, tokens: int, backward: bool, device: torch.device, extra_bytes: int = 0) -> frozenset[int]:
+        """Sets (and returns) the layers the next forward recomputes; `extra_bytes`: what else the step will
+        allocate beside activations and logits (first gradients)."""
         if not backward or self.mode == "none" or (self.mode == "auto" and device.type != "cuda"):
             self.selected = frozenset()
         elif self.mode == "full":
             self.selected = frozenset(range(len(self.layers)))
         else:
             free, total = _free_bytes(device)
-            budget = free - self.logits_bytes(tokens) - RESERVE_FRACTION * total
-            self.selected = choose_layers(self.layer_bytes(tokens, device), self._hidden_bytes * tokens, budget)
+            per_layer = self.layer_bytes(tokens, device)
+            budget = free - self.logits_bytes(tokens) - extra_bytes - RESERVE_FRACTION * total
+            self.selected = choose_layers(per_layer, self._hidden_bytes * tokens, budget)
             if self.selected:
                 log.info("recomputing %d of %d layers for a %d-token step", len(self.selected), len(self.layers),
                          tokens)
@@ -330,6 +335,7 @@ class LayerRecompute:
         whose embeddings require grad: every tensor autograd saves is counted once per storage (the weights, which
         are saved by reference, not at all) and dropped at once, so the calibration itself keeps nothing."""
         tokens = self.calibration_tokens
+        selected, self.selected = self.selected, frozenset()  # a checkpointed layer would hide what it saves
         params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         seen: list[dict[int, int]] = [{} for _ in self.layers]
         current = [-1]
@@ -361,6 +367,7 @@ class LayerRecompute:
                 self.model.model(inputs_embeds=embeds, position_ids=packed_position_ids([tokens], device=device),
                                  use_cache=False)
         finally:
+            self.selected = selected
             for handle in handles:
                 handle.remove()
         return [sum(found.values()) / tokens for found in seen]

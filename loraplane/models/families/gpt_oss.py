@@ -167,9 +167,14 @@ def _batched_sink_attention(module, query, key, value, scaling, window, layout) 
     sink = (module.sinks.to(q.dtype) / scaling).reshape(1, heads, 1, 1).expand(count, heads, 1, 1)
     sink_key = torch.cat([k.new_zeros(count, heads, 1, dim), sink, k.new_zeros(count, heads, 1, width - dim - 1)],
                          dim=-1)
-    k = torch.cat([sink_key, k], dim=2)
-    v = torch.cat([v.new_zeros(count, heads, 1, v.shape[-1]), v], dim=2)
+    # Key length padded to a multiple of 16 with masked zero keys: the memory-efficient kernel wants its mask's
+    # rows aligned so (every query still sees the sink, so no row is fully masked).
+    tail = -(longest + 1) % 16
+    k = torch.cat([sink_key, k, k.new_zeros(count, heads, tail, width)], dim=2)
+    v = torch.cat([v.new_zeros(count, heads, 1, v.shape[-1]), v, v.new_zeros(count, heads, tail, v.shape[-1])],
+                  dim=2)
     mask = _sink_visibility(longest, window, q.device)
+    mask = torch.cat([mask, mask.new_zeros(longest, tail)], dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return layout.unpad(out.transpose(1, 2))  # (1, N, heads, dim), as eager attention returns it
 
