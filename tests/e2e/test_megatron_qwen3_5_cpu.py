@@ -1,0 +1,255 @@
+"""Qwen3.5 (``qwen3_5``: Gated DeltaNet layers, gated full attention, partial RoPE, (1 + w) RMSNorms) in the megatron
+backend on CPU (fp32, gloo), against transformers and the torch backend.
+
+Two tiny random vision-language checkpoints as users download them: the family's tiny config (two DeltaNet layers
+per attention layer, GQA 4/2, DeltaNet q/k heads 2 x 8 narrower than its value heads 4 x 16, untied head) and a
+second one with another layer pattern (attention first), DeltaNet q/k heads wider than the value heads (2 x 16 vs
+4 x 8), a 3-tap conv, a tied head and a vocabulary that two tensor-parallel ranks split.
+
+One child process per launch (``python this_file.py --config C --out F``, or under torchrun with ``--tp``) prints
+nothing the tests parse but writes one JSON file: rank 0 drives the backend (fused batches of several tenants on two
+device slots, so adapters spill), the other ranks follow. Checked:
+  * logits of each datum equal transformers' (the datum alone on both sides: bit for bit on this CPU; the tolerance
+    is the other families' 2e-5);
+  * LoRA on every target (q/k/v/o, in_proj_q/k/v/z/b/a, out_proj, the MLP): logprobs and gradients equal the torch
+    backend's, and after one AdamW step the exported adapter has the torch backend's tensor names and shapes and
+    (nearly) its values;
+  * a tenant's logprobs and gradients fused with another tenant equal its own alone, bit for bit (one rank, and
+    TP=2);
+  * TP=2 and DP=2 (two ranks) give what one rank gives (tolerances at RANKS_LOGPROB_ATOL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+LOGITS_ATOL = 2e-5
+LOGPROB_ATOL = 2e-5
+GRAD_RTOL = 1e-5
+# Two ranks against one: their sums run in another order (row-parallel out_proj / o_proj / down_proj, the
+# vocabulary-parallel log-softmax), and the chunked delta rule amplifies such rounding far more than attention does
+# (its triangular solves and exp(cumulative decay) products): with the DeltaNet layers swapped for attention, TP=2 is
+# within 3e-6 of one rank; with them, logprobs move by up to ~1e-4 (median ~2e-6) and gradients by ~5e-4 relative.
+# (Both implementations run the same ops in the same order on one rank, which is why they agree bit for bit there.)
+# A sharding mistake (a head's rows on the wrong rank, a channel block swapped) moves logprobs by O(1).
+RANKS_LOGPROB_ATOL = 3e-4
+RANKS_GRAD_RTOL = 2e-3
+LENGTHS = (70, 23, 9)  # one datum longer than the delta rule's 64-token chunk
+
+
+def checkpoint(name: str, directory: Path) -> Path:
+    """``tiny``: the family's own tiny checkpoint (tests/fixtures/models.py); ``wide_qk``: the second config."""
+    from tests.fixtures.models import build_checkpoint, seeded_
+
+    if name == "tiny":
+        return build_checkpoint("qwen3_5", directory)
+    from transformers import AutoModelForImageTextToText, Qwen3_5Config
+
+    from loraplane.models.families.qwen3_5 import _TINY_VISION
+    from loraplane.models.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    text = {"vocab_size": len(tokenizer) + 1, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_conv_kernel_dim": 3,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+            "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+            "bos_token_id": 1, "eos_token_id": 4, "pad_token_id": 0}
+    config = Qwen3_5Config(text_config=text, vision_config=dict(_TINY_VISION), tie_word_embeddings=True)
+    model = AutoModelForImageTextToText.from_config(config)
+    seeded_(model.float(), seed=5)
+    with torch.no_grad():  # the tied head's logits as large as the untied one's (|logit| ~5, not ~50)
+        model.get_input_embeddings().weight.mul_(0.2)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _flat(values) -> list[float]:
+    return torch.cat([v.reshape(-1).float() for v in values]).tolist()
+
+
+def child(config: str, tp: int, out: Path, full: bool) -> None:
+    if not torch.cuda.is_available():
+        import tests.fixtures.megatron_cpu  # noqa: F401  (before the backend is used)
+    import torch.distributed as dist
+
+    from loraplane.lora import LoraSpec, init_lora_params
+    from loraplane.models import load_base_model
+    from loraplane.models.families import lora_targets
+    from tests.gpu.test_megatron import datums, flat, logprobs_of, make_state, random_adapter
+    from trainer_svc.backends.base import BatchItem
+    from trainer_svc.backends.megatron.backend import Driver, MegatronBackend
+    from trainer_svc.backends.megatron.engine import Engine
+    from trainer_svc.backends.megatron.model import forward_logits, init_parallel
+    from trainer_svc.optimizer import AdamHyper
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # Written before torch.distributed starts (transformers' save_pretrained then writes on every rank).
+        directory = checkpoint(config, Path(tmp) / config)
+        init_parallel(tp)
+        base = load_base_model(str(directory), device="cpu", dtype=torch.float32, backend="megatron")
+        engine = Engine(base, device_slots=2, dtype=torch.float32)
+        driver = Driver(engine)
+        if dist.get_rank() != 0:
+            driver.follow()
+            return
+        backend = MegatronBackend(engine=engine, driver=driver)
+        report: dict = {"linear_layers": list(engine.shape.linear_layers)}
+        data = datums(base.vocab_size - 1, LENGTHS, seed=11)
+
+        if full:
+            reference = load_base_model(str(directory), device="cpu", dtype=torch.float32)
+            worst = scale = 0.0
+            with torch.no_grad():
+                for d in data:
+                    got = forward_logits(engine.model, d.input_tokens.unsqueeze(0)).float()
+                    want = reference.model(input_ids=d.input_tokens.unsqueeze(0)).logits.float()
+                    worst = max(worst, (got - want).abs().max().item())
+                    scale = max(scale, want.abs().max().item())
+            report["logits_max_abs"], report["logits_scale"] = worst, scale
+
+        every = LoraSpec.create(4, 8.0, [], seed=3, available=lora_targets(base.config))
+        some = LoraSpec.create(2, 4.0, ["in_proj_q", "in_proj_v", "out_proj", "q_proj", "down_proj"], seed=4)
+        params = {"a": random_adapter(base, every, seed=5), "b": random_adapter(base, some, seed=6)}
+        specs = {"a": every, "b": some}
+        states = {f"{n}{i}": make_state(f"{n}{i}", specs[n], params[n], "cpu") for n in "ab" for i in (1, 2)}
+        other = datums(base.vocab_size - 1, (31, 12), seed=12)
+        lp = {}
+        # Alone: a1, then b1; fused: a2 with b2 (four adapters on two slots: they spill and come back).
+        lp["a1"], _ = logprobs_of(backend, states["a1"], data, backward=True)
+        lp["b1"], _ = logprobs_of(backend, states["b1"], other, backward=True)
+        (res_a, res_b) = backend.run([BatchItem(states["a2"], data, "cross_entropy", {}),
+                                      BatchItem(states["b2"], other, "cross_entropy", {})], backward=True)
+        lp["a2"] = [torch.tensor(o.logprobs) for o in res_a.outputs]
+        lp["b2"] = [torch.tensor(o.logprobs) for o in res_b.outputs]
+        grads = {n: driver.call("gather", {"name": n, "rows": [1]})[0] for n in states}
+        report["fused_equals_alone"] = all(
+            torch.equal(flat(lp[f"{n}1"]), flat(lp[f"{n}2"]))
+            and all(torch.equal(grads[f"{n}1"][k], grads[f"{n}2"][k]) for k in grads[f"{n}1"]) for n in "ab")
+        report["grad_norm_a"] = flat(grads["a1"].values()).norm().item()
+        base_lp = flat(logprobs_of(backend, make_state("zero", every, init_lora_params(base, every), "cpu"),
+                                   data)[0])
+        report["adapter_effect"] = (flat(lp["a1"]) - base_lp).abs().max().item()
+        report["base_logprobs"] = base_lp.tolist()
+        report["fused_diff"] = max(max((flat(lp[f"{n}1"]) - flat(lp[f"{n}2"])).abs().max().item() for n in "ab"),
+                                   max((grads[f"{n}1"][k] - grads[f"{n}2"][k]).abs().max().item()
+                                       for n in "ab" for k in grads[f"{n}1"]))
+        hyper = AdamHyper(learning_rate=1e-2)
+        for n in ("a1", "b1"):
+            backend.optim_step(states[n], hyper)
+        trained = {n: backend.export_params(states[n]) for n in ("a1", "b1")}
+        report["logprobs"] = _flat(flat(lp[n]) for n in ("a1", "b1"))
+        report["grads"] = _flat(grads["a1"][k] for k in sorted(grads["a1"]))
+        report["grad_sizes"] = [grads["a1"][k].numel() for k in sorted(grads["a1"])]
+        report["trained"] = _flat(trained["a1"][k] for k in sorted(trained["a1"]))
+        report["keys"] = {n: sorted(trained[n]) for n in trained}
+
+        if full:
+            from trainer_svc.backends.torch_backend import TorchBackend
+
+            torch_backend = TorchBackend(load_base_model(str(directory), device="cpu", dtype=torch.float32))
+            ts = make_state("a", every, params["a"], "cpu")
+            torch_lp, _ = logprobs_of(torch_backend, ts, data, backward=True)
+            keys = sorted(params["a"])
+            torch_grads = flat(ts.params[k].grad for k in keys)
+            report["torch_lp_max_abs"] = (flat(torch_lp) - flat(lp["a1"])).abs().max().item()
+            report["lp_scale"] = flat(torch_lp).abs().max().item()
+            report["lp_diffs"] = (flat(torch_lp) - flat(lp["a1"])).abs().tolist()
+            report["torch_grad_rel"] = ((flat(grads["a1"][k] for k in keys) - torch_grads).norm()
+                                        / torch_grads.norm()).item()
+            torch_backend.optim_step(ts, hyper)
+            torch_trained = torch_backend.export_params(ts)
+            report["torch_keys"] = sorted(torch_trained)
+            report["torch_shapes_equal"] = all(tuple(torch_trained[k].shape) == tuple(trained["a1"][k].shape)
+                                               for k in torch_trained if k in trained["a1"])
+            report["torch_trained_max_abs"] = max((torch_trained[k] - trained["a1"][k]).abs().max().item()
+                                                  for k in torch_trained if k in trained["a1"])
+        out.write_text(json.dumps(report))
+        driver.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--full", action="store_true", help="also compare with transformers and the torch backend")
+    args = ap.parse_args()
+    child(args.config, args.tp, Path(args.out), args.full)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _launch(tmp: Path, config: str, nproc: int = 1, tp: int = 1, full: bool = False) -> dict:
+    from tests.e2e.test_megatron_cpu import run, torchrun
+
+    out = tmp / f"{config}-{nproc}-{tp}.json"
+    args = [str(Path(__file__).resolve()), "--config", config, "--tp", str(tp), "--out", str(out)]
+    if full:
+        args.append("--full")
+    run(torchrun(nproc, *args) if nproc > 1 else [sys.executable, *args], timeout=280)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("qwen3_5")
+    return {config: _launch(tmp, config, full=True) for config in ("tiny", "wide_qk")}
+
+
+@pytest.mark.parametrize("config", ["tiny", "wide_qk"])
+def test_logits_equal_transformers(measured, config):
+    m = measured[config]
+    assert m["linear_layers"] == ([0, 1, 3, 4] if config == "tiny" else [1, 2])
+    assert m["logits_scale"] > 1.0
+    assert m["logits_max_abs"] <= LOGITS_ATOL
+
+
+@pytest.mark.parametrize("config", ["tiny", "wide_qk"])
+def test_lora_matches_the_torch_backend_and_exports_its_names(measured, config):
+    m = measured[config]
+    assert m["adapter_effect"] > 1e-2  # the adapter moves the logprobs: the comparisons are not vacuous
+    assert m["torch_lp_max_abs"] <= LOGPROB_ATOL
+    assert m["torch_grad_rel"] <= GRAD_RTOL
+    assert m["keys"]["a1"] == m["torch_keys"]
+    assert any(".linear_attn.in_proj_q." in k for k in m["torch_keys"])
+    assert any(".linear_attn.out_proj." in k for k in m["torch_keys"])
+    assert any(".self_attn.q_proj." in k for k in m["torch_keys"])
+    assert m["torch_shapes_equal"]
+    assert m["torch_trained_max_abs"] <= 1e-4
+
+
+@pytest.mark.parametrize("config", ["tiny", "wide_qk"])
+def test_fused_tenants_equal_alone_bit_for_bit(measured, config):
+    assert measured[config]["grad_norm_a"] > 0
+    assert measured[config]["fused_equals_alone"] is True
+
+
+@pytest.mark.parametrize("nproc,tp", [(2, 2), (2, 1)], ids=["tp2", "dp2"])
+def test_two_ranks_equal_one_rank(measured, tmp_path, nproc, tp):
+    one = measured["wide_qk"]
+    other = _launch(tmp_path, "wide_qk", nproc, tp)
+    if tp > 1:  # (under DP a rank holds the gradients of its own datums until the step reduces them)
+        assert other["fused_equals_alone"] is True
+    assert other["keys"] == one["keys"]
+    for field in ("base_logprobs", "logprobs"):
+        diff = (torch.tensor(one[field]) - torch.tensor(other[field])).abs()
+        assert diff.max().item() <= RANKS_LOGPROB_ATOL, (field, diff.max().item())
+        assert diff.median().item() <= 1e-5, (field, diff.median().item())
+    g1, g2 = torch.tensor(one["grads"]), torch.tensor(other["grads"])
+    assert ((g1 - g2).norm() / g1.norm()).item() <= RANKS_GRAD_RTOL
+
+
+if __name__ == "__main__":
+    main()
