@@ -8,6 +8,7 @@ the same logprobs with, and trains."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraplane.adapter_format import (
     COMPACT_FORMAT,
@@ -143,3 +144,67 @@ def test_a_tinker_adapter_imports_loads_with_the_same_logprobs_and_trains(deploy
     after = parse_training_state(trainer.download("ten/imported", driver.save().version)).params
     assert set(after) == set(before)
     assert any(not (after[k] == before[k]).all() for k in before)
+
+
+def test_the_cli_exports_and_imports_and_refuses_a_foreign_key(registry, sampler_blob, tmp_path):
+    """`loraplane adapters export --format tinker|peft` and `adapters import` against a live registry; an adapter
+    directory with a key loraplane cannot train is refused naming it, and nothing is created."""
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from loraplane.registry_client import RegistryClient, lora_config
+    from loraplane_cli.app import app
+
+    blob, spec = sampler_blob
+    address = ["--registry", registry.address]
+
+    async def setup(client: RegistryClient):
+        await client.create_adapter("cli/so", base_model="tiny-moe", lora_config=lora_config(
+            spec.rank, spec.effective_alpha, spec.target_modules, spec.seed, "float32", spec.expert_layout))
+        return await client.publish("cli/so", blob)
+
+    async def call(make):
+        async with RegistryClient(registry.address) as client:
+            return await make(client)
+
+    assert registry.loop.run(call(setup)).version == 1
+    runner = CliRunner()
+    for fmt in ("tinker", "peft"):
+        done = runner.invoke(app, ["adapters", "export", "cli/so", str(tmp_path / fmt), "--format", fmt, *address])
+        assert done.exit_code == 0, done.output
+    tinker_keys = set(load_file(str(tmp_path / "tinker" / "adapter_model.safetensors")))
+    assert any(".experts.w2.lora_B." in k for k in tinker_keys)
+    assert any(".experts.base_layer.lora_A." in k
+               for k in load_file(str(tmp_path / "peft" / "adapter_model.safetensors")))
+
+    done = runner.invoke(app, ["adapters", "import", str(tmp_path / "tinker"), "--name", "cli/back", *address])
+    assert done.exit_code == 0, done.output
+    assert "shared_outer" in done.output
+    back = registry.loop.run(call(lambda c: c.download("cli/back", version=2)))[1]
+    params, back_spec, _ = parse_adapter(back)
+    assert back_spec == spec and back == serialize_adapter(params, spec, "tiny-moe")
+    assert all(torch.equal(params[k], v) for k, v in parse_adapter(blob)[0].items())
+
+    tensors = load_file(str(tmp_path / "tinker" / "adapter_model.safetensors"))
+    unembed = "base_model.model.model.unembed_tokens.lora_A.weight"
+    save_file({**tensors, unembed: torch.zeros(4, 64)}, str(tmp_path / "tinker" / "adapter_model.safetensors"))
+    refused = runner.invoke(app, ["adapters", "import", str(tmp_path / "tinker"), "--name", "cli/bad", *address])
+    assert refused.exit_code == 1 and unembed in refused.output.replace("\n", "")
+    names = registry.loop.run(call(lambda c: c.list_adapters()))
+    assert "cli/bad" not in {a.name for a in names}
+
+
+@pytest.fixture(scope="module")
+def sampler_blob():
+    """A trained-looking shared-outer `tiny-moe` adapter's compact weights blob, and its spec."""
+    from loraplane.lora import LoraSpec, init_lora_params
+    from loraplane.models import load_base_model
+
+    base = load_base_model("tiny-moe")
+    spec = LoraSpec.create(4, 8, (), 3, available=tuple(base.module_dims), expert_layout="shared_outer")
+    params = init_lora_params(base, spec)
+    generator = torch.Generator().manual_seed(9)
+    for key, tensor in params.items():
+        if key.endswith("lora_B.weight"):
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.2)
+    return serialize_adapter(params, spec, "tiny-moe"), spec
