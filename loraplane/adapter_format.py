@@ -947,10 +947,9 @@ def from_tinker(tensors: Mapping[str, torch.Tensor], config: Mapping) -> tuple[d
 def tinker_files(blob: bytes) -> tuple[bytes, bytes]:
     """(adapter_model.safetensors, adapter_config.json) of a weights blob in Tinker's layout: what `tinker
     checkpoint download` hands out. A dense adapter's tensors are its blob's, re-encoded in the blob's dtype."""
-    tensors, metadata = _read(blob, "adapter blob")
-    spec, base_name = _adapter_config(metadata)
-    params, _, _ = parse_adapter(blob)
-    dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+    params, spec, base_name = parse_adapter(blob)
+    stored = {_TORCH_DTYPES.get(code) for code in adapter_header(blob)[2].values()}
+    dtype = stored.pop() if len(stored) == 1 else torch.float32
     out = to_tinker(params, spec)
     weights = SafetensorsWriter(out, {FORMAT_KEY: "pt"}, dtype if dtype in _SAFETENSORS_DTYPES else torch.float32)
     config = json.dumps(tinker_adapter_config(spec, base_name), indent=2, sort_keys=True).encode()

@@ -257,3 +257,15 @@ def test_a_tinker_adapter_loraplane_cannot_train_is_refused_naming_the_key(moe):
     refused({**tensors, w1b: torch.zeros(8, 32, 2)}, w1b)  # rank 2 in a rank-4 adapter
     peft_style = {**expand_shared_outer(params, spec)}
     refused(peft_style, "experts")  # HF PEFT's 2-D target_parameters keys are not Tinker's
+
+
+def test_a_bfloat16_version_exports_to_tinker_in_bfloat16(moe, tmp_path):
+    base, _ = moe
+    spec, params = trained(base, "shared_outer")
+    blob = serialize_adapter(params, spec, base.name, "bfloat16")
+    directory = materialize_tinker_dir(blob, tmp_path / "bf16")
+    tensors = st_load((directory / "adapter_model.safetensors").read_bytes())
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    back, back_spec, _ = read_tinker_dir(directory)
+    rounded, _, _ = parse_adapter(blob)
+    assert back_spec == spec and all(torch.equal(back[k], rounded[k]) for k in rounded)
