@@ -15,7 +15,14 @@ from loraplane.client.routing import routed_call
 from loraplane.client.targets import narrow_targets
 from loraplane.client.training_client import SeqCounter, TrainingClient
 from loraplane.client.types import TrainerAdapterInfo, VersionInfo, parse_path
-from loraplane.registry_client import RegistryClient, RegistryEvent, weights_dtype_name, weights_dtype_value
+from loraplane.registry_client import (
+    RegistryClient,
+    RegistryEvent,
+    expert_layout_name,
+    expert_layout_value,
+    weights_dtype_name,
+    weights_dtype_value,
+)
 from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2
 
 _seq_counters: dict[tuple[str, str], SeqCounter] = {}
@@ -71,6 +78,7 @@ class ServiceClient(Session):
         metadata: Mapping[str, str] | None = None,
         exist_ok: bool = False,
         weights_dtype: str = "float32",
+        expert_layout: str = "",
     ) -> TrainingClient:
         """Creates a LoRA adapter on the trainer (and in the registry) and returns its TrainingClient.
 
@@ -79,7 +87,9 @@ class ServiceClient(Session):
         `seed` None = random. `name` None = a generated "run-xxxxxxxx". With `exist_ok`, an existing adapter of
         that name is attached to instead (numbering continues after its last seq_id). `weights_dtype` "bfloat16"
         publishes weights versions as the float32 params rounded to bfloat16 (half the bytes; samplers then serve
-        the rounded weights, so their logprobs differ from the trainer's by that rounding); training stays float32."""
+        the rounded weights, so their logprobs differ from the trainer's by that rounding); training stays float32.
+        `expert_layout` (a MoE base): "per_expert" or "shared_outer" (one gate_up A and one down B shared by a layer's
+        experts, Tinker's); "" = the trainer's default."""
         if weights_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"weights_dtype must be 'float32' or 'bfloat16', not {weights_dtype!r}")
         if target_modules is None:
@@ -94,7 +104,8 @@ class ServiceClient(Session):
         name = name or f"run-{uuid.uuid4().hex[:8]}"
         lora = common_pb2.LoraConfig(rank=rank, alpha=float(alpha or 0.0), target_modules=list(target_modules),
                                      seed=random.getrandbits(63) if seed is None else seed,
-                                     weights_dtype=weights_dtype_value(weights_dtype))
+                                     weights_dtype=weights_dtype_value(weights_dtype),
+                                     expert_layout=expert_layout_value(expert_layout))
         request = trainer_pb2.TrainerServiceCreateAdapterRequest(
             name=name, lora_config=lora, base_model=base_model or "", keep_last=keep_last,
             metadata={str(k): str(v) for k, v in (metadata or {}).items()})
@@ -129,7 +140,7 @@ class ServiceClient(Session):
         client = self.create_lora_training_client(
             adapter.base_model or None, rank=lora.rank, alpha=lora.alpha or None,
             target_modules=list(lora.target_modules), seed=lora.seed if seed is None else seed, name=name,
-            weights_dtype=weights_dtype_name(lora.weights_dtype))
+            weights_dtype=weights_dtype_name(lora.weights_dtype), expert_layout=expert_layout_name(lora.expert_layout))
         client.load_state(path, with_optimizer=with_optimizer).result()
         return client
 

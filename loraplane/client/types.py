@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from loraplane.registry_client import StoredVersion, VersionKind, stored_version, weights_dtype_name
+from loraplane.registry_client import StoredVersion, VersionKind, expert_layout_name, stored_version, weights_dtype_name
 from loraplane.v1 import common_pb2, sampler_pb2, trainer_pb2
 
 # loss_fn_inputs keys and the Datum field each one fills.
@@ -405,6 +405,8 @@ class TrainerAdapterInfo:
     parameter_count: int
     # "float32" or "bfloat16": the dtype of the adapter's published weights versions.
     weights_dtype: str = "float32"
+    # A MoE adapter's "per_expert" or "shared_outer"; "" for a dense one.
+    expert_layout: str = ""
 
     @classmethod
     def from_proto(cls, proto: trainer_pb2.TrainerAdapter) -> TrainerAdapterInfo:
@@ -412,7 +414,8 @@ class TrainerAdapterInfo:
         return cls(name=proto.name, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules),
                    seed=lora.seed, base_model=proto.base_model, step=proto.step, last_seq_id=proto.last_seq_id,
                    resident=proto.resident, parameter_count=proto.parameter_count,
-                   weights_dtype=weights_dtype_name(lora.weights_dtype))
+                   weights_dtype=weights_dtype_name(lora.weights_dtype),
+                   expert_layout=expert_layout_name(lora.expert_layout))
 
 
 # ---- adapter paths -------------------------------------------------------------------------------------------

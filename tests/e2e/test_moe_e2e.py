@@ -142,15 +142,16 @@ def test_the_clients_train_mlp_flag_means_the_experts_on_a_moe_model(registry, m
 def test_train_publish_sample_through_the_client(registry, moe_trainer, moe_sampler, layout):
     service = retrying_service(moe_trainer.address, moe_sampler.address, registry.address)
     name = f"moe/{layout.replace('_', '-')}"
-    if layout == "per_expert":
-        training = service.create_lora_training_client("tiny-moe", rank=4, seed=5, name=name)
-    else:
-        stub = moe_trainer.stub()
-        create(stub, name, 4, 8, 5, [], SHARED_OUTER)
-        training = service.get_training_client(name)
+    training = service.create_lora_training_client("tiny-moe", rank=4, seed=5, name=name, expert_layout=layout)
+    assert training.info.expert_layout == layout
     data = random_data(lengths=(17, 17, 17))
     train_until_loss_drops(training, data)
     publish_and_sample(service, training, data, "moe", num_samples=1, check_generated=False)
+    # A training state of either layout resumes through the client into an adapter of the same layout.
+    state = training.save_state().result()
+    resumed = service.create_training_client_from_state(state.path, name=f"{name}-resumed")
+    assert resumed.info.expert_layout == layout
+    assert resumed.forward(data).result().loss == training.forward(data).result().loss
 
 
 def test_a_restarted_trainer_brings_a_shared_outer_adapter_back_bit_for_bit(registry, background_loop):
