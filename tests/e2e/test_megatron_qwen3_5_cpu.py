@@ -41,6 +41,7 @@ GRAD_RTOL = 1e-5
 # A sharding mistake (a head's rows on the wrong rank, a channel block swapped) moves logprobs by O(1).
 RANKS_LOGPROB_ATOL = 3e-4
 RANKS_GRAD_RTOL = 2e-3
+MOE_GRAD_RTOL = 1e-3  # measured 1.2e-4 (the amplification above)
 LENGTHS = (70, 23, 9)  # one datum longer than the delta rule's 64-token chunk
 
 
@@ -50,6 +51,8 @@ def checkpoint(name: str, directory: Path) -> Path:
 
     if name == "tiny":
         return build_checkpoint("qwen3_5", directory)
+    if name == "moe":
+        return build_checkpoint("qwen3_5_moe", directory)
     from transformers import AutoModelForImageTextToText, Qwen3_5Config
 
     from loraplane.models.families.qwen3_5 import _TINY_VISION
@@ -74,11 +77,30 @@ def checkpoint(name: str, directory: Path) -> Path:
     return directory
 
 
+def ulp_sensitivity(model, data) -> float:
+    """How far transformers' own logits move when its input embeddings move by about one fp32 ulp: the yardstick
+    for a comparison in which some op (the MoE router's renormalization, an expert GEMM) rounds differently. The
+    chunked delta rule amplifies such a difference ~30-fold per DeltaNet layer (its triangular solves and
+    exp(cumulative decay) products), so two correct fp32 implementations that do not run the same ops in the same
+    order differ by far more than the other families' 2e-5."""
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    with torch.no_grad():
+        for d in data:
+            embeds = model.get_input_embeddings()(d.input_tokens.unsqueeze(0))
+            sign = torch.randint(0, 2, embeds.shape, generator=g).float() * 2 - 1
+            moved = embeds * (1 + 2.0 ** -23 * sign)
+            a = model(inputs_embeds=embeds).logits.float()
+            b = model(inputs_embeds=moved).logits.float()
+            worst = max(worst, (a - b).abs().max().item())
+    return worst
+
+
 def _flat(values) -> list[float]:
     return torch.cat([v.reshape(-1).float() for v in values]).tolist()
 
 
-def child(config: str, tp: int, out: Path, full: bool) -> None:
+def child(config: str, tp: int, out: Path, full: bool, ep: int = 1) -> None:
     if not torch.cuda.is_available():
         import tests.fixtures.megatron_cpu  # noqa: F401  (before the backend is used)
     import torch.distributed as dist
@@ -96,7 +118,7 @@ def child(config: str, tp: int, out: Path, full: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # Written before torch.distributed starts (transformers' save_pretrained then writes on every rank).
         directory = checkpoint(config, Path(tmp) / config)
-        init_parallel(tp)
+        init_parallel(tp, expert_parallel_size=ep)
         base = load_base_model(str(directory), device="cpu", dtype=torch.float32, backend="megatron")
         engine = Engine(base, device_slots=2, dtype=torch.float32)
         driver = Driver(engine)
@@ -104,7 +126,7 @@ def child(config: str, tp: int, out: Path, full: bool) -> None:
             driver.follow()
             return
         backend = MegatronBackend(engine=engine, driver=driver)
-        report: dict = {"linear_layers": list(engine.shape.linear_layers)}
+        report: dict = {"config": config, "linear_layers": list(engine.shape.linear_layers)}
         data = datums(base.vocab_size - 1, LENGTHS, seed=11)
 
         if full:
@@ -117,6 +139,7 @@ def child(config: str, tp: int, out: Path, full: bool) -> None:
                     worst = max(worst, (got - want).abs().max().item())
                     scale = max(scale, want.abs().max().item())
             report["logits_max_abs"], report["logits_scale"] = worst, scale
+            report["hf_ulp_sensitivity"] = ulp_sensitivity(reference.model, data)
 
         every = LoraSpec.create(4, 8.0, [], seed=3, available=lora_targets(base.config))
         some = LoraSpec.create(2, 4.0, ["in_proj_q", "in_proj_v", "out_proj", "q_proj", "down_proj"], seed=4)
@@ -182,20 +205,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--full", action="store_true", help="also compare with transformers and the torch backend")
     args = ap.parse_args()
-    child(args.config, args.tp, Path(args.out), args.full)
+    child(args.config, args.tp, Path(args.out), args.full, args.ep)
 
 
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _launch(tmp: Path, config: str, nproc: int = 1, tp: int = 1, full: bool = False) -> dict:
+def _launch(tmp: Path, config: str, nproc: int = 1, tp: int = 1, full: bool = False, ep: int = 1) -> dict:
     from tests.e2e.test_megatron_cpu import run, torchrun
 
-    out = tmp / f"{config}-{nproc}-{tp}.json"
-    args = [str(Path(__file__).resolve()), "--config", config, "--tp", str(tp), "--out", str(out)]
+    out = tmp / f"{config}-{nproc}-{tp}-{ep}.json"
+    args = [str(Path(__file__).resolve()), "--config", config, "--tp", str(tp), "--ep", str(ep), "--out", str(out)]
     if full:
         args.append("--full")
     run(torchrun(nproc, *args) if nproc > 1 else [sys.executable, *args], timeout=280)
@@ -205,41 +229,59 @@ def _launch(tmp: Path, config: str, nproc: int = 1, tp: int = 1, full: bool = Fa
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("qwen3_5")
-    return {config: _launch(tmp, config, full=True) for config in ("tiny", "wide_qk")}
+    return {config: _launch(tmp, config, full=True) for config in CONFIGS}
 
 
-@pytest.mark.parametrize("config", ["tiny", "wide_qk"])
+CONFIGS = ("tiny", "wide_qk", "moe")
+
+
+def _tolerance(m: dict, atol: float) -> float:
+    """The dense models run transformers' ops in transformers' order (bit for bit here), so the other families'
+    bound holds; the MoE one rounds its router and experts differently (as tests/e2e/test_megatron_moe_cpu.py's
+    Qwen3-MoE does, within 2e-5 there), which the DeltaNet layers amplify: it is held to transformers' own
+    one-ulp sensitivity instead (:func:`ulp_sensitivity`)."""
+    return atol if "moe" not in m["config"] else max(atol, m["hf_ulp_sensitivity"])
+
+
+@pytest.mark.parametrize("config", CONFIGS)
 def test_logits_equal_transformers(measured, config):
     m = measured[config]
-    assert m["linear_layers"] == ([0, 1, 3, 4] if config == "tiny" else [1, 2])
+    assert m["linear_layers"] == ([1, 2] if config == "wide_qk" else [0, 1, 3, 4])
     assert m["logits_scale"] > 1.0
-    assert m["logits_max_abs"] <= LOGITS_ATOL
+    assert m["logits_max_abs"] <= _tolerance(m, LOGITS_ATOL)
+    if config != "moe":
+        assert m["logits_max_abs"] == 0.0  # same ops in the same order as transformers
 
 
-@pytest.mark.parametrize("config", ["tiny", "wide_qk"])
+@pytest.mark.parametrize("config", CONFIGS)
 def test_lora_matches_the_torch_backend_and_exports_its_names(measured, config):
     m = measured[config]
     assert m["adapter_effect"] > 1e-2  # the adapter moves the logprobs: the comparisons are not vacuous
-    assert m["torch_lp_max_abs"] <= LOGPROB_ATOL
-    assert m["torch_grad_rel"] <= GRAD_RTOL
+    assert m["torch_lp_max_abs"] <= _tolerance(m, LOGPROB_ATOL)
+    assert m["torch_grad_rel"] <= (GRAD_RTOL if config != "moe" else MOE_GRAD_RTOL)
     assert m["keys"]["a1"] == m["torch_keys"]
-    assert any(".linear_attn.in_proj_q." in k for k in m["torch_keys"])
-    assert any(".linear_attn.out_proj." in k for k in m["torch_keys"])
-    assert any(".self_attn.q_proj." in k for k in m["torch_keys"])
+    for module in (".linear_attn.in_proj_q.", ".linear_attn.in_proj_b.", ".linear_attn.out_proj.",
+                   ".self_attn.q_proj."):
+        assert any(module in k for k in m["torch_keys"]), module
+    if config == "moe":
+        assert any(".mlp.shared_expert.gate_proj." in k for k in m["torch_keys"])
+        assert any(".mlp.experts.lora_A." in k for k in m["torch_keys"])
     assert m["torch_shapes_equal"]
-    assert m["torch_trained_max_abs"] <= 1e-4
+    if config != "moe":  # (the MoE's near-zero expert gradients may take AdamW's first step either way)
+        assert m["torch_trained_max_abs"] <= 1e-4
 
 
-@pytest.mark.parametrize("config", ["tiny", "wide_qk"])
+@pytest.mark.parametrize("config", CONFIGS)
 def test_fused_tenants_equal_alone_bit_for_bit(measured, config):
     assert measured[config]["grad_norm_a"] > 0
     assert measured[config]["fused_equals_alone"] is True
 
 
-@pytest.mark.parametrize("nproc,tp", [(2, 2), (2, 1)], ids=["tp2", "dp2"])
-def test_two_ranks_equal_one_rank(measured, tmp_path, nproc, tp):
-    one = measured["wide_qk"]
-    other = _launch(tmp_path, "wide_qk", nproc, tp)
+@pytest.mark.parametrize("config,tp,ep", [("wide_qk", 2, 1), ("wide_qk", 1, 1), ("moe", 1, 2)],
+                         ids=["tp2", "dp2", "moe-ep2"])
+def test_two_ranks_equal_one_rank(measured, tmp_path, config, tp, ep):
+    one = measured[config]
+    other = _launch(tmp_path, config, 2, tp, ep=ep)
     if tp > 1:  # (under DP a rank holds the gradients of its own datums until the step reduces them)
         assert other["fused_equals_alone"] is True
     assert other["keys"] == one["keys"]

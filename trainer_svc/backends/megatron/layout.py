@@ -27,8 +27,12 @@ from dataclasses import dataclass
 import torch
 
 COLUMN_PARALLEL_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-                           "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a")
-ROW_PARALLEL_TARGETS = ("o_proj", "down_proj", "out_proj")
+                           "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a",
+                           "shared_expert.gate_proj", "shared_expert.up_proj")
+ROW_PARALLEL_TARGETS = ("o_proj", "down_proj", "out_proj", "shared_expert.down_proj")
+# An MoE layer's shared expert (Qwen3.5-MoE): a SwiGLU MLP beside the routed experts, tensor-parallel like the dense
+# MLP (megatron's SharedExpertMLP: linear_fc1 [gate; up], linear_fc2).
+SHARED_EXPERT_TARGETS = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Qwen3.5's Gated DeltaNet layers (:mod:`.gated_delta_net`): Tinker's three pairs on the Q, K and V rows of the fused
@@ -100,6 +104,8 @@ class LlamaShape:
     # megatron model's torch RMSNorm gets 1 + w as its weight.
     linear_layers: tuple[int, ...] = ()
     linear: LinearAttentionShape | None = None
+    # The MoE layers' shared expert (its SwiGLU width; 0 = none) and its sigmoid gate (hidden -> 1).
+    shared_ffn_hidden_size: int = 0
     gated_attention: bool = False
     zero_centered_norms: bool = False
 
@@ -122,6 +128,8 @@ class LlamaShape:
             return not self.is_linear(layer)
         if target in LINEAR_ATTENTION_TARGETS:
             return self.is_linear(layer)
+        if target in SHARED_EXPERT_TARGETS:
+            return self.is_moe(layer) and self.shared_ffn_hidden_size > 0
         return not self.moe_layers
 
     @property
@@ -145,6 +153,8 @@ class LlamaShape:
             problems.append(f"num_key_value_heads={self.num_kv_heads}")
         if self.dense_layers and self.ffn_hidden_size % tp:
             problems.append(f"intermediate_size={self.ffn_hidden_size}")
+        if self.shared_ffn_hidden_size % tp:
+            problems.append(f"shared_expert_intermediate_size={self.shared_ffn_hidden_size}")
         if self.linear_layers and self.linear.num_k_heads % tp:
             problems.append(f"linear_num_key_heads={self.linear.num_k_heads}")
         if self.linear_layers and self.linear.num_v_heads % tp:
@@ -160,6 +170,8 @@ class LlamaShape:
             return {"in_proj_q": lin.key_dim, "in_proj_k": lin.key_dim, "in_proj_v": lin.value_dim,
                     "in_proj_z": lin.value_dim, "in_proj_b": lin.num_v_heads, "in_proj_a": lin.num_v_heads,
                     "out_proj": self.hidden_size}[target]
+        if target in SHARED_EXPERT_TARGETS:
+            return self.hidden_size if target == "shared_expert.down_proj" else self.shared_ffn_hidden_size
         return {
             "q_proj": self.num_heads * self.head_dim * (2 if self.gated_attention else 1),
             "k_proj": self.num_kv_heads * self.head_dim,
@@ -173,6 +185,8 @@ class LlamaShape:
     def in_features(self, target: str) -> int:
         if target == "out_proj":
             return self.linear.value_dim
+        if target == "shared_expert.down_proj":
+            return self.shared_ffn_hidden_size
         return {
             "o_proj": self.num_heads * self.head_dim,
             "down_proj": self.ffn_hidden_size,
@@ -189,7 +203,8 @@ def shape_from_hf_config(config, moe_layers: tuple[int, ...] = (), linear_layers
     moe = {}
     if moe_layers:
         moe = {"num_experts": int(config.num_experts), "moe_ffn_hidden_size": int(config.moe_intermediate_size),
-               "moe_layers": tuple(moe_layers)}
+               "moe_layers": tuple(moe_layers),
+               "shared_ffn_hidden_size": int(getattr(config, "shared_expert_intermediate_size", 0) or 0)}
     if linear_layers:
         moe["linear_layers"] = tuple(linear_layers)
         moe["linear"] = LinearAttentionShape(
@@ -387,6 +402,13 @@ def hf_layer_to_mcore_shards(
     if "mlp.experts.gate_up_proj" in hf_layer:
         out.update(hf_moe_to_mcore(take("mlp.gate.weight"), take("mlp.experts.gate_up_proj"),
                                    take("mlp.experts.down_proj"), ep, ep_rank))
+        if "mlp.shared_expert.gate_proj.weight" in hf_layer:
+            gate = chunk_for_rank(take("mlp.shared_expert.gate_proj.weight"), tp, rank, 0)
+            up = chunk_for_rank(take("mlp.shared_expert.up_proj.weight"), tp, rank, 0)
+            out["mlp.shared_experts.linear_fc1.weight"] = fuse_gate_up(gate, up, dim=0)
+            out["mlp.shared_experts.linear_fc2.weight"] = chunk_for_rank(
+                take("mlp.shared_expert.down_proj.weight"), tp, rank, 1)
+            out["mlp.shared_experts.gate_weight"] = take("mlp.shared_expert_gate.weight")  # [1, h], replicated
     else:
         gate = chunk_for_rank(take("mlp.gate_proj.weight"), tp, rank, 0)
         up = chunk_for_rank(take("mlp.up_proj.weight"), tp, rank, 0)

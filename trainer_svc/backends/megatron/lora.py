@@ -78,8 +78,14 @@ HOOK_TARGETS = {
     "in_proj_b": ("in_proj_b",),
     "in_proj_a": ("in_proj_a",),
     "out_proj": ("out_proj",),
+    # An MoE layer's shared expert (Qwen3.5-MoE; megatron's SharedExpertMLP): like the dense MLP's.
+    "shared_fc1": ("shared_expert.gate_proj", "shared_expert.up_proj"),
+    "shared_fc2": ("shared_expert.down_proj",),
 }
-ROW_PARALLEL_HOOKS = ("o_proj", "down_proj", "out_proj")
+ROW_PARALLEL_HOOKS = ("o_proj", "down_proj", "out_proj", "shared_fc2")
+SHARED_EXPERT_HOOKS = ("shared_fc1", "shared_fc2")
+# Hooks on one column-parallel output holding several projections' columns side by side (this rank's share of each).
+FUSED_COLUMN_HOOKS = ("fc1", "in_proj_qkv", "shared_fc1")
 LINEAR_ATTENTION_HOOKS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 ATTENTION_HOOKS = ("qkv", "o_proj")
 
@@ -89,7 +95,8 @@ def model_hooks(shape: LlamaShape) -> tuple[str, ...]:
     layer is one, the dense MLP's always (an MoE model's stay zero: the flat layout's order does not depend on it)."""
     return tuple(h for h in HOOK_TARGETS
                  if (h not in ATTENTION_HOOKS or shape.attention_layers)
-                 and (h not in LINEAR_ATTENTION_HOOKS or shape.linear_layers))
+                 and (h not in LINEAR_ATTENTION_HOOKS or shape.linear_layers)
+                 and (h not in SHARED_EXPERT_HOOKS or shape.shared_ffn_hidden_size))
 
 
 def a_class_name(hook: str) -> str:
@@ -149,6 +156,9 @@ class MegatronLora:
                 attn.linear_proj.register_forward_hook(self._hook(i, "o_proj"))
             if shape.is_moe(i):
                 self.experts.attach(mlp)  # no dense MLP
+                if shape.shared_ffn_hidden_size:
+                    mlp.shared_experts.linear_fc1.register_forward_hook(self._hook(i, "shared_fc1"))
+                    mlp.shared_experts.linear_fc2.register_forward_hook(self._hook(i, "shared_fc2"))
                 continue
             mlp.linear_fc1.register_forward_hook(self._hook(i, "fc1"))
             mlp.linear_fc2.register_forward_hook(self._hook(i, "down_proj"))
@@ -204,7 +214,7 @@ class MegatronLora:
         if hook == "qkv":
             interleave = interleave_gated_qkv if self.shape.gated_attention else interleave_qkv
             return interleave(*deltas, self.groups_local, self.shape.head_dim, dim=-1)
-        if hook in ("fc1", "in_proj_qkv"):
+        if hook in FUSED_COLUMN_HOOKS:
             return torch.cat(deltas, dim=-1)
         return deltas[0]
 
@@ -223,7 +233,7 @@ class MegatronLora:
                 return [q, g[:, :, 2 * hpg * hd : (2 * hpg + 1) * hd], g[:, :, (2 * hpg + 1) * hd :]]
             g = out2.view(out2.shape[0], self.groups_local, (hpg + 2) * hd)
             return [g[:, :, : hpg * hd], g[:, :, hpg * hd : (hpg + 1) * hd], g[:, :, (hpg + 1) * hd :]]
-        if hook in ("fc1", "in_proj_qkv"):
+        if hook in FUSED_COLUMN_HOOKS:
             return list(torch.split(out2, self._widths(hook), dim=1))
         return [out2]
 
@@ -231,7 +241,7 @@ class MegatronLora:
         if hook == "qkv":
             split = split_gated_qkv if self.shape.gated_attention else split_qkv
             return split(g, self.groups_local, self.shape.heads_per_group, self.shape.head_dim, dim=-1)
-        if hook in ("fc1", "in_proj_qkv"):
+        if hook in FUSED_COLUMN_HOOKS:
             return torch.split(g, self._widths(hook), dim=-1)
         return (g,)
 

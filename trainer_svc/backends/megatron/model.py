@@ -97,13 +97,18 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
         qk_layernorm=families.QK_NORM in features,
         rope_scaling=scaling,
         moe_top_k=int(config.num_experts_per_tok) if moe_layers else 0,
-        norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)) if moe_layers else False,
+        norm_topk_prob=bool(getattr(config, "norm_topk_prob", family.model_type in RENORMALIZED_TOPK_FAMILIES))
+        if moe_layers else False,
     )
 
 
 # Families whose RMSNorms scale by (1 + weight) (transformers' Qwen3_5RMSNorm); the megatron model's torch RMSNorm is
 # given 1 + weight (layout.hf_layer_to_mcore_shards).
 ZERO_CENTERED_NORM_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+
+# MoE families whose router always renormalizes the top-k probabilities (their config has no norm_topk_prob).
+RENORMALIZED_TOPK_FAMILIES = ("qwen3_5_moe",)
 
 
 def moe_layer_indices(config) -> tuple[int, ...]:
@@ -183,7 +188,8 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
     moe = {}
     if s.moe_layers:
         moe = moe_config_fields(s.num_experts, spec.moe_top_k, s.moe_ffn_hidden_size, spec.norm_topk_prob,
-                                _ep_size(), slots=expert_lora_slots + 1)
+                                _ep_size(), slots=expert_lora_slots + 1,
+                                shared_ffn_hidden_size=s.shared_ffn_hidden_size)
     config = TransformerConfig(
         **moe,
         num_layers=s.num_layers,

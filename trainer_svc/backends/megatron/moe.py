@@ -432,10 +432,16 @@ class SlotRouter(torch.nn.Module):
 
 
 def moe_config_fields(num_experts: int, top_k: int, moe_ffn_hidden_size: int, norm_topk_prob: bool,
-                      expert_parallel_size: int, slots: int = 1) -> dict:
+                      expert_parallel_size: int, slots: int = 1, shared_ffn_hidden_size: int = 0) -> dict:
     """The TransformerConfig fields of a Qwen3-MoE layer (see the module docstring); the dispatcher sees
-    ``num_experts * slots`` virtual experts (:class:`SlotRouter`)."""
+    ``num_experts * slots`` virtual experts (:class:`SlotRouter`). ``shared_ffn_hidden_size``: Qwen3.5-MoE's shared
+    expert beside the routed ones, with its sigmoid gate (:class:`PackedSharedExpertMLP`)."""
+    shared = {}
+    if shared_ffn_hidden_size:
+        shared = {"moe_shared_expert_intermediate_size": shared_ffn_hidden_size, "moe_shared_expert_gate": True,
+                  "moe_shared_expert_overlap": False}
     return {
+        **shared,
         "num_moe_experts": num_experts * slots,
         "moe_router_topk": top_k,
         "moe_ffn_hidden_size": moe_ffn_hidden_size,
@@ -472,12 +478,56 @@ def prepare_megatron_moe() -> None:
 
 def finish_moe_layers(model, moe_layers: tuple[int, ...]) -> None:
     """After building: each MoE layer's experts learn their layer index; without CUDA each alltoall dispatcher
-    copies its split sizes to the host plainly (megatron's own copies them on a CUDA side stream)."""
+    copies its split sizes to the host plainly (megatron's own copies them on a CUDA side stream); a shared expert
+    learns the datum boundaries of each row its layer runs (:class:`PackedSharedExpertMLP`)."""
     for i in moe_layers:
-        mlp = model.decoder.layers[i].mlp
+        layer = model.decoder.layers[i]
+        mlp = layer.mlp
         mlp.experts.layer_index = i
         if not torch.cuda.is_available():
             mlp.token_dispatcher.__class__ = _host_dispatcher_class()
+        if getattr(mlp, "shared_experts", None) is not None:
+            layer.forward = _with_bounds(layer.forward, mlp.shared_experts)
+
+
+def _with_bounds(forward, shared):
+    """The decoder layer's forward, handing the row's datum boundaries (``packed_seq_params``, which megatron passes
+    to attention only) to its shared expert first; activation recomputation reruns this wrapper too."""
+
+    def run(*args, **kwargs):
+        shared.bounds = getattr(kwargs.get("packed_seq_params"), "bounds", None)
+        return forward(*args, **kwargs)
+
+    return run
+
+
+_SHARED_EXPERT = []
+
+
+def _shared_expert_class():
+    """megatron's SharedExpertMLP with its sigmoid gate taken per datum of the packed row: the gate's hidden -> 1
+    product and its sigmoid over the whole row would round a datum's values by where they sit in it (a vectorised
+    kernel treats a tensor's tail apart), so a tenant's logits would depend on its neighbours' datums (the torch
+    backend's Qwen3.5 packing does the same). ``gate * shared`` as transformers multiplies them."""
+    if not _SHARED_EXPERT:
+        from megatron.core.transformer.mlp import MLP
+        from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+        class PackedSharedExpertMLP(SharedExpertMLP):
+            bounds = None
+
+            def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+                output, _ = MLP.forward(self, hidden_states)
+                if not self.use_shared_expert_gate:
+                    return output
+                flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+                bounds = self.bounds or ((0, flat.shape[0]),)
+                gates = [torch.sigmoid(F.linear(flat[s:e].contiguous(), self.gate_weight)) for s, e in bounds]
+                gate = gates[0] if len(gates) == 1 else torch.cat(gates, 0)
+                return gate.view(*output.shape[:-1], 1) * output
+
+        _SHARED_EXPERT.append(PackedSharedExpertMLP)
+    return _SHARED_EXPERT[0]
 
 
 _HOST_DISPATCHER = []
@@ -514,6 +564,8 @@ def moe_layer_spec(dense_spec, num_experts: int):
     mlp.module = _local_moe_layer_class()
     mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     mlp.submodules.router = SlotRouter
+    if mlp.submodules.shared_experts is not None:  # built only where the config has a shared expert
+        mlp.submodules.shared_experts.module = _shared_expert_class()
     spec.submodules.mlp = mlp
     return spec
 
@@ -534,14 +586,17 @@ def _local_moe_layer_class():
         class LocalMoELayer(MoELayer):
             def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
                 d = self.token_dispatcher
-                if (intermediate_tensors is not None or padding_mask is not None or self.use_shared_expert
+                if (intermediate_tensors is not None or padding_mask is not None or self.shared_expert_overlap
                         or self.moe_layer_recompute or getattr(d, "ep_size", 1) > 1 or getattr(d, "tp_size", 1) > 1
                         or not isinstance(self.experts, GroupedExperts) or not isinstance(self.router, SlotRouter)):
                     return super().forward(hidden_states, intermediate_tensors, padding_mask)
                 x = hidden_states.reshape(-1, hidden_states.shape[-1])
                 probs, top = self.router.route_topk(x)
                 y = self.experts.local_forward(x, probs, top, self.router.token_slot(x.shape[0], x.device))
-                return y.view(hidden_states.shape), None
+                y = y.view(hidden_states.shape)
+                if self.use_shared_expert:  # routed + gated shared, as transformers adds them
+                    y = y + self.shared_experts(hidden_states)
+                return y, None
 
         _LOCAL_MOE_LAYER.append(LocalMoELayer)
     return _LOCAL_MOE_LAYER[0]
