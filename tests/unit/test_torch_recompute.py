@@ -164,3 +164,23 @@ def test_an_adapter_slot_is_what_its_training_state_measures(backend):
     assert backend.slot_bytes(spec) == state.device_bytes
     plan = backend.memory_plan(spec, tokens=64)
     assert plan["slot_gib"] * 2**30 == state.device_bytes and plan["base_gib"] > 0 and plan["logits_gib"] > 0
+
+
+def test_an_adapter_that_cannot_fit_the_device_is_refused_at_creation_naming_the_numbers(backend, monkeypatch):
+    from loraplane.errors import ResourceExhausted
+
+    base = backend.base
+    spec = LoraSpec.create(8, 16, [], seed=1, available=tuple(base.module_dims))
+    slot = backend.slot_bytes(spec) / 2**30
+    backend.check_slot_fits(spec)  # CPU: host memory is the operator's, no check
+    monkeypatch.setattr(base, "device", torch.device("cuda"))  # the plan's numbers as a GPU would give them
+    plan = {"base_gib": 10.0, "slot_gib": slot, "total_gib": 11.0 + slot, "reserve_gib": 0.5}
+    monkeypatch.setattr(backend, "memory_plan", lambda spec, tokens=0: dict(plan))
+    backend.check_slot_fits(spec)  # 0.5 GiB to spare
+    plan["total_gib"] = 10.0 + slot  # 0.5 GiB short
+    with pytest.raises(ResourceExhausted) as refused:
+        backend.init_params(spec)
+    message = str(refused.value)
+    assert f"needs {slot:.1f} GiB" in message and "base model (10.0 GiB)" in message
+    if any(t.startswith("experts.") or ".experts." in t for t in spec.target_modules):
+        assert "expert_layout shared_outer needs" in message

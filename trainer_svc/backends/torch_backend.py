@@ -100,14 +100,15 @@ class TorchBackend(TrainerBackend):
         return plan
 
     def check_slot_fits(self, spec: LoraSpec, tokens: int = 0) -> None:
-        """ResourceExhausted, naming the numbers, when one more adapter slot of `spec` (and, with `tokens`, a step of
-        that many tokens with every layer recomputed) cannot fit the device's free memory: said at CreateAdapter,
-        not as an out-of-memory error in the middle of a step. CPU: no check (host memory is the operator's)."""
+        """ResourceExhausted, naming the numbers, when one adapter slot of `spec` (and, with `tokens`, a step of that
+        many tokens with every layer recomputed) cannot fit the device beside the base model even with no other
+        adapter resident: said at CreateAdapter, not as an out-of-memory error in the middle of a step. (Other
+        adapters are the pool's to spill; CPU: no check, host memory is the operator's.)"""
         if self.device.type != "cuda":
             return
         plan = self.memory_plan(spec, tokens)
         need = plan["slot_gib"] + plan.get("logits_gib", 0.0) + plan.get("min_activations_gib", 0.0)
-        room = plan["free_gib"] - plan["reserve_gib"]
+        room = plan["total_gib"] - plan["reserve_gib"] - plan["base_gib"]
         if need <= room:
             return
         experts = [t for t in spec.target_modules if t.startswith("experts.") or ".experts." in t]
@@ -122,8 +123,8 @@ class TorchBackend(TrainerBackend):
             f"an adapter of rank {spec.rank} on {len(spec.target_modules)} targets needs {plan['slot_gib']:.1f} GiB on "
             f"{self.device} (fp32 params, gradients and AdamW moments)"
             + (f" plus {need - plan['slot_gib']:.1f} GiB for a {tokens}-token step" if tokens else "")
-            + f"; {room:.1f} GiB is free beside the base model ({plan['base_gib']:.1f} GiB) and the adapters already "
-            f"there{hint}", field="lora_config")
+            + f"; the device has {room:.1f} GiB beside the base model ({plan['base_gib']:.1f} GiB) and a "
+            f"{plan['reserve_gib']:.1f} GiB reserve{hint}", field="lora_config")
 
     @property
     def device(self) -> torch.device:
