@@ -48,19 +48,21 @@ for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
     q9b-512) run_case qwen3.5-9b_8x512 "${Q9[@]}" --seq-len 512 --rounds 4 --packed-impl batched --profile "$OUT" ;;
     q9b-2048-prof) run_case qwen3.5-9b_8x2048_prof "${Q9[@]}" --seq-len 2048 --rounds 2 --packed-impl batched \
       --profile "$OUT" ;;
-    q9b-2048-fla) with_fla && run_case qwen3.5-9b_8x2048_fla "${Q9[@]}" --seq-len 2048 --rounds 3 --packed-impl fla ;;
-    q9b-2048-fla-prof) with_fla && run_case qwen3.5-9b_8x2048_fla_prof "${Q9[@]}" --seq-len 2048 --rounds 2 \
-      --packed-impl fla --profile "$OUT" ;;
+    # fla's Triton kernels compile and autotune on first use, once per shape class (PEFT's batch and our varlen row).
+    q9b-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-9b_8x2048_fla "${Q9[@]}" \
+      --seq-len 2048 --rounds 3 --packed-impl fla ;;
+    q9b-2048-fla-prof) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-9b_8x2048_fla_prof "${Q9[@]}" \
+      --seq-len 2048 --rounds 2 --packed-impl fla --profile "$OUT" ;;
     oss-2048) run_case gpt-oss-20b_8x2048 --shape gpt-oss-20b --datums 8 --seq-len 2048 --peft-checkpointing on --rounds 3 --warmup 1 ;;
     oss-512) run_case gpt-oss-20b_8x512 --shape gpt-oss-20b --datums 8 --seq-len 512 --peft-checkpointing on --rounds 4 --warmup 1 --profile "$OUT" ;;
     # Qwen3.5-35B-A3B (70 GB in bf16): two copies do not fit one H200, so each contender runs in its own process.
     q35-peft) run_case qwen3.5-35b-a3b_8x512_peft_alone "${Q35[@]}" --seq-len 512 --tenants "" --peft-checkpointing on ;;
     q35-ours) run_case qwen3.5-35b-a3b_8x512_torch_alone "${Q35[@]}" --seq-len 512 --no-peft --packed-impl batched ;;
-    q35-peft-2048) CASE_TIMEOUT=${CASE_TIMEOUT:-420} run_case qwen3.5-35b-a3b_8x2048_peft_alone "${Q35[@]}" \
+    q35-peft-2048) CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-35b-a3b_8x2048_peft_alone "${Q35[@]}" \
       --seq-len 2048 --tenants "" --peft-checkpointing on ;;
-    q35-ours-2048) CASE_TIMEOUT=${CASE_TIMEOUT:-420} run_case qwen3.5-35b-a3b_8x2048_torch_alone "${Q35[@]}" \
+    q35-ours-2048) CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-35b-a3b_8x2048_torch_alone "${Q35[@]}" \
       --seq-len 2048 --no-peft --packed-impl batched ;;
-    q35-ours-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-420} run_case \
+    q35-ours-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case \
       qwen3.5-35b-a3b_8x2048_torch_alone_fla "${Q35[@]}" --seq-len 2048 --no-peft --packed-impl fla ;;
     *) echo "unknown case $c" | summary ;;
   esac
