@@ -12,6 +12,7 @@
 #          oss-2048 oss-512                      gpt-oss-20b
 #          q35-peft q35-ours                     Qwen3.5-35B-A3B 8 x 512, each contender alone (two copies do not fit)
 #          q35-peft-2048 q35-ours-2048           the same at 8 x 2048; q35-ours-2048-fla with fla
+#          tests tests-fla                       tests/gpu/test_packed_fast_paths.py (without / with fla)
 # Needs .gpuwh/megatron and .gpuwh/tvp_extra (bench_env.sh), and .gpuwh/fla for the -fla cases
 # (scripts/gpu/fla-wheels.txt; build them with the shared build-wheelhouse.sh).
 set -uo pipefail
@@ -40,6 +41,15 @@ run_case() {  # label, then bench args
   [ $rc -eq 0 ] || echo "exit code $rc" | summary
   finish
 }
+run_tests() {  # label: the packed rows' CUDA paths against the CPU per-datum path (tests/gpu/test_packed_fast_paths.py)
+  echo "== $1: tests/gpu/test_packed_fast_paths.py" | summary
+  timeout -k 10 "${CASE_TIMEOUT:-400}" python3 -m pytest -q -m gpu --noconftest -o addopts="" -p no:cacheprovider -rA \
+    tests/gpu/test_packed_fast_paths.py > "$OUT/$1.log" 2>&1
+  local rc=$?
+  grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" "$OUT/$1.log" | tail -30 | summary
+  [ $rc -eq 0 ] || echo "exit code $rc" | summary
+  finish
+}
 Q9=(--shape qwen3.5-9b --datums 8 --peft-checkpointing on --warmup 1)
 Q35=(--shape qwen3.5-35b-a3b --datums 8 --warmup 1 --rounds 3)
 for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
@@ -64,6 +74,8 @@ for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
       --seq-len 2048 --no-peft --packed-impl batched ;;
     q35-ours-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case \
       qwen3.5-35b-a3b_8x2048_torch_alone_fla "${Q35[@]}" --seq-len 2048 --no-peft --packed-impl fla ;;
+    tests) run_tests gpu_tests ;;
+    tests-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_tests gpu_tests_fla ;;
     *) echo "unknown case $c" | summary ;;
   esac
 done
