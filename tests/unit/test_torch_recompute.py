@@ -184,3 +184,23 @@ def test_an_adapter_that_cannot_fit_the_device_is_refused_at_creation_naming_the
     assert f"needs {slot:.1f} GiB" in message and "base model (10.0 GiB)" in message
     if any(t.startswith("experts.") or ".experts." in t for t in spec.target_modules):
         assert "expert_layout shared_outer needs" in message
+
+
+def test_the_chunked_vocabulary_projection_gives_the_same_logprobs_and_gradients(backend, monkeypatch):
+    """CUDA projects the vocabulary a chunk of tokens at a time, each chunk recomputed in the backward; forced here
+    on CPU (chunks of 5 tokens, so the last is partial) against the one projection the CPU runs."""
+    tenants = states(backend, 2)
+    whole = backend.run(items(tenants), backward=True)
+    whole_grads = grads_of(tenants)
+    monkeypatch.setattr(backend, "logits_chunk_tokens", lambda tokens, device: 5)
+    chunked = backend.run(items(tenants), backward=True)
+    chunked_grads = grads_of(tenants)
+    for a, b in zip(whole, chunked):
+        for x, y in zip(a.outputs, b.outputs):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+            assert torch.allclose(torch.tensor(x.elementwise_loss), torch.tensor(y.elementwise_loss), atol=1e-5,
+                                  rtol=0)
+    for mine, theirs in zip(whole_grads, chunked_grads):
+        for key in mine:
+            scale = float(mine[key].abs().max())
+            assert torch.allclose(mine[key], theirs[key], atol=1e-4 * scale, rtol=0), key

@@ -64,6 +64,8 @@ class TorchBackend(TrainerBackend):
         self.base.family.enable_packing(self.base.model)
         attach_multi_lora(self.base.model)
         self.recompute = LayerRecompute(self.base.model, recompute or os.environ.get(RECOMPUTE_ENV) or "auto")
+        if self.device.type == "cuda":
+            self.recompute.logits_chunk = self.logits_chunk
         self._lock = threading.Lock()
 
     def init_params(self, spec: LoraSpec) -> dict[str, torch.Tensor]:
@@ -72,6 +74,16 @@ class TorchBackend(TrainerBackend):
         return super().init_params(spec)
 
     # -- memory --------------------------------------------------------------------------------------------------
+
+    # The vocabulary projection in chunks of this many tokens (CUDA), each recomputed in the backward: the fp32
+    # logits of 8 x 2048 tokens over Qwen3.5's 248k vocabulary and their log-softmax are 33 GB at once. 0: one
+    # projection. The CPU keeps one projection (bit-exactness: a GEMM's rows round alike only for enough rows).
+    logits_chunk = int(os.environ.get("LORAPLANE_LOGITS_CHUNK", "2048"))
+
+    def logits_chunk_tokens(self, tokens: int, device: torch.device) -> int:
+        if device.type != "cuda" or self.logits_chunk <= 0 or tokens <= self.logits_chunk:
+            return 0
+        return self.logits_chunk
 
     def slot_bytes(self, spec: LoraSpec) -> int:
         """Device bytes one resident adapter of `spec` holds while training (AdapterState.device_bytes of it)."""
@@ -171,13 +183,15 @@ class TorchBackend(TrainerBackend):
             # and one log-softmax over the real tokens: a projection per datum streams the whole lm_head weight
             # from memory once per datum. Both are row-wise, so each token's logprob is the same whatever else is
             # in the batch, as for every other linear layer here.
-            logits = self.base.model.get_output_embeddings()(hidden)
-            logits = (logits if cursor == logits.shape[0] else logits[:cursor]).float()
-            if wide:
-                token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets)
+            head = self.base.model.get_output_embeddings()
+            chunk = self.logits_chunk_tokens(cursor, device)
+            if chunk:
+                token_logprobs = chunked_target_logprobs(head, hidden[:cursor], targets, chunk, backward)
             else:
-                token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
-            del logits
+                logits = head(hidden)
+                logits = (logits if cursor == logits.shape[0] else logits[:cursor]).float()
+                token_logprobs = _target_logprobs(logits, targets)
+                del logits
             item_losses = []
             datum_losses_detached = []
             datum_logprobs = []
@@ -223,6 +237,34 @@ class TorchBackend(TrainerBackend):
                 "num_datums:sum": float(len(item.data)),
             }))
         return results
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's log-probabilities of its targets ((N,) or soft (N, K)) from fp32 logits."""
+    if targets.dim() == 2:
+        return torch.log_softmax(logits, dim=-1).gather(1, targets)
+    return torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _target_logprobs(head(hidden).float(), targets)
+
+
+def chunked_target_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
+                            backward: bool) -> torch.Tensor:
+    """:func:`_target_logprobs` of ``head(hidden)`` a chunk of rows at a time; with a backward, each chunk keeps only
+    its hidden rows and recomputes its logits when the backward reaches it (non-reentrant checkpoint), so the step
+    holds one chunk's logits at a time instead of every token's. Row-wise, the same values as one projection up to
+    the GEMM's blocking."""
+    pieces = []
+    for start in range(0, hidden.shape[0], chunk):
+        rows, wanted = hidden[start:start + chunk], targets[start:start + chunk]
+        if backward and torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, head, rows, wanted, use_reentrant=False,
+                                     preserve_rng_state=False))
+        else:
+            pieces.append(_chunk_logprobs(head, rows, wanted))
+    return torch.cat(pieces)
 
 
 def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -314,8 +356,13 @@ class LayerRecompute:
                          tokens)
         return self.selected
 
+    logits_chunk = 0  # the backend's chunk of the vocabulary projection (TorchBackend.logits_chunk_tokens)
+
     def logits_bytes(self, tokens: int) -> int:
-        """The logits in the model's dtype, their fp32 copy, log-softmax and its gradient."""
+        """The logits in the model's dtype, their fp32 copy, log-softmax and its gradient (of one chunk of
+        `logits_chunk` tokens, plus the (tokens,) logprobs, when the projection is chunked)."""
+        if 0 < self.logits_chunk < tokens:
+            return min(tokens, self.logits_chunk) * self._vocab * (self._dtype_bytes + 12) + 8 * tokens
         return tokens * self._vocab * (self._dtype_bytes + 12)
 
     def layer_bytes(self, tokens: int, device: torch.device) -> list[float]:
