@@ -53,8 +53,24 @@ def checkpoint(request, tmp_path_factory):
 def reference(checkpoint):
     """The CPU fp32 per-datum step: (backend, logits per datum, LoRA gradients per tenant)."""
 
+    import inspect
+    import sys
+
     backend = backend_on(checkpoint, "cpu", torch.float32)
-    return backend, *step(backend, "exact")
+    # transformers binds fla's kernel in place of its torch delta rule when fla imports (the tests-fla run); the
+    # CPU reference needs the torch one.
+    swapped = []
+    for module in backend.base.model.modules():
+        modeling = sys.modules[type(module).__module__]
+        kernel = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+        if kernel is not None and inspect.unwrap(kernel) is not kernel:
+            swapped.append((modeling, kernel))
+            modeling.torch_chunk_gated_delta_rule = inspect.unwrap(kernel)
+    try:
+        return backend, *step(backend, "exact")
+    finally:
+        for modeling, kernel in swapped:
+            modeling.torch_chunk_gated_delta_rule = kernel
 
 
 def backend_on(checkpoint, device, dtype, recompute="none"):
