@@ -60,10 +60,18 @@ class ModelSize:
         s = self.shape
         h = s.hidden_size
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        attention = h * (q + 2 * kv) + q * h + 2 * h + 2 * s.head_dim  # projections, two norms, q/k norms
+        if s.gated_attention:
+            q *= 2  # q_proj also emits the output gate
+        attention = h * (q + 2 * kv) + q * h // (2 if s.gated_attention else 1) + 2 * h + 2 * s.head_dim
+        mixers = len(s.attention_layers) * attention
+        if s.linear_layers:  # Qwen3.5's Gated DeltaNet: in_proj_qkv, z, b, a, conv1d, out_proj, two norms
+            lin = s.linear
+            conv = 2 * lin.key_dim + lin.value_dim
+            mixers += len(s.linear_layers) * (h * (conv + lin.value_dim + 2 * lin.num_v_heads) + conv * lin.conv_kernel
+                                              + lin.value_dim * h + 2 * h + lin.head_v_dim + 2 * lin.num_v_heads)
         dense = 3 * h * s.ffn_hidden_size
-        router = s.num_experts * h
-        layers = s.num_layers * attention + len(s.dense_layers) * dense + len(s.moe_layers) * router
+        router = s.num_experts * h + 3 * h * s.shared_ffn_hidden_size + (h if s.shared_ffn_hidden_size else 0)
+        layers = mixers + len(s.dense_layers) * dense + len(s.moe_layers) * router
         embeddings = s.vocab_size * h * (1 if self.tied_embeddings else 2) + h
         return layers + embeddings + self.expert_params
 
