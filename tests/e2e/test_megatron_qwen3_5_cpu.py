@@ -203,33 +203,35 @@ def child(config: str, tp: int, out: Path, full: bool, ep: int = 1) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--config", default="tiny", help="one config, or several (comma-separated) on one rank")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--full", action="store_true", help="also compare with transformers and the torch backend")
     args = ap.parse_args()
-    child(args.config, args.tp, Path(args.out), args.full, args.ep)
+    for config in args.config.split(","):  # one process for several: each launch costs seconds of imports
+        child(config, args.tp, Path(f"{args.out}.{config}"), args.full, args.ep)
 
 
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _launch(tmp: Path, config: str, nproc: int = 1, tp: int = 1, full: bool = False, ep: int = 1) -> dict:
+def _launch(tmp: Path, configs: tuple[str, ...], nproc: int = 1, tp: int = 1, full: bool = False,
+            ep: int = 1) -> dict:
     from tests.e2e.test_megatron_cpu import run, torchrun
 
-    out = tmp / f"{config}-{nproc}-{tp}-{ep}.json"
-    args = [str(Path(__file__).resolve()), "--config", config, "--tp", str(tp), "--ep", str(ep), "--out", str(out)]
+    out = tmp / f"{nproc}-{tp}-{ep}"
+    args = [str(Path(__file__).resolve()), "--config", ",".join(configs), "--tp", str(tp), "--ep", str(ep),
+            "--out", str(out)]
     if full:
         args.append("--full")
     run(torchrun(nproc, *args) if nproc > 1 else [sys.executable, *args], timeout=280)
-    return json.loads(out.read_text())
+    return {c: json.loads(Path(f"{out}.{c}").read_text()) for c in configs}
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("qwen3_5")
-    return {config: _launch(tmp, config, full=True) for config in CONFIGS}
+    return _launch(tmp_path_factory.mktemp("qwen3_5"), CONFIGS, full=True)
 
 
 CONFIGS = ("tiny", "wide_qk", "moe")
@@ -281,7 +283,7 @@ def test_fused_tenants_equal_alone_bit_for_bit(measured, config):
                          ids=["tp2", "dp2", "moe-ep2"])
 def test_two_ranks_equal_one_rank(measured, tmp_path, config, tp, ep):
     one = measured[config]
-    other = _launch(tmp_path, config, 2, tp, ep=ep)
+    other = _launch(tmp_path, (config,), 2, tp, ep=ep)[config]
     if tp > 1:  # (under DP a rank holds the gradients of its own datums until the step reduces them)
         assert other["fused_equals_alone"] is True
     assert other["keys"] == one["keys"]

@@ -5,8 +5,9 @@ per batch; and :class:`MegatronLora`, which installs it on a model and hands the
 Layering: :mod:`.kernels` (grouped-GEMM primitives) and :mod:`.routing` (stored classes, row segments, the routing
 in force) at the bottom; :mod:`.expert_lora` on them; :mod:`.moe` (the MoE layer) on that; this module beside it.
 
-Forward hooks on ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and ``linear_fc2`` of every decoder layer add the
-routed adapters' deltas to the base output (the module tree and its state dict stay untouched). For q, k, v (and
+Forward hooks on ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and ``linear_fc2`` of every decoder layer (a Gated
+DeltaNet layer's ``in_proj_qkv/z/b/a`` and ``out_proj`` instead of attention's; an MoE layer's shared expert's
+``linear_fc1/fc2``) add the routed adapters' deltas to the base output (the module tree and its state dict stay untouched). For q, k, v (and
 gate, up) the per-projection deltas ``scale * B_p (A_p x)`` are computed separately and placed in the fused layout
 (GQA interleave, gate|up halves) by :mod:`.layout`, so the adapter is exactly the PEFT one.
 

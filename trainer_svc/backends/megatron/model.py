@@ -1,4 +1,4 @@
-"""Hugging Face Llama-3.x / Qwen2.5 / Qwen3 weights → megatron-core ``GPTModel`` (local, non-Transformer-Engine layer
+"""Hugging Face Llama-3.x / Qwen2.5 / Qwen3 / Qwen3.5 weights → megatron-core ``GPTModel`` (local, non-Transformer-Engine layer
 spec).
 
 The model runs in plain PyTorch: causal attention within each datum of a packed row (:mod:`.attention`;
@@ -12,7 +12,10 @@ gradients.
 What a family adds to the Llama layout (docs/megatron.md, "Model families"): Qwen2 biases q, k and v (megatron's
 ``add_qkv_bias``: one bias on the fused ``linear_qkv``); Qwen3 RMS-normalizes every q and k head before RoPE
 (``qk_layernorm``: megatron's ``q_layernorm``/``k_layernorm`` on ``[s, b, heads, head_dim]``) and may have a
-``head_dim`` other than hidden/heads (``kv_channels``); Llama-3.1/3.2 rescale the RoPE frequencies (``llama3``).
+``head_dim`` other than hidden/heads (``kv_channels``); Llama-3.1/3.2 rescale the RoPE frequencies (``llama3``);
+Qwen3.5 puts our Gated DeltaNet (:mod:`.gated_delta_net`) in most layers' attention slot, gates attention's output
+(``attention_output_gate``), rotates a quarter of each head and scales its norms by ``1 + w`` (its MoE variant adds
+a gated shared expert, :mod:`.moe`).
 Anything else a config asks for is refused by :func:`spec_from_hf_config` rather than silently computed wrong.
 """
 
