@@ -14,8 +14,8 @@ device slots, so adapters spill), the other ranks follow. Checked:
   * LoRA on every target (q/k/v/o, in_proj_q/k/v/z/b/a, out_proj, the MLP): logprobs and gradients equal the torch
     backend's, and after one AdamW step the exported adapter has the torch backend's tensor names and shapes and
     (nearly) its values;
-  * a tenant's logprobs and gradients fused with another tenant equal its own alone, bit for bit (one rank, and
-    TP=2);
+  * a tenant's logprobs and gradients fused with another tenant equal its own alone, bit for bit (dense: one rank
+    and TP=2; the MoE within tolerance, as Qwen3-MoE's);
   * TP=2 and DP=2 (two ranks) give what one rank gives (tolerances at RANKS_LOGPROB_ATOL).
 """
 
@@ -41,7 +41,7 @@ GRAD_RTOL = 1e-5
 # A sharding mistake (a head's rows on the wrong rank, a channel block swapped) moves logprobs by O(1).
 RANKS_LOGPROB_ATOL = 3e-4
 RANKS_GRAD_RTOL = 2e-3
-MOE_GRAD_RTOL = 1e-3  # measured 1.2e-4 (the amplification above)
+MOE_GRAD_RTOL = 1e-3  # measured 1.2e-4 to 5.8e-4 against the torch backend (the amplification above)
 LENGTHS = (70, 23, 9)  # one datum longer than the delta rule's 64-token chunk
 
 
@@ -51,14 +51,19 @@ def checkpoint(name: str, directory: Path) -> Path:
 
     if name == "tiny":
         return build_checkpoint("qwen3_5", directory)
-    if name == "moe":
-        return build_checkpoint("qwen3_5_moe", directory)
     from transformers import AutoModelForImageTextToText, Qwen3_5Config
 
+    from loraplane.models import families
     from loraplane.models.families.qwen3_5 import _TINY_VISION
     from loraplane.models.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
+    if name == "moe":  # the family's tiny MoE with a vocabulary that two tensor-parallel ranks split
+        model = AutoModelForImageTextToText.from_config(families.FAMILIES["qwen3_5_moe"].tiny_config(len(tokenizer) + 1))
+        seeded_(model.float())
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return directory
     text = {"vocab_size": len(tokenizer) + 1, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_conv_kernel_dim": 3,
             "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
@@ -164,9 +169,11 @@ def child(config: str, tp: int, out: Path, full: bool, ep: int = 1) -> None:
                                    data)[0])
         report["adapter_effect"] = (flat(lp["a1"]) - base_lp).abs().max().item()
         report["base_logprobs"] = base_lp.tolist()
-        report["fused_diff"] = max(max((flat(lp[f"{n}1"]) - flat(lp[f"{n}2"])).abs().max().item() for n in "ab"),
-                                   max((grads[f"{n}1"][k] - grads[f"{n}2"][k]).abs().max().item()
-                                       for n in "ab" for k in grads[f"{n}1"]))
+        report["fused_lp_diff"] = max((flat(lp[f"{n}1"]) - flat(lp[f"{n}2"])).abs().max().item() for n in "ab")
+        report["fused_grad_rel"] = max(
+            ((flat(grads[f"{n}1"][k] for k in keys) - flat(grads[f"{n}2"][k] for k in keys)).norm()
+             / flat(grads[f"{n}1"][k] for k in keys).norm()).item()
+            for n in "ab" for keys in [sorted(grads[f"{n}1"])])
         hyper = AdamHyper(learning_rate=1e-2)
         for n in ("a1", "b1"):
             backend.optim_step(states[n], hyper)
@@ -274,22 +281,33 @@ def test_lora_matches_the_torch_backend_and_exports_its_names(measured, config):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_fused_tenants_equal_alone_bit_for_bit(measured, config):
-    assert measured[config]["grad_norm_a"] > 0
-    assert measured[config]["fused_equals_alone"] is True
+def test_fused_tenants_equal_alone(measured, config):
+    """Bit for bit on the dense models; the MoE's expert GEMMs group a tenant's rows with the other tenant's (as
+    Qwen3-MoE's, held to 1e-5 in tests/e2e/test_megatron_moe_cpu.py), which the DeltaNet layers then amplify (see
+    :func:`ulp_sensitivity`)."""
+    m = measured[config]
+    assert m["grad_norm_a"] > 0
+    if config != "moe":
+        assert m["fused_equals_alone"] is True
+    else:
+        assert m["fused_lp_diff"] <= _tolerance(m, 1e-5)
+        assert m["fused_grad_rel"] <= 1e-5
 
 
-@pytest.mark.parametrize("config,tp,ep", [("wide_qk", 2, 1), ("wide_qk", 1, 1), ("moe", 1, 2)],
-                         ids=["tp2", "dp2", "moe-ep2"])
+@pytest.mark.parametrize("config,tp,ep", [("wide_qk", 2, 1), ("wide_qk", 1, 1), ("moe", 1, 2), ("moe", 2, 1)],
+                         ids=["tp2", "dp2", "moe-ep2", "moe-tp2"])
 def test_two_ranks_equal_one_rank(measured, tmp_path, config, tp, ep):
     one = measured[config]
     other = _launch(tmp_path, (config,), 2, tp, ep=ep)[config]
-    if tp > 1:  # (under DP a rank holds the gradients of its own datums until the step reduces them)
+    # (Under DP a rank holds the gradients of its own datums until the step reduces them; the MoE: see above.)
+    if tp > 1 and config != "moe":
         assert other["fused_equals_alone"] is True
     assert other["keys"] == one["keys"]
+    # Another order of sums is a perturbation of about an ulp: held to transformers' own one-ulp sensitivity too.
+    atol = max(RANKS_LOGPROB_ATOL, 2 * one["hf_ulp_sensitivity"])
     for field in ("base_logprobs", "logprobs"):
         diff = (torch.tensor(one[field]) - torch.tensor(other[field])).abs()
-        assert diff.max().item() <= RANKS_LOGPROB_ATOL, (field, diff.max().item())
+        assert diff.max().item() <= atol, (field, diff.max().item(), atol)
         assert diff.median().item() <= 1e-5, (field, diff.median().item())
     g1, g2 = torch.tensor(one["grads"]), torch.tensor(other["grads"])
     assert ((g1 - g2).norm() / g1.norm()).item() <= RANKS_GRAD_RTOL
