@@ -19,9 +19,10 @@ install: $(PY)
 	$(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1 llama-models==0.3.0
 
 # Three xdist workers, whole files each (module-scoped clusters are built once), the longest files first
-# (tests/conftest.py): the suite mostly waits on servers and subprocesses, so it overlaps well on two cores.
+# (tests/conftest.py; xdist would otherwise start with the files of most tests). The suite mostly waits on
+# servers and subprocesses, so three workers overlap well on two cores.
 test:
-	$(PY) -m pytest -q -n 3 --dist loadfile
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
 test-slow:
 	$(PY) -m pytest -q -m slow

@@ -26,25 +26,30 @@ os.environ.setdefault("LORAPLANE_BASE_MODEL", "tiny")
 pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.trainer", "tests.fixtures.sampler"]
 
 
-# The suite's longest files (a cluster of processes each, or a torchrun launch), in decreasing serial time. `make
-# test` hands whole files to xdist workers in collection order, so these go first: started last, one of them
-# would run alone at the end while the other workers sit idle.
+# The suite's longest files (a cluster of processes each, or torchrun launches), in decreasing time as measured.
+# `make test` hands whole files to xdist workers in collection order (--no-loadscope-reorder), so these go first:
+# started last, one of them would run alone at the end while the other workers sit idle.
 LONGEST_FIRST = (
-    "tests/e2e/test_cli_cluster.py",
     "tests/gateway/test_cookbook.py",
+    "tests/e2e/test_cli_cluster.py",
     "tests/e2e/test_megatron_cpu.py",
-    "tests/e2e/test_multinode_cpu.py",
+    "tests/e2e/test_megatron_qwen3_5_cpu.py",
     "tests/e2e/test_megatron_moe_cpu.py",
-    "tests/e2e/test_tls_cluster.py",
-    "tests/e2e/test_trainer_fleet_cli.py",
-    "tests/gateway/test_cookbook_qwen3_5.py",
     "tests/gateway/test_tinker_cli.py",
+    "tests/e2e/test_multinode_cpu.py",
     "tests/e2e/test_cluster_gpu_pinning.py",
+    "tests/e2e/test_tls_cluster.py",
     "tests/e2e/test_sampler_fleet_cli.py",
-    "tests/e2e/test_megatron_moe_launch_cpu.py",
+    "tests/e2e/test_megatron_packing_cpu.py",
+    "tests/unit/test_compose.py",
+    "tests/unit/test_trainer_main.py",
+    "tests/e2e/test_trainer_fleet_cli.py",
+    "tests/e2e/test_megatron_soft_targets_cpu.py",
+    "tests/unit/test_losses.py",
+    "tests/unit/test_packed_fast_paths.py",
+    "tests/security/test_gateway_isolation.py",
     "tests/e2e/test_sampler_restart.py",
     "tests/e2e/test_trainer_durability.py",
-    "tests/e2e/test_cli_product.py",
 )
 
 

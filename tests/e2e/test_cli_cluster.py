@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from loraplane.client.addresses import client_security
 from loraplane.local.state import pid_alive, read_cluster_state
 from loraplane.rpc import sync_channel
@@ -21,11 +23,38 @@ from tests.fixtures.trainer import Sequenced
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The CLI as its own process, as a user runs it: for what starts or stops a cluster (`up`, `down`)."""
     return subprocess.run([sys.executable, "-c", "from loraplane_cli import app; app()", *args],
                           capture_output=True, text=True, timeout=timeout, check=False,
                           env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 
+def _cli_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The same CLI in this process (typer's runner), for commands that only read or change a running cluster's
+    records and for options refused before anything starts: a fresh process would only add its 3-4 s of imports
+    (more under load) to each call. Answers like `_cli`."""
+    from rich.console import Console
+    from typer.testing import CliRunner
+
+    from loraplane_cli import app
+
+    # The commands print through module-level rich consoles sized when they were made: 200 columns, as `_cli`'s.
+    consoles = {id(c): c for name, module in list(sys.modules.items()) if name.startswith("loraplane_cli")
+                for c in vars(module).values() if isinstance(c, Console)}.values()
+    sizes = [(c._width, c._height) for c in consoles]
+    for console in consoles:
+        console.size = (200, 25)
+    try:
+        result = CliRunner().invoke(app, list(args), env=env)
+    finally:
+        for console, (width, height) in zip(consoles, sizes, strict=True):
+            console._width, console._height = width, height
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
+@pytest.mark.timeout(600)  # a whole cluster's life, 2-3 min; more when the machine is loaded
 def test_up_starts_every_service_the_supervisor_restarts_what_dies_and_down_stops_them(tmp_path):
     """One embedded cluster (its own Valkey and SeaweedFS) through its life: `up`, `status`, a second `up`, the
     supervisor's restarts and crash-loop report, `up` over a partly dead cluster, `down`."""
@@ -39,7 +68,7 @@ def test_up_starts_every_service_the_supervisor_restarts_what_dies_and_down_stop
         assert [c.kind for c in state.components[:2]] == ["valkey", "seaweedfs"]
         for component in state.components:
             assert component.endpoint in up.stdout
-        status = _cli("status", "--data-dir", str(data_dir))
+        status = _cli_here("status", "--data-dir", str(data_dir))
         assert status.returncode == 0, status.stdout + status.stderr
         assert status.stdout.count("healthy") == 6, status.stdout
         assert "tiny on torch/cpu; adapters: none" in status.stdout
@@ -61,7 +90,7 @@ def test_up_starts_every_service_the_supervisor_restarts_what_dies_and_down_stop
     assert "stopped: gateway, sampler, trainer, registry, s3, redis" in down.stdout
     assert not any(pid_alive(c.pid) for c in after.components) and not pid_alive(after.supervisor_pid)
     assert read_cluster_state(data_dir) is None
-    gone = _cli("status", "--data-dir", str(data_dir))
+    gone = _cli_here("status", "--data-dir", str(data_dir))
     assert gone.returncode == 1 and "no cluster is running" in gone.stdout
 
 
@@ -77,7 +106,7 @@ def test_up_uses_external_redis_and_s3_when_configured(tmp_path, valkey, seaweed
         assert [(c.name, c.kind) for c in state.components] == [
             ("redis", "external"), ("s3", "external"), ("registry", "service")]
         assert not (data_dir / "valkey").exists() and not (data_dir / "seaweedfs").exists()
-        status = _cli("status", "--data-dir", str(data_dir))
+        status = _cli_here("status", "--data-dir", str(data_dir))
         assert status.stdout.count("external") >= 2 and "healthy" in status.stdout
     finally:
         _cli("down", "--data-dir", str(data_dir))
@@ -121,7 +150,7 @@ def test_up_hands_each_published_version_to_its_sampler_in_memory(tmp_path, valk
 
 
 def test_up_rejects_an_unknown_service(tmp_path):
-    result = _cli("up", "--data-dir", str(tmp_path / "c"), "--services", "registry,bogus")
+    result = _cli_here("up", "--data-dir", str(tmp_path / "c"), "--services", "registry,bogus")
     assert result.returncode != 0
     assert "bogus" in result.stdout + result.stderr and "--services" in result.stdout + result.stderr
     assert read_cluster_state(tmp_path / "c") is None
@@ -129,7 +158,7 @@ def test_up_rejects_an_unknown_service(tmp_path):
 
 def test_up_rejects_an_unknown_sampler_engine_and_the_sampler_reads_its_engine_from_the_environment(tmp_path,
                                                                                                      monkeypatch):
-    result = _cli("up", "--data-dir", str(tmp_path / "c"), "--sampler-engine", "vllm")
+    result = _cli_here("up", "--data-dir", str(tmp_path / "c"), "--sampler-engine", "vllm")
     assert result.returncode != 0
     assert "vllm" in result.stdout + result.stderr and "--sampler-engine" in result.stdout + result.stderr
     assert read_cluster_state(tmp_path / "c") is None
@@ -191,7 +220,9 @@ def _supervisor_restarts_what_dies_and_up_starts_only_what_is_missing(data_dir):
     looping = _wait_for(lambda: (c := read_cluster_state(data_dir).component("registry")).supervision
                         == "crash-loop" and c, 60, "the crash loop to be reported")
     assert looping.restarts >= CRASH_LOOP_AFTER - 1 and "SIGKILL" in looping.last_exit
-    status = _cli("status", "--data-dir", str(data_dir))
+    # Shown until the registry has run STABLE_AFTER_S after its next restart (in-process: a CLI process's imports
+    # could outlast that on a loaded machine).
+    status = _cli_here("status", "--data-dir", str(data_dir))
     assert "crash-loop" in status.stdout, status.stdout
     # Left alone, the next restart sticks.
     _wait_for(lambda: component_health(read_cluster_state(data_dir).component("registry"),
@@ -203,7 +234,7 @@ def _supervisor_restarts_what_dies_and_up_starts_only_what_is_missing(data_dir):
     os.killpg(before.component("sampler").pid, signal.SIGKILL)
     _wait_for(lambda: not pid_alive(before.supervisor_pid) and not pid_alive(before.component("sampler").pid),
               10, "the kills")
-    status = _cli("status", "--data-dir", str(data_dir))
+    status = _cli_here("status", "--data-dir", str(data_dir))
     assert "supervisor: down" in status.stdout and "down" in status.stdout
     again = _cli("up", "--data-dir", str(data_dir))
     assert again.returncode == 0 and "started: sampler)" in again.stdout, again.stdout + again.stderr

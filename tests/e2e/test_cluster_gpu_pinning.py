@@ -15,7 +15,7 @@ import pytest
 
 from loraplane.local.state import pid_alive, read_cluster_state
 from loraplane_cli.local_cluster import gpu_assignment
-from tests.e2e.test_cli_cluster import _cli
+from tests.e2e.test_cli_cluster import _cli, _cli_here
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/environ")
 
@@ -75,7 +75,7 @@ def test_up_refuses_a_gpu_list_that_does_not_fit_before_starting_anything(tmp_pa
     for args, option in ((("--samplers", "2", "--sampler-gpus", "0,1,2"), "--sampler-gpus"),
                          (("--trainer-gpus", "0,,1"), "--trainer-gpus"),
                          (("--trainer-gpus", "1,1"), "--trainer-gpus")):
-        result = _cli("up", "--data-dir", str(tmp_path / "c"), *args, env=env)
+        result = _cli_here("up", "--data-dir", str(tmp_path / "c"), *args, env=env)
         assert result.returncode != 0, args
         assert option in result.stdout + result.stderr, result.stdout + result.stderr
         assert read_cluster_state(tmp_path / "c") is None

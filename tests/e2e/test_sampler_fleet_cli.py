@@ -16,7 +16,7 @@ from loraplane.local.state import read_cluster_state
 from loraplane.routing import HashRing
 from loraplane.rpc import sync_channel
 from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
-from tests.e2e.test_cli_cluster import _cli
+from tests.e2e.test_cli_cluster import _cli, _cli_here
 
 
 def test_up_runs_two_samplers_as_a_fleet_that_survives_a_sigkill(tmp_path, valkey, seaweed):
@@ -33,7 +33,7 @@ def test_up_runs_two_samplers_as_a_fleet_that_survives_a_sigkill(tmp_path, valke
         assert [c.name for c in samplers] == ["sampler", "sampler-1"]
         assert all(c.env.get("LORAPLANE_SAMPLER_ID") == c.name and c.env.get("LORAPLANE_SAMPLER_FLEET") == "sampler"
                    for c in samplers)
-        status = _cli("status", "--data-dir", str(data_dir), env=env)
+        status = _cli_here("status", "--data-dir", str(data_dir), env=env)
         assert status.returncode == 0 and status.stdout.count("healthy") == 3, status.stdout
         assert "sampler-1" in status.stdout and status.stdout.count("torch engine") == 2, status.stdout
 

@@ -1,34 +1,33 @@
 """`loraplane up --mtls` as an operator runs it (real subprocesses): keys on by default, the admin key in the data dir
-with mode 0600, mutual TLS with a local CA, `loraplane keys` issuing and revoking tenant keys that the services honour."""
+with mode 0600, mutual TLS with a local CA, `loraplane keys` issuing and revoking tenant keys that the services honour.
+Valkey and SeaweedFS are the test session's (external to the cluster): embedded ones are tests/e2e/test_cli_cluster.py's,
+and starting and stopping them here again would only add time."""
 
 from __future__ import annotations
 
-import os
 import re
 import stat
-import subprocess
-import sys
 import time
 import urllib.request
 
 import grpc
 
+from loraplane.auth import CACHE_TTL_S
 from loraplane.client import ServiceClient
 from loraplane.client.errors import APIError
 from loraplane.local.state import read_cluster_state
 from loraplane.rpc import ClientSecurity, check_health, sync_channel
 from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from tests.e2e.test_cli_cluster import _cli, _cli_here
 
 
-def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from loraplane_cli import app; app()", *args],
-                          capture_output=True, text=True, timeout=timeout, check=False,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})})
-
-
-def test_up_tls_with_keys_end_to_end(tmp_path):
+def test_up_tls_with_keys_end_to_end(tmp_path, isolated_settings):
     data_dir = tmp_path / "cluster"
-    up = _cli("up", "--data-dir", str(data_dir), "--services", "registry", "--mtls")
+    s = isolated_settings
+    env = {"LORAPLANE_REDIS_URL": s.redis_url, "LORAPLANE_S3_ENDPOINT": s.s3_endpoint,
+           "LORAPLANE_S3_ACCESS_KEY": s.s3_access_key, "LORAPLANE_S3_SECRET_KEY": s.s3_secret_key,
+           "LORAPLANE_S3_BUCKET": s.s3_bucket, "LORAPLANE_KEY_PREFIX": s.key_prefix}
+    up = _cli("up", "--data-dir", str(data_dir), "--services", "registry", "--mtls", env=env)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         key_file = data_dir / "admin.key"
@@ -38,7 +37,7 @@ def test_up_tls_with_keys_end_to_end(tmp_path):
         metrics_url = re.search(r"registry metrics: (http://\S+)", up.stdout).group(1)
         with urllib.request.urlopen(metrics_url, timeout=10) as reply:
             assert reply.status == 200
-        status = _cli("status", "--data-dir", str(data_dir))
+        status = _cli_here("status", "--data-dir", str(data_dir), env=env)
         assert "healthy" in status.stdout and "unhealthy" not in status.stdout, status.stdout
 
         # Over mTLS a plaintext probe gets nothing, nor does TLS without a client certificate; with the CA and the
@@ -62,19 +61,19 @@ def test_up_tls_with_keys_end_to_end(tmp_path):
         assert [a.name for a in admin.list_adapters()] == ["acme/a", "globex/b"]
         admin.close()
 
-        created = _cli("keys", "create", "--tenant", "acme", "--data-dir", str(data_dir))
+        created = _cli_here("keys", "create", "--tenant", "acme", "--data-dir", str(data_dir), env=env)
         assert created.returncode == 0, created.stdout + created.stderr
         token = re.search(r"^(lpk_\S+)$", created.stdout, re.MULTILINE).group(1)
         key_id = token.split("_")[1]
-        listed = _cli("keys", "ls", "--data-dir", str(data_dir))
+        listed = _cli_here("keys", "ls", "--data-dir", str(data_dir), env=env)
         assert key_id in listed.stdout and token not in listed.stdout
 
         tenant = ServiceClient(data_dir=data_dir, api_key=token)
         assert [a.name for a in tenant.list_adapters()] == ["acme/a"]
         tenant.close()
 
-        assert _cli("keys", "revoke", key_id, "--data-dir", str(data_dir)).returncode == 0
-        time.sleep(1.0)
+        assert _cli_here("keys", "revoke", key_id, "--data-dir", str(data_dir), env=env).returncode == 0
+        time.sleep(CACHE_TTL_S)  # the registry's key cache forgets the key by then
         revoked = ServiceClient(data_dir=data_dir, api_key=token)
         try:
             revoked.list_adapters()
@@ -87,5 +86,5 @@ def test_up_tls_with_keys_end_to_end(tmp_path):
         assert 'loraplane_rpc_total{code="UNAUTHENTICATED",method="ListAdapters",service="AdapterRegistryService"}' \
             in scraped, scraped[:2000]
     finally:
-        down = _cli("down", "--data-dir", str(data_dir))
+        down = _cli("down", "--data-dir", str(data_dir), env=env)
     assert down.returncode == 0, down.stdout + down.stderr

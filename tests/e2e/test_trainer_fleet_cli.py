@@ -9,7 +9,7 @@ from loraplane.client.addresses import client_security
 from loraplane.local.state import read_cluster_state
 from loraplane.rpc import sync_channel
 from loraplane.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from tests.e2e.test_cli_cluster import _cli, _wait_for
+from tests.e2e.test_cli_cluster import _cli, _cli_here, _wait_for
 
 
 def test_up_runs_a_fleet_of_three_trainers_that_ls_lists_and_drain_empties(tmp_path, valkey, seaweed):
@@ -25,7 +25,7 @@ def test_up_runs_a_fleet_of_three_trainers_that_ls_lists_and_drain_empties(tmp_p
         trainers = state.trainer_components()
         assert [c.name for c in trainers] == ["trainer", "trainer-1", "trainer-2"]
         assert all(c.env.get("LORAPLANE_TRAINER_ID") == c.name for c in trainers)
-        ls = _cli("trainers", "ls", "--data-dir", str(data_dir), env=env)
+        ls = _cli_here("trainers", "ls", "--data-dir", str(data_dir), env=env)
         assert ls.returncode == 0, ls.stdout + ls.stderr
         for component in trainers:
             assert component.endpoint in ls.stdout
@@ -48,12 +48,12 @@ def test_up_runs_a_fleet_of_three_trainers_that_ls_lists_and_drain_empties(tmp_p
             owners = {seed.ResolveAdapter(trainer_pb2.ResolveAdapterRequest(name=f"ops/a{i}"), timeout=10).trainer_id
                       for i in range(3)}
         assert owners == {"trainer", "trainer-1", "trainer-2"}
-        status = _cli("status", "--data-dir", str(data_dir), env=env)
+        status = _cli_here("status", "--data-dir", str(data_dir), env=env)
         assert status.stdout.count("healthy") == 4 and status.stdout.count("ops/a") == 3, status.stdout
 
-        drain = _cli("trainers", "drain", "1", "--data-dir", str(data_dir), "--timeout", "60", env=env)
+        drain = _cli_here("trainers", "drain", "1", "--data-dir", str(data_dir), "--timeout", "60", env=env)
         assert drain.returncode == 0 and "trainer-1 is drained" in drain.stdout, drain.stdout + drain.stderr
-        ls = _cli("trainers", "ls", "--data-dir", str(data_dir), env=env)
+        ls = _cli_here("trainers", "ls", "--data-dir", str(data_dir), env=env)
         assert "draining" in ls.stdout, ls.stdout
         with sync_channel(trainers[0].endpoint, security) as channel:
             seed = trainer_pb2_grpc.TrainerServiceStub(channel)
@@ -64,9 +64,9 @@ def test_up_runs_a_fleet_of_three_trainers_that_ls_lists_and_drain_empties(tmp_p
             _wait_for(lambda: not trainer_pb2_grpc.TrainerServiceStub(channel).ListAdapters(
                 trainer_pb2.TrainerServiceListAdaptersRequest(this_trainer_only=True), timeout=10).adapters, 20,
                 "trainer-1 to let go")
-        undrain = _cli("trainers", "undrain", "trainer-1", "--data-dir", str(data_dir), env=env)
+        undrain = _cli_here("trainers", "undrain", "trainer-1", "--data-dir", str(data_dir), env=env)
         assert undrain.returncode == 0 and "takes new adapters again" in undrain.stdout
-        unknown = _cli("trainers", "drain", "7", "--data-dir", str(data_dir), env=env)
+        unknown = _cli_here("trainers", "drain", "7", "--data-dir", str(data_dir), env=env)
         assert unknown.returncode != 0 and "trainer-2" in unknown.stdout + unknown.stderr
     finally:
         down = _cli("down", "--data-dir", str(data_dir), env=env)
