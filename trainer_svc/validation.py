@@ -3,6 +3,7 @@ bad request changes no params, moments or step (its seq_id is still consumed: th
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -108,6 +109,10 @@ def validate_data(data: Sequence[DatumPayload], loss_fn: str, loss_config: Mappi
     if len(data) > max_batch_datums:
         raise InvalidArgument(f"data has {len(data)} datums, more than the limit {max_batch_datums}", field="data")
     required = LOSSES[name].requires
+    fast = _whole_batch(data, name, vocab_size=vocab_size, max_context_length=max_context_length,
+                        max_request_tokens=max_request_tokens) if max_targets_per_position >= 1 else None
+    if fast is not None:
+        return fast, name, config
     out: list[DatumInput] = []
     total = 0
     for i, datum in enumerate(data):
@@ -154,6 +159,51 @@ def validate_data(data: Sequence[DatumPayload], loss_fn: str, loss_config: Mappi
                                       field=f"{prefix}.{field_name}")
         out.append(DatumInput(inputs, targets, weights, logprobs, advantages))
     return out, name, config
+
+
+def _flat(data: Sequence[DatumPayload], field: str, dtype, count: int) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(getattr(d, field) for d in data), dtype, count)
+
+
+def _whole_batch(data: Sequence[DatumPayload], loss: str, *, vocab_size: int, max_context_length: int,
+                 max_request_tokens: int) -> list[DatumInput] | None:
+    """The common batch (one target per position, no sequence mask) checked and converted a field at a time over
+    all datums instead of datum by datum: 512 math_rl datums took 11-50 ms on the event loop per datum, ~3 ms so.
+    Each datum's tensors are slices of one array per field, holding exactly the values the per-datum path makes
+    (tests/unit/test_validation_batch.py). None when anything is off, or the batch is of another kind: the
+    per-datum path then converts it, or names the offending field exactly as it always has."""
+    definition = LOSSES[loss]
+    if definition.uses_sequence_mask:
+        return None
+    lengths = [len(d.input_tokens) for d in data]
+    total = sum(lengths)
+    if (min(lengths) == 0 or max(lengths) > max_context_length or total > max_request_tokens
+            or any(d.targets_per_position > 1 or len(d.target_tokens) != n or len(d.sequence_ratio_mask)
+                   for d, n in zip(data, lengths))):
+        return None
+    tokens = {}
+    for field in ("input_tokens", "target_tokens"):
+        array = _flat(data, field, np.int64, total)
+        if array.min() < 0 or array.max() >= vocab_size:
+            return None
+        tokens[field] = torch.from_numpy(array).split(lengths)
+    floats = {}
+    for field in ("weights", "logprobs", "advantages"):
+        sent = [len(getattr(d, field)) for d in data]
+        if not any(sent):
+            if field in definition.requires:
+                return None
+            floats[field] = [None] * len(data)
+            continue
+        if any(m not in (0, n) for m, n in zip(sent, lengths)) or (field in definition.requires and not all(sent)):
+            return None
+        array = _flat(data, field, np.float32, sum(sent))
+        if not np.isfinite(array).all():
+            return None
+        pieces = iter(torch.from_numpy(array).split([m for m in sent if m]))
+        floats[field] = [next(pieces) if m else None for m in sent]
+    return [DatumInput(*values) for values in zip(tokens["input_tokens"], tokens["target_tokens"], floats["weights"],
+                                                   floats["logprobs"], floats["advantages"])]
 
 
 def validate_page(page_size: int, default: int = 100, maximum: int = 1000) -> int:
