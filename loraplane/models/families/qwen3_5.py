@@ -77,9 +77,6 @@ _IMPLIED = {
     GATED_ATTENTION: "gated full attention (q_proj also emits the output gate)",
     QK_NORM: "per-head q/k RMSNorm",
 }
-_MEGATRON_LACKS = ("Gated DeltaNet linear attention (in_proj_qkv/z/b/a, causal conv1d, delta rule)",
-                   "gated full attention (q_proj's output gate)", "partial rotary embeddings")
-
 # Our target -> the module SGLang 0.5.17's Qwen3_5ForCausalLM applies it to (its supported_lora_modules: qkv_proj,
 # o_proj, out_proj, in_proj_qkvz, gate_up_proj, down_proj, lm_head); the adapter keeps HF's names and SGLang stacks
 # q/k/v and gate/up itself. Absent: in_proj_q/k/v (SGLang's in_proj_qkvz takes ONE rank-r pair on the fused
@@ -310,7 +307,7 @@ DENSE = HybridFamily(
                 "layer, dense SwiGLU MLP; vision-language checkpoints (text weights under model.language_model.)",
     features=_HYBRID_FEATURES,
     hf_weights={**COMMON_WEIGHTS, **QK_NORM_WEIGHTS, **_LINEAR_WEIGHTS, **DENSE_MLP_WEIGHTS},
-    lacks=("moe",), implied=_IMPLIED, backend_lacks={},
+    lacks=("moe",), implied=_IMPLIED,
     checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS,
     mlp_targets={"dense": DENSE_MLP_TARGETS}, sglang=_SGLANG, tiny=tiny_dense_config, packing=enable_packing,
     hf_decode=True, notes="q_proj's output is [query | gate] per head (2 x heads x head_dim rows)")
@@ -322,7 +319,6 @@ MOE_FAMILY = HybridFamily(
     features=_HYBRID_FEATURES | {MOE, SHARED_EXPERTS},
     hf_weights={**COMMON_WEIGHTS, **QK_NORM_WEIGHTS, **_LINEAR_WEIGHTS, **_SHARED_EXPERT_WEIGHTS},
     moe=True, implied=_IMPLIED,
-    backend_lacks={"megatron": _MEGATRON_LACKS + ("the shared expert and its sigmoid gate",)},
     checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS,
     mlp_targets={"moe": SHARED_EXPERT_TARGETS + EXPERT_TARGETS}, sglang=_SGLANG_MOE, tiny=tiny_moe_config,
     packing=enable_packing, hf_decode=True)
