@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -495,6 +495,18 @@ def _routing_scope(model, routing: _Routing) -> Iterator[None]:
             table.pop(id(model), None)
         else:
             table[id(model)] = previous
+
+
+def routing_state(model) -> Callable[[], contextlib.AbstractContextManager]:
+    """This thread's LoRA routing of `model` (which adapter each row runs), as a context-manager factory that puts
+    it in force again: activation recomputation reruns a layer's forward inside the backward, on autograd's thread,
+    after the routing scope has exited."""
+    routing = _current(model)
+
+    def restore() -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if routing is None else _routing_scope(model, routing)
+
+    return restore
 
 
 def lora_routing(model, row_adapters: Sequence[AdapterTensors | None]):

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from loraplane import lora as lora_module
 from loraplane.errors import InvalidArgument, ResourceExhausted
-from loraplane.lora import LoraSpec, attach_multi_lora, lora_segments
+from loraplane.lora import LoraSpec, attach_multi_lora, lora_segments, routing_state
 from loraplane.models import BaseModel, load_base_model
 from loraplane.models.packed import enable_packed_attention, packed_position_ids, packed_sequences, packed_state
 from trainer_svc.backends.base import BatchItem, DatumResult, ItemResult, TrainerBackend
@@ -320,13 +320,12 @@ class LayerRecompute:
         def run(*args, **kwargs):
             if index not in self.selected or not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
-            routing = lora_module._current(model)
+            routing_scope = routing_state(model)
             packed_scope = packed_state()
 
             @contextlib.contextmanager
             def in_force():
-                with packed_scope(), (lora_module._routing_scope(model, routing) if routing is not None
-                                      else contextlib.nullcontext()):
+                with packed_scope(), routing_scope():
                     yield
 
             def contexts():
