@@ -61,9 +61,15 @@ PEFT_TARGET_PARAMETERS = {"experts.gate_up_proj": "mlp.experts.gate_up_proj", "e
 PEFT_TARGET_PARAMETERS.update({"mixer.experts.up_proj": "mixer.experts.up_proj",
                                "mixer.experts.down_proj": "mixer.experts.down_proj"})  # Nemotron-H
 EXPERT_LAYOUT_KEY = "loraplane_expert_layout"
+# How the base model orders gate and up in its fused gate_up_proj, hence the rows of the experts' gate_up lora_B:
+# "concatenated" ([gate; up]: Qwen3-MoE, Qwen3.5-MoE; what a config without the key means) or "interleaved"
+# ([g0, u0, g1, u1, ...]: gpt-oss). HF PEFT applies B to the fused parameter as it is, so only a consumer that
+# splits gate from up (Tinker's w1 / w3) reads it.
+GATE_UP_KEY = "loraplane_expert_gate_up"
+GATE_UP_ORDERS = ("concatenated", "interleaved")
 
 
-def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
+def peft_adapter_config(spec: LoraSpec, base_model_name: str, gate_up: str = "concatenated") -> dict:
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -90,6 +96,8 @@ def peft_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
         # layout (shared factors repeated per expert), the layout is recorded so a reader can fold them back.
         config["target_parameters"] = [PEFT_TARGET_PARAMETERS[t] for t in spec.target_modules if t in ROUTED_EXPERT_TARGETS]
         config[EXPERT_LAYOUT_KEY] = spec.expert_layout
+        if gate_up != "concatenated":
+            config[GATE_UP_KEY] = gate_up
     return config
 
 
@@ -179,7 +187,8 @@ def writes_compact(spec: LoraSpec) -> bool:
 
 
 def adapter_writer(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_model_name: str,
-                   dtype: str = "float32", *, compact: bool = True) -> SafetensorsWriter:
+                   dtype: str = "float32", *, compact: bool = True, gate_up: str = "concatenated"
+                   ) -> SafetensorsWriter:
     """The weights file of `params` in `dtype` (a WEIGHTS_DTYPES name), after checking the params. A shared-outer
     adapter's shared factors are written once (format "2"); `compact=False` writes them once per expert (PEFT's
     per-expert shapes, format "1", what every blob was before "2": kept to write such blobs for tests and for a
@@ -187,7 +196,7 @@ def adapter_writer(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_mode
     _check_params(params, spec, field="params", compact=True)
     metadata = {
         FORMAT_KEY: "pt",
-        ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name), sort_keys=True),
+        ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name, gate_up), sort_keys=True),
     }
     if compact and writes_compact(spec):
         metadata[FORMAT_VERSION_KEY] = COMPACT_FORMAT
@@ -197,8 +206,8 @@ def adapter_writer(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_mode
 
 
 def serialize_adapter(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_model_name: str,
-                      dtype: str = "float32", *, compact: bool = True) -> bytes:
-    return adapter_writer(params, spec, base_model_name, dtype, compact=compact).to_bytes()
+                      dtype: str = "float32", *, compact: bool = True, gate_up: str = "concatenated") -> bytes:
+    return adapter_writer(params, spec, base_model_name, dtype, compact=compact, gate_up=gate_up).to_bytes()
 
 
 def blob_format(metadata: Mapping[str, str], field: str = "blob", error=None) -> str:
@@ -256,6 +265,10 @@ def spec_from_peft_config(config: dict) -> LoraSpec:
         raise InvalidArgument(f"adapter_config.target_parameters: unknown {unknown[:3]}; allowed "
                               f"{list(by_parameter)}", field="adapter_config.target_parameters")
     targets = list(targets or ([] if parameters else TARGET_MODULES)) + [by_parameter[p] for p in parameters]
+    gate_up = str(config.get(GATE_UP_KEY) or "concatenated")
+    if gate_up not in GATE_UP_ORDERS:
+        raise InvalidArgument(f"adapter_config.json {GATE_UP_KEY} {gate_up[:40]!r} is not one of "
+                              f"{list(GATE_UP_ORDERS)}", field=f"adapter_config.{GATE_UP_KEY}")
     try:
         rank = int(config["r"])
         alpha = float(config.get("lora_alpha", rank))
@@ -812,11 +825,12 @@ def is_tinker_layout(keys) -> bool:
     return any(_TINKER_EXPERT_KEY.match(k) for k in keys)
 
 
-def to_tinker(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+def to_tinker(params: Mapping[str, torch.Tensor], spec: LoraSpec, gate_up: str = "concatenated"
+              ) -> dict[str, torch.Tensor]:
     """The adapter in Tinker's layout (see above): dense keys as they are, expert factors as 3-D tensors, the
     shared side of a shared-outer adapter once (`params` compact or expanded). Contiguous copies (safetensors
-    writes no views). Gate rows first in gate_up (Qwen3-MoE, Qwen3.5-MoE); Nemotron-H's non-gated experts and
-    gpt-oss's interleaved gate/up have other Tinker names or orders and are refused."""
+    writes no views). `gate_up`: the base model's order of the gate_up B rows (GATE_UP_KEY), split into w1 / w3
+    accordingly. Nemotron-H's non-gated experts have other Tinker names and are refused."""
     params = fold_shared_outer(params, spec)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in params.items():
@@ -839,16 +853,35 @@ def to_tinker(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, t
             out[tinker_expert_key(layer, "w1", "A")] = stacked.contiguous()
             out[tinker_expert_key(layer, "w3", "A")] = stacked.contiguous().clone()
         else:
-            ffn = stacked.shape[1] // 2
-            out[tinker_expert_key(layer, "w1", "B")] = stacked[:, :ffn].contiguous()
-            out[tinker_expert_key(layer, "w3", "B")] = stacked[:, ffn:].contiguous()
+            gate, up = _split_gate_up(stacked, gate_up)
+            out[tinker_expert_key(layer, "w1", "B")] = gate.contiguous()
+            out[tinker_expert_key(layer, "w3", "B")] = up.contiguous()
     return out
 
 
-def tinker_adapter_config(spec: LoraSpec, base_model_name: str) -> dict:
+def _split_gate_up(stacked: torch.Tensor, gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, 2 ffn, r] gate_up B -> (gate [E, ffn, r], up [E, ffn, r]) by the base model's row order."""
+    if gate_up not in GATE_UP_ORDERS:
+        raise InvalidArgument(f"{GATE_UP_KEY} {gate_up[:40]!r} is not one of {list(GATE_UP_ORDERS)}",
+                              field=f"adapter_config.{GATE_UP_KEY}")
+    if gate_up == "interleaved":
+        return stacked[:, 0::2], stacked[:, 1::2]
+    ffn = stacked.shape[1] // 2
+    return stacked[:, :ffn], stacked[:, ffn:]
+
+
+def _join_gate_up(gate: torch.Tensor, up: torch.Tensor, gate_up: str) -> torch.Tensor:
+    """The inverse of :func:`_split_gate_up`."""
+    if gate_up == "interleaved":
+        return torch.stack([gate, up], dim=2).reshape(gate.shape[0], 2 * gate.shape[1], gate.shape[2])
+    return torch.cat([gate, up], dim=1)
+
+
+def tinker_adapter_config(spec: LoraSpec, base_model_name: str, gate_up: str = "concatenated") -> dict:
     """Tinker's adapter_config.json: what the cookbook's tools read ("r", "lora_alpha"), plus PEFT's usual fields
     and the loraplane LoRA shape, so an import gives back the same adapter."""
-    config = {k: v for k, v in peft_adapter_config(spec, base_model_name).items() if k != "target_parameters"}
+    config = {k: v for k, v in peft_adapter_config(spec, base_model_name, gate_up).items()
+              if k != "target_parameters"}
     config["target_modules"] = [t for t in spec.target_modules if t not in ROUTED_EXPERT_TARGETS]
     if spec.has_experts:
         config["target_modules"] += list(TINKER_EXPERT_PROJ)
@@ -861,6 +894,10 @@ def from_tinker(tensors: Mapping[str, torch.Tensor], config: Mapping) -> tuple[d
     one (shared-outer). Refused, InvalidArgument naming the key: a key that is neither a decoder projection's PEFT
     key nor a Tinker expert key (Tinker's unembed_tokens among them: loraplane has no LoRA on the LM head), w1 and
     w3 with different A (PEFT's fused gate_up LoRA has one), inconsistent ranks or expert counts."""
+    gate_up = str(config.get(GATE_UP_KEY) or "concatenated")
+    if gate_up not in GATE_UP_ORDERS:
+        raise InvalidArgument(f"adapter_config.json {GATE_UP_KEY} {gate_up[:40]!r} is not one of "
+                              f"{list(GATE_UP_ORDERS)}", field=f"adapter_config.{GATE_UP_KEY}")
     try:
         rank = int(config["r"])
         alpha = float(config.get("lora_alpha", rank))
@@ -926,7 +963,7 @@ def from_tinker(tensors: Mapping[str, torch.Tensor], config: Mapping) -> tuple[d
             raise InvalidArgument(f"{w3b_key}: shape {tuple(w3b.shape)} does not pair with {w1a_key} "
                                   f"{tuple(w1a.shape)}", field="tensors")
         shared_sides.add(shared)
-        gate_up_b = torch.cat([w1b, w3b], dim=1)  # [E, 2 ffn, r], gate rows first
+        gate_up_b = _join_gate_up(w1b, w3b, gate_up)  # [E, 2 ffn, r] in the base model's row order
         params[peft_key(layer, "experts.gate_up_proj", "A")] = w1a.reshape(-1, w1a.shape[2])
         params[peft_key(layer, "experts.gate_up_proj", "B")] = gate_up_b.permute(1, 2, 0).reshape(
             gate_up_b.shape[1], -1)
@@ -950,9 +987,10 @@ def tinker_files(blob: bytes) -> tuple[bytes, bytes]:
     params, spec, base_name = parse_adapter(blob)
     stored = {_TORCH_DTYPES.get(code) for code in adapter_header(blob)[2].values()}
     dtype = stored.pop() if len(stored) == 1 else torch.float32
-    out = to_tinker(params, spec)
+    gate_up = str(json.loads(blob_metadata(blob)[ADAPTER_CONFIG_KEY]).get(GATE_UP_KEY) or "concatenated")
+    out = to_tinker(params, spec, gate_up)
     weights = SafetensorsWriter(out, {FORMAT_KEY: "pt"}, dtype if dtype in _SAFETENSORS_DTYPES else torch.float32)
-    config = json.dumps(tinker_adapter_config(spec, base_name), indent=2, sort_keys=True).encode()
+    config = json.dumps(tinker_adapter_config(spec, base_name, gate_up), indent=2, sort_keys=True).encode()
     return weights.to_bytes(), config
 
 

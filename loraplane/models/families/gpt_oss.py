@@ -240,5 +240,6 @@ FAMILY = GptOssFamily(
     packing=enable_packing,
     attn_implementation="eager",
     hf_decode=True,
+    expert_gate_up="interleaved",
     notes="experts [E, in, out] (transformers' is_transposed); gate_up columns interleaved gate/up",
 )
