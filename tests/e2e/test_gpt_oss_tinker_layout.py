@@ -68,3 +68,19 @@ def test_gpt_oss_experts_export_to_tinker_by_their_interleaved_order_and_the_coo
     assert (merged_logits(unordered, "merged-unordered") - ours).abs().max() > 1e-3
     without = packed_logits(backend, [row], [None])[0]
     assert (without - ours).abs().max() > 1e-2  # the adapter matters
+
+
+def test_a_gpt_oss_trainer_publishes_the_order_in_its_blobs(checkpoint, registry, background_loop):
+    from loraplane.v1 import common_pb2, trainer_pb2
+    from tests.fixtures.trainer import start_live_trainer
+
+    live = start_live_trainer(registry.settings, background_loop, registry.address, base_model=str(checkpoint))
+    try:
+        stub = live.stub()
+        stub.CreateAdapter(trainer_pb2.TrainerServiceCreateAdapterRequest(
+            name="oss", lora_config=common_pb2.LoraConfig(rank=4, alpha=8, seed=1)))
+        version = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(adapter="oss", seq_id=1)).version
+        config = json.loads(blob_metadata(live.download("oss", version.version))["adapter_config"])
+        assert config[GATE_UP_KEY] == "interleaved" and "mlp.experts.gate_up_proj" in config["target_parameters"]
+    finally:
+        live.close()
