@@ -43,7 +43,7 @@ from loraplane.lora import (
     parse_peft_key,
     peft_key,
 )
-from loraplane.models.families import TARGETS
+from loraplane.models.families import FAMILIES, TARGETS
 from loraplane.models.families.base import BLOCK_TARGETS, NONGATED_EXPERT_TARGETS, ROUTED_EXPERT_TARGETS
 
 ADAPTER_CONFIG_KEY = "adapter_config"
@@ -61,15 +61,13 @@ PEFT_TARGET_PARAMETERS = {"experts.gate_up_proj": "mlp.experts.gate_up_proj", "e
 PEFT_TARGET_PARAMETERS.update({"mixer.experts.up_proj": "mixer.experts.up_proj",
                                "mixer.experts.down_proj": "mixer.experts.down_proj"})  # Nemotron-H
 EXPERT_LAYOUT_KEY = "loraplane_expert_layout"
-# How the base model orders gate and up in its fused gate_up_proj, hence the rows of the experts' gate_up lora_B:
-# "concatenated" ([gate; up]: Qwen3-MoE, Qwen3.5-MoE; what a config without the key means) or "interleaved"
-# ([g0, u0, g1, u1, ...]: gpt-oss). HF PEFT applies B to the fused parameter as it is, so only a consumer that
-# splits gate from up (Tinker's w1 / w3) reads it.
-GATE_UP_KEY = "loraplane_expert_gate_up"
-GATE_UP_ORDERS = ("concatenated", "interleaved")
+# The base model's family (its model_type): what a consumer that renames or splits the adapter's tensors needs of
+# it (Tinker's layout: the order of gate and up in the fused experts, the attention's name). HF PEFT applies the
+# tensors to the model's own modules as they are and ignores it. Absent: a family with the defaults (Llama-like).
+MODEL_TYPE_KEY = "loraplane_model_type"
 
 
-def peft_adapter_config(spec: LoraSpec, base_model_name: str, gate_up: str = "concatenated") -> dict:
+def peft_adapter_config(spec: LoraSpec, base_model_name: str, model_type: str = "") -> dict:
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -96,8 +94,8 @@ def peft_adapter_config(spec: LoraSpec, base_model_name: str, gate_up: str = "co
         # layout (shared factors repeated per expert), the layout is recorded so a reader can fold them back.
         config["target_parameters"] = [PEFT_TARGET_PARAMETERS[t] for t in spec.target_modules if t in ROUTED_EXPERT_TARGETS]
         config[EXPERT_LAYOUT_KEY] = spec.expert_layout
-        if gate_up != "concatenated":
-            config[GATE_UP_KEY] = gate_up
+    if model_type:
+        config[MODEL_TYPE_KEY] = model_type
     return config
 
 
@@ -187,7 +185,7 @@ def writes_compact(spec: LoraSpec) -> bool:
 
 
 def adapter_writer(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_model_name: str,
-                   dtype: str = "float32", *, compact: bool = True, gate_up: str = "concatenated"
+                   dtype: str = "float32", *, compact: bool = True, model_type: str = ""
                    ) -> SafetensorsWriter:
     """The weights file of `params` in `dtype` (a WEIGHTS_DTYPES name), after checking the params. A shared-outer
     adapter's shared factors are written once (format "2"); `compact=False` writes them once per expert (PEFT's
@@ -196,7 +194,7 @@ def adapter_writer(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_mode
     _check_params(params, spec, field="params", compact=True)
     metadata = {
         FORMAT_KEY: "pt",
-        ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name, gate_up), sort_keys=True),
+        ADAPTER_CONFIG_KEY: json.dumps(peft_adapter_config(spec, base_model_name, model_type), sort_keys=True),
     }
     if compact and writes_compact(spec):
         metadata[FORMAT_VERSION_KEY] = COMPACT_FORMAT
@@ -206,8 +204,8 @@ def adapter_writer(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_mode
 
 
 def serialize_adapter(params: Mapping[str, torch.Tensor], spec: LoraSpec, base_model_name: str,
-                      dtype: str = "float32", *, compact: bool = True, gate_up: str = "concatenated") -> bytes:
-    return adapter_writer(params, spec, base_model_name, dtype, compact=compact, gate_up=gate_up).to_bytes()
+                      dtype: str = "float32", *, compact: bool = True, model_type: str = "") -> bytes:
+    return adapter_writer(params, spec, base_model_name, dtype, compact=compact, model_type=model_type).to_bytes()
 
 
 def blob_format(metadata: Mapping[str, str], field: str = "blob", error=None) -> str:
@@ -265,10 +263,6 @@ def spec_from_peft_config(config: dict) -> LoraSpec:
         raise InvalidArgument(f"adapter_config.target_parameters: unknown {unknown[:3]}; allowed "
                               f"{list(by_parameter)}", field="adapter_config.target_parameters")
     targets = list(targets or ([] if parameters else TARGET_MODULES)) + [by_parameter[p] for p in parameters]
-    gate_up = str(config.get(GATE_UP_KEY) or "concatenated")
-    if gate_up not in GATE_UP_ORDERS:
-        raise InvalidArgument(f"adapter_config.json {GATE_UP_KEY} {gate_up[:40]!r} is not one of "
-                              f"{list(GATE_UP_ORDERS)}", field=f"adapter_config.{GATE_UP_KEY}")
     try:
         rank = int(config["r"])
         alpha = float(config.get("lora_alpha", rank))
@@ -825,19 +819,27 @@ def is_tinker_layout(keys) -> bool:
     return any(_TINKER_EXPERT_KEY.match(k) for k in keys)
 
 
-def to_tinker(params: Mapping[str, torch.Tensor], spec: LoraSpec, gate_up: str = "concatenated"
+def _tinker_naming(model_type: str) -> tuple[str, str]:
+    """(gate/up order of the fused experts, the attention module's name in Tinker's keys) of a family."""
+    family = FAMILIES.get(model_type)
+    return (family.expert_gate_up, family.tinker_attention) if family is not None else ("concatenated", "self_attn")
+
+
+def to_tinker(params: Mapping[str, torch.Tensor], spec: LoraSpec, model_type: str = ""
               ) -> dict[str, torch.Tensor]:
-    """The adapter in Tinker's layout (see above): dense keys as they are, expert factors as 3-D tensors, the
-    shared side of a shared-outer adapter once (`params` compact or expanded). Contiguous copies (safetensors
-    writes no views). `gate_up`: the base model's order of the gate_up B rows (GATE_UP_KEY), split into w1 / w3
-    accordingly. Nemotron-H's non-gated experts have other Tinker names and are refused."""
+    """The adapter in Tinker's layout (see above): dense keys as they are but for the attention's name where the
+    family's Tinker keys differ (gpt-oss: ``.attn``), expert factors as 3-D tensors, the shared side of a
+    shared-outer adapter once (`params` compact or expanded), gate and up split by the family's order of the fused
+    experts' rows. Contiguous copies (safetensors writes no views). Nemotron-H's non-gated experts have other Tinker
+    names and are refused."""
+    gate_up, attention = _tinker_naming(model_type)
     params = fold_shared_outer(params, spec)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in params.items():
         layer, module, which = parse_peft_key(key)
         tensor = tensor.detach()
         if module not in ROUTED_EXPERT_TARGETS:
-            out[key] = tensor.contiguous()
+            out[key.replace(".self_attn.", f".{attention}.")] = tensor.contiguous()
             continue
         if module in NONGATED_EXPERT_TARGETS:
             raise InvalidArgument(f"{key}: a Tinker-layout export of Nemotron-H's routed-expert LoRA is not "
@@ -861,9 +863,6 @@ def to_tinker(params: Mapping[str, torch.Tensor], spec: LoraSpec, gate_up: str =
 
 def _split_gate_up(stacked: torch.Tensor, gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, 2 ffn, r] gate_up B -> (gate [E, ffn, r], up [E, ffn, r]) by the base model's row order."""
-    if gate_up not in GATE_UP_ORDERS:
-        raise InvalidArgument(f"{GATE_UP_KEY} {gate_up[:40]!r} is not one of {list(GATE_UP_ORDERS)}",
-                              field=f"adapter_config.{GATE_UP_KEY}")
     if gate_up == "interleaved":
         return stacked[:, 0::2], stacked[:, 1::2]
     ffn = stacked.shape[1] // 2
@@ -877,10 +876,10 @@ def _join_gate_up(gate: torch.Tensor, up: torch.Tensor, gate_up: str) -> torch.T
     return torch.cat([gate, up], dim=1)
 
 
-def tinker_adapter_config(spec: LoraSpec, base_model_name: str, gate_up: str = "concatenated") -> dict:
+def tinker_adapter_config(spec: LoraSpec, base_model_name: str, model_type: str = "") -> dict:
     """Tinker's adapter_config.json: what the cookbook's tools read ("r", "lora_alpha"), plus PEFT's usual fields
     and the loraplane LoRA shape, so an import gives back the same adapter."""
-    config = {k: v for k, v in peft_adapter_config(spec, base_model_name, gate_up).items()
+    config = {k: v for k, v in peft_adapter_config(spec, base_model_name, model_type).items()
               if k != "target_parameters"}
     config["target_modules"] = [t for t in spec.target_modules if t not in ROUTED_EXPERT_TARGETS]
     if spec.has_experts:
@@ -894,10 +893,16 @@ def from_tinker(tensors: Mapping[str, torch.Tensor], config: Mapping) -> tuple[d
     one (shared-outer). Refused, InvalidArgument naming the key: a key that is neither a decoder projection's PEFT
     key nor a Tinker expert key (Tinker's unembed_tokens among them: loraplane has no LoRA on the LM head), w1 and
     w3 with different A (PEFT's fused gate_up LoRA has one), inconsistent ranks or expert counts."""
-    gate_up = str(config.get(GATE_UP_KEY) or "concatenated")
-    if gate_up not in GATE_UP_ORDERS:
-        raise InvalidArgument(f"adapter_config.json {GATE_UP_KEY} {gate_up[:40]!r} is not one of "
-                              f"{list(GATE_UP_ORDERS)}", field=f"adapter_config.{GATE_UP_KEY}")
+    # The family: ours records it; Tinker's own adapters do not, but only its gpt-oss ones name attention ".attn".
+    model_type = str(config.get(MODEL_TYPE_KEY) or "")
+    if not model_type and any(".attn." in key for key in tensors):
+        model_type = "gpt_oss"
+    if model_type and model_type not in FAMILIES:
+        raise InvalidArgument(f"adapter_config.json {MODEL_TYPE_KEY} {model_type[:40]!r} is not a family loraplane "
+                              f"knows ({', '.join(FAMILIES)})", field=f"adapter_config.{MODEL_TYPE_KEY}")
+    gate_up, attention = _tinker_naming(model_type)
+    if attention != "self_attn":
+        tensors = {key.replace(f".{attention}.", ".self_attn."): value for key, value in tensors.items()}
     try:
         rank = int(config["r"])
         alpha = float(config.get("lora_alpha", rank))
@@ -987,10 +992,10 @@ def tinker_files(blob: bytes) -> tuple[bytes, bytes]:
     params, spec, base_name = parse_adapter(blob)
     stored = {_TORCH_DTYPES.get(code) for code in adapter_header(blob)[2].values()}
     dtype = stored.pop() if len(stored) == 1 else torch.float32
-    gate_up = str(json.loads(blob_metadata(blob)[ADAPTER_CONFIG_KEY]).get(GATE_UP_KEY) or "concatenated")
-    out = to_tinker(params, spec, gate_up)
+    model_type = str(json.loads(blob_metadata(blob)[ADAPTER_CONFIG_KEY]).get(MODEL_TYPE_KEY) or "")
+    out = to_tinker(params, spec, model_type)
     weights = SafetensorsWriter(out, {FORMAT_KEY: "pt"}, dtype if dtype in _SAFETENSORS_DTYPES else torch.float32)
-    config = json.dumps(tinker_adapter_config(spec, base_name, gate_up), indent=2, sort_keys=True).encode()
+    config = json.dumps(tinker_adapter_config(spec, base_name, model_type), indent=2, sort_keys=True).encode()
     return weights.to_bytes(), config
 
 

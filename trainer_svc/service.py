@@ -505,7 +505,7 @@ class TrainerService:
         hashed, in one pass."""
         state = self.pool.get(job.adapter)
         writer = adapter_writer(self.backend.export_params(state), state.spec, state.base_model,
-                                self._weights_dtype(job.adapter), gate_up=self.backend.base.family.expert_gate_up)
+                                self._weights_dtype(job.adapter), model_type=self.backend.base.family.model_type)
         return ExportedBlob(blob=StreamedBlob(writer.size, writer.chunks(CHUNK_BYTES)), step=state.step,
                             idempotency_key=self._idempotency_key(job), seq_id=job.seq_id)
 

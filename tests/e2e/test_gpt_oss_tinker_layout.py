@@ -1,8 +1,8 @@
-"""A gpt-oss expert adapter in Tinker's layout: gpt-oss orders its fused gate_up interleaved ([g0, u0, g1, ...]),
-so the gate_up lora_B rows the trainer holds split into Tinker's w1 (gate) / w3 (up) by that order. The blob records
-the order (adapter_format.GATE_UP_KEY, from the family), the export splits by it, tinker-cookbook's own
-build_hf_model (its gpt-oss profile merges into the interleaved fused weight) gives the trainer's logits, and the
-import puts the rows back where they were."""
+"""A gpt-oss adapter in Tinker's layout: gpt-oss orders its fused gate_up interleaved ([g0, u0, g1, ...]), so the
+gate_up lora_B rows the trainer holds split into Tinker's w1 (gate) / w3 (up) by that order, and Tinker names its
+attention ``.attn``. The blob records the family (adapter_format.MODEL_TYPE_KEY), the export follows it,
+tinker-cookbook's own build_hf_model (its gpt-oss profile) gives the trainer's logits, and the import puts every
+tensor back where it was, also from an adapter that does not record the family (Tinker's own)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from loraplane.adapter_format import (
-    GATE_UP_KEY,
+    MODEL_TYPE_KEY,
     blob_metadata,
     materialize_tinker_dir,
     read_tinker_dir,
@@ -37,10 +37,12 @@ def test_gpt_oss_experts_export_to_tinker_by_their_interleaved_order_and_the_coo
     assert base.family.expert_gate_up == "interleaved"
     spec = LoraSpec.create(4, 8, [], seed=5, available=tuple(base.module_dims))
     params = trained_like(base, spec, 3)
-    blob = serialize_adapter(params, spec, str(checkpoint), gate_up=base.family.expert_gate_up)
-    assert json.loads(blob_metadata(blob)["adapter_config"])[GATE_UP_KEY] == "interleaved"
+    blob = serialize_adapter(params, spec, str(checkpoint), model_type="gpt_oss")
+    assert json.loads(blob_metadata(blob)["adapter_config"])[MODEL_TYPE_KEY] == "gpt_oss"
     directory = materialize_tinker_dir(blob, tmp_path / "tinker")
     tensors = st_load((directory / "adapter_model.safetensors").read_bytes())
+    assert "base_model.model.model.layers.0.attn.q_proj.lora_A.weight" in tensors
+    assert not any(".self_attn." in key for key in tensors)
     key = peft_key(0, "experts.gate_up_proj", "B")
     gate_up_b = params[key]  # [2 ffn, r E], expert e's column j at j E + e
     experts = base.num_experts
@@ -48,7 +50,13 @@ def test_gpt_oss_experts_export_to_tinker_by_their_interleaved_order_and_the_coo
     assert torch.equal(tensors[tinker_expert_key(0, "w1", "B")], stacked[:, 0::2])
     assert torch.equal(tensors[tinker_expert_key(0, "w3", "B")], stacked[:, 1::2])
     back, back_spec, _ = read_tinker_dir(directory)
-    assert back_spec == spec and all(torch.equal(back[k], params[k]) for k in params)
+    assert back_spec == spec and set(back) == set(params) and all(torch.equal(back[k], params[k]) for k in params)
+    # Tinker's own adapter_config.json does not name the family: its ".attn" keys do.
+    config_path = directory / "adapter_config.json"
+    config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
+                                       if k != MODEL_TYPE_KEY}))
+    back, _, _ = read_tinker_dir(directory)
+    assert set(back) == set(params) and all(torch.equal(back[k], params[k]) for k in params)
 
     row = list(range(5, 17))
     ours = packed_logits(backend, [row], [AdapterTensors.from_params(params, spec)])[0]
@@ -81,6 +89,6 @@ def test_a_gpt_oss_trainer_publishes_the_order_in_its_blobs(checkpoint, registry
             name="oss", lora_config=common_pb2.LoraConfig(rank=4, alpha=8, seed=1)))
         version = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(adapter="oss", seq_id=1)).version
         config = json.loads(blob_metadata(live.download("oss", version.version))["adapter_config"])
-        assert config[GATE_UP_KEY] == "interleaved" and "mlp.experts.gate_up_proj" in config["target_parameters"]
+        assert config[MODEL_TYPE_KEY] == "gpt_oss" and "mlp.experts.gate_up_proj" in config["target_parameters"]
     finally:
         live.close()

@@ -174,9 +174,11 @@ class ModelFamily:
     # The attention implementation transformers runs for this family outside packed rows ("eager" where SDPA
     # cannot compute it: gpt-oss's sinks).
     attn_implementation: str = "sdpa"
-    # The order of gate and up in the fused experts' gate_up_proj (adapter_format.GATE_UP_ORDERS): the rows of an
-    # expert adapter's gate_up lora_B, which a consumer splitting gate from up (Tinker's w1 / w3) must know.
+    # The order of gate and up in the fused experts' gate_up_proj ("concatenated" [gate; up] or "interleaved"
+    # [g0, u0, g1, ...]): the rows of an expert adapter's gate_up lora_B, which a consumer splitting gate from up
+    # (Tinker's w1 / w3) must know; and the attention module's name in Tinker's adapter keys.
     expert_gate_up: str = "concatenated"
+    tinker_attention: str = "self_attn"
     # The sampler's torch engine runs transformers' own forward with its cache, one row at a time, instead of its
     # own Llama-layout decode loop (which computes neither sinks, windows nor recurrent mixer state).
     hf_decode: bool = False

@@ -241,5 +241,6 @@ FAMILY = GptOssFamily(
     attn_implementation="eager",
     hf_decode=True,
     expert_gate_up="interleaved",
+    tinker_attention="attn",  # Tinker's gpt-oss keys: layers.{i}.attn.q_proj...
     notes="experts [E, in, out] (transformers' is_transposed); gate_up columns interleaved gate/up",
 )
