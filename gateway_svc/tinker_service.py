@@ -632,10 +632,13 @@ class TinkerService:
     async def _run_create_from_state(self, spec: dict[str, Any]) -> tuple[str, bytes]:
         record = await self.model(spec["model_id"])
         ckpt = await self.resolve_checkpoint(spec["path"])
+        # The state's own expert layout (a checkpoint of an older per-expert adapter loads into a per-expert one).
+        source = await self.upstream.get_adapter(ckpt["adapter"])
         try:
             await self.upstream.create_adapter(record["adapter"], rank=record["rank"], seed=record["seed"],
                                                alpha=record.get("alpha", 0.0), targets=record["targets"],
-                                               metadata={"tinker_model_id": record["model_id"]})
+                                               metadata={"tinker_model_id": record["model_id"]},
+                                               expert_layout=source.expert_layout)
         except errors.AlreadyExists:
             pass  # a re-run of this future after a restart; the LoadState below is deduplicated by its seq_id
         await self.upstream.load_state(record["adapter"], 1, ckpt["adapter"], ckpt["version"], spec["optimizer"])

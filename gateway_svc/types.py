@@ -48,6 +48,8 @@ class AdapterInfo:
     latest_version: int = 0
     aliases: dict[str, int] = field(default_factory=dict)
     create_time: float = 0.0
+    # A MoE adapter's "per_expert" or "shared_outer"; "" for a dense one.
+    expert_layout: str = ""
 
 
 @dataclass

@@ -26,9 +26,10 @@ from gateway_svc.types import (
 from loraplane import errors
 from loraplane.client.routing import TrainerRouter
 from loraplane.client.sampler_routing import SamplerRouter
+from loraplane.client.targets import tinker_expert_layout
 from loraplane.client.tokenizer import tokenizer_from_info
 from loraplane.membership import Membership
-from loraplane.registry_client import RegistryClient, adapter_ref
+from loraplane.registry_client import RegistryClient, adapter_ref, expert_layout_name, expert_layout_value
 from loraplane.rpc import ClientSecurity, aio_channel, domain_error_from_rpc
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2
 
@@ -255,9 +256,15 @@ class Upstream:
         return self._tokenizer
 
     async def create_adapter(self, name: str, *, rank: int, seed: int, targets: list[str],
-                             metadata: dict[str, str], alpha: float = 0.0) -> None:
-        config = _converted("lora_config", lambda: common_pb2.LoraConfig(rank=rank, alpha=alpha, seed=seed,
-                                                                         target_modules=targets))
+                             metadata: dict[str, str], alpha: float = 0.0, expert_layout: str = "") -> None:
+        """`expert_layout` "" = Tinker's: on a base model with routed gated experts, shared-outer (one LoRA factor on
+        the hidden side shared by a layer's experts: tinker-cookbook's hyperparam_utils counts an adapter so, and
+        its checkpoints hold it so), which the trainer's own default (per-expert) is not."""
+        if not expert_layout:
+            expert_layout = tinker_expert_layout(targets or (await self.info()).target_modules)
+        config = _converted("lora_config", lambda: common_pb2.LoraConfig(
+            rank=rank, alpha=alpha, seed=seed, target_modules=targets,
+            expert_layout=expert_layout_value(expert_layout)))
         await self._call("trainer", f"CreateAdapter {name}", self._routed(name, lambda trainer: trainer.CreateAdapter(
             trainer_pb2.TrainerServiceCreateAdapterRequest(name=name, lora_config=config, metadata=metadata),
             timeout=self.timeout)))
@@ -331,7 +338,8 @@ class Upstream:
         a = await self._retrying(f"GetAdapter {name}", lambda: self.registry.get_adapter(name))
         return AdapterInfo(name=a.name, rank=a.lora_config.rank, alpha=a.lora_config.alpha, base_model=a.base_model,
                            latest_version=a.latest_version, aliases=dict(a.aliases),
-                           create_time=a.create_time.ToNanoseconds() / 1e9)
+                           create_time=a.create_time.ToNanoseconds() / 1e9,
+                           expert_layout=expert_layout_name(a.lora_config.expert_layout))
 
     async def list_adapters(self, prefix: str = "") -> list[AdapterInfo]:
         return [AdapterInfo(name=a.name, rank=a.lora_config.rank, alpha=a.lora_config.alpha,

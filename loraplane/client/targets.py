@@ -34,3 +34,15 @@ def narrow_targets(offered: Iterable[str], *, train_attn: bool, train_mlp: bool)
     if train_attn and train_mlp:
         return offered
     return [t for t in offered if (train_attn if is_mixer_target(t) else train_mlp)]
+
+
+# The routed gated experts' targets (loraplane.models.families EXPERT_TARGETS; a unit test keeps them equal), named
+# here so that a process deciding a layout does not import torch.
+GATED_EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def tinker_expert_layout(targets: Iterable[str]) -> str:
+    """The expert layout Tinker trains an adapter on these targets in: shared-outer (the hidden side's factor shared
+    by a layer's experts; tinker-cookbook's hyperparam_utils.get_lora_param_count counts MoE adapters so) when they
+    include routed gated experts, else "" (no experts: no layout)."""
+    return "shared_outer" if any(t in GATED_EXPERT_TARGETS for t in targets) else ""

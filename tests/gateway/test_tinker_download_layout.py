@@ -41,6 +41,9 @@ def test_downloaded_checkpoint_is_tinkers_layout_and_the_cookbook_merges_it(moe_
             training.optim_step(types.AdamParams(learning_rate=5e-3)).result()
         learned = target_logprobs(training, seqs[:1])[0]
         state = training.save_state("moe-state").result().path
+        # A training client made from that state has its layout and its logprobs.
+        resumed = service.create_training_client_from_state(state).result()
+        np.testing.assert_allclose(target_logprobs(resumed, seqs[:1])[0], learned, atol=1e-6)
     finally:
         service.close("success")
 
@@ -52,9 +55,11 @@ def test_downloaded_checkpoint_is_tinkers_layout_and_the_cookbook_merges_it(moe_
     with safe_open(str(files["adapter_model.safetensors"]), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open has no iter
     experts = "base_model.model.model.layers.1.mlp.experts"
-    assert shapes[f"{experts}.w1.lora_A.weight"] == (8, 4, 64)  # the gateway's adapters are per-expert
+    # Tinker's MoE adapters are shared-outer: the hidden side's factor (w1/w3 A, w2 B) once per layer.
+    assert shapes[f"{experts}.w1.lora_A.weight"] == (1, 4, 64)
     assert shapes[f"{experts}.w3.lora_B.weight"] == (8, 32, 4)
-    assert shapes[f"{experts}.w2.lora_B.weight"] == (8, 64, 4)
+    assert shapes[f"{experts}.w2.lora_A.weight"] == (8, 4, 32)
+    assert shapes[f"{experts}.w2.lora_B.weight"] == (1, 64, 4)
     assert not any("base_layer" in k for k in shapes)  # no HF PEFT target_parameters keys
 
     load_base_model("tiny-moe").model.save_pretrained(tmp_path / "base")

@@ -79,3 +79,11 @@ def test_tiny_moe_loads_as_a_qwen3_moe():
     assert base.layer_targets(1) == families.ATTENTION_TARGETS + families.EXPERT_TARGETS
     assert base.layer_targets(0) == families.ATTENTION_TARGETS
     assert "gate_proj" not in base.module_dims
+
+
+def test_the_torch_free_expert_names_are_the_registrys_and_pick_tinkers_layout():
+    from loraplane.client.targets import GATED_EXPERT_TARGETS, tinker_expert_layout
+
+    assert GATED_EXPERT_TARGETS == families.EXPERT_TARGETS
+    assert tinker_expert_layout(families.ATTENTION_TARGETS + families.EXPERT_TARGETS) == "shared_outer"
+    assert tinker_expert_layout(families.ATTENTION_TARGETS + families.DENSE_MLP_TARGETS) == ""
