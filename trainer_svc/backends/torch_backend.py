@@ -195,12 +195,12 @@ class TorchBackend(TrainerBackend):
             item_losses = []
             datum_losses_detached = []
             datum_logprobs = []
-            start = 0
+            # One split, not a slice per datum: a slice's backward zero-fills a gradient of the whole batch.
+            pieces = iter(torch.split(token_logprobs, [datum.length for datum in datums]))
             for item in items:
                 datum_losses = []
                 for datum in item.data:
-                    end = start + datum.length
-                    lp = own_targets(token_logprobs[start:end], datum.targets_per_position)
+                    lp = own_targets(next(pieces), datum.targets_per_position)
                     if wide:
                         datum_logprobs.append(lp.detach().reshape(-1))
                     loss = elementwise_loss(
@@ -209,7 +209,6 @@ class TorchBackend(TrainerBackend):
                         advantages=_on(datum.advantages, device))
                     datum_losses.append(loss.sum())
                     datum_losses_detached.append(loss.detach())
-                    start = end
                 item_losses.append(torch.stack(datum_losses).sum())
             if backward:
                 total = None
