@@ -50,12 +50,16 @@ class PackedRows(PackedSeqParams):
 
     bounds: tuple[tuple[int, int], ...] = ()
     rope_angles: torch.Tensor | None = None
+    rope_scale: float = 1.0  # YaRN's factor on cos and sin (1 otherwise)
     _rope_cos_sin: dict = field(default_factory=dict, init=False, repr=False)
 
     def rope_cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the angles in ``dtype`` (as megatron casts them), once per batch, not once per layer."""
         if dtype not in self._rope_cos_sin:
-            self._rope_cos_sin[dtype] = (torch.cos(self.rope_angles).to(dtype), torch.sin(self.rope_angles).to(dtype))
+            cos, sin = torch.cos(self.rope_angles), torch.sin(self.rope_angles)
+            if self.rope_scale != 1.0:  # in fp32 before the cast, as transformers scales them
+                cos, sin = cos * self.rope_scale, sin * self.rope_scale
+            self._rope_cos_sin[dtype] = (cos.to(dtype), sin.to(dtype))
         return self._rope_cos_sin[dtype]
 
 
@@ -84,6 +88,13 @@ class SDPACoreAttention(MegatronModule):
         if getattr(config, "apply_query_key_layer_scaling", False):
             raise ValueError("SDPACoreAttention does not support apply_query_key_layer_scaling")
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        # gpt-oss: this layer's sliding window (0: full attention) and a learned sink logit per local head.
+        windows = getattr(config, "loraplane_windows", ())
+        self.window = windows[layer_number - 1] if windows else 0
+        self.sinks = None
+        if getattr(config, "loraplane_sinks", False):
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.sinks = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype), requires_grad=False)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_ignored):
@@ -97,7 +108,37 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params.rope_angles is not None:
             cos, sin = packed_seq_params.rope_cos_sin(q.dtype)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if self.sinks is not None or self.window:
+            out = _sink_window_per_datum(q, k, v, packed_seq_params.bounds, self.softmax_scale, self.sinks,
+                                         self.window)
+            return out.reshape(t, 1, -1)
         return packed_attention(q, k, v, packed_seq_params, self.softmax_scale).reshape(t, 1, -1)
+
+
+def _sink_window_per_datum(q, k, v, bounds, scale: float, sinks, window: int):
+    """gpt-oss's attention, datum by datum, as transformers' eager ``eager_attention_forward`` computes it: causal
+    (keys within ``window`` of the query when it is non-zero) scores, the head's sink logit as one more softmax
+    column (no value) dropped after the softmax; ``q[T, heads, d]``, ``k, v[T, groups, d]`` -> ``[T, heads, d]``."""
+    rep = q.shape[1] // k.shape[1]
+    outs = []
+    for start, end in bounds:
+        n = end - start
+        qi = q[start:end].transpose(0, 1)  # [heads, n, d]
+        ki, vi = (x[start:end].transpose(0, 1).repeat_interleave(rep, dim=0) for x in (k, v))
+        scores = torch.matmul(qi, ki.transpose(1, 2)) * scale
+        pos = torch.arange(n, device=q.device)
+        visible = pos[None, :] <= pos[:, None]
+        if window:
+            visible = visible & (pos[None, :] > pos[:, None] - window)
+        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, n, 1)], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        outs.append(torch.matmul(probs.to(vi.dtype), vi).transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -202,7 +202,10 @@ def shape_from_hf_config(config, moe_layers: tuple[int, ...] = (), linear_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     moe = {}
     if moe_layers:
-        moe = {"num_experts": int(config.num_experts), "moe_ffn_hidden_size": int(config.moe_intermediate_size),
+        # gpt-oss names them num_local_experts and intermediate_size (it has no dense MLP).
+        experts = getattr(config, "num_experts", None) or config.num_local_experts
+        ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        moe = {"num_experts": int(experts), "moe_ffn_hidden_size": int(ffn),
                "moe_layers": tuple(moe_layers),
                "shared_ffn_hidden_size": int(getattr(config, "shared_expert_intermediate_size", 0) or 0)}
     if linear_layers:
@@ -326,6 +329,24 @@ def hf_moe_to_mcore(router: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     }
 
 
+def hf_gpt_oss_moe_to_mcore(hf: dict[str, torch.Tensor], ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """One gpt-oss MoE layer (keys ``mlp.*``): experts stored transposed (``gate_up_proj[E, h, 2F]`` with gate and
+    up columns interleaved, ``down_proj[E, F, h]``) with biases, a biased router ``mlp.router`` → this EP rank's
+    :class:`.moe.GroupedExperts` in its ``[E, out, in]`` layout, gate/up rows left interleaved (the experts'
+    activation reads them so, and a PEFT gate_up LoRA B's rows are in that order too) and the router (replicated)."""
+    def experts(key: str) -> torch.Tensor:
+        return chunk_for_rank(hf[key], ep, ep_rank, 0)
+
+    return {
+        "mlp.router.weight": hf["mlp.router.weight"],
+        "mlp.router.bias": hf["mlp.router.bias"],
+        "mlp.experts.weight1": experts("mlp.experts.gate_up_proj").transpose(1, 2).contiguous(),
+        "mlp.experts.weight2": experts("mlp.experts.down_proj").transpose(1, 2).contiguous(),
+        "mlp.experts.bias1": experts("mlp.experts.gate_up_proj_bias"),
+        "mlp.experts.bias2": experts("mlp.experts.down_proj_bias"),
+    }
+
+
 def linear_qkv_split(lin: LinearAttentionShape, tp: int) -> tuple[int, int, int]:
     """The widths of one rank's Q, K and V blocks of in_proj_qkv (and of its conv1d channels)."""
     return lin.key_dim // tp, lin.key_dim // tp, lin.value_dim // tp
@@ -399,7 +420,9 @@ def hf_layer_to_mcore_shards(
     else:
         out["self_attention.linear_qkv.weight"] = fused_qkv("weight")
         out["self_attention.linear_proj.weight"] = chunk_for_rank(take("self_attn.o_proj.weight"), tp, rank, 1)
-    if "mlp.experts.gate_up_proj" in hf_layer:
+    if "mlp.router.weight" in hf_layer:
+        out.update(hf_gpt_oss_moe_to_mcore({k: take(k) for k in hf_layer if k.startswith("mlp.")}, ep, ep_rank))
+    elif "mlp.experts.gate_up_proj" in hf_layer:
         out.update(hf_moe_to_mcore(take("mlp.gate.weight"), take("mlp.experts.gate_up_proj"),
                                    take("mlp.experts.down_proj"), ep, ep_rank))
         if "mlp.shared_expert.gate_proj.weight" in hf_layer:
@@ -416,6 +439,10 @@ def hf_layer_to_mcore_shards(
         out["mlp.linear_fc2.weight"] = chunk_for_rank(take("mlp.down_proj.weight"), tp, rank, 1)
     if "self_attn.q_proj.bias" in hf_layer:
         out["self_attention.linear_qkv.bias"] = fused_qkv("bias")
+    if "self_attn.o_proj.bias" in hf_layer:  # added once after the row-parallel reduction: whole on every rank
+        out["self_attention.linear_proj.bias"] = take("self_attn.o_proj.bias")
+    if "self_attn.sinks" in hf_layer:  # per query head: the rank's contiguous heads
+        out["self_attention.core_attention.sinks"] = chunk_for_rank(take("self_attn.sinks"), tp, rank, 0)
     if "self_attn.q_norm.weight" in hf_layer:
         out["self_attention.q_layernorm.weight"] = norm("self_attn.q_norm.weight")
         out["self_attention.k_layernorm.weight"] = norm("self_attn.k_norm.weight")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplane.models import families
+from loraplane.models.families.base import ATTENTION_SINKS, EXPERT_BIAS, ROPE_YARN, SLIDING_WINDOW
 
 from .fusion import CompiledOrEager, compiles
 from .layout import LlamaShape, hf_to_mcore_state_dict, shape_from_hf_config
@@ -61,6 +62,15 @@ class MegatronModelSpec:
     norm_topk_prob: bool = False
     # RoPE on the first rotary_dim values of each head (Qwen3.5: a quarter); 0 = all of it.
     rotary_dim: int = 0
+    # gpt-oss: YaRN's inverse frequencies and cos/sin factor as transformers computes them; a learned sink logit per
+    # head in each attention softmax; the sliding window of each layer (0: full attention); a bias on o_proj too;
+    # a biased router and biased experts with gate/up interleaved and the clamped SwiGLU.
+    yarn_inv_freq: tuple[float, ...] = ()
+    rope_attention_scaling: float = 1.0
+    attention_sinks: bool = False
+    sliding_windows: tuple[int, ...] = ()
+    o_bias: bool = False
+    gpt_oss_experts: bool = False
 
 
 def spec_from_hf_config(config) -> MegatronModelSpec:
@@ -89,14 +99,29 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
         # transformers' compute_default_rope_parameters: int(head_dim * partial_rotary_factor). For text the
         # multimodal RoPE (mrope_section) rotates every section by the same position: plain RoPE on that fraction.
         rotary_dim = int(shape.head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    yarn: dict = {}
+    if ROPE_YARN in features:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS["yarn"](families.text_config(config), None)
+        yarn = {"yarn_inv_freq": tuple(inv_freq.float().tolist()), "rope_attention_scaling": float(attention_scaling)}
+    windows: tuple[int, ...] = ()
+    types = getattr(config, "layer_types", None)
+    if SLIDING_WINDOW in features and types:
+        windows = tuple(int(config.sliding_window) if t == "sliding_attention" else 0 for t in types)
     return MegatronModelSpec(
+        **yarn,
+        attention_sinks=ATTENTION_SINKS in features,
+        sliding_windows=windows,
+        o_bias=families.ATTENTION_BIAS in features,
+        gpt_oss_experts=EXPERT_BIAS in features,
         shape=shape,
         rotary_dim=rotary_dim,
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
-        qkv_bias=families.QKV_BIAS in features,
+        qkv_bias=families.QKV_BIAS in features or families.ATTENTION_BIAS in features,
         qk_layernorm=families.QK_NORM in features,
         rope_scaling=scaling,
         moe_top_k=int(config.num_experts_per_tok) if moe_layers else 0,
@@ -111,7 +136,7 @@ ZERO_CENTERED_NORM_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
 # MoE families whose router always renormalizes the top-k probabilities (their config has no norm_topk_prob).
-RENORMALIZED_TOPK_FAMILIES = ("qwen3_5_moe",)
+RENORMALIZED_TOPK_FAMILIES = ("qwen3_5_moe", "gpt_oss")
 
 
 def moe_layer_indices(config) -> tuple[int, ...]:
@@ -129,6 +154,8 @@ def rope_inv_freq(spec: MegatronModelSpec) -> torch.Tensor:
     """fp32 RoPE inverse frequencies ``[head_dim / 2]``, computed as transformers computes them
     (``_compute_default_rope_parameters`` / ``_compute_llama3_parameters``), so both models rotate by the same
     angles. megatron's own llama3 rescaling fixes low/high_freq_factor and the original context (1, 4, 8192)."""
+    if spec.yarn_inv_freq:
+        return torch.tensor(spec.yarn_inv_freq, dtype=torch.float32)
     dim = spec.rotary_dim or spec.shape.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = spec.rope_scaling
@@ -205,7 +232,9 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         layernorm_epsilon=spec.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
+        # gpt-oss biases o_proj too: every linear of its layers then has a bias (q/k/v, o; its MLPs are our
+        # experts, which hold their biases themselves; the output layer never has one).
+        add_bias_linear=spec.o_bias,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_layernorm,
         attention_output_gate=s.gated_attention,
@@ -227,8 +256,14 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         sequence_parallel=False,
     )
     config.loraplane_expert_slots = expert_lora_slots + 1 if s.moe_layers else 1
+    config.loraplane_sinks = spec.attention_sinks
+    config.loraplane_windows = spec.sliding_windows
+    config.loraplane_gpt_oss_experts = spec.gpt_oss_experts
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: one of {ATTENTION_KINDS}")
+    if attention != "sdpa" and (spec.attention_sinks or any(spec.sliding_windows) or spec.yarn_inv_freq):
+        raise ValueError("attention sinks, sliding windows and YaRN run in the packed core attention: "
+                         "attention='sdpa'")
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
     if attention == "sdpa":
         from .attention import SDPACoreAttention
@@ -265,7 +300,8 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
     # construction, at each token's position within its datum of the packed row.
     finish_moe_layers(model, s.moe_layers)
     model.packed_attention = attention == "sdpa"
-    model.rotary_pos_emb = PackedRotaryEmbedding(rope_inv_freq(spec).to(device), model.packed_attention)
+    model.rotary_pos_emb = PackedRotaryEmbedding(rope_inv_freq(spec).to(device), model.packed_attention,
+                                                 spec.rope_attention_scaling)
     return model.to(device=device, dtype=dtype)
 
 
@@ -354,8 +390,9 @@ class PackedRotaryEmbedding(torch.nn.Module):
     fused kernel on CUDA) and megatron is handed no angles; otherwise megatron applies them with its plain (sbhd)
     path, ``t * cos + rotate_half(t) * sin`` op by op."""
 
-    def __init__(self, inv_freq: torch.Tensor, in_core_attention: bool):
+    def __init__(self, inv_freq: torch.Tensor, in_core_attention: bool, attention_scaling: float = 1.0):
         super().__init__()
+        self.attention_scaling = attention_scaling  # YaRN's factor on cos and sin (transformers' attention_scaling)
         self.inv_freq = inv_freq  # a plain attribute (not a buffer): stays fp32 whatever dtype the model is cast to
         self.in_core_attention = in_core_attention
         self.positions: torch.Tensor | None = None
@@ -403,6 +440,7 @@ def forward_logits(model, input_ids: torch.Tensor, lengths: list[int] | None = N
     rotary.positions = positions
     if packed is not None and rotary.in_core_attention:
         packed.rope_angles = rotary.angles()[:, 0]  # [T, 1, d]: broadcasts over the heads of [T, heads, d]
+        packed.rope_scale = rotary.attention_scaling
     try:
         return model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask,
                      packed_seq_params=packed)

