@@ -71,10 +71,12 @@ def test_nothing_under_backends_imports_the_trainer_above_it():
 
 
 def test_megatron_options_are_offered_only_with_the_megatron_backend():
-    megatron = subprocess.run([sys.executable, "-m", "trainer_svc", "--backend", "megatron", "--help"],
-                              capture_output=True, text=True, timeout=120, check=False)
-    assert megatron.returncode == 0, megatron.stderr
-    assert "--tensor-parallel-size" in megatron.stdout
-    torch_help = subprocess.run([sys.executable, "-m", "trainer_svc", "--help"],
-                                capture_output=True, text=True, timeout=120, check=False)
-    assert torch_help.returncode == 0 and "--tensor-parallel-size" not in torch_help.stdout
+    # Both at once: each is mostly the trainer's imports.
+    megatron, torch_help = [subprocess.Popen([sys.executable, "-m", "trainer_svc", *args, "--help"],
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            for args in (["--backend", "megatron"], [])]
+    megatron_out, megatron_err = megatron.communicate(timeout=120)
+    torch_out, _ = torch_help.communicate(timeout=120)
+    assert megatron.returncode == 0, megatron_err
+    assert "--tensor-parallel-size" in megatron_out
+    assert torch_help.returncode == 0 and "--tensor-parallel-size" not in torch_out
