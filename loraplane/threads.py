@@ -24,8 +24,6 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 
-import torch
-
 THREADS_ENV = "LORAPLANE_TORCH_THREADS"
 log = logging.getLogger(__name__)
 
@@ -55,6 +53,8 @@ def apply_service_threads(service: str, threads: int | None = None) -> int:
     `threads`, else the torch_threads setting (LORAPLANE_TORCH_THREADS, which the local cluster sets to each
     service's share), else torch's default (every core). Exports the count as the loraplane_torch_threads gauge.
     Returns the intra-op count in effect."""
+    import torch
+
     from loraplane.config import Settings
     from loraplane.metrics import register_source
 
@@ -86,6 +86,8 @@ def share_work(items: list, one: Callable) -> None:
 @contextlib.contextmanager
 def one_thread(threads: int | None = None) -> Iterator[None]:
     """One intra-op thread for the calling thread only (OpenMP's and MKL's counts are per thread), restored after."""
+    import torch
+
     threads = torch.get_num_threads() if threads is None else threads
     if threads == 1:
         yield
@@ -108,6 +110,8 @@ class _Shared:
         self._start_lock = threading.Lock()
 
     def run(self, items: list[int], one) -> None:
+        import torch
+
         threads = torch.get_num_threads()
         job = _Job(items, one, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         if threads > 1 and len(items) > 1:
@@ -134,6 +138,8 @@ class _Shared:
             thread.join(timeout=5)
 
     def _loop(self) -> None:
+        import torch
+
         while True:
             job = self._queue.get()
             if job is None:

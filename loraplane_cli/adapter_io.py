@@ -16,14 +16,6 @@ from pathlib import Path
 
 import typer
 
-from loraplane.adapter_format import (
-    TrainingState,
-    materialize_peft_dir,
-    materialize_tinker_dir,
-    read_tinker_dir,
-    serialize_adapter,
-    serialize_training_state,
-)
 from loraplane.errors import InvalidArgument, LoraplaneError
 from loraplane.registry_client import RegistryClient, VersionKind, lora_config
 from loraplane_cli.product import DataDirOption, RegistryOption, _fail, _service, adapters_app, console
@@ -44,7 +36,11 @@ async def import_tinker_adapter(registry: RegistryClient, directory: str | Path,
                                 base_model: str = "", keep_last: int = 0) -> Imported:
     """Reads a Tinker-layout adapter directory and publishes it as the new adapter `name`: its LoRA config (rank,
     alpha, targets, expert layout read from the tensors), a training-state version, then a weights version."""
+    # Imported here, as in every command of the CLI: torch and the model registry cost every `loraplane` call
+    # (up, down, status...) ~3 s otherwise.
     import torch
+
+    from loraplane.adapter_format import TrainingState, read_tinker_dir, serialize_adapter, serialize_training_state
 
     params, spec, config_base = await asyncio.to_thread(read_tinker_dir, directory)
     base = base_model or config_base
@@ -72,6 +68,8 @@ async def export_adapter(registry: RegistryClient, name: str, directory: str | P
     if stored.kind != VersionKind.WEIGHTS:
         raise InvalidArgument(f"{name} v{stored.version} is a training state; export takes a weights version",
                               field="version")
+    from loraplane.adapter_format import materialize_peft_dir, materialize_tinker_dir
+
     write = materialize_peft_dir if fmt == "peft" else materialize_tinker_dir
     return await asyncio.to_thread(write, blob, directory)
 

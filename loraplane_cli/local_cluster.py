@@ -310,6 +310,12 @@ def _gateway_component(settings: Settings, state: ClusterState, env: dict[str, s
     return ComponentState("gateway", "gateway", endpoint), process, functools.partial(gateway_healthy, endpoint)
 
 
+# `weed server` answers SIGTERM by waiting out a fixed 10 s grace whatever it has to do; what it stores is on disk
+# as each request is answered (its volume and index files, its filer's log), so a kill after a short grace loses
+# nothing a client was told is stored.
+SEAWEEDFS_GRACE_S = 2.0
+
+
 def stop_cluster(state: ClusterState, timeout: float = 15.0) -> list[str]:
     """Stops the supervisor, then components in reverse start order (services before their storage). Returns the
     names stopped."""
@@ -320,7 +326,7 @@ def stop_cluster(state: ClusterState, timeout: float = 15.0) -> list[str]:
     for component in reversed(state.components):
         if not pid_alive(component.pid):
             continue
-        _terminate_group(component.pid, timeout)
+        _terminate_group(component.pid, SEAWEEDFS_GRACE_S if component.kind == "seaweedfs" else timeout)
         stopped.append(component.name)
     _remove_state_file(state)
     return stopped

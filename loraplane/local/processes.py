@@ -220,7 +220,9 @@ class SeaweedS3Server:
         return s3_ready(self.endpoint, self.access_key, self.secret_key)
 
     def stop(self) -> None:
-        self.process.stop()
+        # `weed server` answers SIGTERM by waiting a fixed 10 s; what it stores is on disk as each request is
+        # answered, so a kill after a short grace loses nothing a client was told is stored.
+        self.process.stop(timeout=2.0)
 
     def kill(self) -> None:
         self.process.kill()

@@ -118,7 +118,8 @@ def digests(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
 
 
 def shm_segments() -> set[str]:
-    return set(glob.glob("/dev/shm/torch_*"))
+    # This process's only (torch names a segment torch_<pid>_...): other xdist workers make and free their own.
+    return set(glob.glob(f"/dev/shm/torch_{os.getpid()}_*"))
 
 
 class TorchOnly(pickle.Unpickler):
