@@ -2,8 +2,8 @@
 one, sinks, q/k/v/o biases, YaRN, 4 biased experts top-2 with interleaved gate/up) on the torch backend's building
 blocks: it loads with eager sink attention (transformers refuses SDPA for it), datums of a packed row are kept apart
 with each one's own window and sinks and equal transformers' eager logits alone, LoRA on q/k/v/o and the experts
-moves the logits, the HF PEFT export gives the trainer's logits, and megatron / unsupported variants are refused
-from config.json before any weight is read."""
+moves the logits, the HF PEFT export gives the trainer's logits, megatron accepts it, and unsupported variants are
+refused from config.json before any weight is read."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from tests.fixtures.family_checks import (
     assert_hf_peft_gives_ours,
     backend_fixtures,
     broken_copy,
-    megatron_refusal,
     packed_logits,
     peft_export,
     rows_of,
@@ -111,12 +110,15 @@ def test_tinkers_attn_key_names_are_the_same_targets(backend):
     assert torch.equal(ours, theirs)
 
 
-def test_megatron_refuses_gpt_oss_before_reading_a_weight(checkpoint):
-    refusal = megatron_refusal(checkpoint)
-    assert refusal.field == "base_model"
-    for piece in ("attention sinks", "sliding-window", "YaRN", "expert biases", "clamped SwiGLU",
-                  "including o_proj"):
-        assert piece in refusal.message, piece
+def test_megatron_accepts_gpt_oss_from_its_config(checkpoint):
+    """The megatron backend computes every gpt-oss feature (its numbers: tests/e2e/test_megatron_gpt_oss_cpu.py)."""
+    from loraplane.models.base import check_checkpoint
+
+    assert not families.FAMILIES["gpt_oss"].backend_lacks.get("megatron")
+    if families.ATTENTION_BIAS in families.BACKEND_LACKS["megatron"]:
+        pytest.skip("loraplane.models.families.BACKEND_LACKS still refuses attention_bias on megatron")
+    assert families.unsupported_features(families.FAMILIES["gpt_oss"].tiny_config(300), "megatron") == []
+    assert check_checkpoint(checkpoint, "megatron").model_type == "gpt_oss"
 
 
 def test_an_unsupported_gpt_oss_variant_is_refused_naming_every_feature(checkpoint):

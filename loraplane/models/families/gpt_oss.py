@@ -70,15 +70,6 @@ _SGLANG = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_
 # ``.self_attn``): Tinker key fragment -> ours.
 TINKER_RENAMES = {".attn.": ".self_attn."}
 
-_MEGATRON_LACKS = (
-    "attention sinks (a learned per-head softmax logit)",
-    "alternating sliding-window attention",
-    "YaRN RoPE",
-    "biased router and expert biases",
-    "interleaved gate/up experts with the clamped SwiGLU (alpha 1.702, limit 7)",
-)
-
-
 class GptOssFamily(ModelFamily):
     def expert_dims(self, experts, target: str) -> tuple[int, int]:
         # Transposed experts: gate_up_proj [E, hidden, 2 ffn], down_proj [E, ffn, hidden] (in, out per expert).
@@ -232,7 +223,7 @@ FAMILY = GptOssFamily(
     moe=True,
     implied={ATTENTION_SINKS: "attention sinks", EXPERT_BIAS: "biased experts with interleaved gate/up and a "
              "clamped SwiGLU"},
-    backend_lacks={"megatron": _MEGATRON_LACKS},
+    backend_lacks={},
     mixer_targets={"attention": ATTENTION_TARGETS},
     mlp_targets={"moe": EXPERT_TARGETS},
     sglang=_SGLANG,

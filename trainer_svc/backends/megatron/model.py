@@ -232,9 +232,7 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         layernorm_epsilon=spec.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        # gpt-oss biases o_proj too: every linear of its layers then has a bias (q/k/v, o; its MLPs are our
-        # experts, which hold their biases themselves; the output layer never has one).
-        add_bias_linear=spec.o_bias,
+        add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_layernorm,
         attention_output_gate=s.gated_attention,
@@ -265,6 +263,8 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
         raise ValueError("attention sinks, sliding windows and YaRN run in the packed core attention: "
                          "attention='sdpa'")
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    if spec.o_bias:  # attention_bias (gpt-oss): o_proj biased too, and nothing else that add_bias_linear biases
+        layer_spec.submodules.self_attention.submodules.linear_proj = _biased_row_parallel_linear()
     if attention == "sdpa":
         from .attention import SDPACoreAttention
 
@@ -303,6 +303,25 @@ def build_gpt_model(spec: MegatronModelSpec, dtype: torch.dtype, device: torch.d
     model.rotary_pos_emb = PackedRotaryEmbedding(rope_inv_freq(spec).to(device), model.packed_attention,
                                                  spec.rope_attention_scaling)
     return model.to(device=device, dtype=dtype)
+
+
+_BIASED_ROW_PARALLEL = []
+
+
+def _biased_row_parallel_linear():
+    """megatron's RowParallelLinear with a bias whatever ``add_bias_linear`` says (SelfAttention builds linear_proj
+    with ``bias=config.add_bias_linear``, which would bias the dense MLPs too). The bias is whole on every rank and
+    returned apart (``skip_bias_add``): the layer adds it once after the row-parallel reduction."""
+    if not _BIASED_ROW_PARALLEL:
+        from megatron.core.tensor_parallel import RowParallelLinear
+
+        class BiasedRowParallelLinear(RowParallelLinear):
+            def __init__(self, *args, **kwargs):
+                kwargs["bias"] = True
+                super().__init__(*args, **kwargs)
+
+        _BIASED_ROW_PARALLEL.append(BiasedRowParallelLinear)
+    return _BIASED_ROW_PARALLEL[0]
 
 
 def _with_mixer(layer_spec, spec: MegatronModelSpec, layer: int):
