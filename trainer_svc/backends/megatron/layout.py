@@ -108,6 +108,8 @@ class LlamaShape:
     shared_ffn_hidden_size: int = 0
     gated_attention: bool = False
     zero_centered_norms: bool = False
+    # attention_bias (gpt-oss; Llama/Qwen3 attention_bias=True): o_proj has a bias too (linear_proj.bias).
+    o_bias: bool = False
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -194,7 +196,8 @@ class LlamaShape:
 
 
 def shape_from_hf_config(config, moe_layers: tuple[int, ...] = (), linear_layers: tuple[int, ...] = (),
-                         gated_attention: bool = False, zero_centered_norms: bool = False) -> LlamaShape:
+                         gated_attention: bool = False, zero_centered_norms: bool = False,
+                         o_bias: bool = False) -> LlamaShape:
     """LlamaShape of a transformers Llama/Qwen-style config object; ``moe_layers``: the layers whose MLP is the
     routed experts, ``linear_layers`` those whose token mixer is a Gated DeltaNet (the model family says which:
     :func:`.model.spec_from_hf_config`)."""
@@ -214,7 +217,7 @@ def shape_from_hf_config(config, moe_layers: tuple[int, ...] = (), linear_layers
             num_k_heads=int(config.linear_num_key_heads), num_v_heads=int(config.linear_num_value_heads),
             head_k_dim=int(config.linear_key_head_dim), head_v_dim=int(config.linear_value_head_dim),
             conv_kernel=int(config.linear_conv_kernel_dim))
-    return LlamaShape(**moe, gated_attention=gated_attention, zero_centered_norms=zero_centered_norms,
+    return LlamaShape(**moe, gated_attention=gated_attention, zero_centered_norms=zero_centered_norms, o_bias=o_bias,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_heads=heads,
@@ -439,7 +442,7 @@ def hf_layer_to_mcore_shards(
         out["mlp.linear_fc2.weight"] = chunk_for_rank(take("mlp.down_proj.weight"), tp, rank, 1)
     if "self_attn.q_proj.bias" in hf_layer:
         out["self_attention.linear_qkv.bias"] = fused_qkv("bias")
-    if "self_attn.o_proj.bias" in hf_layer:  # added once after the row-parallel reduction: whole on every rank
+    if shape.o_bias:  # added once after the row-parallel reduction: whole on every rank
         out["self_attention.linear_proj.bias"] = take("self_attn.o_proj.bias")
     if "self_attn.sinks" in hf_layer:  # per query head: the rank's contiguous heads
         out["self_attention.core_attention.sinks"] = chunk_for_rank(take("self_attn.sinks"), tp, rank, 0)

@@ -13,6 +13,8 @@ What a family adds to the Llama layout (docs/megatron.md, "Model families"): Qwe
 ``add_qkv_bias``: one bias on the fused ``linear_qkv``); Qwen3 RMS-normalizes every q and k head before RoPE
 (``qk_layernorm``: megatron's ``q_layernorm``/``k_layernorm`` on ``[s, b, heads, head_dim]``) and may have a
 ``head_dim`` other than hidden/heads (``kv_channels``); Llama-3.1/3.2 rescale the RoPE frequencies (``llama3``);
+gpt-oss adds per-head attention sinks and sliding windows on alternate layers (our core attention, per datum), YaRN,
+an o_proj bias, a biased router and biased experts with interleaved gate/up and a clamped SwiGLU (:mod:`.moe`);
 Qwen3.5 puts our Gated DeltaNet (:mod:`.gated_delta_net`) in most layers' attention slot, gates attention's output
 (``attention_output_gate``), rotates a quarter of each head and scales its norms by ``1 + w`` (its MoE variant adds
 a gated shared expert, :mod:`.moe`).
@@ -93,7 +95,8 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
                           if kind == "linear_attention")
     shape = shape_from_hf_config(config, moe_layers, linear_layers,
                                  gated_attention=families.GATED_ATTENTION in features,
-                                 zero_centered_norms=family.model_type in ZERO_CENTERED_NORM_FAMILIES)
+                                 zero_centered_norms=family.model_type in ZERO_CENTERED_NORM_FAMILIES,
+                                 o_bias=families.ATTENTION_BIAS in features)
     rotary_dim = 0
     if families.PARTIAL_ROTARY in features:
         # transformers' compute_default_rope_parameters: int(head_dim * partial_rotary_factor). For text the
@@ -113,7 +116,7 @@ def spec_from_hf_config(config) -> MegatronModelSpec:
         **yarn,
         attention_sinks=ATTENTION_SINKS in features,
         sliding_windows=windows,
-        o_bias=families.ATTENTION_BIAS in features,
+        o_bias=shape.o_bias,
         gpt_oss_experts=EXPERT_BIAS in features,
         shape=shape,
         rotary_dim=rotary_dim,

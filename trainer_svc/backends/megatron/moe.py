@@ -21,6 +21,10 @@ megatron-core splits an MoE layer into three small objects with narrow interface
   the kernel exists (bf16 on sm90; on CPU torch's loop); elsewhere a loop over the groups. Router weight, SwiGLU,
   both GEMMs, their LoRA and the sum of a token's k rows are one autograd node, :class:`_ExpertMLP`.
 
+gpt-oss: the router adds a bias to its logits; the experts keep HF's interleaved gate/up rows, add per-expert
+biases to both GEMMs (the down bias weighted by the routing probability, which otherwise multiplies the activation
+before the down GEMM) and run the clamped SwiGLU (:func:`_gpt_oss_glu_weighted`).
+
 Experts are never sharded by tensor parallelism (``expert_tensor_parallel_size = 1``): under TP every rank
 dispatches the same tokens and computes the whole MoE layer; expert parallelism (EP) spreads the experts over the
 data-parallel ranks instead.
