@@ -34,7 +34,7 @@ RANKS_GRAD_RTOL = 1e-5
 
 # Until loraplane.models.families stops refusing attention_bias (q/k/v AND o biases) on megatron for every family,
 # gpt-oss cannot load there (the megatron model computes the o bias: checked below on Llama and Qwen3 too).
-pytestmark = pytest.mark.skipif(
+needs_megatron_gpt_oss = pytest.mark.skipif(
     families.ATTENTION_BIAS in families.BACKEND_LACKS["megatron"],
     reason="loraplane.models.families.BACKEND_LACKS still refuses attention_bias on megatron")
 LENGTHS = (19, 7, 12)  # each longer than the sliding window (4)
@@ -258,6 +258,7 @@ def measured(tmp_path_factory) -> dict:
     return _launch(tmp_path_factory.mktemp("gpt_oss"), full=True)
 
 
+@needs_megatron_gpt_oss
 def test_logits_equal_transformers_and_packed_equals_alone(measured):
     m = measured
     assert m["logits_scale"] > 1.0
@@ -269,6 +270,7 @@ def test_logits_equal_transformers_and_packed_equals_alone(measured):
     assert m["packed_max_abs"] <= 1e-5
 
 
+@needs_megatron_gpt_oss
 def test_lora_matches_the_torch_backend_and_exports_its_names(measured):
     m = measured
     assert m["adapter_effect"] > 1e-2  # the adapter moves the logprobs: the comparisons are not vacuous
@@ -281,6 +283,7 @@ def test_lora_matches_the_torch_backend_and_exports_its_names(measured):
     assert m["torch_trained_max_abs"] <= 1e-4
 
 
+@needs_megatron_gpt_oss
 def test_fused_tenants_equal_alone(measured):
     m = measured
     assert m["grad_norm_a"] > 0
@@ -288,6 +291,7 @@ def test_fused_tenants_equal_alone(measured):
     assert m["fused_grad_rel"] <= 1e-5
 
 
+@needs_megatron_gpt_oss
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
 def test_two_ranks_equal_one_rank(measured, tmp_path, tp, ep):
     one = measured
@@ -298,6 +302,31 @@ def test_two_ranks_equal_one_rank(measured, tmp_path, tp, ep):
         assert diff.max().item() <= RANKS_LOGPROB_ATOL, (field, diff.max().item())
     g1, g2 = torch.tensor(one["grads"]), torch.tensor(other["grads"])
     assert ((g1 - g2).norm() / g1.norm()).item() <= RANKS_GRAD_RTOL
+
+
+@pytest.mark.parametrize("sinks,window", [(True, 4), (True, 0), (False, 3)], ids=["sinks+window", "sinks", "window"])
+def test_fused_sink_attention_equals_the_eager_one(sinks, window):
+    """The CUDA path (the sink as an extra key of a masked SDPA call, padded features and keys) against
+    transformers' eager math, run here on CPU: outputs and q/k/v gradients, GQA 4/2, datums of several lengths."""
+    from trainer_svc.backends.megatron.attention import sink_window_eager, sink_window_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (9, 1, 17, 4)
+    bounds = tuple((sum(lengths[:i]), sum(lengths[: i + 1])) for i in range(len(lengths)))
+    t, d = sum(lengths), 12
+    q, k, v = (torch.randn(t, h, d, generator=g, requires_grad=True) for h in (4, 2, 2))
+    sink = torch.randn(4, generator=g) * 2 if sinks else None
+    grad = torch.randn(t, 4, d, generator=g)
+    got = sink_window_sdpa(q, k, v, bounds, d ** -0.5, sink, window)
+    g_got = torch.autograd.grad(got, (q, k, v), grad)
+    want = sink_window_eager(q, k, v, bounds, d ** -0.5, sink, window)
+    g_want = torch.autograd.grad(want, (q, k, v), grad)
+    assert (got - want).abs().max().item() <= 1e-6
+    for a, b in zip(g_got, g_want):
+        assert (a - b).abs().max().item() <= 1e-5
+    # The window and the sinks change the output: the comparison is not vacuous.
+    plain = sink_window_eager(q, k, v, bounds, d ** -0.5, None, 0)
+    assert (plain - want).abs().max().item() > 1e-2
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ datum once per batch and hands them over with the boundaries; this module rotate
 attending (:func:`.fusion.apply_rope`: one fused kernel per tensor and direction on CUDA, megatron's op-by-op math
 elsewhere), and megatron is handed no angles of its own.
 
+gpt-oss's per-head sinks and sliding windows (:func:`sink_window_eager`: transformers' eager math, CPU;
+:func:`sink_window_sdpa`: the sink as an extra key of a masked SDPA call, CUDA) also run datum by datum.
+
 Kernels. Nothing of size ``T^2`` is ever formed, and a datum never attends to another:
   * CUDA, bf16/fp16: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over ``cu_seqlens``), one call
     per layer, when this torch has it (its signature differs between releases: read at first use);
@@ -109,13 +112,13 @@ class SDPACoreAttention(MegatronModule):
             cos, sin = packed_seq_params.rope_cos_sin(q.dtype)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if self.sinks is not None or self.window:
-            out = _sink_window_per_datum(q, k, v, packed_seq_params.bounds, self.softmax_scale, self.sinks,
-                                         self.window)
+            fn = sink_window_sdpa if q.device.type == "cuda" else sink_window_eager
+            out = fn(q, k, v, packed_seq_params.bounds, self.softmax_scale, self.sinks, self.window)
             return out.reshape(t, 1, -1)
         return packed_attention(q, k, v, packed_seq_params, self.softmax_scale).reshape(t, 1, -1)
 
 
-def _sink_window_per_datum(q, k, v, bounds, scale: float, sinks, window: int):
+def sink_window_eager(q, k, v, bounds, scale: float, sinks, window: int):
     """gpt-oss's attention, datum by datum, as transformers' eager ``eager_attention_forward`` computes it: causal
     (keys within ``window`` of the query when it is non-zero) scores, the head's sink logit as one more softmax
     column (no value) dropped after the softmax; ``q[T, heads, d]``, ``k, v[T, groups, d]`` -> ``[T, heads, d]``."""
@@ -138,6 +141,44 @@ def _sink_window_per_datum(q, k, v, bounds, scale: float, sinks, window: int):
         if sinks is not None:
             probs = probs[..., :-1]
         outs.append(torch.matmul(probs.to(vi.dtype), vi).transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def sink_window_sdpa(q, k, v, bounds, scale: float, sinks, window: int):
+    """:func:`sink_window_eager` through ``scaled_dot_product_attention`` per datum (CUDA: the fused kernels keep
+    the scores out of memory). The sink is a softmax column with no value: one extra key whose score is the sink
+    and whose value is zero. It becomes a real key through one extra feature: every query has 1 there, the sink key
+    ``sinks[h] / scale`` (the kernel multiplies q . k by scale), every real key 0. Head dims are padded to a multiple
+    of 8 and the keys to a multiple of 16 with masked zero keys (the memory-efficient kernel's alignment; every
+    query still sees the sink, so no row is fully masked). The torch backend computes it the same way
+    (``loraplane.models.families.gpt_oss._batched_sink_attention``)."""
+    heads, dim = q.shape[1], q.shape[2]
+    rep = heads // k.shape[1]
+    extra = 1 if sinks is not None else 0
+    width = -(-(dim + extra) // 8) * 8
+    outs = []
+    for start, end in bounds:
+        n = end - start
+        qi = q[start:end].transpose(0, 1)[None]  # [1, heads, n, d]
+        ki, vi = (x[start:end].transpose(0, 1).repeat_interleave(rep, dim=0)[None] for x in (k, v))
+        pos = torch.arange(n, device=q.device)
+        visible = pos[None, :] <= pos[:, None]
+        if window:
+            visible = visible & (pos[None, :] > pos[:, None] - window)
+        tail = -(n + extra) % 16
+        parts_q = [qi, qi.new_ones(1, heads, n, extra), qi.new_zeros(1, heads, n, width - dim - extra)]
+        parts_k = [torch.cat([ki, ki.new_zeros(1, heads, n, width - dim)], dim=-1), ki.new_zeros(1, heads, tail, width)]
+        parts_v = [vi, vi.new_zeros(1, heads, tail, dim)]
+        cols = [visible, visible.new_zeros(n, tail)]
+        if sinks is not None:
+            sink_key = ki.new_zeros(1, heads, 1, width)
+            sink_key[0, :, 0, dim] = sinks.to(ki.dtype) / scale
+            parts_k.insert(0, sink_key)
+            parts_v.insert(0, vi.new_zeros(1, heads, 1, dim))
+            cols.insert(0, visible.new_ones(n, 1))
+        out = F.scaled_dot_product_attention(torch.cat(parts_q, -1), torch.cat(parts_k, 2), torch.cat(parts_v, 2),
+                                             attn_mask=torch.cat(cols, 1), scale=scale)
+        outs.append(out[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 
