@@ -115,8 +115,6 @@ def test_megatron_accepts_gpt_oss_from_its_config(checkpoint):
     from loraplane.models.base import check_checkpoint
 
     assert not families.FAMILIES["gpt_oss"].backend_lacks.get("megatron")
-    if families.ATTENTION_BIAS in families.BACKEND_LACKS["megatron"]:
-        pytest.skip("loraplane.models.families.BACKEND_LACKS still refuses attention_bias on megatron")
     assert families.unsupported_features(families.FAMILIES["gpt_oss"].tiny_config(300), "megatron") == []
     assert check_checkpoint(checkpoint, "megatron").model_type == "gpt_oss"
 

@@ -32,11 +32,6 @@ GRAD_RTOL = 1e-5
 RANKS_LOGPROB_ATOL = 2e-5
 RANKS_GRAD_RTOL = 1e-5
 
-# Until loraplane.models.families stops refusing attention_bias (q/k/v AND o biases) on megatron for every family,
-# gpt-oss cannot load there (the megatron model computes the o bias: checked below on Llama and Qwen3 too).
-needs_megatron_gpt_oss = pytest.mark.skipif(
-    families.ATTENTION_BIAS in families.BACKEND_LACKS["megatron"],
-    reason="loraplane.models.families.BACKEND_LACKS still refuses attention_bias on megatron")
 LENGTHS = (19, 7, 12)  # each longer than the sliding window (4)
 
 
@@ -45,7 +40,6 @@ def checkpoint(directory: Path) -> Path:
     tensor-parallel ranks split the vocabulary."""
     from transformers import AutoModelForCausalLM
 
-    from loraplane.models import families
     from loraplane.models.tiny import build_tiny_tokenizer
     from tests.fixtures.models import seeded_
 
@@ -178,7 +172,6 @@ def _attention_bias_families() -> float:
     logits against transformers', the largest difference."""
     from transformers import AutoModelForCausalLM
 
-    from loraplane.models import families
     from tests.fixtures.models import seeded_
     from trainer_svc.backends.megatron.model import build_from_hf, forward_logits
 
@@ -258,7 +251,6 @@ def measured(tmp_path_factory) -> dict:
     return _launch(tmp_path_factory.mktemp("gpt_oss"), full=True)
 
 
-@needs_megatron_gpt_oss
 def test_logits_equal_transformers_and_packed_equals_alone(measured):
     m = measured
     assert m["logits_scale"] > 1.0
@@ -270,7 +262,6 @@ def test_logits_equal_transformers_and_packed_equals_alone(measured):
     assert m["packed_max_abs"] <= 1e-5
 
 
-@needs_megatron_gpt_oss
 def test_lora_matches_the_torch_backend_and_exports_its_names(measured):
     m = measured
     assert m["adapter_effect"] > 1e-2  # the adapter moves the logprobs: the comparisons are not vacuous
@@ -283,7 +274,6 @@ def test_lora_matches_the_torch_backend_and_exports_its_names(measured):
     assert m["torch_trained_max_abs"] <= 1e-4
 
 
-@needs_megatron_gpt_oss
 def test_fused_tenants_equal_alone(measured):
     m = measured
     assert m["grad_norm_a"] > 0
@@ -291,7 +281,6 @@ def test_fused_tenants_equal_alone(measured):
     assert m["fused_grad_rel"] <= 1e-5
 
 
-@needs_megatron_gpt_oss
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
 def test_two_ranks_equal_one_rank(measured, tmp_path, tp, ep):
     one = measured

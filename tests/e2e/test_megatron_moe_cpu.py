@@ -563,7 +563,6 @@ def test_qwen3_30b_a3b_config_maps_to_the_megatron_moe_model():
 def _refused_configs():
     from transformers import (
         DeepseekV3Config,
-        GptOssConfig,
         MixtralConfig,
         Qwen2MoeConfig,
         Qwen3MoeConfig,
@@ -581,14 +580,13 @@ def _refused_configs():
         "deepseek_v3": (DeepseekV3Config(**small, n_routed_experts=4, n_shared_experts=1, kv_lora_rank=16,
                                          q_lora_rank=16, n_group=2, topk_group=1, first_k_dense_replace=0),
                         ["shared experts", "multi-head latent attention (MLA)", "a router other than softmax top-k"]),
-        "gpt_oss": (GptOssConfig(**small, num_local_experts=4), ["attention sinks", "sliding-window attention"]),
         "qwen3_next": (Qwen3NextConfig(**small, num_experts=4), ["linear-attention layers", "shared experts"]),
         "qwen3_moe_sliding": (Qwen3MoeConfig(**small, num_experts=4, use_sliding_window=True, sliding_window=8),
                               ["sliding-window attention"]),
     }
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe_shared_experts", "deepseek_v3", "gpt_oss", "qwen3_next",
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe_shared_experts", "deepseek_v3", "qwen3_next",
                                   "qwen3_moe_sliding"])
 def test_unsupported_moe_and_attention_features_are_named(case):
     """Every feature the megatron backend does not implement is named in the FAILED_PRECONDITION (the trainer maps

@@ -238,3 +238,10 @@ def test_the_sampler_hands_transformers_its_cache_by_the_name_its_forward_takes(
 
     assert _cache_kwarg(backend.base.model) == "cache"
     assert _cache_kwarg(OlderForward()) == "past_key_values"
+
+
+def test_megatron_refuses_a_qwen3_5_config_with_attention_biases_which_it_has_not_been_checked_on():
+    config = families.FAMILIES["qwen3_5"].tiny(64).text_config
+    config.attention_bias = True
+    assert any("bias" in p and "megatron" in p for p in families.unsupported_features(config, "megatron"))
+    assert families.unsupported_features(config, "torch") == []

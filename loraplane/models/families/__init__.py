@@ -68,11 +68,12 @@ for _family in FAMILIES.values():
         _BY_TYPE[_type] = _family
 
 # What each backend does not compute among the features families may use. The torch backend runs the HF model as
-# it is, so it computes every family feature; megatron's local layer spec has no o-only bias, and the families'
-# own backend_lacks name what else megatron lacks for them.
+# it is, so it computes every family feature; so does megatron now (attention biases included: q/k/v in its fused
+# qkv, o in a row-parallel linear of its own). A family's backend_lacks / backend_lacks_features name what a
+# backend lacks for that family alone.
 BACKEND_LACKS: dict[str, frozenset[str]] = {
     "torch": frozenset(),
-    "megatron": frozenset({ATTENTION_BIAS}),
+    "megatron": frozenset(),
 }
 
 _SUPPORTED_ROPE = ("default", "llama3")
@@ -219,7 +220,8 @@ def unsupported_features(config, backend: str = "torch") -> list[str]:
             problems.append(phrase)
         elif family is not None and feature not in family.features:
             problems.append(f"{phrase} (not part of the {family.model_type} family)")
-        elif feature in BACKEND_LACKS[backend]:
+        elif feature in BACKEND_LACKS[backend] or (
+                family is not None and feature in family.backend_lacks_features.get(backend, ())):
             problems.append(f"{phrase} (not computed by the {backend} backend)")
     if family is not None:
         problems += [f"{piece} (not implemented by the {backend} backend)"

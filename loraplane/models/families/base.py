@@ -155,6 +155,9 @@ class ModelFamily:
     implied: Mapping[str, str] = field(default_factory=dict)
     # backend -> the pieces it does not implement for this family (refused before any weight is read).
     backend_lacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Features of this family a backend refuses when a config has them (backend -> feature ids): what the backend
+    # computes for other families but has not been checked for this one.
+    backend_lacks_features: Mapping[str, frozenset[str]] = field(default_factory=dict)
     # Where the text decoder's weights are in the checkpoint users download ("model." or
     # "model.language_model." for a vision-language one); transformers' causal LM loads either.
     checkpoint_prefix: str = "model."

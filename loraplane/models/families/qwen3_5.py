@@ -298,6 +298,9 @@ def tiny_moe_config(vocab_size: int):
 
 
 _MIXERS = {"attention": ATTENTION_TARGETS, "linear_attention": LINEAR_ATTENTION_TARGETS}
+# Megatron's attention biases are checked for Llama, Qwen3 and gpt-oss, not with Qwen3.5's gated q_proj (whose
+# bias would carry the gate's rows too); released Qwen3.5 checkpoints have none.
+_MEGATRON_UNCHECKED = {"megatron": frozenset({ATTENTION_BIAS})}
 _HYBRID_FEATURES = frozenset({LINEAR_ATTENTION, GATED_ATTENTION, PARTIAL_ROTARY, QK_NORM, ATTENTION_BIAS,
                               VISION_TOWER})
 
@@ -308,7 +311,7 @@ DENSE = HybridFamily(
     features=_HYBRID_FEATURES,
     hf_weights={**COMMON_WEIGHTS, **QK_NORM_WEIGHTS, **_LINEAR_WEIGHTS, **DENSE_MLP_WEIGHTS},
     lacks=("moe",), implied=_IMPLIED,
-    checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS,
+    checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS, backend_lacks_features=_MEGATRON_UNCHECKED,
     mlp_targets={"dense": DENSE_MLP_TARGETS}, sglang=_SGLANG, tiny=tiny_dense_config, packing=enable_packing,
     hf_decode=True, notes="q_proj's output is [query | gate] per head (2 x heads x head_dim rows)")
 
@@ -319,7 +322,7 @@ MOE_FAMILY = HybridFamily(
     features=_HYBRID_FEATURES | {MOE, SHARED_EXPERTS},
     hf_weights={**COMMON_WEIGHTS, **QK_NORM_WEIGHTS, **_LINEAR_WEIGHTS, **_SHARED_EXPERT_WEIGHTS},
     moe=True, implied=_IMPLIED,
-    checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS,
+    checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS, backend_lacks_features=_MEGATRON_UNCHECKED,
     mlp_targets={"moe": SHARED_EXPERT_TARGETS + EXPERT_TARGETS}, sglang=_SGLANG_MOE, tiny=tiny_moe_config,
     packing=enable_packing, hf_decode=True)
 
