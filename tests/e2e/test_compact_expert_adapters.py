@@ -7,12 +7,15 @@ the same logprobs with, and trains."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from loraplane.adapter_format import (
     COMPACT_FORMAT,
     FORMAT_VERSION_KEY,
+    MODEL_TYPE_KEY,
     blob_metadata,
     materialize_tinker_dir,
     parse_adapter,
@@ -87,7 +90,9 @@ def test_a_shared_outer_version_is_compact_in_the_registry_and_the_push_and_serv
     assert blob_metadata(blob)[FORMAT_VERSION_KEY] == COMPACT_FORMAT
     params, spec, base_name = parse_adapter(blob)
     assert spec.expert_layout == "shared_outer"
-    assert blob == serialize_adapter(params, spec, base_name)  # the trainer wrote exactly the compact file
+    # The trainer wrote exactly the compact file (its adapter config also names the base model's family).
+    assert json.loads(blob_metadata(blob)["adapter_config"])[MODEL_TYPE_KEY] == "qwen3_moe"
+    assert blob == serialize_adapter(params, spec, base_name, model_type="qwen3_moe")
     expanded = serialize_adapter(params, spec, base_name, compact=False)
     assert version.size_bytes == len(blob) < len(expanded)
     # The in-memory push carried those very bytes (same digest), and the sampler loaded them from it.
