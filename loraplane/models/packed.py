@@ -247,6 +247,28 @@ class PackedLayout:
         return y[self.mask()].unsqueeze(0)
 
 
+def fla_gated_delta_rule(layout: PackedLayout, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor,
+                         conv_bias: torch.Tensor | None, activation: str, split: Callable, g: torch.Tensor,
+                         beta: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet's causal conv1d and chunked gated delta rule over a packed row by fla's varlen kernels, each
+    restarting at the row's datum boundaries (cu_seqlens), no padding: ``mixed_qkv[1, N, conv]`` (the fused q|k|v
+    projection), ``conv_weight[conv, kernel]``, ``split`` (the conv's output ``[1, N, conv]`` -> q, k ``[1, N,
+    k_heads, dk]``, v ``[1, N, v_heads, dv]``), ``g`` (log decay, fp32) and ``beta`` ``[1, N, v_heads]`` ->
+    ``[1, N, v_heads, dv]``. fla maps grouped value heads itself (value head i reads key head i // (v_heads /
+    k_heads), the layout transformers' repeat_interleave gives), and normalizes q and k (transformers'
+    ``use_qk_l2norm_in_kernel``). One implementation for both trainer backends."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cu, cu_host = layout.cu_seqlens()
+    x, _ = causal_conv1d(mixed_qkv.contiguous(), weight=conv_weight, bias=conv_bias, activation=activation,
+                         cu_seqlens=cu, cu_seqlens_cpu=cu_host)
+    query, key, value = split(x)
+    out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
+                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_host)
+    return out
+
+
 def packed_layout(device: torch.device) -> PackedLayout | None:
     """The layout of the packed row being computed on this thread (None outside packed_sequences)."""
     lengths = getattr(_local, "lengths", None)

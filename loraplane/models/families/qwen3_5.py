@@ -200,20 +200,12 @@ def _batched_core(module, layout, mixed_qkv, b, a) -> torch.Tensor:
 
 
 def _fla_core(module, layout, mixed_qkv, b, a) -> torch.Tensor:
-    """fla's varlen kernels over the packed row itself: its causal conv1d and chunked gated delta rule restart at
-    each cu_seqlens boundary (fla handles grouped value heads itself, value head i reading key head
-    i // (value heads / key heads), as transformers' repeat_interleave lays them out)."""
-    from fla.modules.causal_conv1d import causal_conv1d
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    """fla's varlen kernels over the packed row itself (loraplane.models.packed.fla_gated_delta_rule)."""
+    from loraplane.models.packed import fla_gated_delta_rule
 
-    cu, cu_host = layout.cu_seqlens()
-    x, _ = causal_conv1d(mixed_qkv.contiguous(), weight=module.conv1d.weight.squeeze(1), bias=module.conv1d.bias,
-                         activation=module.activation, cu_seqlens=cu, cu_seqlens_cpu=cu_host)
-    query, key, value = _split_heads(module, x, repeat=False)
     g, beta = _gate_beta(module, b, a)
-    out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
-                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_host)
-    return out
+    return fla_gated_delta_rule(layout, mixed_qkv, module.conv1d.weight.squeeze(1), module.conv1d.bias,
+                                module.activation, lambda x: _split_heads(module, x, repeat=False), g, beta)
 
 
 def _packed_moe_forward(module, hidden_states):

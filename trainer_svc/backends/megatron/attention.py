@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
+from loraplane.models.packed import PackedLayout
+
 from .fusion import apply_rope
 
 _GQA_FUSED_OK: dict[str, bool] = {}  # per device type: did a fused kernel accept enable_gqa
@@ -55,6 +57,13 @@ class PackedRows(PackedSeqParams):
     rope_angles: torch.Tensor | None = None
     rope_scale: float = 1.0  # YaRN's factor on cos and sin (1 otherwise)
     _rope_cos_sin: dict = field(default_factory=dict, init=False, repr=False)
+    _layout: PackedLayout | None = field(default=None, init=False, repr=False)
+
+    def layout(self, device: torch.device) -> PackedLayout:
+        """The row's :class:`~loraplane.models.packed.PackedLayout` (padding indices, cu_seqlens), once per batch."""
+        if self._layout is None:
+            self._layout = PackedLayout([end - start for start, end in self.bounds], device)
+        return self._layout
 
     def rope_cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the angles in ``dtype`` (as megatron casts them), once per batch, not once per layer."""

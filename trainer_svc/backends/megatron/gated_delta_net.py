@@ -1,10 +1,12 @@
 """Qwen3.5's Gated DeltaNet linear-attention layer as a megatron module (the token mixer of a decoder layer, where
 megatron's layer spec puts ``self_attention``), computing what transformers' ``Qwen3_5GatedDeltaNet`` computes.
 
-Why our own: megatron-core 0.16's ``ssm/gated_delta_net.py`` needs the ``fla`` and ``causal_conv1d`` kernels, which
-this image does not ship (and fla refuses the GPU's Triton). Here everything is plain torch: the projections are
-megatron's tensor-parallel linears (so the LoRA hooks of :mod:`.lora` attach to them as to attention's), the conv1d
-and the chunked gated delta rule are torch ops.
+Why our own: megatron-core 0.16's ``ssm/gated_delta_net.py`` needs the ``fla`` and ``causal_conv1d`` kernels
+unconditionally, which the GPU image does not ship (and fla refuses its Triton), and it has no per-datum path for
+the CPU's bit-exact contract. Here the projections are megatron's tensor-parallel linears (so the LoRA hooks of
+:mod:`.lora` attach to them as to attention's); the conv1d and the chunked gated delta rule are plain torch, or
+fla's varlen Triton kernels where fla can run (the same call the torch backend makes,
+:func:`loraplane.models.packed.fla_gated_delta_rule`).
 
 Tensor parallel: by heads. A rank holds its chunk of the q/k heads and of the value heads they serve (each q/k head
 serves ``num_v_heads / num_k_heads`` consecutive value heads, so contiguous chunks agree): ``in_proj_qkv`` is a
@@ -13,9 +15,12 @@ column-parallel linear whose rows on a rank are that rank's ``Q | K | V`` (:func
 and ``dt_bias`` likewise, ``out_proj`` row-parallel (its all-reduce sums the heads). The recurrence never crosses
 heads, so no other communication is needed.
 
-Packed rows: the conv1d, the delta rule and the gated norm run per datum of the row (:class:`.attention.PackedRows`'
-bounds), each from a zero state, on contiguous tensors of the datum's own, so a datum's values are computed the same
-way whatever else shares its row (a tenant's logits alone equal its logits fused with others', bit for bit).
+Packed rows (:class:`.attention.PackedRows`), each datum from a zero state, three ways as
+:mod:`loraplane.models.packed` chooses them (``LORAPLANE_PACKED_IMPL``): EXACT (the CPU) runs the conv1d, the delta
+rule and the gated norm per datum on contiguous tensors of the datum's own, so a datum's values are computed the same
+way whatever else shares its row (a tenant's logits alone equal its logits fused with others', bit for bit); on CUDA
+the whole row goes in one call per layer, FLA over the row itself (cu_seqlens), else BATCHED as a zero-padded
+(datums, longest) batch (every piece is causal, so padding at a datum's end never reaches its real positions).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+
+from loraplane.models import packed
 
 from .layout import LinearAttentionShape
 
@@ -69,35 +76,68 @@ class GatedDeltaNet(MegatronModule):
         bounds = getattr(packed_seq_params, "bounds", None)
         if not bounds:
             raise TypeError("GatedDeltaNet runs packed rows only (model.forward_logits builds them)")
+        if bounds[-1][1] != hidden_states.shape[0]:
+            raise ValueError(f"packed bounds cover {bounds[-1][1]} tokens, the row has {hidden_states.shape[0]}")
         mixed, _ = self.in_proj_qkv(hidden_states)  # [T, 1, conv]
         z, _ = self.in_proj_z(hidden_states)
         b, _ = self.in_proj_b(hidden_states)
         a, _ = self.in_proj_a(hidden_states)
         mixed, z, b, a = (t.reshape(t.shape[0], t.shape[-1]) for t in (mixed, z, b, a))
-        outs = [self._datum(mixed[s:e], z[s:e], b[s:e], a[s:e]) for s, e in bounds]
-        if bounds[-1][1] != hidden_states.shape[0]:
-            raise ValueError(f"packed bounds cover {bounds[-1][1]} tokens, the row has {hidden_states.shape[0]}")
-        core = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        impl = packed.packed_impl(hidden_states.device, fla=True)
+        if impl == packed.EXACT:
+            outs = [self._datum(mixed[s:e], z[s:e], b[s:e], a[s:e]) for s, e in bounds]
+            core = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        else:
+            layout = packed_seq_params.layout(hidden_states.device)
+            run = self._fla_row if impl == packed.FLA else self._batched_row
+            out = run(layout, mixed.unsqueeze(0), b.unsqueeze(0), a.unsqueeze(0))  # [1, T, v_heads, head_v]
+            head_v = self.shape.head_v_dim
+            core = gated_rms_norm(out.reshape(-1, head_v), z.reshape(-1, head_v), self.norm_weight,
+                                  self.eps).reshape(hidden_states.shape[0], -1)
         out, bias = self.out_proj(core.unsqueeze(1))
         return out, bias
+
+    def _gate_beta(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decay (log space, fp32) and beta, as transformers computes them."""
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return g, b.sigmoid()
+
+    def _split(self, x: torch.Tensor):
+        """``x[batch, n, conv]`` after the conv -> q, k ``[batch, n, k_heads, dk]`` and v ``[batch, n, v_heads,
+        dv]``."""
+        batch, n, _ = x.shape
+        q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        lin = self.shape
+        return (q.reshape(batch, n, self.num_k_heads, lin.head_k_dim),
+                k.reshape(batch, n, self.num_k_heads, lin.head_k_dim),
+                v.reshape(batch, n, self.num_v_heads, lin.head_v_dim))
+
+    def _fla_row(self, layout: packed.PackedLayout, mixed, b, a) -> torch.Tensor:
+        g, beta = self._gate_beta(b, a)
+        return packed.fla_gated_delta_rule(layout, mixed, self.conv1d_weight.squeeze(1), None, "silu", self._split,
+                                           g, beta)
+
+    def _batched_row(self, layout: packed.PackedLayout, mixed, b, a) -> torch.Tensor:
+        x = layout.pad(mixed).transpose(1, 2)  # [datums, conv, longest]
+        weight = self.conv1d_weight
+        n = x.shape[-1]
+        x = F.conv1d(x.to(weight.dtype), weight, None, padding=weight.shape[-1] - 1, groups=x.shape[1])[..., :n]
+        q, k, v = self._split(F.silu(x).to(mixed.dtype).transpose(1, 2))
+        g, beta = self._gate_beta(layout.pad(b), layout.pad(a))
+        return layout.unpad(chunk_gated_delta_rule(q, k, v, g, beta))
 
     def _datum(self, mixed, z, b, a) -> torch.Tensor:
         """One datum of ``n`` tokens: ``mixed[n, conv]``, ``z[n, value]``, ``b, a[n, v_heads]`` → ``[n, value]``
         (before out_proj), as transformers' forward computes it without a cache."""
         n = mixed.shape[0]
-        lin = self.shape
+        head_v = self.shape.head_v_dim
         weight = self.conv1d_weight
         x = mixed.t().unsqueeze(0).contiguous()  # [1, conv, n]
         x = F.conv1d(x.to(weight.dtype), weight, None, padding=weight.shape[-1] - 1, groups=x.shape[1])[..., :n]
-        x = F.silu(x).to(mixed.dtype).transpose(1, 2)  # [1, n, conv]
-        q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(1, n, self.num_k_heads, lin.head_k_dim)
-        k = k.reshape(1, n, self.num_k_heads, lin.head_k_dim)
-        v = v.reshape(1, n, self.num_v_heads, lin.head_v_dim)
-        beta = b.contiguous().sigmoid().unsqueeze(0)
-        g = (-self.A_log.float().exp() * F.softplus(a.float().contiguous() + self.dt_bias)).unsqueeze(0)
+        q, k, v = self._split(F.silu(x).to(mixed.dtype).transpose(1, 2))
+        g, beta = self._gate_beta(b.contiguous().unsqueeze(0), a.contiguous().unsqueeze(0))
         out = chunk_gated_delta_rule(q, k, v, g, beta)  # [1, n, v_heads, head_v]
-        return gated_rms_norm(out.reshape(-1, lin.head_v_dim), z.reshape(-1, lin.head_v_dim).contiguous(),
+        return gated_rms_norm(out.reshape(-1, head_v), z.reshape(-1, head_v).contiguous(),
                               self.norm_weight, self.eps).reshape(n, -1)
 
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraplane.models import packed
+
 from .expert_lora import ExpertTokens, in_force
 from .kernels import grouped_mm_supported, segment_mm, sum_copies
 
@@ -584,7 +586,9 @@ def _shared_expert_class():
                 if not self.use_shared_expert_gate:
                     return output
                 flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-                bounds = self.bounds or ((0, flat.shape[0]),)
+                # Per datum only where the contract is bit-exactness (the CPU); on CUDA one call for the row.
+                exact = packed.packed_impl(flat.device) == packed.EXACT
+                bounds = (self.bounds if exact else None) or ((0, flat.shape[0]),)
                 gates = [torch.sigmoid(F.linear(flat[s:e].contiguous(), self.gate_weight)) for s, e in bounds]
                 gate = gates[0] if len(gates) == 1 else torch.cat(gates, 0)
                 return gate.view(*output.shape[:-1], 1) * output
