@@ -144,7 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--recompute", default=None, choices=["auto", "none", "full"],
                     help="the backend's activation recomputation (default: the backend's; torch: auto)")
     ap.add_argument("--packed-impl", default=None, choices=["auto", "exact", "batched", "fla"],
-                    help="torch backend: how the families' per-datum pieces of a packed row run (default auto: "
+                    help="how the families' per-datum pieces of a packed row run, both backends (default auto: "
                          "fla where usable, else batched, on CUDA; exact per datum on CPU)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--datums", type=int, default=16)
@@ -209,14 +209,16 @@ def main(argv=None) -> dict:
             notes.append("megatron backend: Qwen3's q/k norms are not supported; its contenders were left out")
         else:
             options = {k: v for k, v in (("attention", args.attention), ("recompute", args.recompute)) if v}
-            if backend_kind == "torch":
-                # The torch backend reads both from its environment (bench.harness builds it with defaults).
-                from loraplane.models.packed import IMPL_ENV
+            # Both backends read the packed implementation from the environment, the torch backend its
+            # recomputation too (bench.harness builds it with defaults).
+            from loraplane.models.packed import IMPL_ENV
+
+            if args.packed_impl:
+                os.environ[IMPL_ENV] = args.packed_impl
+            if backend_kind == "torch" and args.recompute:
                 from trainer_svc.backends.torch_backend import RECOMPUTE_ENV
 
-                for env, value in ((RECOMPUTE_ENV, args.recompute), (IMPL_ENV, args.packed_impl)):
-                    if value:
-                        os.environ[env] = value
+                os.environ[RECOMPUTE_ENV] = args.recompute
             # A device slot for every adapter of every contender: they alternate, and a deployment with n tenants
             # on n slots never spills (spills are bench/trainer_megatron.py's subject).
             slots = max(8, sum(tenant_counts) * len(modes))

@@ -13,6 +13,13 @@
 #          q35-peft q35-ours                     Qwen3.5-35B-A3B 8 x 512, each contender alone (two copies do not fit)
 #          q35-peft-2048 q35-ours-2048           the same at 8 x 2048; q35-ours-2048-fla with fla
 #          tests tests-fla                       tests/gpu/test_packed_fast_paths.py (without / with fla)
+#   the megatron backend (each contender alone: ours with --no-peft, the PEFT loop with --tenants ""):
+#          mg-tests mg-tests-fla                 tests/gpu/test_megatron_packed_gdn.py (without / with fla)
+#          q9b-mg-2048 q9b-mg-2048-fla           Qwen3.5-9B 8 x 2048, megatron (padded batch / fla kernels)
+#          q9b-peft-2048-fla                     the PEFT loop alone with fla
+#          q35-mg-2048 q35-mg-2048-fla           Qwen3.5-35B-A3B 8 x 2048, megatron; q35-peft-2048-fla
+#          oss-mg-2048 oss-peft-2048             gpt-oss-20b 8 x 2048, megatron / the PEFT loop
+#          nemo-peft-2048 nemo-ours-2048         Nemotron-3 Nano 8 x 2048, the PEFT loop / the torch backend
 # Needs .gpuwh/megatron and .gpuwh/tvp_extra (bench_env.sh), and .gpuwh/fla for the -fla cases
 # (scripts/gpu/fla-wheels.txt; build them with the shared build-wheelhouse.sh).
 set -uo pipefail
@@ -41,10 +48,11 @@ run_case() {  # label, then bench args
   [ $rc -eq 0 ] || echo "exit code $rc" | summary
   finish
 }
-run_tests() {  # label: the packed rows' CUDA paths against the CPU per-datum path (tests/gpu/test_packed_fast_paths.py)
-  echo "== $1: tests/gpu/test_packed_fast_paths.py" | summary
+run_tests() {  # label [test file]: the packed rows' CUDA paths against the per-datum path
+  local file=${2:-tests/gpu/test_packed_fast_paths.py}
+  echo "== $1: $file" | summary
   timeout -k 10 "${CASE_TIMEOUT:-400}" python3 -m pytest -q -m gpu --noconftest -o addopts="" -p no:cacheprovider -rA \
-    tests/gpu/test_packed_fast_paths.py > "$OUT/$1.log" 2>&1
+    -s "$file" > "$OUT/$1.log" 2>&1
   local rc=$?
   grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" "$OUT/$1.log" | tail -30 | summary
   [ $rc -eq 0 ] || echo "exit code $rc" | summary
@@ -52,6 +60,9 @@ run_tests() {  # label: the packed rows' CUDA paths against the CPU per-datum pa
 }
 Q9=(--shape qwen3.5-9b --datums 8 --peft-checkpointing on --warmup 1)
 Q35=(--shape qwen3.5-35b-a3b --datums 8 --warmup 1 --rounds 3)
+MG=(--backend megatron --no-peft --datums 8 --seq-len 2048 --warmup 1 --rounds 3)
+PEFT=(--tenants "" --peft-checkpointing on --datums 8 --seq-len 2048 --warmup 1 --rounds 3)
+MGT=tests/gpu/test_megatron_packed_gdn.py
 for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
   case "$c" in
     q9b-2048) run_case qwen3.5-9b_8x2048 "${Q9[@]}" --seq-len 2048 --rounds 3 --packed-impl batched ;;
@@ -74,6 +85,24 @@ for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
       --seq-len 2048 --no-peft --packed-impl batched ;;
     q35-ours-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case \
       qwen3.5-35b-a3b_8x2048_torch_alone_fla "${Q35[@]}" --seq-len 2048 --no-peft --packed-impl fla ;;
+    mg-tests) run_tests mg_gpu_tests $MGT ;;
+    mg-tests-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_tests mg_gpu_tests_fla $MGT ;;
+    q9b-mg-2048) run_case qwen3.5-9b_8x2048_megatron_alone --shape qwen3.5-9b "${MG[@]}" --packed-impl batched ;;
+    q9b-mg-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-9b_8x2048_megatron_alone_fla \
+      --shape qwen3.5-9b "${MG[@]}" --packed-impl fla ;;
+    q9b-peft-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-9b_8x2048_peft_alone_fla \
+      --shape qwen3.5-9b "${PEFT[@]}" ;;
+    q35-mg-2048) CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-35b-a3b_8x2048_megatron_alone \
+      --shape qwen3.5-35b-a3b "${MG[@]}" --packed-impl batched ;;
+    q35-mg-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case \
+      qwen3.5-35b-a3b_8x2048_megatron_alone_fla --shape qwen3.5-35b-a3b "${MG[@]}" --packed-impl fla ;;
+    q35-peft-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-35b-a3b_8x2048_peft_alone_fla \
+      --shape qwen3.5-35b-a3b "${PEFT[@]}" ;;
+    oss-mg-2048) run_case gpt-oss-20b_8x2048_megatron_alone --shape gpt-oss-20b "${MG[@]}" ;;
+    oss-peft-2048) run_case gpt-oss-20b_8x2048_peft_alone --shape gpt-oss-20b "${PEFT[@]}" ;;
+    nemo-peft-2048) run_case nemotron-3-nano_8x2048_peft_alone --shape nemotron-3-nano "${PEFT[@]}" ;;
+    nemo-ours-2048) run_case nemotron-3-nano_8x2048_torch_alone --shape nemotron-3-nano --no-peft --datums 8 \
+      --seq-len 2048 --warmup 1 --rounds 3 --packed-impl batched ;;
     tests) run_tests gpu_tests ;;
     tests-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_tests gpu_tests_fla ;;
     *) echo "unknown case $c" | summary ;;
