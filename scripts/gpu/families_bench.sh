@@ -60,7 +60,7 @@ run_tests() {  # label [test file]: the packed rows' CUDA paths against the per-
 }
 Q9=(--shape qwen3.5-9b --datums 8 --peft-checkpointing on --warmup 1)
 Q35=(--shape qwen3.5-35b-a3b --datums 8 --warmup 1 --rounds 3)
-MG=(--backend megatron --no-peft --datums 8 --seq-len 2048 --warmup 1 --rounds 3)
+MG=(--backend megatron --recompute full --no-peft --datums 8 --seq-len 2048 --warmup 1 --rounds 3)
 PEFT=(--tenants "" --peft-checkpointing on --datums 8 --seq-len 2048 --warmup 1 --rounds 3)
 MGT=tests/gpu/test_megatron_packed_gdn.py
 for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do

@@ -27,20 +27,49 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from loraplane.models import packed
+
 from .layout import LlamaShape
 
 MODES = ("auto", "none", "full", "selective")
 
 
+def linear_attention_values_per_token(shape: LlamaShape, tp: int, dtype_bytes: int, fla: bool) -> int:
+    """What one token costs a Gated DeltaNet layer's mixer for the backward (:mod:`.gated_delta_net`), in units of
+    ``dtype_bytes``. Both ways keep the norm's input and output, the in_proj outputs (q|k|v, z, b, a), the conv's
+    output, and the gated norm's fp32 intermediates and the out_proj input over the value heads. fla's chunked
+    kernel then keeps q, k, v, g, beta and its fp32 chunk-local (64 x 64 per value head) matrix, and recomputes the
+    rest in its backward; the torch delta rule (BATCHED, and EXACT per datum) keeps fp32 copies of everything it
+    computes: the normalized q / k / v, the per-value-head expansions, four fp32 chunk matrices and the state
+    entering each chunk. (On Qwen3.5-9B at 8 x 2048 tokens the torch delta rule alone took the H200 out of memory
+    with no layer recomputed.)"""
+    lin = shape.linear
+    conv = (2 * lin.key_dim + lin.value_dim) // tp
+    value = lin.value_dim // tp
+    heads = lin.num_v_heads // tp
+    fp32 = 4 / dtype_bytes  # an fp32 value in units of dtype_bytes
+    common = 4 * shape.hidden_size + 3 * conv + 2 * value + 2 * heads + int((2 + 3 * fp32) * value)
+    if fla:
+        return common + int(heads * 64 * fp32)
+    head_dim = max(lin.head_k_dim, lin.head_v_dim)
+    torch_rule = (4 * conv + 6 * heads * head_dim + 4 * 64 * heads
+                  + 2 * heads * lin.head_k_dim * lin.head_v_dim // 64)
+    return common + int(torch_rule * fp32)
+
+
 def layer_bytes_per_token(shape: LlamaShape, tp: int, dtype_bytes: int, mlp_ffn_kept: int, top_k: int = 0,
-                          ep: int = 1, virtual_experts: int = 0) -> tuple[int, int]:
+                          ep: int = 1, virtual_experts: int = 0, fla: bool = False) -> tuple[int, int]:
     """Bytes one token costs a layer for the backward: (kept without recomputation, kept by a recomputed layer: its
-    input). ``mlp_ffn_kept``: a dense MLP's kept values in units of its ffn size (3 with the fused SwiGLU, else 4);
-    ``virtual_experts``: the dispatcher's experts (experts x adapter slots, :class:`.moe.SlotRouter`), under EP."""
+    input), for the costliest layer. ``mlp_ffn_kept``: a dense MLP's kept values in units of its ffn size (3 with
+    the fused SwiGLU, else 4); ``virtual_experts``: the dispatcher's experts (experts x adapter slots,
+    :class:`.moe.SlotRouter`), under EP; ``fla``: Gated DeltaNet layers run fla's kernels (else the torch delta
+    rule's fp32 intermediates count)."""
     s = shape
     kv = s.num_kv_heads * s.head_dim // tp
     q = s.num_heads * s.head_dim // tp
     attention = 4 * s.hidden_size + 2 * q + 2 * kv
+    if s.linear_layers:
+        attention = max(attention, linear_attention_values_per_token(s, tp, dtype_bytes, fla))
     per_token = attention + mlp_ffn_kept * s.ffn_hidden_size // tp if s.dense_layers else 0
     if s.moe_layers:
         # An MoE layer (the largest layer counts). Without EP (.moe.GroupedExperts.local_forward) its experts keep
@@ -97,12 +126,14 @@ class LayerRecompute:
 
     # -- the plan ---------------------------------------------------------------------------------------------------
 
-    def layer_bytes(self, tokens: int) -> tuple[int, int]:
+    def layer_bytes(self, tokens: int, device: torch.device) -> tuple[int, int]:
         """(kept for the backward by one layer without recomputation, by one recomputed layer) for ``tokens``."""
         config = self.model_config
+        fla = bool(self.shape.linear_layers) and packed.packed_impl(device, fla=True) == packed.FLA
         full, kept = layer_bytes_per_token(
             self.shape, self.tp, self.bytes, self.mlp_ffn_kept, getattr(config, "moe_router_topk", 0) or 0,
-            getattr(config, "expert_model_parallel_size", 1) or 1, getattr(config, "num_moe_experts", 0) or 0)
+            getattr(config, "expert_model_parallel_size", 1) or 1, getattr(config, "num_moe_experts", 0) or 0,
+            fla=fla)
         return tokens * full, tokens * kept
 
     def plan(self, tokens: int, backward: bool, device: torch.device) -> int:
@@ -116,7 +147,7 @@ class LayerRecompute:
             self.count = 0
         else:
             budget = self._budget(tokens, device)
-            full, kept = self._layer_cost(tokens)
+            full, kept = self._layer_cost(tokens, device)
             need = n * full + full  # every layer's activations + one layer's working set
             if need <= budget:
                 self.count = 0
@@ -140,8 +171,8 @@ class LayerRecompute:
         free, total = self._free(device)
         return free - self._logits_bytes(tokens) - 0.06 * total
 
-    def _layer_cost(self, tokens: int) -> tuple[int, int]:
-        full, kept = self.layer_bytes(tokens)
+    def _layer_cost(self, tokens: int, device: torch.device) -> tuple[int, int]:
+        full, kept = self.layer_bytes(tokens, device)
         return int(full * 1.25), kept
 
     def max_tokens_without_recompute(self, backward: bool, device: torch.device) -> int:
@@ -151,5 +182,5 @@ class LayerRecompute:
             return 0
         n = len(self.layers)
         free, total = self._free(device)
-        per_token = (n + 1) * self._layer_cost(1)[0] + self._logits_bytes(1)
+        per_token = (n + 1) * self._layer_cost(1, device)[0] + self._logits_bytes(1)
         return max(1, int((free - 0.06 * total) // per_token))
