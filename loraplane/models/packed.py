@@ -167,7 +167,13 @@ def packed_impl(device: torch.device, fla: bool = False) -> str:
     if choice == "auto":
         if device.type != "cuda":
             return EXACT
-        return FLA if fla and fla_unusable(device) is None else BATCHED
+        if not fla:
+            return BATCHED
+        reason = fla_unusable(device)
+        if reason is not None:
+            _warn_no_fla(str(device), reason)
+            return BATCHED
+        return FLA
     if choice not in IMPLEMENTATIONS:
         raise ValueError(f"{IMPL_ENV}={choice!r}: one of {IMPLEMENTATIONS} or auto")
     if choice == FLA:
@@ -177,6 +183,15 @@ def packed_impl(device: torch.device, fla: bool = False) -> str:
         if reason is not None:
             raise RuntimeError(f"{IMPL_ENV}=fla, but fla cannot run here: {reason}")
     return choice
+
+
+@functools.cache
+def _warn_no_fla(device: str, reason: str) -> None:
+    """Once per device: a Gated DeltaNet model on CUDA without fla runs about half as fast (H200, Qwen3.5-9B: 4,282
+    against 9,062 tok/s on the megatron backend, docs/benchmarks.md), so say why and what would fix it."""
+    log.warning("packed rows on %s: fla cannot run (%s); Gated DeltaNet layers run the padded torch delta rule, about "
+                "half as fast. Install fla-core 0.6 with Triton >= 3.7.1 (scripts/gpu/fla-wheels.txt) for its "
+                "kernels.", device, reason)
 
 
 @functools.cache
