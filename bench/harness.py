@@ -62,6 +62,20 @@ SHAPES: dict[str, dict[str, Any]] = {
     # gpt-oss-20b: 24 layers, 32 experts top-4 (the config's defaults are the 120b's).
     "gpt-oss-20b": {"arch": "gpt_oss", "num_hidden_layers": 24, "num_local_experts": 32,
                     "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072},
+    # NVIDIA-Nemotron-3-Nano-30B-A3B(-BF16): its config.json's values (as copied in jax-llm-examples' nemotron3
+    # test; Megatron-LM's modelopt conf and Megatron-Bridge's Nemotron3NanoProvider agree). 52 blocks: 23 Mamba-2
+    # (M), 23 MoE (E: 128 relu^2 experts top-6 + a 3712-wide shared expert), 6 GQA attention without RoPE (*).
+    # The pattern is given as the checkpoint gives it, hybrid_override_pattern: every transformers 5.x (5.17 on
+    # the GPU machine, 5.24 here) turns it into layers_block_type, whose names changed between versions.
+    "nemotron-3-nano": {"arch": "nemotron_h", "vocab_size": 131072, "hidden_size": 2688, "num_hidden_layers": 52,
+                        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+                        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+                        "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+                        "conv_kernel": 4, "expand": 2, "chunk_size": 128, "intermediate_size": 1856,
+                        "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+                        "n_shared_experts": 1, "moe_shared_expert_intermediate_size": 3712,
+                        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+                        "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False},
 }
 # Families whose HF attention is eager only (gpt-oss's sinks: transformers refuses SDPA for them).
 _EAGER_ARCHES = ("gpt_oss",)
@@ -96,22 +110,29 @@ def model_targets(hf) -> tuple[str, ...]:
     expert too; for MoE models the routed experts): what both contenders train."""
     from loraplane.models import families
 
-    return families.lora_targets(hf.config)
+    targets = families.lora_targets(hf.config)
+    if getattr(hf.config, "model_type", "") == "nemotron_h":
+        # PEFT refuses LoRA on a Mamba mixer's out_proj (transformers' fused training kernel reads out_proj.weight
+        # and would skip the adapter), so neither contender trains it: both do the same work.
+        targets = tuple(t for t in targets if t != "mixer.out_proj")
+    return targets
 
 
 def peft_targets(targets: tuple[str, ...]) -> dict[str, list[str]]:
     """The same targets as PEFT names them: projections by module name (Tinker's split in_proj_q/k/v of Qwen3.5's
     fused in_proj_qkv is one PEFT module), the routed experts' fused 3-D parameters by target_parameters."""
-    from loraplane.models.families import EXPERT_TARGETS
+    from loraplane.models.families.base import ROUTED_EXPERT_TARGETS
 
     modules: list[str] = []
     for t in targets:
-        if t in EXPERT_TARGETS:
+        if t in ROUTED_EXPERT_TARGETS:
             continue
         name = "in_proj_qkv" if t in ("in_proj_q", "in_proj_k", "in_proj_v") else t
         if name not in modules:
             modules.append(name)
-    return {"target_modules": modules, "target_parameters": [f"mlp.{t}" for t in targets if t in EXPERT_TARGETS]}
+    # Nemotron-H's experts already name their block (mixer.experts.*), the other families' sit under mlp.
+    parameters = [t if t.startswith("mixer.") else f"mlp.{t}" for t in targets if t in ROUTED_EXPERT_TARGETS]
+    return {"target_modules": modules, "target_parameters": parameters}
 
 
 def count_params(model) -> int:
