@@ -20,6 +20,7 @@
 #          q35-mg-2048 q35-mg-2048-fla           Qwen3.5-35B-A3B 8 x 2048, megatron; q35-peft-2048-fla
 #          oss-mg-2048 oss-peft-2048             gpt-oss-20b 8 x 2048, megatron / the PEFT loop
 #          nemo-peft-2048 nemo-ours-2048         Nemotron-3 Nano 8 x 2048, the PEFT loop / the torch backend
+#          nemo-peft-512 nemo-ours-512           the same at 8 x 512
 # Needs .gpuwh/megatron and .gpuwh/tvp_extra (bench_env.sh), and .gpuwh/fla for the -fla cases
 # (scripts/gpu/fla-wheels.txt; build them with the shared build-wheelhouse.sh).
 set -uo pipefail
@@ -103,6 +104,10 @@ for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
     nemo-peft-2048) run_case nemotron-3-nano_8x2048_peft_alone --shape nemotron-3-nano "${PEFT[@]}" ;;
     nemo-ours-2048) run_case nemotron-3-nano_8x2048_torch_alone --shape nemotron-3-nano --no-peft --datums 8 \
       --seq-len 2048 --warmup 1 --rounds 3 --packed-impl batched ;;
+    nemo-peft-512) run_case nemotron-3-nano_8x512_peft_alone --shape nemotron-3-nano --tenants "" \
+      --peft-checkpointing on --datums 8 --seq-len 512 --warmup 1 --rounds 2 ;;
+    nemo-ours-512) run_case nemotron-3-nano_8x512_torch_alone --shape nemotron-3-nano --no-peft --datums 8 \
+      --seq-len 512 --warmup 1 --rounds 2 --packed-impl batched ;;
     tests) run_tests gpu_tests ;;
     tests-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_tests gpu_tests_fla ;;
     *) echo "unknown case $c" | summary ;;
