@@ -31,6 +31,19 @@ event (commit -> the sampler starts downloading), download (S3 read + digest), c
 one copy into the shared buffer, pickling), SGLang's load call (its unpickle and LoRA processing), first token
 (load done -> the sample's reply: SGLang moves the adapter into its GPU buffers on its first batch).
     python bench/sampler.py --engine sglang --shape qwen3moe --iterations 2 --deadline-s 430
+
+`--push` measures publish -> first sample where the publisher does what the trainer's PublishWeights does: the blob
+(random LoRA tensors of the shape, written as the trainer writes them: a shared-outer expert adapter in the compact
+format 2) is made and hashed, pushed by the real trainer_svc.handoff.Handoff to the sampler registered in the
+deployment's fleet membership (through this host's shared memory, or as the gRPC stream a sampler on another host
+gets) beside its upload to the real registry, and the publish answers after the commit and the push's settle; then
+that version is sampled. Versions that are not pushed (the registry path) alternate with them in the same run. Per
+version: the total from the publish's start to the sampled token, the moments between (made, push done, staged on
+the sampler, committed, acknowledged, load started, loaded) and the path the sampler reports for it; the run fails
+(exit 1) when a version took another path than its own, or was served as another version. Writes
+bench/results/sampler_push_<shape>.json.
+    python bench/sampler.py --push --quick [--shape tiny|tiny-moe|smollm2]     (torch engine, CPU, about a minute)
+    python bench/sampler.py --push --engine sglang --shape llama8b|qwen3moe --iterations 4 [--deadline-s 430]
 """
 
 from __future__ import annotations
@@ -53,7 +66,15 @@ sys.path.insert(0, str(REPO))
 import grpc
 import torch
 
-from bench.common import embedded_storage, random_adapter_blob
+from bench.common import (
+    embedded_storage,
+    environment,
+    latency_summary,
+    print_table,
+    random_adapter_blob,
+    rotation,
+    write_results,
+)
 from loraplane.models import load_base_model
 from loraplane.registry_client import RegistryClient
 from loraplane.rpc import channel_options
@@ -646,6 +667,318 @@ def print_moe_summary(result: dict) -> None:
         print(f"{variant:<26}" + "".join(f"{values[p]:>12.3f}" for p in MOE_PHASES) + f"{values['n']:>4}")
 
 
+# ------------------------------------------------------------------------------------------------ push
+
+# The paths a version takes to the sampler, alternated in one run: pushed by the trainer's handoff through this
+# host's shared memory (a colocated sampler), pushed as a gRPC stream (what a sampler on another host gets: a
+# disaggregated deployment; here on loopback), or not pushed at all (the sampler downloads it from the registry).
+PUSH_PATHS = ("push:shared_memory", "push:stream", "registry")
+PUSH_FLEET = "bench-push"
+# --push on the torch engine (CPU): shape -> (model name, adapter rank).
+TORCH_PUSH_SHAPES = {"tiny": ("tiny", 8), "tiny-moe": ("tiny-moe", 8), "smollm2": ("smollm2-135m-instruct", 16)}
+# Moments of a version, each from the start of its publish (milliseconds in the results).
+PUSH_PHASES = ("make", "push_done", "staged", "commit", "ack", "load_start", "loaded", "first_sample")
+
+
+def random_lora_params(base, spec, seed: int) -> dict[str, torch.Tensor]:
+    """Random LoRA tensors of `spec` on `base` (its shapes only: it may live on the meta device), in the trainer's
+    own layout (a shared-outer expert adapter's shared factors once): A uniform with kaiming's bound, B small and
+    random (not zero). Drawn on the GPU when there is one, a tensor at a time, and kept on the host in fp32."""
+    import math
+
+    from loraplane.lora import expected_shapes
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(seed)
+    params = {}
+    for key, shape in expected_shapes(base, spec).items():
+        if key.endswith("lora_A.weight"):
+            values = (torch.rand(shape, generator=generator, device=device) * 2 - 1) / math.sqrt(shape[1])
+        else:
+            values = torch.randn(shape, generator=generator, device=device) * 0.01
+        params[key] = values.cpu()
+    return params
+
+
+def push_variants(moe: bool, layouts: Sequence[str], paths: Sequence[str]) -> list[tuple[str, str]]:
+    """(expert layout or "dense", path) of every version kind a round publishes."""
+    return [(layout, path) for layout in (layouts if moe else ["dense"]) for path in paths]
+
+
+async def push_to_first_sample(engine_name: str, shape: str, iterations: int, workdir: Path, paths: Sequence[str],
+                               layouts: Sequence[str], dtype: str, layers: int = 0, deadline_s: float = 0.0) -> dict:
+    """publish -> first sample of each version, published as the trainer's PublishWeights does (the blob made and
+    hashed, pushed by trainer_svc.handoff.Handoff to the deployment's sampler beside the registry upload, the
+    publish answered after the commit and the push's settle), alternated with versions that are not pushed; each
+    version's path as the sampler reports it. `deadline_s` (from the start, 0: none): no version starts after it."""
+    started = time.perf_counter()
+    if engine_name == "sglang":
+        model = workdir.parent / f"lp-model-{shape}{f'-{layers}l' if layers else ''}"  # kept across runs
+        write_shape_dir(shape, model, layers)
+        model = str(model)
+        rank = (MOE_SHAPES.get(shape) or SHAPES[shape])[1]
+    else:
+        model, rank = TORCH_PUSH_SHAPES[shape]
+    _say(f"model {model} ready ({time.perf_counter() - started:.1f} s)")
+    with embedded_storage(workdir, "bench-sampler") as storage:
+        settings = storage.model_copy(update={"data_dir": workdir, "sampler_fleet": PUSH_FLEET})
+        return await _push_to_first_sample(settings, engine_name, shape, model, rank, iterations, workdir,
+                                           list(paths), list(layouts), dtype,
+                                           started + deadline_s if deadline_s else float("inf"))
+
+
+async def _push_to_first_sample(settings, engine_name: str, shape: str, model: str, rank: int, iterations: int,
+                                workdir: Path, paths: list[str], layouts: list[str], dtype: str,
+                                deadline: float) -> dict:
+    from loraplane.adapter_format import COMPACT_FORMAT, FORMAT_VERSION_KEY, adapter_writer, blob_metadata
+    from loraplane.lora import LoraSpec
+    from loraplane.membership import Membership
+    from loraplane.registry_client import CHUNK_BYTES, StreamedBlob
+    from trainer_svc import handoff as handoff_module
+
+    moe = shape in MOE_SHAPES or shape == "tiny-moe"
+    registry = await start_registry_server(settings)
+    began = time.perf_counter()
+    if engine_name == "sglang":
+        from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
+
+        engine = SGLangEngine(model, launch_servers=1, work_dir=workdir / "sglang", **sglang_engine_options(shape))
+        # A MoE version is GBs: one kept per adapter (SGLang holds at most 4 in host memory).
+        keep, max_loaded = (1, 3) if moe else (2, 6)
+        base = _base_model_facts(model)
+    else:
+        engine, keep, max_loaded = "torch", 2, 8
+        base = load_base_model(model)
+    sampler = await start_sampler_server(settings, registry_address=registry.address, base_model=model,
+                                         instance_id="bench-push", fleet=PUSH_FLEET, engine=engine,
+                                         keep_versions=keep, max_loaded=max_loaded)
+    startup_s = time.perf_counter() - began
+    _say(f"registry + sampler ({engine_name}) up in {startup_s:.1f} s")
+    # The trainer's handoff as trainer_svc/server.py builds it: this deployment's sampler fleet from Redis.
+    handoff = handoff_module.Handoff(Membership(settings.redis_url, key_prefix=settings.key_prefix, fleet=PUSH_FLEET),
+                                     None, preload=settings.sampler_fleet_preload)
+    client = RegistryClient(registry.address)
+
+    # Per version (its blob's sha256 until the version is known, then its key): moment name -> perf_counter().
+    by_sha: dict[str, dict[str, float]] = {}
+    by_key: dict[str, dict[str, float]] = {}
+    outcomes: dict[str, dict[str, str]] = {}
+    real_push, real_finish = handoff.push, sampler.manager.staging.finish
+    real_load, real_download = sampler.engine.load_adapter, RegistryClient.download
+
+    async def timed_push(adapter, blob):
+        try:
+            result = outcomes[blob.sha256] = await real_push(adapter, blob)
+            return result
+        finally:
+            by_sha.setdefault(blob.sha256, {})["push_done"] = time.perf_counter()
+
+    async def timed_finish(incoming, blob, hasher=None):
+        await real_finish(incoming, blob, hasher)
+        by_sha.setdefault(incoming.sha256, {})["staged"] = time.perf_counter()
+
+    async def timed_load(key, blob):
+        by_key.setdefault(key, {})["load_start"] = time.perf_counter()
+        try:
+            return await real_load(key, blob)
+        finally:
+            by_key[key]["loaded"] = time.perf_counter()
+
+    async def timed_download(self, name, version=0, alias=""):
+        key = f"{name}@v{version}"
+        t = time.perf_counter()
+        try:
+            return await real_download(self, name, version, alias)
+        finally:
+            by_key.setdefault(key, {})["download_s"] = time.perf_counter() - t
+
+    handoff.push, sampler.manager.staging.finish = timed_push, timed_finish
+    untracked = _one_tracker_per_role()
+    sampler.engine.load_adapter, RegistryClient.download = timed_load, timed_download
+    prompt = list(range(100, 132))
+    variants = push_variants(moe, layouts, paths)
+    adapter_of = {v: f"push-{v[0].replace('_', '-')}-{v[1].replace(':', '-').replace('_', '-')}" for v in variants}
+    records: list[dict] = []
+    wrong: list[str] = []
+    try:
+        deadline_at = time.monotonic() + 30
+        while not await handoff.targets("any"):  # the sampler's first heartbeat is in Redis before it answers
+            assert time.monotonic() < deadline_at, "the sampler never appeared in its fleet's membership"
+            await asyncio.sleep(0.05)
+        layout_enum = {"per_expert": common_pb2.EXPERT_LORA_LAYOUT_PER_EXPERT,
+                       "shared_outer": common_pb2.EXPERT_LORA_LAYOUT_SHARED_OUTER}
+        dtype_enum = {"float32": common_pb2.WEIGHTS_DTYPE_FLOAT32, "bfloat16": common_pb2.WEIGHTS_DTYPE_BFLOAT16}
+        for variant, name in adapter_of.items():
+            config = common_pb2.LoraConfig(rank=rank, alpha=2 * rank, weights_dtype=dtype_enum[dtype])
+            if moe:
+                config.expert_layout = layout_enum[variant[0]]
+                config.target_modules.extend(MOE_TARGETS)
+            await client.create_adapter(name, base_model=model, lora_config=config)
+        channel = grpc.aio.insecure_channel(sampler.address, options=channel_options())
+        stub = sampler_pb2_grpc.SamplerServiceStub(channel)
+        model_type = getattr(getattr(base, "family", None), "model_type", "")
+
+        async def one(variant: tuple[str, str], seed: int, label: str) -> dict:
+            layout, path = variant
+            name = adapter_of[variant]
+            spec = (LoraSpec.create(rank, 2.0 * rank, MOE_TARGETS, seed=seed, expert_layout=layout) if moe
+                    else LoraSpec.create(rank, 2.0 * rank, seed=seed))
+            params = random_lora_params(base, spec, seed)  # not timed: the trainer's export is not this bench's
+            writer = adapter_writer(params, spec, base.name, dtype, model_type=model_type)
+            blob = StreamedBlob(writer.size, writer.chunks(CHUNK_BYTES))
+            # PublishWeights from here on (trainer_svc/service.py _finish_publish): made and hashed in one pass,
+            # pushed (beside the upload; before it for a blob up to the handoff's lead_bytes), committed, settled.
+            t0 = time.perf_counter()
+            await asyncio.to_thread(blob.make)
+            made = time.perf_counter()
+            del params
+            push = None
+            if path.startswith("push:"):
+                handoff.shared_memory = path == "push:shared_memory"
+                push = await handoff.start(name, blob)
+            try:
+                version = await client.publish(name, blob)
+            except BaseException:
+                if push is not None:
+                    await handoff.settle(push, committed=False)
+                raise
+            committed = time.perf_counter()
+            if push is not None:
+                await handoff.settle(push, committed=True)
+            acked = time.perf_counter()
+            # The RL loop's next call: a sample of exactly that version.
+            reply = await stub.Sample(sampler_pb2.SampleRequest(
+                adapter=common_pb2.AdapterRef(name=name, version=version.version), prompt_tokens=prompt,
+                sampling_params=common_pb2.SamplingParams(max_tokens=1)))
+            end = time.perf_counter()
+            key = f"{name}@v{version.version}"
+            loaded = next((e for e in sampler.manager.list_loaded() if e.key == key), None)
+            format_ = blob_metadata(_header_bytes(blob)).get(FORMAT_VERSION_KEY, "1")
+            at = {**by_sha.pop(blob.sha256, {}), **by_key.get(key, {}), "make": made, "commit": committed,
+                  "ack": acked, "first_sample": end}
+            expected = "push" if push is not None else "registry"
+            pushed = outcomes.pop(blob.sha256, {})
+            record = {"variant": f"{layout}/{path}", "label": label, "key": key, "blob_mb": round(blob.size / 1e6, 2),
+                      "format": format_, "expected_path": expected,
+                      "path": loaded.path if loaded is not None else "not loaded",
+                      "served_version": reply.served_version, "push_outcomes": sorted(pushed.values()),
+                      **{f"{p}_ms": round((at[p] - t0) * 1e3, 2) if p in at else None for p in PUSH_PHASES},
+                      "download_ms": round(at["download_s"] * 1e3, 2) if "download_s" in at else None,
+                      "load_ms": round((at["loaded"] - at["load_start"]) * 1e3, 2) if "loaded" in at else None}
+            problems = []
+            if reply.served_version != version.version:
+                problems.append(f"served v{reply.served_version}, asked v{version.version}")
+            if record["path"] != expected:
+                problems.append(f"path {record['path']}, expected {expected}")
+            if push is not None and record["push_outcomes"] != [path.split(":")[1]]:
+                problems.append(f"push outcomes {record['push_outcomes']}, expected [{path.split(':')[1]}]")
+            if moe and layout == "shared_outer" and format_ != COMPACT_FORMAT:
+                problems.append(f"shared-outer blob in format {format_}, not the compact {COMPACT_FORMAT}")
+            if problems:
+                wrong.append(f"{key} ({record['variant']}, {label}): " + "; ".join(problems))
+            record["ok"] = not problems
+            _say(f"{record['variant']:<32} {label:<8} {record['blob_mb']:>9} MB fmt {format_} path "
+                 f"{record['path']:<8} | " + " ".join(f"{p} {record[p + '_ms']}" for p in PUSH_PHASES
+                                                      if record[p + "_ms"] is not None)
+                 + f" | load {record['load_ms']} download {record['download_ms']} ms"
+                 + ("" if record["ok"] else "  <-- WRONG: " + "; ".join(problems)))
+            return record
+
+        # Not measured: the first load of a shape configures the engine's LoRA kernels, the first push of each way
+        # opens its connection. Each path and each expert layout once (a MoE version takes many seconds).
+        kinds = sorted({v[0] for v in variants}, key=[v[0] for v in variants].index)
+        warm = [(kinds[i % len(kinds)], path) for i, path in enumerate(paths)]
+        warm += [(kind, paths[0]) for kind in kinds[len(paths):]]
+        for n, variant in enumerate(warm):
+            records.append(await one(variant, 10_000 + n, "warm-up"))
+        for index in range(iterations):
+            for variant in rotation(variants, index):
+                if time.perf_counter() > deadline:
+                    _say(f"deadline reached: {variant} iteration {index + 1} not run")
+                    continue
+                records.append(await one(variant, 1000 * (1 + variants.index(variant)) + index, f"iter {index + 1}"))
+        await channel.close()
+    finally:
+        RegistryClient.download = real_download
+        await handoff.close()
+        untracked()
+        await client.close()
+        await sampler.stop()
+        await registry.stop()
+
+    summary = {}
+    for layout, path in variants:
+        rows = [r for r in records if r["variant"] == f"{layout}/{path}" and r["label"] != "warm-up"]
+        if rows:
+            summary[f"{layout}/{path}"] = {
+                "n": len(rows), "paths": sorted({r["path"] for r in rows}), "blob_mb": rows[0]["blob_mb"],
+                "format": rows[0]["format"],
+                "total_ms": latency_summary([r["first_sample_ms"] / 1e3 for r in rows]),
+                **{f"{p}_ms_p50": _median([r[f"{p}_ms"] for r in rows]) for p in (*PUSH_PHASES, "load", "download")}}
+    return {"shape": shape, "engine": engine_name, "model": model, "rank": rank, "dtype": dtype,
+            "iterations": iterations, "paths": paths, "layouts": layouts if moe else None,
+            "targets_ms": {"llama8b": 150, "qwen3moe": 1000}, "sampler_startup_s": round(startup_s, 1),
+            "handoff_pushes": dict(handoff.pushes), "summary": summary, "wrong_paths": wrong, "versions": records}
+
+
+def _one_tracker_per_role():
+    """This one process is both the trainer and the sampler, so they share one multiprocessing resource tracker: the
+    sampler's attach takes the handoff's segment off it (sampler_svc/staging.py), and the pusher's unlink taking it
+    off again makes the tracker print a KeyError per version. Each segment is taken off once here, as it is where
+    the two are processes of their own. Returns the function that undoes this."""
+    from multiprocessing import resource_tracker
+
+    tracked: set[str] = set()
+    real_register, real_unregister = resource_tracker.register, resource_tracker.unregister
+
+    def register(name, rtype):
+        tracked.add(name)
+        real_register(name, rtype)
+
+    def unregister(name, rtype):
+        if name in tracked:
+            tracked.discard(name)
+            real_unregister(name, rtype)
+
+    resource_tracker.register, resource_tracker.unregister = register, unregister
+
+    def undo() -> None:
+        resource_tracker.register, resource_tracker.unregister = real_register, real_unregister
+    return undo
+
+
+def _header_bytes(blob) -> bytes:
+    """The safetensors header of a made StreamedBlob (its first pieces, as far as the header goes)."""
+    head, index = b"", 0
+    while len(head) < 8 or len(head) < 8 + int.from_bytes(head[:8], "little"):
+        head += blob.made(index)
+        index += 1
+    return head
+
+
+def _median(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 2) if present else None
+
+
+def print_push_summary(result: dict) -> None:
+    target = result["targets_ms"].get(result["shape"])
+    print_table(f"publish -> first sample through the handoff: {result['shape']} rank {result['rank']} "
+                f"{result['dtype']} ({result['engine']} engine), p50 ms from the publish's start"
+                + (f"; target <= {target} ms" if target else ""),
+                ["layout/path", "MB", "fmt", "sampler path", "n", "total p50", "total p99", "made", "push done",
+                 "staged", "commit", "ack", "load start", "loaded", "load", "download"],
+                [[variant, f"{s['blob_mb']:g}", s["format"], ",".join(s["paths"]), s["n"], s["total_ms"]["p50_ms"],
+                  s["total_ms"]["p99_ms"], *(_cell(s[f"{p}_ms_p50"]) for p in ("make", "push_done", "staged", "commit",
+                                                                           "ack", "load_start", "loaded", "load",
+                                                                           "download"))]
+                 for variant, s in result["summary"].items()], width=220)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -655,9 +988,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
-    parser.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES]),
-                        help="sglang only: tensors vs files publish -> first sample on a random-weight model this "
-                             "shape (qwen3moe: Qwen3-30B-A3B, dummy weights, tensors only)")
+    parser.add_argument("--shape", choices=sorted({*SHAPES, *MOE_SHAPES, *TORCH_PUSH_SHAPES}),
+                        help="sglang: tensors vs files publish -> first sample on a random-weight model this "
+                             "shape (qwen3moe: Qwen3-30B-A3B, dummy weights, tensors only); with --push the shape "
+                             "published (torch engine: tiny, tiny-moe, smollm2; default tiny-moe)")
+    parser.add_argument("--push", action="store_true",
+                        help="publish -> first sample through the trainer's handoff (trainer_svc.handoff.Handoff) "
+                             "per path (--push-paths), alternated in one run; fails if a version took another path")
+    parser.add_argument("--push-paths", nargs="+", choices=PUSH_PATHS, default=list(PUSH_PATHS),
+                        help="--push: the paths compared (default all)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="--push: the adapters' weights dtype (the blob's)")
+    parser.add_argument("--quick", action="store_true",
+                        help="--push: 3 iterations (about a minute on CPU with --shape tiny or tiny-moe)")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=None,
                         help="with --shape: transport:blob dtype of the versions compared (default file:float32 "
                              "file:bfloat16; qwen3moe: tensors:bfloat16)")
@@ -672,6 +1015,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=0,
                         help="qwen3moe: the first N layers only (default all 48; the adapter shrinks with them)")
     args = parser.parse_args(argv)
+    if args.push:
+        args.shape = args.shape or ("tiny-moe" if args.engine == "torch" else "llama8b")
+        if args.engine == "torch" and args.shape not in TORCH_PUSH_SHAPES:
+            parser.error(f"--push on the torch engine runs {', '.join(TORCH_PUSH_SHAPES)} (the GPU shapes need "
+                         "--engine sglang)")
+        if args.engine == "sglang" and args.shape in TORCH_PUSH_SHAPES and args.shape not in SHAPES:
+            parser.error(f"--shape {args.shape} is a torch-engine shape")
+        if args.quick:
+            args.iterations = 3
+        return args
+    if args.shape in TORCH_PUSH_SHAPES and args.shape not in SHAPES:
+        parser.error(f"--shape {args.shape} is for --push on the torch engine")
     if args.shape in MOE_SHAPES and args.ways:
         parser.error(f"--shape {args.shape} is served with --load-format dummy, whose SGLang cannot read adapter "
                      "files: its versions go as bf16 tensors (--expert-forms, --expert-layouts choose what is compared)")
@@ -681,6 +1036,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.push:
+        # A fixed folder, kept: the SGLang server's log is there when something fails.
+        workdir = Path(tempfile.gettempdir()) / f"lp-bench-push-{args.shape}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        result = asyncio.run(push_to_first_sample(args.engine, args.shape, args.iterations, workdir, args.push_paths,
+                                                  args.expert_layouts, args.dtype, args.layers, args.deadline_s))
+        result["layers"] = args.layers or None
+        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        result["environment"] = environment()
+        print(json.dumps({k: v for k, v in result.items() if k != "versions"}, indent=2))
+        print_push_summary(result)
+        out = write_results(f"sampler_push_{args.shape}", result)
+        print(f"wrote {out}")
+        if result["wrong_paths"]:
+            print("FAILED: versions that did not take their expected path (or were served wrong):", file=sys.stderr)
+            for line in result["wrong_paths"]:
+                print(f"  {line}", file=sys.stderr)
+            sys.exit(1)
+        return
     if args.shape in MOE_SHAPES:
         workdir = Path(tempfile.gettempdir()) / f"lp-bench-load-{args.shape}"
         shutil.rmtree(workdir, ignore_errors=True)
