@@ -14,6 +14,15 @@
 #                                                         /dev/shm; every version's phases are printed as it
 #                                                         completes, no version starts after 430 s; LAYERS the
 #                                                         first N of the 48 only
+#   bash scripts/gpu/moe_serve.sh push [ITER] [LAYERS]    bench/sampler.py --push --shape qwen3moe: publish -> first
+#                                                         sample of the same adapters published as PublishWeights
+#                                                         does it (shared-outer in the compact format 2, and
+#                                                         per-expert): pushed by the trainer's handoff through
+#                                                         /dev/shm, pushed as a gRPC stream, or not pushed (the
+#                                                         registry path), alternated, ITER versions each (default
+#                                                         2) after one warm-up per path; the path each version took,
+#                                                         and a nonzero exit when one took another; no version
+#                                                         starts after 430 s
 #   bash scripts/gpu/moe_serve.sh e2e [ITER]              python -m tests.production_e2e --moe: torch
 #                                                         trainer + SGLang sampler (eager) on a 3-layer random
 #                                                         Qwen3-MoE, two tenants' GRPO loop (ITER 12)
@@ -70,6 +79,19 @@ case "$mode" in
       > "$OUT/sglang_server_qwen3moe.log"
     tail -25 "$OUT/sglang_server_qwen3moe.log"
     exit "$rc" ;;
+  push)
+    iterations=${1:-2}; layers=${2:-0}
+    reap /tmp/lp-model-qwen3moe
+    df -h /dev/shm /tmp | tee -a "$OUT/env.log"  # the colocated push and the versions' way into SGLang use /dev/shm
+    timeout -k 20 560 python3 bench/sampler.py --push --engine sglang --shape qwen3moe --iterations "$iterations" \
+      --layers "$layers" --deadline-s 430 2>&1 | filter | tee "$OUT/push_qwen3moe.log"
+    rc=${PIPESTATUS[0]}
+    reap /tmp/lp-model-qwen3moe
+    cp bench/results/sampler_push_qwen3moe.json "$OUT/sampler_push_qwen3moe.json" 2>/dev/null
+    grep -v -E "^\s*$" /tmp/lp-bench-push-qwen3moe/sglang/server-0.log 2>/dev/null | tail -300 \
+      > "$OUT/sglang_server_push_qwen3moe.log"
+    tail -25 "$OUT/sglang_server_push_qwen3moe.log"
+    exit "$rc" ;;
   e2e)
     stop_e2e_cluster() {  # what a killed run left: the supervised cluster (trainer on the GPU) and SGLang
       python3 -c "from pathlib import Path; from loraplane_cli.local_cluster import read_cluster_state, stop_cluster
@@ -86,5 +108,5 @@ state and stop_cluster(state, timeout=5.0)" 2>&1 | tail -3
     stop_e2e_cluster
     tar czf "$OUT/e2e_moe_logs.tgz" --exclude=adapters -C /tmp/e2e-moe logs sglang 2>/dev/null
     exit "$rc" ;;
-  *) echo "unknown mode '$mode' (tests [-k EXPR] | load [ITER] [LAYERS] | e2e [ITER])"; exit 2 ;;
+  *) echo "unknown mode '$mode' (tests [-k EXPR] | load [ITER] [LAYERS] | push [ITER] [LAYERS] | e2e [ITER])"; exit 2 ;;
 esac

@@ -22,6 +22,11 @@
 #   bash scripts/gpu/sampler_vs_sglang.sh load SHAPE ITERATIONS [WAY...] (bench/sampler.py: publish -> first
 #       sample per way a version reaches SGLang, transport:blob dtype, default file:float32 file:bfloat16;
 #       SHAPE smollm2 | llama8b)
+#   bash scripts/gpu/sampler_vs_sglang.sh push SHAPE [ITERATIONS] [PATH...] (bench/sampler.py --push: publish ->
+#       first sample where each version is published as PublishWeights does it, pushed by the trainer's handoff to
+#       the sampler beside the registry upload, alternated with versions that are not pushed; PATH of
+#       push:shared_memory push:stream registry, default all; the path each version took, and a nonzero exit when
+#       one took another; SHAPE llama8b | smollm2, ITERATIONS default 6; the MoE shape: moe_serve.sh push)
 #   bash scripts/gpu/sampler_vs_sglang.sh tests [PYTEST -k EXPR] (tests/gpu/test_sglang_engine.py: the engine against
 #       a real server, CUDA graphs vs --disable-cuda-graph among them)
 #   bash scripts/gpu/sampler_vs_sglang.sh publish [ROUNDS] (bench/publish.py on this host: PublishWeights' export +
@@ -41,6 +46,17 @@ case "$mode" in
     cp bench/results/sampler_sglang_load_$shape.json "$OUT/" 2>/dev/null
     grep -v -E "^\s*$" /tmp/lp-bench-load-$shape/sglang/server-0.log | tail -150 > "$OUT/sglang_server_$shape.log" 2>/dev/null
     tail -25 "$OUT/sglang_server_$shape.log" ;;
+  push)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    shape=${1:-llama8b}; iterations=${2:-6}; shift $(( $# < 2 ? $# : 2 )); paths=${*:+--push-paths $*}
+    df -h /dev/shm | tail -1  # the colocated push goes through it
+    python3 bench/sampler.py --push --engine sglang --shape "$shape" --iterations "$iterations" $paths 2>&1 \
+      | grep --line-buffered -v -i -E "warn|Loading weights" | tee "$OUT/push_$shape.log"
+    rc=${PIPESTATUS[0]}
+    cp bench/results/sampler_push_$shape.json "$OUT/" 2>/dev/null
+    grep -v -E "^\s*$" /tmp/lp-bench-push-$shape/sglang/server-0.log | tail -150 > "$OUT/sglang_server_push_$shape.log" 2>/dev/null
+    tail -25 "$OUT/sglang_server_push_$shape.log"
+    exit "$rc" ;;
   bench)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     [ $# -eq 0 ] && set -- --concurrency 16 64 256 --mixes mixed8 --rounds 3 --latency-rounds 3
@@ -82,7 +98,7 @@ case "$mode" in
       | grep -v -i warn | tee "$OUT/publish.log" | tail -20
     cp bench/results/publish.json "$OUT/" 2>/dev/null ;;
   *) echo "unknown mode $mode (bench [args] | two-servers [args] | fleet [args] | load SHAPE ITERATIONS [WAY...] | tests [-k EXPR] |"
-     echo "  publish [ROUNDS];"
+     echo "  publish [ROUNDS] | push SHAPE [ITERATIONS] [PATH...];"
      echo "installing is scripts/gpu/e2e.sh's)"
      exit 2 ;;
 esac
