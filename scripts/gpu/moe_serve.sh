@@ -54,6 +54,21 @@ reap() {
   echo "stopping SGLang servers left by an earlier run: $pids"
   kill $pids 2>/dev/null; sleep 15; kill -9 $pids 2>/dev/null; return 0
 }
+qwen3moe_bench() {  # MODE (load | push) JSON_NAME WORKDIR SERVER_LOG [ITER] [LAYERS]: bench/sampler.py --shape qwen3moe
+  local mode=$1 json=$2 work=$3 server=$4 iterations=${5:-2} layers=${6:-0} push=() rc
+  [ "$mode" = push ] && push=(--push)
+  reap /tmp/lp-model-qwen3moe
+  # The versions reach SGLang through /dev/shm (and the colocated push maps its segment there).
+  df -h /dev/shm /tmp | tee -a "$OUT/env.log"
+  timeout -k 20 560 python3 bench/sampler.py "${push[@]}" --engine sglang --shape qwen3moe --iterations "$iterations" \
+    --layers "$layers" --deadline-s 430 2>&1 | filter | tee "$OUT/${mode}_qwen3moe.log"
+  rc=${PIPESTATUS[0]}
+  reap /tmp/lp-model-qwen3moe
+  cp "bench/results/$json.json" "$OUT/$json.json" 2>/dev/null
+  grep -v -E "^\s*$" "$work/sglang/server-0.log" 2>/dev/null | tail -300 > "$OUT/$server.log"
+  tail -25 "$OUT/$server.log"
+  exit "$rc"
+}
 case "$mode" in
   tests)
     reap /tmp/lp-moe-tests
@@ -67,31 +82,9 @@ case "$mode" in
       --null -T - 2>/dev/null
     exit "$rc" ;;
   load)
-    iterations=${1:-2}; layers=${2:-0}
-    reap /tmp/lp-model-qwen3moe
-    df -h /dev/shm /tmp | tee -a "$OUT/env.log"  # the versions reach SGLang through /dev/shm
-    timeout -k 20 560 python3 bench/sampler.py --engine sglang --shape qwen3moe --iterations "$iterations" \
-      --layers "$layers" --deadline-s 430 2>&1 | filter | tee "$OUT/load_qwen3moe.log"
-    rc=${PIPESTATUS[0]}
-    reap /tmp/lp-model-qwen3moe
-    cp bench/results/sampler_sglang_load_qwen3moe.json "$OUT/sampler_sglang_load_qwen3moe.json" 2>/dev/null
-    grep -v -E "^\s*$" /tmp/lp-bench-load-qwen3moe/sglang/server-0.log 2>/dev/null | tail -300 \
-      > "$OUT/sglang_server_qwen3moe.log"
-    tail -25 "$OUT/sglang_server_qwen3moe.log"
-    exit "$rc" ;;
+    qwen3moe_bench load sampler_sglang_load_qwen3moe /tmp/lp-bench-load-qwen3moe sglang_server_qwen3moe "$@" ;;
   push)
-    iterations=${1:-2}; layers=${2:-0}
-    reap /tmp/lp-model-qwen3moe
-    df -h /dev/shm /tmp | tee -a "$OUT/env.log"  # the colocated push and the versions' way into SGLang use /dev/shm
-    timeout -k 20 560 python3 bench/sampler.py --push --engine sglang --shape qwen3moe --iterations "$iterations" \
-      --layers "$layers" --deadline-s 430 2>&1 | filter | tee "$OUT/push_qwen3moe.log"
-    rc=${PIPESTATUS[0]}
-    reap /tmp/lp-model-qwen3moe
-    cp bench/results/sampler_push_qwen3moe.json "$OUT/sampler_push_qwen3moe.json" 2>/dev/null
-    grep -v -E "^\s*$" /tmp/lp-bench-push-qwen3moe/sglang/server-0.log 2>/dev/null | tail -300 \
-      > "$OUT/sglang_server_push_qwen3moe.log"
-    tail -25 "$OUT/sglang_server_push_qwen3moe.log"
-    exit "$rc" ;;
+    qwen3moe_bench push sampler_push_qwen3moe /tmp/lp-bench-push-qwen3moe sglang_server_push_qwen3moe "$@" ;;
   e2e)
     stop_e2e_cluster() {  # what a killed run left: the supervised cluster (trainer on the GPU) and SGLang
       python3 -c "from pathlib import Path; from loraplane_cli.local_cluster import read_cluster_state, stop_cluster
