@@ -51,24 +51,19 @@ def checkpoint(directory: Path) -> Path:
     return directory
 
 
-def _flat(values) -> list[float]:
-    return torch.cat([v.reshape(-1).float() for v in values]).tolist()
-
-
 def child(tp: int, out: Path, full: bool, ep: int = 1) -> None:
     if not torch.cuda.is_available():
         import tests.fixtures.megatron_cpu  # noqa: F401  (before the backend is used)
     import torch.distributed as dist
 
-    from loraplane.lora import LoraSpec, init_lora_params
+    from loraplane.lora import LoraSpec
     from loraplane.models import load_base_model
     from loraplane.models.families import lora_targets
-    from tests.gpu.test_megatron import datums, flat, logprobs_of, make_state, random_adapter
-    from trainer_svc.backends.base import BatchItem
+    from tests.fixtures.megatron_lora_report import lora_report
+    from tests.gpu.test_megatron import datums
     from trainer_svc.backends.megatron.backend import Driver, MegatronBackend
     from trainer_svc.backends.megatron.engine import Engine
     from trainer_svc.backends.megatron.model import forward_logits, init_parallel
-    from trainer_svc.optimizer import AdamHyper
 
     with tempfile.TemporaryDirectory() as tmp:
         # Written before torch.distributed starts (transformers' save_pretrained then writes on every rank).
@@ -115,54 +110,8 @@ def child(tp: int, out: Path, full: bool, ep: int = 1) -> None:
         every = LoraSpec.create(4, 8.0, [], seed=3, available=lora_targets(base.config))
         some = LoraSpec.create(2, 4.0, ["q_proj", "o_proj", "experts.down_proj"], seed=4,
                                available=lora_targets(base.config))
-        params = {"a": random_adapter(base, every, seed=5), "b": random_adapter(base, some, seed=6)}
-        specs = {"a": every, "b": some}
-        states = {f"{n}{i}": make_state(f"{n}{i}", specs[n], params[n], "cpu") for n in "ab" for i in (1, 2)}
         other = datums(base.vocab_size - 1, (13, 6), seed=12)
-        lp = {}
-        lp["a1"], _ = logprobs_of(backend, states["a1"], data, backward=True)
-        lp["b1"], _ = logprobs_of(backend, states["b1"], other, backward=True)
-        (res_a, res_b) = backend.run([BatchItem(states["a2"], data, "cross_entropy", {}),
-                                      BatchItem(states["b2"], other, "cross_entropy", {})], backward=True)
-        lp["a2"] = [torch.tensor(o.logprobs) for o in res_a.outputs]
-        lp["b2"] = [torch.tensor(o.logprobs) for o in res_b.outputs]
-        grads = {n: driver.call("gather", {"name": n, "rows": [1]})[0] for n in states}
-        report["grad_norm_a"] = flat(grads["a1"].values()).norm().item()
-        base_lp = flat(logprobs_of(backend, make_state("zero", every, init_lora_params(base, every), "cpu"),
-                                   data)[0])
-        report["adapter_effect"] = (flat(lp["a1"]) - base_lp).abs().max().item()
-        report["base_logprobs"] = base_lp.tolist()
-        report["fused_lp_diff"] = max((flat(lp[f"{n}1"]) - flat(lp[f"{n}2"])).abs().max().item() for n in "ab")
-        report["fused_grad_rel"] = max(
-            ((flat(grads[f"{n}1"][k] for k in keys) - flat(grads[f"{n}2"][k] for k in keys)).norm()
-             / flat(grads[f"{n}1"][k] for k in keys).norm()).item()
-            for n in "ab" for keys in [sorted(grads[f"{n}1"])])
-        hyper = AdamHyper(learning_rate=1e-2)
-        for n in ("a1", "b1"):
-            backend.optim_step(states[n], hyper)
-        trained = {n: backend.export_params(states[n]) for n in ("a1", "b1")}
-        report["logprobs"] = _flat(flat(lp[n]) for n in ("a1", "b1"))
-        report["grads"] = _flat(grads["a1"][k] for k in sorted(grads["a1"]))
-        report["keys"] = {n: sorted(trained[n]) for n in trained}
-
-        if full:
-            from trainer_svc.backends.torch_backend import TorchBackend
-
-            torch_backend = TorchBackend(load_base_model(str(directory), device="cpu", dtype=torch.float32))
-            ts = make_state("a", every, params["a"], "cpu")
-            torch_lp, _ = logprobs_of(torch_backend, ts, data, backward=True)
-            keys = sorted(params["a"])
-            torch_grads = flat(ts.params[k].grad for k in keys)
-            report["torch_lp_max_abs"] = (flat(torch_lp) - flat(lp["a1"])).abs().max().item()
-            report["torch_grad_rel"] = ((flat(grads["a1"][k] for k in keys) - torch_grads).norm()
-                                        / torch_grads.norm()).item()
-            torch_backend.optim_step(ts, hyper)
-            torch_trained = torch_backend.export_params(ts)
-            report["torch_keys"] = sorted(torch_trained)
-            report["torch_shapes_equal"] = all(tuple(torch_trained[k].shape) == tuple(trained["a1"][k].shape)
-                                               for k in torch_trained if k in trained["a1"])
-            report["torch_trained_max_abs"] = max((torch_trained[k] - trained["a1"][k]).abs().max().item()
-                                                  for k in torch_trained if k in trained["a1"])
+        report.update(lora_report(backend, driver, base, directory, every, some, data, other, full))
         out.write_text(json.dumps(report))
         driver.shutdown()
 
