@@ -242,14 +242,16 @@ def test_two_ranks_equal_one_rank(measured, tmp_path, tp, ep):
     assert ((g1 - g2).norm() / g1.norm()).item() <= RANKS_GRAD_RTOL
 
 
-@pytest.mark.parametrize("sinks,window", [(True, 4), (True, 0), (False, 3)], ids=["sinks+window", "sinks", "window"])
-def test_fused_sink_attention_equals_the_eager_one(sinks, window):
-    """The CUDA path (the sink as an extra key of a masked SDPA call, padded features and keys) against
-    transformers' eager math, run here on CPU: outputs and q/k/v gradients, GQA 4/2, datums of several lengths."""
+@pytest.mark.parametrize("sinks,window,lengths", [(True, 4, (9, 1, 17, 4)), (True, 0, (9, 1, 17, 4)),
+                                                   (False, 3, (9, 1, 17, 4)), (True, 128, (300, 129, 5))],
+                         ids=["sinks+window", "sinks", "window", "gpt-oss-window"])
+def test_fused_sink_attention_equals_the_eager_one(sinks, window, lengths):
+    """The CUDA path (the sink as an extra key of a masked SDPA call, padded features and keys; a sliding-window
+    layer in bands of the window's width, datums of one, several and a part of a block) against transformers'
+    eager math, run here on CPU: outputs and q/k/v gradients, GQA 4/2."""
     from trainer_svc.backends.megatron.attention import sink_window_eager, sink_window_sdpa
 
     g = torch.Generator().manual_seed(0)
-    lengths = (9, 1, 17, 4)
     bounds = tuple((sum(lengths[:i]), sum(lengths[: i + 1])) for i in range(len(lengths)))
     t, d = sum(lengths), 12
     q, k, v = (torch.randn(t, h, d, generator=g, requires_grad=True) for h in (4, 2, 2))

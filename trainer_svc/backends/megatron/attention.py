@@ -11,8 +11,9 @@ datum once per batch and hands them over with the boundaries; this module rotate
 attending (:func:`.fusion.apply_rope`: one fused kernel per tensor and direction on CUDA, megatron's op-by-op math
 elsewhere), and megatron is handed no angles of its own.
 
-gpt-oss's per-head sinks and sliding windows (:func:`sink_window_eager`: transformers' eager math, CPU;
-:func:`sink_window_sdpa`: the sink as an extra key of a masked SDPA call, CUDA) also run datum by datum.
+gpt-oss's per-head sinks and sliding windows (:func:`sink_window_eager`: transformers' eager math, CPU, datum by
+datum; :func:`sink_window_sdpa`: the sink as an extra key of a masked SDPA call, CUDA: full-attention layers datum by
+datum, sliding-window layers in bands of the window's width, every datum's bands in one call).
 
 Kernels. Nothing of size ``T^2`` is ever formed, and a datum never attends to another:
   * CUDA, bf16/fp16: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over ``cu_seqlens``), one call
@@ -161,6 +162,8 @@ def sink_window_sdpa(q, k, v, bounds, scale: float, sinks, window: int):
     of 8 and the keys to a multiple of 16 with masked zero keys (the memory-efficient kernel's alignment; every
     query still sees the sink, so no row is fully masked). The torch backend computes it the same way
     (``loraplane.models.families.gpt_oss._batched_sink_attention``)."""
+    if window:
+        return _sink_window_banded(q, k, v, bounds, scale, sinks, window)
     heads, dim = q.shape[1], q.shape[2]
     rep = heads // k.shape[1]
     extra = 1 if sinks is not None else 0
@@ -189,6 +192,62 @@ def sink_window_sdpa(q, k, v, bounds, scale: float, sinks, window: int):
                                              attn_mask=torch.cat(cols, 1), scale=scale)
         outs.append(out[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def _sink_window_banded(q, k, v, bounds, scale: float, sinks, window: int):
+    """A sliding-window layer of :func:`sink_window_sdpa` in bands: a datum's queries in blocks of ``window``, each
+    block against the ``2 * window`` keys that can reach it (the block's own and the ``window`` before it; the
+    datum's keys zero-padded in front by ``window`` and at the end to whole blocks, then cut into overlapping
+    windows). Every block of every datum is one batch entry of one masked SDPA call, with the same relative mask
+    (key ``j`` visible to query ``i`` iff ``i < j <= i + window``) and the front padding of each datum's first
+    block masked. A 2,048-token datum with gpt-oss's 128-token window attends 16 blocks x 256 keys instead of 2,048
+    x 2,048 masked scores (the fused kernels cannot skip masked blocks). The sink (and the kernel's alignment) as in
+    :func:`sink_window_sdpa`; padded queries see the sink or padded keys, so no row is fully masked."""
+    heads, dim = q.shape[1], q.shape[2]
+    groups = k.shape[1]
+    block, span = window, 2 * window
+    extra = 1 if sinks is not None else 0
+    width = -(-(dim + extra) // 8) * 8
+    qs, ks, vs, firsts, blocks = [], [], [], [], []
+    for start, end in bounds:
+        n = end - start
+        count = -(-n // block)
+        blocks.append((n, count))
+        qs.append(F.pad(q[start:end], (0, 0, 0, 0, 0, count * block - n)).reshape(count, block, heads, dim))
+        for x, out in ((k, ks), (v, vs)):
+            padded = F.pad(x[start:end], (0, 0, 0, 0, window, count * block - n))  # [window + count*block, g, d]
+            out.append(padded.unfold(0, span, block).permute(0, 3, 1, 2))  # [count, span, g, d]
+        first = torch.zeros(count, dtype=torch.bool, device=q.device)
+        first[0] = True
+        firsts.append(first)
+    qb = torch.cat(qs).transpose(1, 2)  # [N, heads, block, d]
+    kb, vb = (torch.cat(x).transpose(1, 2).repeat_interleave(heads // groups, dim=1) for x in (ks, vs))
+    total = qb.shape[0]
+    i = torch.arange(block, device=q.device)[:, None]
+    j = torch.arange(span, device=q.device)[None, :]
+    visible = ((j > i) & (j <= i + window))[None, None]  # [1, 1, block, span]
+    front = torch.cat(firsts)[:, None, None, None] & (j < window)[None, None]  # [N, 1, 1, span]
+    mask = visible & ~front  # [N, 1, block, span]
+    tail = -(span + extra) % 16
+    parts_q = [qb, qb.new_ones(total, heads, block, extra), qb.new_zeros(total, heads, block, width - dim - extra)]
+    parts_k = [torch.cat([kb, kb.new_zeros(total, heads, span, width - dim)], dim=-1),
+               kb.new_zeros(total, heads, tail, width)]
+    parts_v = [vb, vb.new_zeros(total, heads, tail, dim)]
+    cols = [mask, mask.new_zeros(total, 1, block, tail)]
+    if sinks is not None:
+        sink_key = kb.new_zeros(1, heads, 1, width)
+        sink_key[0, :, 0, dim] = sinks.to(kb.dtype) / scale
+        parts_k.insert(0, sink_key.expand(total, -1, -1, -1))
+        parts_v.insert(0, vb.new_zeros(total, heads, 1, dim))
+        cols.insert(0, mask.new_ones(total, 1, block, 1))
+    out = F.scaled_dot_product_attention(torch.cat(parts_q, -1), torch.cat(parts_k, 2), torch.cat(parts_v, 2),
+                                         attn_mask=torch.cat(cols, -1), scale=scale)  # [N, heads, block, d]
+    out = out.transpose(1, 2)  # [N, block, heads, d]
+    pieces, at = [], 0
+    for n, count in blocks:
+        pieces.append(out[at:at + count].reshape(count * block, heads, dim)[:n])
+        at += count
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
