@@ -19,6 +19,8 @@
 #          q9b-peft-2048-fla                     the PEFT loop alone with fla
 #          q35-mg-2048 q35-mg-2048-fla           Qwen3.5-35B-A3B 8 x 2048, megatron; q35-peft-2048-fla
 #          oss-mg-2048 oss-peft-2048             gpt-oss-20b 8 x 2048, megatron / the PEFT loop
+#          oss-mg-2048-prof                      the megatron case, then one profiled step
+#          q9b-mg-2048-fla-auto q35-mg-2048-fla-auto  megatron + fla, recompute auto, then one profiled step
 #          nemo-peft-2048 nemo-ours-2048         Nemotron-3 Nano 8 x 2048, the PEFT loop / the torch backend
 #          nemo-peft-512 nemo-ours-512           the same at 8 x 512
 # Needs .gpuwh/megatron and .gpuwh/tvp_extra (bench_env.sh), and .gpuwh/fla for the -fla cases
@@ -91,6 +93,13 @@ for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
     q9b-mg-2048) run_case qwen3.5-9b_8x2048_megatron_alone --shape qwen3.5-9b "${MG[@]}" --packed-impl batched ;;
     q9b-mg-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-9b_8x2048_megatron_alone_fla \
       --shape qwen3.5-9b "${MG[@]}" --packed-impl fla ;;
+    # the recomputation plan chooses the layers (auto) instead of every layer; profiled after timing
+    q9b-mg-2048-fla-auto) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case \
+      qwen3.5-9b_8x2048_megatron_alone_fla_auto --shape qwen3.5-9b "${MG[@]}" --recompute auto --packed-impl fla \
+      --profile "$OUT" ;;
+    q35-mg-2048-fla-auto) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case \
+      qwen3.5-35b-a3b_8x2048_megatron_alone_fla_auto --shape qwen3.5-35b-a3b "${MG[@]}" --recompute auto \
+      --packed-impl fla --profile "$OUT" ;;
     q9b-peft-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-9b_8x2048_peft_alone_fla \
       --shape qwen3.5-9b "${PEFT[@]}" ;;
     q35-mg-2048) CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-35b-a3b_8x2048_megatron_alone \
@@ -100,6 +109,7 @@ for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
     q35-peft-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-35b-a3b_8x2048_peft_alone_fla \
       --shape qwen3.5-35b-a3b "${PEFT[@]}" ;;
     oss-mg-2048) run_case gpt-oss-20b_8x2048_megatron_alone --shape gpt-oss-20b "${MG[@]}" ;;
+    oss-mg-2048-prof) run_case gpt-oss-20b_8x2048_megatron_alone_prof --shape gpt-oss-20b "${MG[@]}" --profile "$OUT" ;;
     oss-peft-2048) run_case gpt-oss-20b_8x2048_peft_alone --shape gpt-oss-20b "${PEFT[@]}" ;;
     nemo-peft-2048) run_case nemotron-3-nano_8x2048_peft_alone --shape nemotron-3-nano "${PEFT[@]}" ;;
     nemo-ours-2048) run_case nemotron-3-nano_8x2048_torch_alone --shape nemotron-3-nano --no-peft --datums 8 \
