@@ -13,14 +13,13 @@
 #          q35-peft q35-ours                     Qwen3.5-35B-A3B 8 x 512, each contender alone (two copies do not fit)
 #          q35-peft-2048 q35-ours-2048           the same at 8 x 2048; q35-ours-2048-fla with fla
 #          tests tests-fla                       tests/gpu/test_packed_fast_paths.py (without / with fla)
-#   the megatron backend (each contender alone: ours with --no-peft, the PEFT loop with --tenants ""):
+#   the megatron backend (each contender alone: ours with --no-peft, the PEFT loop with --tenants ""; ours with the
+#   recomputation plan's own choice of layers, then one profiled step):
 #          mg-tests mg-tests-fla                 tests/gpu/test_megatron_packed_gdn.py (without / with fla)
 #          q9b-mg-2048 q9b-mg-2048-fla           Qwen3.5-9B 8 x 2048, megatron (padded batch / fla kernels)
 #          q9b-peft-2048-fla                     the PEFT loop alone with fla
 #          q35-mg-2048 q35-mg-2048-fla           Qwen3.5-35B-A3B 8 x 2048, megatron; q35-peft-2048-fla
 #          oss-mg-2048 oss-peft-2048             gpt-oss-20b 8 x 2048, megatron / the PEFT loop
-#          oss-mg-2048-prof                      the megatron case, then one profiled step
-#          q9b-mg-2048-fla-auto q35-mg-2048-fla-auto  megatron + fla, recompute auto, then one profiled step
 #          nemo-peft-2048 nemo-ours-2048         Nemotron-3 Nano 8 x 2048, the PEFT loop / the torch backend
 #          nemo-peft-512 nemo-ours-512           the same at 8 x 512
 # Needs .gpuwh/megatron and .gpuwh/tvp_extra (bench_env.sh), and .gpuwh/fla for the -fla cases
@@ -63,7 +62,7 @@ run_tests() {  # label [test file]: the packed rows' CUDA paths against the per-
 }
 Q9=(--shape qwen3.5-9b --datums 8 --peft-checkpointing on --warmup 1)
 Q35=(--shape qwen3.5-35b-a3b --datums 8 --warmup 1 --rounds 3)
-MG=(--backend megatron --recompute full --no-peft --datums 8 --seq-len 2048 --warmup 1 --rounds 3)
+MG=(--backend megatron --recompute auto --no-peft --datums 8 --seq-len 2048 --warmup 1 --rounds 3 --profile "$OUT")
 PEFT=(--tenants "" --peft-checkpointing on --datums 8 --seq-len 2048 --warmup 1 --rounds 3)
 MGT=tests/gpu/test_megatron_packed_gdn.py
 for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
@@ -93,13 +92,6 @@ for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
     q9b-mg-2048) run_case qwen3.5-9b_8x2048_megatron_alone --shape qwen3.5-9b "${MG[@]}" --packed-impl batched ;;
     q9b-mg-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-9b_8x2048_megatron_alone_fla \
       --shape qwen3.5-9b "${MG[@]}" --packed-impl fla ;;
-    # the recomputation plan chooses the layers (auto) instead of every layer; profiled after timing
-    q9b-mg-2048-fla-auto) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case \
-      qwen3.5-9b_8x2048_megatron_alone_fla_auto --shape qwen3.5-9b "${MG[@]}" --recompute auto --packed-impl fla \
-      --profile "$OUT" ;;
-    q35-mg-2048-fla-auto) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case \
-      qwen3.5-35b-a3b_8x2048_megatron_alone_fla_auto --shape qwen3.5-35b-a3b "${MG[@]}" --recompute auto \
-      --packed-impl fla --profile "$OUT" ;;
     q9b-peft-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-9b_8x2048_peft_alone_fla \
       --shape qwen3.5-9b "${PEFT[@]}" ;;
     q35-mg-2048) CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-35b-a3b_8x2048_megatron_alone \
@@ -109,7 +101,6 @@ for c in ${*:-q9b-2048 q9b-512 oss-2048 oss-512}; do
     q35-peft-2048-fla) with_fla && CASE_TIMEOUT=${CASE_TIMEOUT:-480} run_case qwen3.5-35b-a3b_8x2048_peft_alone_fla \
       --shape qwen3.5-35b-a3b "${PEFT[@]}" ;;
     oss-mg-2048) run_case gpt-oss-20b_8x2048_megatron_alone --shape gpt-oss-20b "${MG[@]}" ;;
-    oss-mg-2048-prof) run_case gpt-oss-20b_8x2048_megatron_alone_prof --shape gpt-oss-20b "${MG[@]}" --profile "$OUT" ;;
     oss-peft-2048) run_case gpt-oss-20b_8x2048_peft_alone --shape gpt-oss-20b "${PEFT[@]}" ;;
     nemo-peft-2048) run_case nemotron-3-nano_8x2048_peft_alone --shape nemotron-3-nano "${PEFT[@]}" ;;
     nemo-ours-2048) run_case nemotron-3-nano_8x2048_torch_alone --shape nemotron-3-nano --no-peft --datums 8 \
