@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -72,6 +73,11 @@ class Settings(BaseSettings):
     # In a sampler fleet, a newly published version is loaded ahead of requests by the first this-many replicas of its
     # adapter's routing order (where its requests go); the others load it on demand. 0 = every replica preloads.
     sampler_fleet_preload: int = 2
+    # When a trainer that pushes its versions to the sampler fleet answers PublishWeights: "pushed" = once the
+    # registry has reserved the version and the samplers hold its bytes, its S3 upload going on beside from a copy on
+    # the trainer's disk (data_dir/trainer-uploads/<trainer_id>; a restarted trainer finishes it); "stored" = only
+    # after the upload (docs/architecture.md, "Which path a version took").
+    publish_ack: Literal["pushed", "stored"] = "pushed"
     # The address clients reach this sampler at, when it is not the one it listens on (containers, NAT).
     sampler_advertise_address: str = ""
     # Intra-op (and inter-op) torch threads of a trainer or sampler process. 0 = torch's default, every core: right

@@ -8,6 +8,8 @@ from __future__ import annotations
 MAX_ECHO_CHARS = 128
 # The whole message and each ErrorInfo metadata value are capped too, whatever composed them.
 MAX_MESSAGE_CHARS = 1024
+# Unavailable.reason of a download whose version a trainer reserved and has not finished uploading: wait and retry.
+VERSION_PENDING = "VERSION_PENDING"
 
 
 def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:

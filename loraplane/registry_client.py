@@ -14,6 +14,7 @@ import hashlib
 import http.client
 import logging
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
@@ -30,6 +31,8 @@ from loraplane.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1024 * 1024
+# A download of a version whose trainer acknowledged it before its upload ended waits this long for the bytes.
+PENDING_WAIT_S = 300.0
 
 
 class _OpenEnum(enum.IntEnum):
@@ -85,6 +88,8 @@ class StoredVersion:
     aliases: tuple[str, ...]
     # Unix seconds; None when the registry sent no time.
     create_time: float | None
+    # Reserved by its trainer, the bytes not stored yet: a download waits for them.
+    pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ def stored_version(proto: common_pb2.AdapterVersion) -> StoredVersion:
     return StoredVersion(adapter=proto.adapter, version=proto.version, kind=VersionKind(proto.kind),
                          sha256=proto.sha256, size_bytes=proto.size_bytes, training_step=proto.training_step,
                          metadata=dict(proto.metadata), aliases=tuple(proto.aliases),
-                         create_time=_unix_seconds(proto, "create_time"))
+                         create_time=_unix_seconds(proto, "create_time"), pending=proto.pending)
 
 
 def _registry_event(proto: registry_pb2.Event) -> RegistryEvent:
@@ -330,6 +335,8 @@ class RegistryClient:
         self._stub: registry_pb2_grpc.AdapterRegistryServiceStub | None = None
         # Ask for blobs' S3 addresses until one proves unreachable from here.
         self._direct = True
+        # How long a download waits for a version whose trainer is still uploading its bytes.
+        self.pending_wait_s = PENDING_WAIT_S
 
     @property
     def stub(self) -> registry_pb2_grpc.AdapterRegistryServiceStub:
@@ -404,9 +411,11 @@ class RegistryClient:
         metadata: Mapping[str, str] | None = None,
         aliases: Iterable[str] = (),
         idempotency_key: str = "",
+        reserved_version: int = 0,
     ) -> common_pb2.AdapterVersion:
         """Publishes `blob` as a new version. Bytes are hashed first and the digest sent in the header; so is a
-        StreamedBlob already made; one not made yet is sent while it is made, its digest in the trailer."""
+        StreamedBlob already made; one not made yet is sent while it is made, its digest in the trailer. With
+        `reserved_version` (a service only), `blob` is the bytes of that version `reserve` made."""
         if isinstance(blob, StreamedBlob):
             size, digest = blob.size, blob.sha256
             chunks = _made_ahead(blob)
@@ -419,7 +428,8 @@ class RegistryClient:
             chunks = _sliced(view)
         header = registry_pb2.PublishVersionHeader(
             adapter=adapter, sha256=digest, size_bytes=size, idempotency_key=idempotency_key,
-            training_step=training_step, metadata=dict(metadata or {}), aliases=list(aliases), kind=kind)
+            training_step=training_step, metadata=dict(metadata or {}), aliases=list(aliases), kind=kind,
+            reserved_version=reserved_version)
 
         failed: list[Exception] = []
 
@@ -443,6 +453,25 @@ class RegistryClient:
             if failed:
                 raise failed[0]
             raise self._error(exc, f"publish to {adapter!r}") from None
+        return reply.version
+
+    async def reserve(self, adapter: str, sha256: str, size_bytes: int, *, idempotency_key: str,
+                      training_step: int = 0, metadata: Mapping[str, str] | None = None,
+                      aliases: Iterable[str] = ()) -> common_pb2.AdapterVersion:
+        """Commits a WEIGHTS version of the blob `sha256` before its bytes (a service only): `pending` until
+        `publish(..., reserved_version=)` has stored them; a retry with the same key returns the same version."""
+        header = registry_pb2.PublishVersionHeader(
+            adapter=adapter, sha256=sha256, size_bytes=size_bytes, idempotency_key=idempotency_key,
+            training_step=training_step, metadata=dict(metadata or {}), aliases=list(aliases),
+            kind=common_pb2.VERSION_KIND_WEIGHTS, upload_later=True)
+
+        async def requests():
+            yield registry_pb2.PublishVersionRequest(header=header)
+
+        try:
+            reply = await self.stub.PublishVersion(requests(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise self._error(exc, f"reserve a version of {adapter!r}") from None
         return reply.version
 
     async def get_version(self, name: str, version: int = 0, alias: str = "") -> StoredVersion:
@@ -489,7 +518,7 @@ class RegistryClient:
         when the registry hands out the blob's address and this client reaches it (the bytes then skip the
         registry and gRPC, several times faster for large adapters), through the registry otherwise."""
         request = registry_pb2.DownloadVersionRequest(ref=adapter_ref(name, version, alias), direct=self._direct)
-        described, direct_url, blob, digest = await self._download_stream(request, name)
+        described, direct_url, blob, digest = await self._download_waiting(request, name)
         if direct_url:
             try:
                 # A short socket timeout: an S3 host that drops this client's packets should cost one wait of
@@ -510,6 +539,21 @@ class RegistryClient:
                 f"registry: download of {name!r} v{described.version} is corrupt: got {len(blob)} "
                 f"bytes sha256 {digest}, expected {described.size_bytes} bytes sha256 {described.sha256}")
         return described, blob
+
+    async def _download_waiting(self, request: registry_pb2.DownloadVersionRequest, name: str
+                                ) -> tuple[StoredVersion, str, bytes, str]:
+        """`_download_stream`, waiting (up to `pending_wait_s`) while the version's trainer is still uploading it:
+        every reader (a sampler, a trainer's load, the gateway) gets a just-acknowledged version's bytes this way."""
+        deadline = time.monotonic() + self.pending_wait_s
+        pause = 0.05
+        while True:
+            try:
+                return await self._download_stream(request, name)
+            except errors.Unavailable as exc:
+                if exc.reason != errors.VERSION_PENDING or time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, 0.5)
 
     async def _download_stream(self, request: registry_pb2.DownloadVersionRequest, name: str
                                ) -> tuple[StoredVersion, str, bytes, str]:

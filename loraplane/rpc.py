@@ -255,24 +255,25 @@ def domain_error_from_rpc(exc: grpc.RpcError, what: str = "") -> errors.Loraplan
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     message = f"{what}: {details}" if what else (details or code.name)
-    # The callee's ErrorInfo names the field at fault; the caller's caller needs it too.
-    field = _error_info_field(exc)
+    # The callee's ErrorInfo names the field at fault and the reason; the caller's caller needs them too.
+    field, reason = _error_info(exc)
     for exc_type, mapped in _STATUS_OF:
         if mapped == code:
-            return exc_type(message, field=field)
+            return exc_type(message, field=field, reason=reason)
     return errors.Unavailable(message)
 
 
-def _error_info_field(exc: grpc.RpcError) -> str | None:
+def _error_info(exc: grpc.RpcError) -> tuple[str | None, str | None]:
+    """(field, reason) of the status's ErrorInfo, None for what it does not carry."""
     try:
         status = rpc_status.from_call(exc)
     except (AttributeError, ValueError):
-        return None
+        return None, None
     for detail in status.details if status else []:
         info = error_details_pb2.ErrorInfo()
         if detail.Unpack(info):
-            return info.metadata.get("field") or None
-    return None
+            return info.metadata.get("field") or None, info.reason or None
+    return None, None
 
 
 # ---------------------------------------------------------------------------------------------------- auth + TLS

@@ -80,8 +80,8 @@ emit(1, name, 0, '', '', 0, now)
 return 1
 """
 
-# ARGV: P, maxlen, name, now, idem, kind, sha, size, step, metadata_json, upload_token, aliases...
-# -> {-1} no adapter | {version, deduplicated, freed_sha...}
+# ARGV: P, maxlen, name, now, idem, kind, sha, size, step, metadata_json, upload_token, pending ('1' = reserved,
+# its bytes still to come), aliases... -> {-1} no adapter | {version, deduplicated, freed_sha...}
 PUBLISH = COMMON + r"""
 local name, now, idem, kind, sha = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 redis.call('HDEL', P .. 'blobs:pending:' .. sha, ARGV[11])
@@ -97,19 +97,29 @@ local v = redis.call('INCR', akey(name, ':seq'))
 redis.call('SET', P .. 'commit:' .. ARGV[11], v, 'EX', 3600)
 redis.call('HSET', akey(name, ':v:' .. v), 'kind', kind, 'sha256', sha, 'size', ARGV[8], 'step', ARGV[9],
   'metadata', ARGV[10], 'create_time', now, 'idem', idem)
+if ARGV[12] == '1' then redis.call('HSET', akey(name, ':v:' .. v), 'pending', '1') end
 redis.call('ZADD', akey(name, ':versions'), v, v)
 redis.call('ZADD', akey(name, ':kind:' .. kind), v, v)
 if idem ~= '' then redis.call('HSET', akey(name, ':idem'), idem, v) end
 redis.call('HINCRBY', P .. 'blobrefs', sha, 1)
 if kind == '1' then redis.call('HSET', akey(name), 'latest', v) end
 emit(2, name, v, sha, '', kind, now)
-for i = 12, #ARGV do
+for i = 13, #ARGV do
   redis.call('HSET', akey(name, ':aliases'), ARGV[i], v)
   emit(3, name, v, sha, ARGV[i], kind, now)
 end
 local freed = {}
 if kind == '1' then enforce_retention(name, freed, now) end
 return {v, 0, unpack(freed)}
+"""
+
+# ARGV: P, maxlen, name, version, sha -> 1 the reserved version is now stored | 0 no such version (deleted) with that
+# sha256. Its blob is in storage when this runs, so downloads of it may start.
+STORED = COMMON + r"""
+local vkey = akey(ARGV[3], ':v:' .. ARGV[4])
+if redis.call('HGET', vkey, 'sha256') ~= ARGV[5] then return 0 end
+redis.call('HDEL', vkey, 'pending')
+return 1
 """
 
 # ARGV: P, maxlen, name, now, alias, version

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loraplane import errors
-from loraplane.auth import OPEN, Identity
+from loraplane.auth import OPEN, ROLE_ADMIN, ROLE_SERVICE, Identity
 from loraplane.errors import shown
 from loraplane.fields import validate_alias, validate_name
 from loraplane.lora import PER_EXPERT
@@ -37,6 +38,8 @@ from registry_svc.records import (
 if TYPE_CHECKING:
     from registry_svc.store import RegistryStore
 
+log = logging.getLogger(__name__)
+
 SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
 # Chunks larger than this are checked on a worker thread, so a big upload does not stall the event loop.
 CHECK_OFF_LOOP_BYTES = 256 * 1024
@@ -52,6 +55,10 @@ class PublishHeader:
     metadata: dict[str, str] = field(default_factory=dict)
     aliases: list[str] = field(default_factory=list)
     kind: int = KIND_WEIGHTS
+    # Reserve the version now, its bytes to follow (a service only); see PublishPipeline.publish.
+    upload_later: bool = False
+    # The bytes of this version, reserved before (0 = none).
+    reserved_version: int = 0
 
 
 @dataclass
@@ -156,6 +163,21 @@ class PublishPipeline:
             raise errors.InvalidArgument("header.aliases: only WEIGHTS versions can carry aliases",
                                          field="header.aliases")
         header.aliases = list(dict.fromkeys(header.aliases))
+        if header.upload_later or header.reserved_version:
+            which = "header.upload_later" if header.upload_later else "header.reserved_version"
+            if header.upload_later and header.reserved_version:
+                raise errors.InvalidArgument("header.reserved_version: a stream either reserves a version "
+                                             "(header.upload_later) or brings a reserved version's bytes, not both",
+                                             field="header.reserved_version")
+            if not header.sha256:
+                raise errors.InvalidArgument(f"header.sha256: required with {which}", field="header.sha256")
+            if header.kind != KIND_WEIGHTS:
+                raise errors.InvalidArgument(f"header.kind: only WEIGHTS versions are reserved ({which})",
+                                             field="header.kind")
+        if header.upload_later and not header.idempotency_key:
+            raise errors.InvalidArgument(
+                "header.idempotency_key: required with header.upload_later, so that a retried reservation returns "
+                "the version the first one made", field="header.idempotency_key")
         return header
 
     async def publish(self, header: PublishHeader, items: AsyncIterator[bytes | PublishTrailer], *,
@@ -168,8 +190,15 @@ class PublishPipeline:
         blob's key (its digest) is unknown until the last byte, so the bytes are held in memory (within
         `max_buffered_publish_bytes` for all such publishes at once) and written once checked."""
         self.validate_publish_header(header)
+        if (header.upload_later or header.reserved_version) and caller.role not in (ROLE_SERVICE, ROLE_ADMIN):
+            # A tenant could otherwise announce versions it never uploads, or bytes for one it did not reserve.
+            which = "header.upload_later" if header.upload_later else "header.reserved_version"
+            raise errors.PermissionDenied(f"{which}: reserving a version and uploading it later needs a service key",
+                                          field=which)
         caller.authorize(header.adapter, "header.adapter")
         adapter = await self.store.get_adapter(header.adapter, "header.adapter")
+        if header.reserved_version:
+            return await self._store_reserved(adapter, header, items, caller)
         trailer = _Trailer(header.sha256)
         if header.idempotency_key:
             prior = await self._prior_publish(adapter.name, header)
@@ -182,6 +211,8 @@ class PublishPipeline:
                 return PublishResult(prior, deduplicated=True)
         await self.store.check_bytes_quota(header.size_bytes, caller)
         token = uuid.uuid4().hex
+        if header.upload_later:
+            return await self._reserve(header, items, token)
         claimed = ""  # the blob this publish protects from garbage collection until it commits or gives up
 
         async def claim(sha256: str) -> None:
@@ -208,15 +239,24 @@ class PublishPipeline:
                 async with self._buffered.hold(header.size_bytes):
                     await self.store.blobs.upload_trailed(chunks, header.size_bytes, trailer.expected, verify, claim)
             sha256 = claimed
-            result = await self.store.script(
-                "PUBLISH", header.adapter, now_ms(), header.idempotency_key, header.kind, sha256,
-                header.size_bytes, header.training_step, json.dumps(header.metadata), token, *header.aliases)
+            result = await self._commit(header, sha256, token, pending=False)
             committed = True
         finally:
             if claimed and not committed:
-                # Shielded: a cancelled publish must still release its claim so GC can collect the blob.
-                with contextlib.suppress(errors.LoraplaneError):
-                    await asyncio.shield(self.store.script("FORGET_UPLOAD", claimed, token))
+                await self._forget(claimed, token)
+        return await self._committed(header, sha256, result)
+
+    async def _commit(self, header: PublishHeader, sha256: str, token: str, *, pending: bool) -> list:
+        return await self.store.script(
+            "PUBLISH", header.adapter, now_ms(), header.idempotency_key, header.kind, sha256, header.size_bytes,
+            header.training_step, json.dumps(header.metadata), token, "1" if pending else "0", *header.aliases)
+
+    async def _forget(self, sha256: str, token: str) -> None:
+        # Shielded: a cancelled publish must still release its claim so GC can collect the blob.
+        with contextlib.suppress(errors.LoraplaneError):
+            await asyncio.shield(self.store.script("FORGET_UPLOAD", sha256, token))
+
+    async def _committed(self, header: PublishHeader, sha256: str, result: list) -> PublishResult:
         if result[0] == -1:
             await self.store.collect_freed([sha256])
             raise errors.NotFound(f"header.adapter: adapter {shown(header.adapter)} was deleted during the upload",
@@ -230,6 +270,73 @@ class PublishPipeline:
             record = VersionRecord(header.adapter, version, header.kind, sha256, header.size_bytes,
                                    header.training_step, header.metadata, [], now_ms())
         return PublishResult(record, deduplicated)
+
+    async def _reserve(self, header: PublishHeader, items: AsyncIterator[bytes | PublishTrailer],
+                       token: str) -> PublishResult:
+        """Commits the version of a header with upload_later before its bytes: pending unless a blob of that digest
+        is stored already (then it is an ordinary version at once)."""
+        async for _ in items:
+            raise errors.InvalidArgument("chunk: a stream that reserves a version (header.upload_later) carries no "
+                                         "bytes; send them with header.reserved_version", field="chunk")
+        # The claim keeps a stored blob of this digest from garbage collection between the look and the commit.
+        await self._register_upload(header.sha256, token, header.size_bytes)
+        try:
+            stored = await self.store.blobs.exists(header.sha256)
+            result = await self._commit(header, header.sha256, token, pending=not stored)
+        except BaseException:
+            await self._forget(header.sha256, token)
+            raise
+        return await self._committed(header, header.sha256, result)
+
+    async def _store_reserved(self, adapter: AdapterRecord, header: PublishHeader,
+                              items: AsyncIterator[bytes | PublishTrailer], caller: Identity) -> PublishResult:
+        """Stores the bytes of the version `header.reserved_version` reserved and marks it stored. Bytes whose
+        content the adapter refuses delete the reserved version: it can never become loadable."""
+        try:
+            record = await self.store.get_version(adapter.name, header.reserved_version)
+        except errors.NotFound:
+            raise errors.NotFound(f"header.reserved_version: adapter {shown(adapter.name)} has no version "
+                                  f"{header.reserved_version}", field="header.reserved_version") from None
+        if record.sha256 != header.sha256:
+            raise errors.InvalidArgument(
+                f"header.sha256: version {record.version} of {shown(adapter.name)} was reserved for sha256 "
+                f"{record.sha256}, not {header.sha256}", field="header.sha256")
+        if record.size_bytes != header.size_bytes:
+            raise errors.InvalidArgument(
+                f"header.size_bytes: version {record.version} was reserved for {record.size_bytes} bytes, not "
+                f"{header.size_bytes}", field="header.size_bytes")
+        if not record.pending:
+            return PublishResult(record, deduplicated=True)
+        token = uuid.uuid4().hex
+        await self._register_upload(header.sha256, token, header.size_bytes)
+        check = BlobCheck(header.size_bytes, training_state=False)
+
+        def verify() -> None:
+            check.finish()
+            self._check_blob_matches(adapter, check)
+
+        try:
+            if not await self.store.blobs.exists(header.sha256):
+                try:
+                    await self.store.blobs.upload(self._checked_chunks(items, check, _Trailer(header.sha256)),
+                                                  header.size_bytes, header.sha256, verify)
+                except errors.InvalidArgument as exc:
+                    if exc.field == "chunk":  # the content was refused, not the stream cut short
+                        try:
+                            await self.store.delete_version(adapter.name, record.version, caller=caller)
+                        except errors.LoraplaneError as gone:
+                            log.warning("reserved version %d of %s refused (%s) but not deleted: %s",
+                                        record.version, adapter.name, exc.message, gone.message)
+                    raise
+            stored = await self.store.script("STORED", adapter.name, record.version, header.sha256)
+        finally:
+            await self._forget(header.sha256, token)
+        if not stored:
+            await self.store.collect_freed([header.sha256])  # the version went while its bytes arrived
+            raise errors.NotFound(f"header.reserved_version: adapter {shown(adapter.name)} has no version "
+                                  f"{record.version} any more", field="header.reserved_version")
+        record.pending = False
+        return PublishResult(record, deduplicated=True)
 
     async def _prior_publish(self, adapter: str, header: PublishHeader) -> VersionRecord | None:
         with self.store.redis_errors("check the idempotency key"):

@@ -79,6 +79,8 @@ class VersionRecord:
     metadata: dict[str, str]
     aliases: list[str]
     create_time_ms: int
+    # Reserved by a trainer whose upload of the bytes has not landed yet (PublishHeader.upload_later).
+    pending: bool = False
 
 
 def now_ms() -> int:

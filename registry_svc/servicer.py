@@ -41,7 +41,7 @@ def version_pb(record: VersionRecord) -> common_pb2.AdapterVersion:
     return common_pb2.AdapterVersion(
         adapter=record.adapter, version=record.version, kind=record.kind, sha256=record.sha256,
         size_bytes=record.size_bytes, training_step=record.training_step, metadata=record.metadata,
-        aliases=record.aliases, create_time=_timestamp(record.create_time_ms))
+        aliases=record.aliases, create_time=_timestamp(record.create_time_ms), pending=record.pending)
 
 
 def event_pb(record: EventRecord) -> registry_pb2.Event:
@@ -95,7 +95,8 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServiceServicer):
             adapter=header_pb.adapter, sha256=header_pb.sha256, size_bytes=header_pb.size_bytes,
             idempotency_key=header_pb.idempotency_key, training_step=header_pb.training_step,
             metadata=dict(header_pb.metadata), aliases=list(header_pb.aliases),
-            kind=header_pb.kind or KIND_WEIGHTS)
+            kind=header_pb.kind or KIND_WEIGHTS, upload_later=header_pb.upload_later,
+            reserved_version=header_pb.reserved_version)
 
         async def chunks() -> AsyncIterator[bytes | PublishTrailer]:
             async for message in requests:

@@ -27,7 +27,7 @@ from redis.backoff import ExponentialBackoff
 from loraplane import errors
 from loraplane.auth import OPEN, Identity, append_audit, audit_entry, quota_exceeded
 from loraplane.config import Settings
-from loraplane.errors import shown
+from loraplane.errors import VERSION_PENDING, shown
 from loraplane.fields import validate_alias, validate_name
 from loraplane.lora import PER_EXPERT, SHARED_OUTER, LoraSpec
 from loraplane.models.families import ALL_TARGETS
@@ -184,7 +184,7 @@ class RegistryStore:
         self.direct_downloads = settings.s3_direct_downloads
         self._scripts = {name: self.redis.register_script(getattr(lua, name)) for name in (
             "CREATE_ADAPTER", "PUBLISH", "SET_ALIAS", "DELETE_VERSION", "DELETE_ADAPTER", "REGISTER_UPLOAD",
-            "FORGET_UPLOAD", "CLAIM_GARBAGE", "RELEASE_GARBAGE")}
+            "FORGET_UPLOAD", "CLAIM_GARBAGE", "RELEASE_GARBAGE", "STORED")}
         self._page_token_secret: bytes | None = None
         self.publishing = PublishPipeline(self)
         self.events = EventStream(self, **common)
@@ -244,7 +244,7 @@ class RegistryStore:
             size_bytes=int(fields["size"]), training_step=int(fields.get("step") or 0),
             metadata=json.loads(fields.get("metadata") or "{}"),
             aliases=sorted(alias for alias, target in aliases.items() if int(target) == version),
-            create_time_ms=int(fields.get("create_time") or 0))
+            create_time_ms=int(fields.get("create_time") or 0), pending=fields.get("pending") == "1")
 
     async def collect_freed(self, shas: Iterable[str]) -> None:
         """Deletes blobs that a mutation just left unreferenced. A failure here is not the caller's problem: the
@@ -486,7 +486,7 @@ class RegistryStore:
         if chunk_size > self.limits.max_download_chunk_bytes:
             raise errors.InvalidArgument(f"chunk_size: {chunk_size} exceeds the limit "
                                          f"{self.limits.max_download_chunk_bytes}", field="chunk_size")
-        record = await self.get_version(adapter, version, alias)
+        record = _stored(await self.get_version(adapter, version, alias))
         if offset > record.size_bytes:
             raise errors.InvalidArgument(f"offset: {offset} is past the end of the blob ({record.size_bytes} bytes)",
                                          field="offset")
@@ -499,7 +499,7 @@ class RegistryStore:
         caller streams instead). Authorized exactly as a streamed download is."""
         if not self.direct_downloads:
             return None
-        record = await self.get_version(adapter, version, alias, caller=caller)
+        record = _stored(await self.get_version(adapter, version, alias, caller=caller))
         return record, await self.blobs.presigned_get(record.sha256, DIRECT_URL_SECONDS)
 
     async def _verified_read(self, record: VersionRecord, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
@@ -554,6 +554,15 @@ class RegistryStore:
                 deleted.append(blob.sha256)
                 freed += blob.size
         return GarbageReport(deleted, freed)
+
+
+def _stored(record: VersionRecord) -> VersionRecord:
+    """`record`, unless its bytes are still on their way from the trainer that reserved it."""
+    if record.pending:
+        raise errors.Unavailable(
+            f"ref: version {record.version} of {shown(record.adapter)} is still being uploaded by its trainer; retry",
+            reason=VERSION_PENDING, field="ref")
+    return record
 
 
 # The stored form of an adapter's LoRA config (its Redis hash's "lora" field): the LoraConfig values as the wire

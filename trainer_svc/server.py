@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from loraplane import errors
 from loraplane.auth import authenticator_from_settings
@@ -23,6 +24,7 @@ from trainer_svc.handoff import Handoff
 from trainer_svc.journal import TrainingJournal
 from trainer_svc.service import TrainerLimits, TrainerService
 from trainer_svc.servicer import TrainerServicer
+from trainer_svc.upload_spool import UploadSpool
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 log = logging.getLogger(__name__)
@@ -120,6 +122,9 @@ async def start_trainer_server(
         service.handoff = Handoff(Membership(settings.redis_url, key_prefix=settings.key_prefix,
                                              fleet=settings.sampler_fleet),
                                   ClientSecurity.from_settings(settings), preload=settings.sampler_fleet_preload)
+        service.ack_before_upload = settings.publish_ack == "pushed"
+    # Versions a previous run acknowledged before their upload ended are uploaded from here (after recovery).
+    service.spool = UploadSpool(Path(settings.data_dir) / "trainer-uploads" / settings.trainer_id, registry)
     server = GrpcServer(host, port, authenticator=authenticator_from_settings(settings, "trainer"),
                         security=ServerSecurity.from_settings(settings), metrics_port=settings.metrics_port)
     servicer = TrainerServicer(service, trainer_id=settings.trainer_id,
@@ -142,6 +147,9 @@ async def start_trainer_server(
         failed = await service.recover(names=names)
         if failed:
             log.error("serving without %d unrecoverable adapters: %s", len(failed), failed)
+        resumed = await service.spool.recover()
+        if resumed:
+            log.info("uploading %d versions acknowledged before a restart: %s", len(resumed), resumed)
         await server.start()
     except BaseException:
         if member is not None:
@@ -170,10 +178,13 @@ async def start_trainer_server(
         "loraplane_trainer_handoff_push_failures": ("Pushes to a sampler that failed (a counter)",
                                                     lambda: handoff.pushes["failed"]),
     }
+    spool = service.spool
     running.metrics_source = register_source("trainer", server.address, {
         **fleet_metrics,
         **handoff_metrics,
         # Read from the metrics thread while the worker changes them: a failed read is skipped (metrics.py).
+        "loraplane_trainer_uploads_pending": ("Versions acknowledged whose upload to the registry has not landed",
+                                              lambda: spool.pending),
         "loraplane_trainer_queue_depth": ("Sequenced requests queued or running", lambda: service.scheduler._queued),
         "loraplane_trainer_adapters": ("Adapters on this trainer", lambda: len(service.pool)),
         "loraplane_trainer_resident_adapters": ("Adapters resident on the device",

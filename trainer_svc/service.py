@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -50,6 +51,7 @@ from trainer_svc.losses import supported_losses
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 from trainer_svc.pool import AdapterPool, AdapterState
 from trainer_svc.scheduler import FUSABLE, REJECTED, Job, Scheduler
+from trainer_svc.upload_spool import spooled
 from trainer_svc.validation import (
     DatumPayload,
     validate_adapter_name,
@@ -184,6 +186,10 @@ class TrainerService:
         self.fleet = None
         # A trainer_svc.handoff.Handoff when published versions are also pushed to the deployment's samplers.
         self.handoff = None
+        # Where versions acknowledged before their upload ended wait for it (trainer_svc/upload_spool.py; None
+        # without a data dir), and whether a pushed version is acknowledged so (settings.publish_ack = "pushed").
+        self.spool = None
+        self.ack_before_upload = False
 
     @property
     def base_model(self) -> str:
@@ -194,6 +200,8 @@ class TrainerService:
         return self.durability.journal
 
     async def close(self) -> None:
+        if self.spool is not None:
+            await self.spool.close()
         await asyncio.to_thread(self.scheduler.stop)
         self.durability.close()
 
@@ -417,8 +425,12 @@ class TrainerService:
                     await asyncio.to_thread(exported.blob.make)
                 # The samplers that will load this version get its bytes straight from here, beside the upload
                 # (trainer_svc/handoff.py); they use them only once the registry has committed them.
-                push = (await self.handoff.start(adapter, exported.blob) if self.handoff is not None
-                        and kind == VERSION_KIND_WEIGHTS and isinstance(exported.blob, StreamedBlob) else None)
+                pushed = (self.handoff is not None and kind == VERSION_KIND_WEIGHTS
+                          and isinstance(exported.blob, StreamedBlob))
+                if pushed and self.ack_before_upload and self.spool is not None:
+                    exported.version = await self._publish_before_upload(adapter, exported, aliases, metadata)
+                    return exported.version
+                push = await self.handoff.start(adapter, exported.blob) if pushed else None
                 try:
                     version = await self.registry.publish(
                         adapter, exported.blob, kind=kind, training_step=exported.step, metadata=dict(metadata),
@@ -434,6 +446,37 @@ class TrainerService:
                 if push is not None:
                     await self.handoff.settle(push, committed=True)
             return exported.version
+
+    async def _publish_before_upload(self, adapter: str, exported: ExportedBlob, aliases: Sequence[str],
+                                     metadata: Mapping[str, str]) -> AdapterVersion:
+        """The pushed publish acknowledged before its S3 upload: the blob goes to the spool on this trainer's disk
+        and to the samplers while the registry reserves the version (committed, pending, its event sent); the answer
+        waits for those three and the samplers' pushes (at most the handoff's ack_wait_s), the upload goes on beside
+        (trainer_svc/upload_spool.py). Samplers load the pushed bytes on the event, exactly as they would after the
+        upload; anyone else downloading the version waits for the upload."""
+        blob = exported.blob
+        entry = spooled(adapter, blob, exported.idempotency_key, exported.step, metadata, aliases)
+        writing = asyncio.ensure_future(asyncio.to_thread(self.spool.write, entry, blob))
+        push = await self.handoff.start(adapter, blob)
+        try:
+            version = await self.registry.reserve(
+                adapter, blob.sha256, blob.size, idempotency_key=exported.idempotency_key,
+                training_step=exported.step, metadata=dict(metadata), aliases=list(aliases))
+            await writing
+        except BaseException:
+            await self.handoff.settle(push, committed=False)
+            with contextlib.suppress(BaseException):
+                await writing
+            await asyncio.to_thread(self.spool.discard, entry)
+            raise
+        exported.blob = None
+        await self.durability.published(adapter, exported.seq_id, version, exported.step, exported.idempotency_key)
+        if version.pending:
+            self.spool.upload(entry, version.version, blob)
+        else:  # the registry had these bytes already
+            await asyncio.to_thread(self.spool.discard, entry)
+        await self.handoff.settle(push, committed=True)
+        return version
 
     async def load_state(self, adapter: str, seq_id: int, source: SourceRef, with_optimizer: bool,
                          payload_hash: bytes, *, caller: Identity = OPEN) -> AdapterInfo:

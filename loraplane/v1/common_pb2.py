@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loraplane/v1/common.proto\x12\x0cloraplane.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb9\x01\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x31\n\rweights_dtype\x18\x05 \x01(\x0e\x32\x1a.loraplane.v1.WeightsDtype\x12\x35\n\rexpert_layout\x18\x06 \x01(\x0e\x32\x1e.loraplane.v1.ExpertLoraLayout\"J\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\x07version\x18\x02 \x01(\x04H\x00\x12\x0f\n\x05\x61lias\x18\x03 \x01(\tH\x00\x42\n\n\x08selector\"\xc7\x02\n\x0e\x41\x64\x61pterVersion\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x04kind\x18\x03 \x01(\x0e\x32\x19.loraplane.v1.VersionKind\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\x12\x15\n\rtraining_step\x18\x06 \x01(\x04\x12<\n\x08metadata\x18\x07 \x03(\x0b\x32*.loraplane.v1.AdapterVersion.MetadataEntry\x12\x0f\n\x07\x61liases\x18\x08 \x03(\t\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc5\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed*~\n\x10\x45xpertLoraLayout\x12\"\n\x1e\x45XPERT_LORA_LAYOUT_UNSPECIFIED\x10\x00\x12!\n\x1d\x45XPERT_LORA_LAYOUT_PER_EXPERT\x10\x01\x12#\n\x1f\x45XPERT_LORA_LAYOUT_SHARED_OUTER\x10\x02*d\n\x0cWeightsDtype\x12\x1d\n\x19WEIGHTS_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHTS_DTYPE_FLOAT32\x10\x01\x12\x1a\n\x16WEIGHTS_DTYPE_BFLOAT16\x10\x02*f\n\x0bVersionKind\x12\x1c\n\x18VERSION_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14VERSION_KIND_WEIGHTS\x10\x01\x12\x1f\n\x1bVERSION_KIND_TRAINING_STATE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loraplane/v1/common.proto\x12\x0cloraplane.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb9\x01\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x31\n\rweights_dtype\x18\x05 \x01(\x0e\x32\x1a.loraplane.v1.WeightsDtype\x12\x35\n\rexpert_layout\x18\x06 \x01(\x0e\x32\x1e.loraplane.v1.ExpertLoraLayout\"J\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\x07version\x18\x02 \x01(\x04H\x00\x12\x0f\n\x05\x61lias\x18\x03 \x01(\tH\x00\x42\n\n\x08selector\"\xd8\x02\n\x0e\x41\x64\x61pterVersion\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x04kind\x18\x03 \x01(\x0e\x32\x19.loraplane.v1.VersionKind\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\x12\x15\n\rtraining_step\x18\x06 \x01(\x04\x12<\n\x08metadata\x18\x07 \x03(\x0b\x32*.loraplane.v1.AdapterVersion.MetadataEntry\x12\x0f\n\x07\x61liases\x18\x08 \x03(\t\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07pending\x18\n \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc5\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed*~\n\x10\x45xpertLoraLayout\x12\"\n\x1e\x45XPERT_LORA_LAYOUT_UNSPECIFIED\x10\x00\x12!\n\x1d\x45XPERT_LORA_LAYOUT_PER_EXPERT\x10\x01\x12#\n\x1f\x45XPERT_LORA_LAYOUT_SHARED_OUTER\x10\x02*d\n\x0cWeightsDtype\x12\x1d\n\x19WEIGHTS_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHTS_DTYPE_FLOAT32\x10\x01\x12\x1a\n\x16WEIGHTS_DTYPE_BFLOAT16\x10\x02*f\n\x0bVersionKind\x12\x1c\n\x18VERSION_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14VERSION_KIND_WEIGHTS\x10\x01\x12\x1f\n\x1bVERSION_KIND_TRAINING_STATE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADAPTERVERSION_METADATAENTRY']._loaded_options = None
   _globals['_ADAPTERVERSION_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_EXPERTLORALAYOUT']._serialized_start=870
-  _globals['_EXPERTLORALAYOUT']._serialized_end=996
-  _globals['_WEIGHTSDTYPE']._serialized_start=998
-  _globals['_WEIGHTSDTYPE']._serialized_end=1098
-  _globals['_VERSIONKIND']._serialized_start=1100
-  _globals['_VERSIONKIND']._serialized_end=1202
+  _globals['_EXPERTLORALAYOUT']._serialized_start=887
+  _globals['_EXPERTLORALAYOUT']._serialized_end=1013
+  _globals['_WEIGHTSDTYPE']._serialized_start=1015
+  _globals['_WEIGHTSDTYPE']._serialized_end=1115
+  _globals['_VERSIONKIND']._serialized_start=1117
+  _globals['_VERSIONKIND']._serialized_end=1219
   _globals['_LORACONFIG']._serialized_start=77
   _globals['_LORACONFIG']._serialized_end=262
   _globals['_ADAPTERREF']._serialized_start=264
   _globals['_ADAPTERREF']._serialized_end=338
   _globals['_ADAPTERVERSION']._serialized_start=341
-  _globals['_ADAPTERVERSION']._serialized_end=668
-  _globals['_ADAPTERVERSION_METADATAENTRY']._serialized_start=621
-  _globals['_ADAPTERVERSION_METADATAENTRY']._serialized_end=668
-  _globals['_SAMPLINGPARAMS']._serialized_start=671
-  _globals['_SAMPLINGPARAMS']._serialized_end=868
+  _globals['_ADAPTERVERSION']._serialized_end=685
+  _globals['_ADAPTERVERSION_METADATAENTRY']._serialized_start=638
+  _globals['_ADAPTERVERSION_METADATAENTRY']._serialized_end=685
+  _globals['_SAMPLINGPARAMS']._serialized_start=688
+  _globals['_SAMPLINGPARAMS']._serialized_end=885
 # @@protoc_insertion_point(module_scope)

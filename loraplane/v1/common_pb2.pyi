@@ -208,6 +208,7 @@ class AdapterVersion(google.protobuf.message.Message):
     METADATA_FIELD_NUMBER: builtins.int
     ALIASES_FIELD_NUMBER: builtins.int
     CREATE_TIME_FIELD_NUMBER: builtins.int
+    PENDING_FIELD_NUMBER: builtins.int
     adapter: builtins.str
     version: builtins.int
     kind: global___VersionKind.ValueType
@@ -215,6 +216,10 @@ class AdapterVersion(google.protobuf.message.Message):
     """Lower-case hex sha256 of the blob."""
     size_bytes: builtins.int
     training_step: builtins.int
+    pending: builtins.bool
+    """True while the version is reserved but its bytes are not stored yet (PublishVersionHeader.upload_later):
+    downloads wait for them.
+    """
     @property
     def metadata(self) -> google.protobuf.internal.containers.ScalarMap[builtins.str, builtins.str]: ...
     @property
@@ -235,9 +240,10 @@ class AdapterVersion(google.protobuf.message.Message):
         metadata: collections.abc.Mapping[builtins.str, builtins.str] | None = ...,
         aliases: collections.abc.Iterable[builtins.str] | None = ...,
         create_time: google.protobuf.timestamp_pb2.Timestamp | None = ...,
+        pending: builtins.bool = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["create_time", b"create_time"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["adapter", b"adapter", "aliases", b"aliases", "create_time", b"create_time", "kind", b"kind", "metadata", b"metadata", "sha256", b"sha256", "size_bytes", b"size_bytes", "training_step", b"training_step", "version", b"version"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["adapter", b"adapter", "aliases", b"aliases", "create_time", b"create_time", "kind", b"kind", "metadata", b"metadata", "pending", b"pending", "sha256", b"sha256", "size_bytes", b"size_bytes", "training_step", b"training_step", "version", b"version"]) -> None: ...
 
 global___AdapterVersion = AdapterVersion
 

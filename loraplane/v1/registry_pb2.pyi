@@ -289,6 +289,8 @@ class PublishVersionHeader(google.protobuf.message.Message):
     METADATA_FIELD_NUMBER: builtins.int
     ALIASES_FIELD_NUMBER: builtins.int
     KIND_FIELD_NUMBER: builtins.int
+    UPLOAD_LATER_FIELD_NUMBER: builtins.int
+    RESERVED_VERSION_FIELD_NUMBER: builtins.int
     adapter: builtins.str
     sha256: builtins.str
     """Lower-case hex sha256 of the whole blob. Empty = it comes in the trailer, the stream's last message. Blobs are
@@ -302,6 +304,18 @@ class PublishVersionHeader(google.protobuf.message.Message):
     training_step: builtins.int
     kind: loraplane.v1.common_pb2.VersionKind.ValueType
     """Unspecified = WEIGHTS."""
+    upload_later: builtins.bool
+    """Reserve the version now, its bytes later (a service key only, acting for the adapter's tenant; WEIGHTS with a
+    sha256 and an idempotency_key): the stream carries this header and nothing else. The version is committed at
+    once as `pending` (its VERSION_PUBLISHED event goes out) unless the blob is stored already; the bytes follow in
+    a PublishVersion naming it in reserved_version. Until then a download of the version is UNAVAILABLE (reason
+    VERSION_PENDING). The trainer acknowledges a publish this way once its samplers hold the bytes
+    (docs/architecture.md, "Which path a version took").
+    """
+    reserved_version: builtins.int
+    """The bytes of this reserved version (same adapter and sha256): stored, then the version is no longer pending.
+    Never adds a version: NOT_FOUND naming this field when the version was deleted meanwhile.
+    """
     @property
     def metadata(self) -> google.protobuf.internal.containers.ScalarMap[builtins.str, builtins.str]: ...
     @property
@@ -319,8 +333,10 @@ class PublishVersionHeader(google.protobuf.message.Message):
         metadata: collections.abc.Mapping[builtins.str, builtins.str] | None = ...,
         aliases: collections.abc.Iterable[builtins.str] | None = ...,
         kind: loraplane.v1.common_pb2.VersionKind.ValueType = ...,
+        upload_later: builtins.bool = ...,
+        reserved_version: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["adapter", b"adapter", "aliases", b"aliases", "idempotency_key", b"idempotency_key", "kind", b"kind", "metadata", b"metadata", "sha256", b"sha256", "size_bytes", b"size_bytes", "training_step", b"training_step"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["adapter", b"adapter", "aliases", b"aliases", "idempotency_key", b"idempotency_key", "kind", b"kind", "metadata", b"metadata", "reserved_version", b"reserved_version", "sha256", b"sha256", "size_bytes", b"size_bytes", "training_step", b"training_step", "upload_later", b"upload_later"]) -> None: ...
 
 global___PublishVersionHeader = PublishVersionHeader
 
