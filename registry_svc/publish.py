@@ -273,19 +273,13 @@ class PublishPipeline:
 
     async def _reserve(self, header: PublishHeader, items: AsyncIterator[bytes | PublishTrailer],
                        token: str) -> PublishResult:
-        """Commits the version of a header with upload_later before its bytes: pending unless a blob of that digest
-        is stored already (then it is an ordinary version at once)."""
+        """Commits the version of a header with upload_later, pending, before its bytes. Nothing here waits for S3:
+        the reservation is what a trainer's answer waits for (a blob of that digest stored already is found by the
+        upload that follows, which then sends nothing)."""
         async for _ in items:
             raise errors.InvalidArgument("chunk: a stream that reserves a version (header.upload_later) carries no "
                                          "bytes; send them with header.reserved_version", field="chunk")
-        # The claim keeps a stored blob of this digest from garbage collection between the look and the commit.
-        await self._register_upload(header.sha256, token, header.size_bytes)
-        try:
-            stored = await self.store.blobs.exists(header.sha256)
-            result = await self._commit(header, header.sha256, token, pending=not stored)
-        except BaseException:
-            await self._forget(header.sha256, token)
-            raise
+        result = await self._commit(header, header.sha256, token, pending=True)
         return await self._committed(header, header.sha256, result)
 
     async def _store_reserved(self, adapter: AdapterRecord, header: PublishHeader,
