@@ -86,10 +86,11 @@ def unique_suffix() -> str:
 
 
 @pytest.fixture
-def isolated_settings(valkey, seaweed) -> Settings:
-    """Settings pointing at the shared servers under a fresh key prefix and bucket."""
+def isolated_settings(valkey, seaweed, tmp_path) -> Settings:
+    """Settings pointing at the shared servers under a fresh key prefix and bucket, and a fresh data dir."""
     suffix = unique_suffix()
     return Settings(
+        data_dir=tmp_path / "data",
         redis_url=valkey.url,
         s3_endpoint=seaweed.endpoint,
         s3_access_key=seaweed.access_key,
