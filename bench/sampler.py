@@ -36,10 +36,12 @@ one copy into the shared buffer, pickling), SGLang's load call (its unpickle and
 (random LoRA tensors of the shape, written as the trainer writes them: a shared-outer expert adapter in the compact
 format 2) is made and hashed, pushed by the real trainer_svc.handoff.Handoff to the sampler registered in the
 deployment's fleet membership (through this host's shared memory, or as the gRPC stream a sampler on another host
-gets) beside its upload to the real registry, and the publish answers after the commit and the push's settle; then
-that version is sampled. Versions that are not pushed (the registry path) alternate with them in the same run. Per
-version: the total from the publish's start to the sampled token, the moments between (made, push done, staged on
-the sampler, committed, acknowledged, load started, loaded) and the path the sampler reports for it; the run fails
+gets) while the real registry reserves the version, and the publish answers then, its upload going on beside
+(trainer_svc/upload_spool.py, `publish_ack = "pushed"`); then that version is sampled. Versions that are not pushed
+(the registry path: answered after the upload and commit) alternate with them in the same run. Per version: the
+total from the publish's start to the sampled token, the moments between (made, push done, staged on the sampler,
+committed, acknowledged, load started, loaded, sampled, and the upload stored) and the path the sampler reports for
+it; the run fails
 (exit 1) when a version took another path than its own, or was served as another version. Writes
 bench/results/sampler_push_<shape>.json.
     python bench/sampler.py --push --quick [--shape tiny|tiny-moe|smollm2]     (torch engine, CPU, about a minute)
@@ -677,7 +679,9 @@ PUSH_FLEET = "bench-push"
 # --push on the torch engine (CPU): shape -> (model name, adapter rank).
 TORCH_PUSH_SHAPES = {"tiny": ("tiny", 8), "tiny-moe": ("tiny-moe", 8), "smollm2": ("smollm2-135m-instruct", 16)}
 # Moments of a version, each from the start of its publish (milliseconds in the results).
-PUSH_PHASES = ("make", "push_done", "staged", "commit", "ack", "load_start", "loaded", "first_sample")
+# commit: the registry's commit (a pushed version's reservation; a registry-path version's upload and commit);
+# stored: the pushed version's upload landed (after the answer: `publish_ack = "pushed"`).
+PUSH_PHASES = ("make", "push_done", "staged", "commit", "ack", "load_start", "loaded", "first_sample", "stored")
 
 
 def random_lora_params(base, spec, seed: int) -> dict[str, torch.Tensor]:
@@ -708,8 +712,9 @@ def push_variants(moe: bool, layouts: Sequence[str], paths: Sequence[str]) -> li
 async def push_to_first_sample(engine_name: str, shape: str, iterations: int, workdir: Path, paths: Sequence[str],
                                layouts: Sequence[str], dtype: str, layers: int = 0, deadline_s: float = 0.0) -> dict:
     """publish -> first sample of each version, published as the trainer's PublishWeights does (the blob made and
-    hashed, pushed by trainer_svc.handoff.Handoff to the deployment's sampler beside the registry upload, the
-    publish answered after the commit and the push's settle), alternated with versions that are not pushed; each
+    hashed, pushed by trainer_svc.handoff.Handoff to the deployment's sampler while the registry reserves the
+    version, answered then, the upload beside: trainer_svc/upload_spool.py), alternated with versions that are not
+    pushed (answered after the upload and commit); each
     version's path as the sampler reports it. `deadline_s` (from the start, 0: none): no version starts after it."""
     started = time.perf_counter()
     if engine_name == "sglang":
@@ -735,6 +740,7 @@ async def _push_to_first_sample(settings, engine_name: str, shape: str, model: s
     from loraplane.membership import Membership
     from loraplane.registry_client import CHUNK_BYTES, StreamedBlob
     from trainer_svc import handoff as handoff_module
+    from trainer_svc.upload_spool import UploadSpool, publish_before_upload
 
     moe = shape in MOE_SHAPES or shape == "tiny-moe"
     registry = await start_registry_server(settings)
@@ -762,6 +768,7 @@ async def _push_to_first_sample(settings, engine_name: str, shape: str, model: s
     handoff = handoff_module.Handoff(Membership(settings.redis_url, key_prefix=settings.key_prefix, fleet=PUSH_FLEET),
                                      None, preload=settings.sampler_fleet_preload)
     client = RegistryClient(registry.address)
+    spool = UploadSpool(workdir / "trainer-uploads", client)
 
     # Per version (its blob's sha256 until the version is known, then its key): moment name -> perf_counter().
     by_sha: dict[str, dict[str, float]] = {}
@@ -830,37 +837,43 @@ async def _push_to_first_sample(settings, engine_name: str, shape: str, model: s
             params = random_lora_params(base, spec, seed)  # not timed: the trainer's export is not this bench's
             writer = adapter_writer(params, spec, base.name, dtype, model_type=model_type)
             blob = StreamedBlob(writer.size, writer.chunks(CHUNK_BYTES))
-            # PublishWeights from here on (trainer_svc/service.py _finish_publish): made and hashed in one pass,
-            # pushed (beside the upload; before it for a blob up to the handoff's lead_bytes), committed, settled.
+            # PublishWeights from here on (trainer_svc/service.py _finish_publish): made and hashed in one pass;
+            # a pushed version is answered once reserved and pushed, its upload beside (upload_spool.py); a
+            # registry-path version after its upload and commit.
             t0 = time.perf_counter()
             await asyncio.to_thread(blob.make)
             made = time.perf_counter()
             del params
-            push = None
-            if path.startswith("push:"):
+            pushed_path = path.startswith("push:")
+            moments: dict[str, float] = {}
+            upload = None
+            if pushed_path:
                 handoff.shared_memory = path == "push:shared_memory"
-                push = await handoff.start(name, blob)
-            try:
+
+                async def reserved(_version) -> None:
+                    moments["commit"] = time.perf_counter()
+
+                version, upload = await publish_before_upload(client, handoff, spool, name, blob,
+                                                              idempotency_key=f"{name}-{seed}", reserved=reserved)
+                if upload is not None:
+                    upload.add_done_callback(lambda _t: moments.setdefault("stored", time.perf_counter()))
+            else:
                 version = await client.publish(name, blob)
-            except BaseException:
-                if push is not None:
-                    await handoff.settle(push, committed=False)
-                raise
-            committed = time.perf_counter()
-            if push is not None:
-                await handoff.settle(push, committed=True)
+                moments["commit"] = moments["stored"] = time.perf_counter()
             acked = time.perf_counter()
             # The RL loop's next call: a sample of exactly that version.
             reply = await stub.Sample(sampler_pb2.SampleRequest(
                 adapter=common_pb2.AdapterRef(name=name, version=version.version), prompt_tokens=prompt,
                 sampling_params=common_pb2.SamplingParams(max_tokens=1)))
             end = time.perf_counter()
+            if upload is not None:
+                await upload  # the next version's numbers do not share the host with this upload
             key = f"{name}@v{version.version}"
             loaded = next((e for e in sampler.manager.list_loaded() if e.key == key), None)
             format_ = blob_metadata(_header_bytes(blob)).get(FORMAT_VERSION_KEY, "1")
-            at = {**by_sha.pop(blob.sha256, {}), **by_key.get(key, {}), "make": made, "commit": committed,
-                  "ack": acked, "first_sample": end}
-            expected = "push" if push is not None else "registry"
+            at = {**by_sha.pop(blob.sha256, {}), **by_key.get(key, {}), **moments, "make": made, "ack": acked,
+                  "first_sample": end}
+            expected = "push" if pushed_path else "registry"
             pushed = outcomes.pop(blob.sha256, {})
             record = {"variant": f"{layout}/{path}", "label": label, "key": key, "blob_mb": round(blob.size / 1e6, 2),
                       "format": format_, "expected_path": expected,
@@ -874,7 +887,7 @@ async def _push_to_first_sample(settings, engine_name: str, shape: str, model: s
                 problems.append(f"served v{reply.served_version}, asked v{version.version}")
             if record["path"] != expected:
                 problems.append(f"path {record['path']}, expected {expected}")
-            if push is not None and record["push_outcomes"] != [path.split(":")[1]]:
+            if pushed_path and record["push_outcomes"] != [path.split(":")[1]]:
                 problems.append(f"push outcomes {record['push_outcomes']}, expected [{path.split(':')[1]}]")
             if moe and layout == "shared_outer" and format_ != COMPACT_FORMAT:
                 problems.append(f"shared-outer blob in format {format_}, not the compact {COMPACT_FORMAT}")
@@ -904,6 +917,7 @@ async def _push_to_first_sample(settings, engine_name: str, shape: str, model: s
         await channel.close()
     finally:
         RegistryClient.download = real_download
+        await spool.close()
         await handoff.close()
         untracked()
         await client.close()
@@ -977,11 +991,12 @@ def print_push_summary(result: dict) -> None:
                 f"{result['dtype']} ({result['engine']} engine), p50 ms from the publish's start"
                 + (f"; target <= {target} ms" if target else ""),
                 ["layout/path", "MB", "fmt", "sampler path", "n", "total p50", "total p99", "÷ registry", "made",
-                 "push done", "staged", "commit", "ack", "load start", "loaded", "load", "download"],
+                 "push done", "staged", "commit", "ack", "load start", "loaded", "first sample", "stored", "load",
+                 "download"],
                 [[variant, f"{s['blob_mb']:g}", s["format"], ",".join(s["paths"]), s["n"], s["total_ms"]["p50_ms"],
-                  s["total_ms"]["p99_ms"], f"{s['total_p50_vs_registry']:.2f}" if "total_p50_vs_registry" in s else "-", *(_cell(s[f"{p}_ms_p50"]) for p in ("make", "push_done", "staged", "commit",
-                                                                           "ack", "load_start", "loaded", "load",
-                                                                           "download"))]
+                  s["total_ms"]["p99_ms"], f"{s['total_p50_vs_registry']:.2f}" if "total_p50_vs_registry" in s else "-",
+                  *(_cell(s[f"{p}_ms_p50"]) for p in ("make", "push_done", "staged", "commit", "ack", "load_start",
+                                                       "loaded", "first_sample", "stored", "load", "download"))]
                  for variant, s in result["summary"].items()], width=220)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -51,7 +50,7 @@ from trainer_svc.losses import supported_losses
 from trainer_svc.optimizer import AdamHyper, StepOutcome
 from trainer_svc.pool import AdapterPool, AdapterState
 from trainer_svc.scheduler import FUSABLE, REJECTED, Job, Scheduler
-from trainer_svc.upload_spool import spooled
+from trainer_svc.upload_spool import publish_before_upload
 from trainer_svc.validation import (
     DatumPayload,
     validate_adapter_name,
@@ -449,33 +448,20 @@ class TrainerService:
 
     async def _publish_before_upload(self, adapter: str, exported: ExportedBlob, aliases: Sequence[str],
                                      metadata: Mapping[str, str]) -> AdapterVersion:
-        """The pushed publish acknowledged before its S3 upload: the blob goes to the spool on this trainer's disk
-        and to the samplers while the registry reserves the version (committed, pending, its event sent); the answer
-        waits for those three and the samplers' pushes (at most the handoff's ack_wait_s), the upload goes on beside
-        (trainer_svc/upload_spool.py). Samplers load the pushed bytes on the event, exactly as they would after the
-        upload; anyone else downloading the version waits for the upload."""
-        blob = exported.blob
-        entry = spooled(adapter, blob, exported.idempotency_key, exported.step, metadata, aliases)
-        writing = asyncio.ensure_future(asyncio.to_thread(self.spool.write, entry, blob))
-        push = await self.handoff.start(adapter, blob)
+        """The pushed publish acknowledged before its S3 upload (trainer_svc/upload_spool.py)."""
+        blob, exported.blob = exported.blob, None
+
+        async def journaled(version: AdapterVersion) -> None:
+            await self.durability.published(adapter, exported.seq_id, version, exported.step,
+                                            exported.idempotency_key)
+
         try:
-            version = await self.registry.reserve(
-                adapter, blob.sha256, blob.size, idempotency_key=exported.idempotency_key,
-                training_step=exported.step, metadata=dict(metadata), aliases=list(aliases))
-            await writing
+            version, _ = await publish_before_upload(
+                self.registry, self.handoff, self.spool, adapter, blob, idempotency_key=exported.idempotency_key,
+                step=exported.step, metadata=metadata, aliases=aliases, reserved=journaled)
         except BaseException:
-            await self.handoff.settle(push, committed=False)
-            with contextlib.suppress(BaseException):
-                await writing
-            await asyncio.to_thread(self.spool.discard, entry)
+            exported.blob = blob  # a retry of this PublishWeights sends the same bytes
             raise
-        exported.blob = None
-        await self.durability.published(adapter, exported.seq_id, version, exported.step, exported.idempotency_key)
-        if version.pending:
-            self.spool.upload(entry, version.version, blob)
-        else:  # the registry had these bytes already
-            await asyncio.to_thread(self.spool.discard, entry)
-        await self.handoff.settle(push, committed=True)
         return version
 
     async def load_state(self, adapter: str, seq_id: int, source: SourceRef, with_optimizer: bool,

@@ -18,12 +18,17 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loraplane import errors
 from loraplane.registry_client import CHUNK_BYTES, RegistryClient, StreamedBlob
+
+if TYPE_CHECKING:
+    from loraplane.v1.common_pb2 import AdapterVersion
+    from trainer_svc.handoff import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +173,39 @@ class UploadSpool:
 
     def _paths(self, entry: SpooledPublish) -> tuple[Path, Path]:
         return self.directory / f"{entry.stem}.blob", self.directory / f"{entry.stem}.json"
+
+
+async def publish_before_upload(registry: RegistryClient, handoff: Handoff, spool: UploadSpool, adapter: str,
+                                blob: StreamedBlob, *, idempotency_key: str, step: int = 0,
+                                metadata: Mapping[str, str] | None = None, aliases: Sequence[str] = (),
+                                reserved: Callable[[AdapterVersion], Awaitable[None]] | None = None
+                                ) -> tuple[AdapterVersion, asyncio.Task | None]:
+    """A made blob published as a pushed PublishWeights is answered (`publish_ack = "pushed"`): written to `spool`
+    and pushed to the samplers while the registry reserves its version (committed, pending, its event sent); then
+    `reserved(version)` (the trainer's journal record), the pushes waited for (at most the handoff's ack_wait_s),
+    and the upload started beside. Returns the version and the upload's task (None when the registry needs no
+    bytes: it had them). Samplers load the pushed bytes on the event exactly as after an upload; anyone else
+    downloading the version waits for the upload."""
+    entry = spooled(adapter, blob, idempotency_key, step, metadata or {}, aliases)
+    writing = asyncio.ensure_future(asyncio.to_thread(spool.write, entry, blob))
+    push = await handoff.start(adapter, blob)
+    try:
+        version = await registry.reserve(adapter, blob.sha256, blob.size, idempotency_key=idempotency_key,
+                                         training_step=step, metadata=dict(metadata or {}), aliases=list(aliases))
+        await writing
+    except BaseException:
+        await handoff.settle(push, committed=False)
+        with contextlib.suppress(BaseException):
+            await writing
+        await asyncio.to_thread(spool.discard, entry)
+        raise
+    if reserved is not None:
+        await reserved(version)
+    upload = spool.upload(entry, version.version, blob) if version.pending else None
+    if upload is None:
+        await asyncio.to_thread(spool.discard, entry)
+    await handoff.settle(push, committed=True)
+    return version, upload
 
 
 def _part(path: Path) -> Path:
