@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraplane import errors
-from loraplane.registry_client import CHUNK_BYTES, RegistryClient, StreamedBlob
+from loraplane.registry_client import CHUNK_BYTES, AdapterVersion, RegistryClient, StreamedBlob
 
 if TYPE_CHECKING:
-    from loraplane.v1.common_pb2 import AdapterVersion
     from trainer_svc.handoff import Handoff
 
 log = logging.getLogger(__name__)
@@ -190,9 +189,12 @@ async def publish_before_upload(registry: RegistryClient, handoff: Handoff, spoo
     writing = asyncio.ensure_future(asyncio.to_thread(spool.write, entry, blob))
     push = await handoff.start(adapter, blob)
     try:
+        # The reservation's event must find the bytes staged: a sampler that hears of the version before its push
+        # is announced downloads it instead (and waits for the upload).
+        await asyncio.wait({push}, timeout=handoff.ack_wait_s)
+        await writing
         version = await registry.reserve(adapter, blob.sha256, blob.size, idempotency_key=idempotency_key,
                                          training_step=step, metadata=dict(metadata or {}), aliases=list(aliases))
-        await writing
     except BaseException:
         await handoff.settle(push, committed=False)
         with contextlib.suppress(BaseException):
