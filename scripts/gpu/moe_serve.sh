@@ -4,6 +4,10 @@
 # `part pNN` calls; scripts/gpu/e2e.sh's header lists them). Each mode stays well inside the 10-minute call limit.
 #   bash scripts/gpu/moe_serve.sh tests [PYTEST -k EXPR]   tests/gpu/test_sglang_moe.py (a small random Qwen3-MoE,
 #                                                         trainer Forward vs sampler, batches, layouts, retention)
+#   bash scripts/gpu/moe_serve.sh families [PYTEST -k EXPR] tests/gpu/test_sglang_families.py: Qwen3.5 dense and
+#                                                         MoE, gpt-oss and Nemotron-H (small random checkpoints)
+#                                                         served by SGLang, sampler vs the trainer's Forward,
+#                                                         version exactness (issues 32, 33; not yet run)
 #   bash scripts/gpu/moe_serve.sh load [ITER] [LAYERS]    bench/sampler.py --shape qwen3moe: publish -> first
 #                                                         sample of a Qwen3-30B-A3B rank-32 expert adapter (dummy
 #                                                         weights, one SGLang server): both expert layouts
@@ -80,6 +84,16 @@ case "$mode" in
     reap /tmp/lp-moe-tests
     find /tmp/lp-moe-tests -name "server-*.log" -print0 2>/dev/null | tar czf "$OUT/sglang_moe_tests_servers.tgz" \
       --null -T - 2>/dev/null
+    exit "$rc" ;;
+  families)
+    reap /tmp/lp-family-tests
+    timeout -k 20 540 python3 -m pytest tests/gpu/test_sglang_families.py -m gpu -o addopts="" -p no:cacheprovider -q \
+      -rA --basetemp /tmp/lp-family-tests ${1:+-k "$1"} 2>&1 | filter | tee "$OUT/sglang_families_tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert"
+    rc=${PIPESTATUS[0]}
+    reap /tmp/lp-family-tests
+    find /tmp/lp-family-tests -name "server-*.log" -print0 2>/dev/null \
+      | tar czf "$OUT/sglang_families_servers.tgz" --null -T - 2>/dev/null
     exit "$rc" ;;
   load)
     qwen3moe_bench load sampler_sglang_load_qwen3moe /tmp/lp-bench-load-qwen3moe sglang_server_qwen3moe "$@" ;;
