@@ -6,6 +6,7 @@ registry did not commit as the version are never served; a tenant's key cannot p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -49,19 +50,25 @@ def start_fleet(settings, loop, registry_address):
     return samplers
 
 
-@pytest.fixture
-def deployment(registry, background_loop):
-    settings = fleet_settings(registry.settings)
+@contextlib.contextmanager
+def running_deployment(settings, loop, registry_address):
+    """A trainer and the sampler fleet it pushes to: (trainer, samplers by id, every server started, to close)."""
     started = []
     try:
-        samplers = start_fleet(settings, background_loop, registry.address)
+        samplers = start_fleet(settings, loop, registry_address)
         started.extend(samplers.values())
-        trainer = start_live_trainer(settings, background_loop, registry.address, gap_timeout_s=5.0)
+        trainer = start_live_trainer(settings, loop, registry_address, gap_timeout_s=5.0)
         started.append(trainer)
         yield trainer, samplers, started
     finally:
         for live in reversed(started):
             live.close()
+
+
+@pytest.fixture
+def deployment(registry, background_loop):
+    with running_deployment(fleet_settings(registry.settings), background_loop, registry.address) as running:
+        yield running
 
 
 def loads_metric(path: str) -> float:

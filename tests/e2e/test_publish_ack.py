@@ -24,9 +24,16 @@ import pytest
 
 from loraplane.local.processes import free_port
 from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2, trainer_pb2_grpc
-from tests.e2e.test_handoff import IDS, entry, fleet_settings, sample, start_fleet, train_and_publish
+from tests.e2e.test_handoff import (
+    IDS,
+    entry,
+    fleet_settings,
+    running_deployment,
+    sample,
+    start_fleet,
+    train_and_publish,
+)
 from tests.fixtures.sampler import start_live_sampler
-from tests.fixtures.trainer import start_live_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,22 +77,13 @@ def spooled_files(settings, trainer_id: str = "trainer") -> list[str]:
 
 
 @pytest.fixture
-def deployment(registry, background_loop):
-    settings = fleet_settings(registry.settings)
-    started = []
-    try:
-        samplers = start_fleet(settings, background_loop, registry.address)
-        started.extend(samplers.values())
-        trainer = start_live_trainer(settings, background_loop, registry.address, gap_timeout_s=5.0)
-        started.append(trainer)
-        yield trainer, samplers, started
-    finally:
-        for live in reversed(started):
-            live.close()
+def pushing(registry, background_loop):
+    with running_deployment(fleet_settings(registry.settings), background_loop, registry.address) as running:
+        yield running
 
 
-def test_a_pushed_version_is_served_while_s3_stalls_and_stored_once_it_is_back(deployment, registry, seaweed):
-    trainer, samplers, started = deployment
+def test_a_pushed_version_is_served_while_s3_stalls_and_stored_once_it_is_back(pushing, registry, seaweed):
+    trainer, samplers, started = pushing
     stub = trainer.stub()
     stub.CreateAdapter(trainer_pb2.TrainerServiceCreateAdapterRequest(
         name="ack", lora_config=common_pb2.LoraConfig(rank=4, alpha=8, seed=3), base_model="tiny"))
@@ -125,12 +123,7 @@ def test_a_pushed_version_is_served_while_s3_stalls_and_stored_once_it_is_back(d
 
 def test_with_publish_ack_stored_the_answer_waits_for_the_upload(registry, background_loop, seaweed):
     settings = fleet_settings(registry.settings).model_copy(update={"publish_ack": "stored"})
-    started = []
-    try:
-        samplers = start_fleet(settings, background_loop, registry.address)
-        started.extend(samplers.values())
-        trainer = start_live_trainer(settings, background_loop, registry.address, gap_timeout_s=5.0)
-        started.append(trainer)
+    with running_deployment(settings, background_loop, registry.address) as (trainer, _, _):
         stub = trainer.stub()
         stub.CreateAdapter(trainer_pb2.TrainerServiceCreateAdapterRequest(
             name="slow", lora_config=common_pb2.LoraConfig(rank=4, alpha=8, seed=3), base_model="tiny"))
@@ -144,9 +137,6 @@ def test_with_publish_ack_stored_the_answer_waits_for_the_upload(registry, backg
         publisher.join(60)
         assert not version_record(registry, "slow", answered["version"]).pending
         assert not spooled_files(trainer.settings)
-    finally:
-        for live in reversed(started):
-            live.close()
 
 
 def test_a_trainer_killed_before_the_upload_lands_uploads_the_version_after_its_restart(

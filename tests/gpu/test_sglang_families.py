@@ -23,8 +23,6 @@ Results (per family: stats, server arguments) go to $OUT/sglang_families_results
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import statistics
 from pathlib import Path
 
@@ -45,7 +43,7 @@ from loraplane.rpc import BackgroundLoop
 from loraplane.v1 import common_pb2, trainer_pb2
 from tests.fixtures.sampler import start_live_sampler
 from tests.fixtures.trainer import start_live_trainer
-from tests.gpu.test_sglang_moe import MEAN_BOUND, P90_BOUND, prompts
+from tests.gpu.test_sglang_moe import MEAN_BOUND, P90_BOUND, prompts, recorder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,15 +53,7 @@ pytestmark = [
 
 RANK = 8
 SERVER_ARGS = ["--mem-fraction-static", "0.25", "--disable-cuda-graph"]
-RESULTS: dict = {}
-
-
-def record(name: str, value) -> None:
-    RESULTS[name] = value
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "sglang_families_results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+record = recorder("sglang_families_results.json")
 
 
 def _qwen3_5_text(vocab_size: int, **extra) -> dict:

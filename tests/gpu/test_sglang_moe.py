@@ -76,15 +76,23 @@ RANK = 8
 MAX_RANK = 16
 SLOTS = 3  # --max-loras-per-batch (SGLang counts the base model as one of them)
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"]
-RESULTS: dict = {}
 
 
-def record(name: str, value) -> None:
-    RESULTS[name] = value
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "sglang_moe_results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+def recorder(filename: str):
+    """record(name, value): the checks' stats, kept in $OUT/`filename` (when OUT is set) as they come."""
+    results: dict = {}
+
+    def record(name: str, value) -> None:
+        results[name] = value
+        out = os.environ.get("OUT")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / filename).write_text(json.dumps(results, indent=2, default=str))
+
+    return record
+
+
+record = recorder("sglang_moe_results.json")
 
 
 @pytest.fixture(scope="module")
