@@ -300,8 +300,11 @@ async def sglang_load_paths(shape: str, iterations: int, workdir: Path, ways: Se
                                         workdir, model_dir, model_write_s, list(ways))
 
 
-def sglang_engine_options(shape: str) -> dict:
-    """SGLangEngine keyword arguments of the load benchmark's one server for a shape."""
+def sglang_engine_options(shape: str, expert_form: str = "per_expert") -> dict:
+    """SGLangEngine keyword arguments of the load benchmark's one server for a shape (`expert_form`: how expert
+    LoRA reaches a MoE shape's server; shared_outer runs it with --experts-shared-outer-loras)."""
+    if shape in MOE_SHAPES and expert_form != "per_expert":
+        return {**sglang_engine_options(shape), "expert_form": expert_form}
     if shape in MOE_SHAPES:
         # Qwen3-30B-A3B's 61 GB of dummy bf16 weights, then per LoRA slot 3.3 GB of per-expert buffers (48 layers x
         # 128 experts x rank 32 x (2 x 2048 + 1536 + 768 + 2048) x 2 bytes): two slots (one adapter + the base),
@@ -710,7 +713,8 @@ def push_variants(moe: bool, layouts: Sequence[str], paths: Sequence[str]) -> li
 
 
 async def push_to_first_sample(engine_name: str, shape: str, iterations: int, workdir: Path, paths: Sequence[str],
-                               layouts: Sequence[str], dtype: str, layers: int = 0, deadline_s: float = 0.0) -> dict:
+                               layouts: Sequence[str], dtype: str, layers: int = 0, deadline_s: float = 0.0,
+                               expert_form: str = "per_expert") -> dict:
     """publish -> first sample of each version, published as the trainer's PublishWeights does (the blob made and
     hashed, pushed by trainer_svc.handoff.Handoff to the deployment's sampler while the registry reserves the
     version, answered then, the upload beside: trainer_svc/upload_spool.py), alternated with versions that are not
@@ -729,12 +733,12 @@ async def push_to_first_sample(engine_name: str, shape: str, iterations: int, wo
         settings = storage.model_copy(update={"data_dir": workdir, "sampler_fleet": PUSH_FLEET})
         return await _push_to_first_sample(settings, engine_name, shape, model, rank, iterations, workdir,
                                            list(paths), list(layouts), dtype,
-                                           started + deadline_s if deadline_s else float("inf"))
+                                           started + deadline_s if deadline_s else float("inf"), expert_form)
 
 
 async def _push_to_first_sample(settings, engine_name: str, shape: str, model: str, rank: int, iterations: int,
                                 workdir: Path, paths: list[str], layouts: list[str], dtype: str,
-                                deadline: float) -> dict:
+                                deadline: float, expert_form: str = "per_expert") -> dict:
     from loraplane.adapter_format import COMPACT_FORMAT, FORMAT_VERSION_KEY, adapter_writer, blob_metadata
     from loraplane.lora import LoraSpec
     from loraplane.membership import Membership
@@ -748,7 +752,8 @@ async def _push_to_first_sample(settings, engine_name: str, shape: str, model: s
     if engine_name == "sglang":
         from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
 
-        engine = SGLangEngine(model, launch_servers=1, work_dir=workdir / "sglang", **sglang_engine_options(shape))
+        engine = SGLangEngine(model, launch_servers=1, work_dir=workdir / "sglang",
+                              **sglang_engine_options(shape, expert_form))
         # A MoE version is GBs: one kept per adapter (SGLang holds at most 4 in host memory).
         keep, max_loaded = (1, 3) if moe else (2, 6)
         base = _base_model_facts(model)
@@ -1033,6 +1038,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=["per_expert", "shared_outer"], help="qwen3moe: the adapters' expert layouts")
     parser.add_argument("--expert-forms", nargs="+", choices=EXPERT_FORMS, default=list(EXPERT_FORMS),
                         help="qwen3moe: the forms expert LoRA reaches SGLang in (SGLangEngine.tensor_expert_form)")
+    parser.add_argument("--sglang-expert-form", choices=["per_expert", "stacked", "shared_outer"],
+                        default="per_expert",
+                        help="--push on a MoE shape: how expert LoRA reaches SGLang (shared_outer: the server runs "
+                             "--experts-shared-outer-loras and takes shared-outer adapters only)")
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="qwen3moe: start no version after this many seconds (0: no limit)")
     parser.add_argument("--sglang-url", default="",
@@ -1066,7 +1075,8 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tempfile.gettempdir()) / f"lp-bench-push-{args.shape}"
         shutil.rmtree(workdir, ignore_errors=True)
         result = asyncio.run(push_to_first_sample(args.engine, args.shape, args.iterations, workdir, args.push_paths,
-                                                  args.expert_layouts, args.dtype, args.layers, args.deadline_s))
+                                                  args.expert_layouts, args.dtype, args.layers, args.deadline_s,
+                                                  args.sglang_expert_form))
         result["layers"] = args.layers or None
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         result["environment"] = environment()

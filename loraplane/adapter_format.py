@@ -540,7 +540,10 @@ def fold_shared_outer(params: Mapping[str, torch.Tensor], spec: LoraSpec) -> dic
 _SGLANG_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 # The 3-D ("stacked") expert keys: one tensor per layer and projection with the expert dimension first.
 _SGLANG_STACKED_PROJ = ("gate_up_proj", "down_proj")
-SGLANG_EXPERT_FORMS = ("per_expert", "stacked")
+# "shared_outer": stacked, a shared-outer adapter's shared factors once (expert dimension 1), for servers launched
+# with --experts-shared-outer-loras.
+SGLANG_SHARED_OUTER = "shared_outer"
+SGLANG_EXPERT_FORMS = ("per_expert", "stacked", SGLANG_SHARED_OUTER)
 
 
 # The module SGLang 0.5.17 applies each LoRA target to, for the families of the Llama layout (their ``sglang`` map
@@ -588,6 +591,9 @@ def sglang_packing(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: 
     up), ``...gate_up_proj.lora_B.weight`` [E, 2 ffn, r] (gate rows first), ``...down_proj.lora_{A,B}.weight``
     [E, r, ffn] / [E, hidden, r]. `form`:
     - "stacked": SGLang gets those 3-D tensors (4 per layer; the config names gate_up_proj/down_proj);
+    - "shared_outer": as "stacked", with a shared-outer adapter's shared factors (gate_up A, down B) once, expert
+      dimension 1 ([1, r, in], [1, hidden, r]): what SGLang serves with --experts-shared-outer-loras, a third of the
+      bytes for Qwen3-30B-A3B; a per-expert adapter cannot take this form (FailedPrecondition);
     - "per_expert": SGLang gets per-expert keys ``...layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}
       .lora_{A,B}.weight`` (PEFT's transformers-4 names, the config naming gate_proj/up_proj/down_proj): each a
       slice ``[e, first:end]`` of its stacked tensor, listed in the returned parts (gate and up name the same A
@@ -598,6 +604,12 @@ def sglang_packing(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: 
     `params`: the trainer's tensors (either layout, compact or expanded) or a blob's (either format)."""
     if form not in SGLANG_EXPERT_FORMS:
         raise InvalidArgument(f"form must be one of {SGLANG_EXPERT_FORMS}, not {form!r}", field="form")
+    once = form == SGLANG_SHARED_OUTER
+    if once and spec.has_experts and spec.expert_layout != SHARED_OUTER:
+        raise FailedPrecondition(
+            "adapter: its expert LoRA is per-expert; these SGLang servers serve shared-outer expert LoRA only "
+            "(launched with --experts-shared-outer-loras): sample it on servers without that mode, or train the "
+            "adapter with expert_layout shared_outer", field="adapter")
     # SGLang serves expert LoRA per expert only: a compact shared factor becomes every expert's here, on the
     # sampler, as a broadcast view (stride 0 over experts), so nothing is copied until the consumer lays it out.
     shared = dict(_shared_keys(params, spec))
@@ -615,12 +627,14 @@ def sglang_packing(params: Mapping[str, torch.Tensor], spec: LoraSpec, *, form: 
                                   field="lora_config.target_modules")
         experts = tensor.shape[0] // spec.rank if which == "A" else tensor.shape[1] // spec.rank
         if key in shared and experts == 1 < total_experts:  # compact: [r, in] or [out, r], every expert's
-            stacked = tensor.unsqueeze(0).expand(total_experts, -1, -1)
-            experts = total_experts
+            stacked = tensor.unsqueeze(0) if once else tensor.unsqueeze(0).expand(total_experts, -1, -1)
+            experts = 1 if once else total_experts
         elif which == "A":
             stacked = tensor.view(experts, spec.rank, tensor.shape[1])  # expert e's rows [e r, (e+1) r)
         else:
             stacked = tensor.view(tensor.shape[0], spec.rank, experts).permute(2, 0, 1)  # column j*E + e
+        if once and key in shared:
+            stacked = stacked[:1]  # an expanded shared factor: every expert's copy is the same (the layout's rule)
         proj = "down_proj" if module == "experts.down_proj" else "gate_up_proj"
         stacked_key = sglang_stacked_key(layer, proj, which)
         whole[stacked_key] = stacked
@@ -693,8 +707,11 @@ def from_sglang(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str
     def put_b(layer: int, module: str, b: torch.Tensor) -> None:  # [E, out, r] -> [out, r E], column j*E + e
         out[peft_key(layer, module, "B")] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
 
+    total = max((tensor.shape[0] for tensor in stacked.values()), default=0)
     for (layer, proj, which), tensor in stacked.items():
         module = "experts.down_proj" if proj == "down_proj" else "experts.gate_up_proj"
+        if tensor.shape[0] == 1 < total:  # the "shared_outer" form's shared factor: every expert's
+            tensor = tensor.expand(total, -1, -1)
         if which == "A":
             out[peft_key(layer, module, "A")] = tensor.reshape(-1, tensor.shape[2])
         else:

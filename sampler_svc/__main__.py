@@ -42,6 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sglang-adapter-transport", choices=["auto", "file", "tensors"], default="auto",
                         help="how adapter versions reach SGLang: a PEFT directory on a shared disk (file), the "
                              "request body (tensors), or files for servers on this host and tensors otherwise (auto)")
+    parser.add_argument("--sglang-expert-form", choices=["per_expert", "stacked", "shared_outer"],
+                        default="per_expert",
+                        help="how MoE expert LoRA reaches SGLang: per-expert keys, 3-D tensors, or shared_outer (the "
+                             "servers run --experts-shared-outer-loras: shared factors once, shared-outer adapters "
+                             "only)")
     parser.add_argument("--sglang-arg", action="append", default=settings.sampler_sglang_args.split(),
                         help="extra argument for launched SGLang servers (repeatable), e.g. --sglang-arg=--dtype=bfloat16")
     parser.add_argument("--log-level", default="INFO")
@@ -64,6 +69,7 @@ async def serve(args: argparse.Namespace) -> None:
                         "max_loras_per_batch": args.sglang_max_loras_per_batch,
                         "max_loaded_loras": args.sglang_max_loaded_loras,
                         "adapter_transport": args.sglang_adapter_transport,
+                        "expert_form": args.sglang_expert_form,
                         "extra_server_args": args.sglang_arg})
     print(f"SAMPLER_READY {sampler.address}", flush=True)
     await wait_for_shutdown_signal()

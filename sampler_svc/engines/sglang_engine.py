@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from loraplane import errors
+from loraplane.adapter_format import SGLANG_EXPERT_FORMS, SGLANG_SHARED_OUTER
 from sampler_svc.engines.base import Engine, GenerationRequest, GenerationUpdate, LoadedAdapterInfo
 from sampler_svc.engines.sglang_generation import Generation
 from sampler_svc.engines.sglang_placement import ServerChoice
@@ -45,6 +46,7 @@ class SGLangEngine(Engine):
         adapter_transport: str = "auto",
         stream_readers: int | None = None,
         stream_readers_from: int = 16,
+        expert_form: str = "per_expert",
     ):
         if not urls and launch_servers < 1:
             raise errors.InvalidArgument("the sglang engine needs server URLs or launch_servers >= 1",
@@ -59,12 +61,24 @@ class SGLangEngine(Engine):
         self.work_dir = Path(work_dir)
         self.max_lora_rank = max_lora_rank
         self.http = SGLangHTTP(request_timeout_s)
+        if expert_form not in SGLANG_EXPERT_FORMS:
+            raise errors.InvalidArgument(f"expert_form must be one of {SGLANG_EXPERT_FORMS}, not {expert_form!r}",
+                                         field="expert_form")
+        server_args = list(extra_server_args)
+        if expert_form == SGLANG_SHARED_OUTER:
+            # The servers hold every MoE adapter's shared factors once (a third of Qwen3-30B-A3B's expert LoRA);
+            # such a server takes shared-outer adapters only, and only as tensors (a PEFT directory is per-expert).
+            if adapter_transport == "file":
+                raise errors.InvalidArgument("adapter_transport: expert_form shared_outer needs the tensor transport, not file",
+                                             field="adapter_transport")
+            adapter_transport = "tensors"
+            server_args.append("--experts-shared-outer-loras")
         self.transport = AdapterTransport(self.http, base_model, self.work_dir, max_lora_rank=max_lora_rank,
-                                          adapter_transport=adapter_transport)
+                                          adapter_transport=adapter_transport, tensor_expert_form=expert_form)
         self.launcher = ServerLauncher(self.http, self.work_dir, max_lora_rank=max_lora_rank,
                                        max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras,
                                        lora_target_modules=list(lora_target_modules),
-                                       extra_server_args=list(extra_server_args), startup_timeout_s=startup_timeout_s)
+                                       extra_server_args=server_args, startup_timeout_s=startup_timeout_s)
         self.choice = ServerChoice(self.launcher.servers)
         self.generation = Generation(self.http, self.choice, send_seed=send_seed, stream_readers=readers,
                                      stream_readers_from=stream_readers_from)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from loraplane import errors
 from loraplane.adapter_format import (
+    SGLANG_SHARED_OUTER,
     adapter_header,
     adapter_tensor_views,
     materialize_peft_dir,
@@ -65,8 +66,8 @@ class AdapterTransport:
     adapter_transport: str = "auto"
     checkpoint_dtype: str = ""
     # The form expert LoRA travels in as tensors (adapter_format.sglang_packing): "per_expert" keys (the form the GPU
-    # tests verified) or "stacked" 3-D tensors (4 per layer instead of 6 per expert: 288 keys for Qwen3-30B-A3B, not
-    # 37k).
+    # tests verified), "stacked" 3-D tensors (4 per layer instead of 6 per expert: 288 keys for Qwen3-30B-A3B, not
+    # 37k), or "shared_outer" (stacked, shared factors once: servers with --experts-shared-outer-loras).
     tensor_expert_form: str = "per_expert"
     # Which servers get tensors through shared memory instead of in the request body: "launched" (the servers this
     # engine started, on this host for sure), "loopback" (also those given by a loopback URL), "never". Only where
@@ -103,6 +104,10 @@ class AdapterTransport:
         status, body = None, None
         if tensors:
             status, body = await self.load_tensors(server, key, blob)
+            if _no_tensor_endpoint(status, body) and self.tensor_expert_form == SGLANG_SHARED_OUTER:
+                raise errors.FailedPrecondition(
+                    f"SGLang {server.url} takes no adapter tensors (HTTP {status}), and its shared-outer expert "
+                    f"LoRA cannot go to it as a PEFT directory: {str(body)[:200]}", field="adapter")
             if _no_tensor_endpoint(status, body):
                 log.warning("SGLang %s has no usable /load_lora_adapter_from_tensors (HTTP %s: %s); adapter versions "
                             "go to it as files from now on", server.url, status, str(body)[:200])

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from loraplane.adapter_format import adapter_tensor_views, from_sglang, parse_adapter, sglang_packing, to_sglang
+from loraplane.errors import FailedPrecondition, InvalidArgument
 from loraplane.models import load_base_model
 from sampler_svc.engines.sglang_engine import SGLangEngine
 from sampler_svc.engines.sglang_transport import PackedTensors
@@ -157,6 +158,32 @@ def test_both_forms_convert_back_exactly_and_carry_the_same_numbers(moe_base, la
         assert tensors[f"{layer1}.3.gate_proj.lora_A.weight"] is tensors[f"{layer1}.3.up_proj.lora_A.weight"]
 
 
+@pytest.mark.parametrize("stored", ["compact", "expanded"])
+def test_the_shared_outer_form_holds_each_shared_factor_once_and_converts_back_exactly(moe_base, stored):
+    """What a server run with --experts-shared-outer-loras gets: gate_up A and down B with expert dimension 1
+    (SGLang's expert_dim=1), the other two factors per expert; from a compact blob's params or a blob's stored
+    (format 1: expanded) views alike."""
+    blob = moe_adapter(moe_base, 8, "shared_outer")
+    params, spec, _ = parse_adapter(blob)
+    source = params if stored == "compact" else adapter_tensor_views(blob)[0]
+    tensors, config = to_sglang(source, spec, form="shared_outer")
+    layer1 = "base_model.model.model.layers.1.mlp.experts"
+    experts = tensors[f"{layer1}.down_proj.lora_A.weight"].shape[0]
+    assert experts > 1
+    assert tensors[f"{layer1}.gate_up_proj.lora_A.weight"].shape == (1, spec.rank, moe_base.hidden_size)
+    assert tensors[f"{layer1}.down_proj.lora_B.weight"].shape[::2] == (1, spec.rank)
+    assert tensors[f"{layer1}.gate_up_proj.lora_B.weight"].shape[0] == experts
+    assert config["target_modules"][-2:] == ["gate_up_proj", "down_proj"]
+    back = from_sglang(tensors, spec)
+    assert set(back) == set(params) and all(torch.equal(back[k], params[k]) for k in params)
+    stacked, _ = to_sglang(params, spec, form="stacked")  # every expert's copy of the shared factor is this one
+    assert torch.equal(stacked[f"{layer1}.gate_up_proj.lora_A.weight"][experts - 1],
+                       tensors[f"{layer1}.gate_up_proj.lora_A.weight"][0])
+    per_expert, spec_pe, _ = parse_adapter(moe_adapter(moe_base, 9, "per_expert"))
+    with pytest.raises(FailedPrecondition, match="per-expert"):
+        to_sglang(per_expert, spec_pe, form="shared_outer")
+
+
 def spec_layers(params) -> int:
     return len({int(k.split(".")[4]) for k in params if ".mlp.experts." in k})
 
@@ -250,6 +277,32 @@ async def test_tensors_reach_a_server_process_exactly_inline_and_through_shared_
         assert sizes["loopback", "stacked"] < sizes["loopback", "per_expert"]
         await engine.unload_adapter("a1@v1")
         assert fake.held("a1@v1") is None
+    finally:
+        await engine.stop()
+        fake.stop()
+
+
+async def test_a_shared_outer_engine_sends_the_shared_factors_once_and_refuses_per_expert_adapters(moe_base,
+                                                                                                    tmp_path):
+    with pytest.raises(InvalidArgument, match="adapter_transport"):
+        SGLangEngine("tiny-moe", urls=["http://127.0.0.1:1"], work_dir=tmp_path, expert_form="shared_outer",
+                     adapter_transport="file")
+    fake = FakeProcess()
+    engine = SGLangEngine("tiny-moe", urls=[fake.url], work_dir=tmp_path, expert_form="shared_outer")
+    # Launched servers run SGLang's shared-outer mode; versions always travel as tensors.
+    assert "--experts-shared-outer-loras" in engine.launcher.extra_server_args
+    assert engine.transport.adapter_transport == "tensors"
+    await engine.start()
+    try:
+        blob = moe_adapter(moe_base, 21, "shared_outer")
+        await engine.load_adapter("so@v1", blob)
+        params, spec, _ = parse_adapter(blob)
+        held = fake.held("so@v1")
+        assert held == digests(to_sglang(params, spec, form="shared_outer")[0], torch.float32)
+        assert held["base_model.model.model.layers.1.mlp.experts.gate_up_proj.lora_A.weight"][1][0] == 1
+        with pytest.raises(FailedPrecondition, match="per-expert"):
+            await engine.load_adapter("pe@v1", moe_adapter(moe_base, 22, "per_expert"))
+        assert fake.held("pe@v1") is None
     finally:
         await engine.stop()
         fake.stop()
