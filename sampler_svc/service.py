@@ -384,8 +384,9 @@ class SamplerService:
                 async for _ in chunks:
                     raise errors.InvalidArgument("chunk: a push through shared memory carries no chunks",
                                                  field="chunk")
-                blob = await asyncio.to_thread(read_shared_memory, header.shared_memory_name, header.size_bytes)
-                await staging.finish(incoming, blob)
+                blob, hasher = await asyncio.to_thread(read_shared_memory, header.shared_memory_name,
+                                                       header.size_bytes)
+                await staging.finish(incoming, blob, hasher)
                 return True
             received = bytearray()
             hasher = hashlib.sha256()
