@@ -240,8 +240,25 @@ class StreamedBlob:
         return made[index] if index < len(made) else None
 
     def make(self) -> str:
-        """Makes every piece not made yet (call off the event loop); returns the sha256."""
-        self.piece(1 << 62)
+        """Makes every piece not made yet (call off the event loop); returns the sha256. Each piece is hashed on a
+        second thread while the next one is made (hashlib lets go of the GIL): for the Llama-8B rank-32 blob
+        (168 MB) about the hashing's time less than making and hashing in turn."""
+        with self._lock:
+            if self._pieces is not None:
+                with ThreadPoolExecutor(1, thread_name_prefix="blob-sha256") as hashing:
+                    hashed = None
+                    for piece in self._pieces:
+                        if hashed is not None:
+                            hashed.result()  # in order, and at most one piece ahead of the digest
+                        hashed = hashing.submit(self._hasher.update, piece)
+                        self._made.append(piece)
+                        self._made_bytes += len(piece)
+                    if hashed is not None:
+                        hashed.result()
+                self._pieces = None
+                if self._made_bytes != self.size:
+                    raise ValueError(f"the blob's pieces hold {self._made_bytes} bytes, not the announced {self.size}")
+                self.sha256 = self._hasher.hexdigest()
         return self.sha256
 
     def getvalue(self) -> bytes:
