@@ -12,6 +12,8 @@ Keys (P = key prefix):
   P a:<name>:v:<n>            HASH  version fields
   P a:<name>:idem             HASH  idempotency key -> version
   P blobrefs                  HASH  sha256 -> number of versions referencing the blob
+  P blobrefs:pending          HASH  sha256 -> how many of those are reserved, their bytes not stored yet (so
+                                    blobrefs > blobrefs:pending means a stored version holds the blob: it is in S3)
   P blobs:pending:<sha>       HASH  upload token -> expiry (ms); an upload in progress protects its blob from GC
   P blobs:deleting:<sha>      STR   set while GC deletes that blob (with a TTL); uploads of it wait
   P commit:<token>            STR   version committed by one publish attempt (1 h), makes a retried commit safe
@@ -37,10 +39,20 @@ local function unref(sha, freed)
   end
 end
 
+-- A reserved version whose bytes are not stored stops counting as pending (stored, or about to be deleted).
+local function unpend(vkey, sha)
+  if redis.call('HGET', vkey, 'pending') ~= '1' then return end
+  redis.call('HDEL', vkey, 'pending')
+  if redis.call('HINCRBY', P .. 'blobrefs:pending', sha, -1) <= 0 then
+    redis.call('HDEL', P .. 'blobrefs:pending', sha)
+  end
+end
+
 local function drop_version(name, v, freed, now)
   local vkey = akey(name, ':v:' .. v)
   local fields = redis.call('HMGET', vkey, 'kind', 'sha256', 'idem')
   if not fields[2] then return end
+  unpend(vkey, fields[2])
   redis.call('DEL', vkey)
   redis.call('ZREM', akey(name, ':versions'), v)
   redis.call('ZREM', akey(name, ':kind:' .. fields[1]), v)
@@ -81,7 +93,8 @@ return 1
 """
 
 # ARGV: P, maxlen, name, now, idem, kind, sha, size, step, metadata_json, upload_token, pending ('1' = reserved,
-# its bytes still to come), aliases... -> {-1} no adapter | {version, deduplicated, freed_sha...}
+# its bytes still to come, unless a stored version already holds that blob: then it is committed stored), aliases...
+# -> {-1} no adapter | {version, deduplicated, freed_sha...}
 PUBLISH = COMMON + r"""
 local name, now, idem, kind, sha = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 redis.call('HDEL', P .. 'blobs:pending:' .. sha, ARGV[11])
@@ -97,7 +110,15 @@ local v = redis.call('INCR', akey(name, ':seq'))
 redis.call('SET', P .. 'commit:' .. ARGV[11], v, 'EX', 3600)
 redis.call('HSET', akey(name, ':v:' .. v), 'kind', kind, 'sha256', sha, 'size', ARGV[8], 'step', ARGV[9],
   'metadata', ARGV[10], 'create_time', now, 'idem', idem)
-if ARGV[12] == '1' then redis.call('HSET', akey(name, ':v:' .. v), 'pending', '1') end
+if ARGV[12] == '1' then
+  local refs = tonumber(redis.call('HGET', P .. 'blobrefs', sha) or '0')
+  local reserved = tonumber(redis.call('HGET', P .. 'blobrefs:pending', sha) or '0')
+  -- Only a version whose bytes were stored (or a reservation) references a blob, and GC keeps referenced blobs.
+  if refs <= reserved then
+    redis.call('HSET', akey(name, ':v:' .. v), 'pending', '1')
+    redis.call('HINCRBY', P .. 'blobrefs:pending', sha, 1)
+  end
+end
 redis.call('ZADD', akey(name, ':versions'), v, v)
 redis.call('ZADD', akey(name, ':kind:' .. kind), v, v)
 if idem ~= '' then redis.call('HSET', akey(name, ':idem'), idem, v) end
@@ -118,7 +139,7 @@ return {v, 0, unpack(freed)}
 STORED = COMMON + r"""
 local vkey = akey(ARGV[3], ':v:' .. ARGV[4])
 if redis.call('HGET', vkey, 'sha256') ~= ARGV[5] then return 0 end
-redis.call('HDEL', vkey, 'pending')
+unpend(vkey, ARGV[5])
 return 1
 """
 
@@ -169,6 +190,7 @@ if redis.call('EXISTS', akey(name)) == 0 then return {-1} end
 local freed = {}
 for _, v in ipairs(redis.call('ZRANGE', akey(name, ':versions'), 0, -1)) do
   local sha = redis.call('HGET', akey(name, ':v:' .. v), 'sha256')
+  if sha then unpend(akey(name, ':v:' .. v), sha) end
   redis.call('DEL', akey(name, ':v:' .. v))
   if sha then unref(sha, freed) end
 end

@@ -198,10 +198,14 @@ class PublishPipeline:
         caller.authorize(header.adapter, "header.adapter")
         adapter = await self.store.get_adapter(header.adapter, "header.adapter")
         if header.reserved_version:
-            return await self._store_reserved(adapter, header, items, caller)
+            return await self._store_reserved(adapter, await self._reserved(adapter, header), header, items, caller)
         trailer = _Trailer(header.sha256)
         if header.idempotency_key:
             prior = await self._prior_publish(adapter.name, header)
+            if prior is not None and prior.pending and not header.upload_later:
+                # The bytes of a version reserved under this key: stored now (an ordinary publish may bring them,
+                # its digest is checked against the reservation's; any caller allowed to publish to the adapter).
+                return await self._store_reserved(adapter, prior, header, items, caller)
             if prior is not None:
                 if not header.sha256:
                     # Only the bytes tell whether this is the first publish's content: hash them, store nothing.
@@ -273,19 +277,17 @@ class PublishPipeline:
 
     async def _reserve(self, header: PublishHeader, items: AsyncIterator[bytes | PublishTrailer],
                        token: str) -> PublishResult:
-        """Commits the version of a header with upload_later, pending, before its bytes. Nothing here waits for S3:
-        the reservation is what a trainer's answer waits for (a blob of that digest stored already is found by the
-        upload that follows, which then sends nothing)."""
+        """Commits the version of a header with upload_later, pending, before its bytes; stored at once when a
+        stored version already holds that blob (PUBLISH tells from its references: no S3 request). Nothing here
+        waits for S3: the reservation is what a trainer's answer waits for."""
         async for _ in items:
             raise errors.InvalidArgument("chunk: a stream that reserves a version (header.upload_later) carries no "
                                          "bytes; send them with header.reserved_version", field="chunk")
         result = await self._commit(header, header.sha256, token, pending=True)
         return await self._committed(header, header.sha256, result)
 
-    async def _store_reserved(self, adapter: AdapterRecord, header: PublishHeader,
-                              items: AsyncIterator[bytes | PublishTrailer], caller: Identity) -> PublishResult:
-        """Stores the bytes of the version `header.reserved_version` reserved and marks it stored. Bytes whose
-        content the adapter refuses delete the reserved version: it can never become loadable."""
+    async def _reserved(self, adapter: AdapterRecord, header: PublishHeader) -> VersionRecord:
+        """The version `header.reserved_version` names, reserved for the header's blob."""
         try:
             record = await self.store.get_version(adapter.name, header.reserved_version)
         except errors.NotFound:
@@ -295,6 +297,19 @@ class PublishPipeline:
             raise errors.InvalidArgument(
                 f"header.sha256: version {record.version} of {shown(adapter.name)} was reserved for sha256 "
                 f"{record.sha256}, not {header.sha256}", field="header.sha256")
+        return record
+
+    async def _store_reserved(self, adapter: AdapterRecord, record: VersionRecord, header: PublishHeader,
+                              items: AsyncIterator[bytes | PublishTrailer], caller: Identity) -> PublishResult:
+        """Stores the bytes of the reserved version `record` and marks it stored. Bytes whose content the adapter
+        refuses delete the reserved version: it can never become loadable. Bytes that do not hash to its sha256
+        leave it pending (a transport fault, not the trainer's content: its retry may bring the right bytes)."""
+        trailer = _Trailer(header.sha256)
+        if not header.sha256:
+            # An ordinary publish with its digest in the trailer: the bytes must hash to the reservation's, and
+            # the trailer must say so (checked once it arrives, before anything is committed).
+            trailer = _Trailer("")
+            header.sha256 = record.sha256
         if record.size_bytes != header.size_bytes:
             raise errors.InvalidArgument(
                 f"header.size_bytes: version {record.version} was reserved for {record.size_bytes} bytes, not "
@@ -304,18 +319,26 @@ class PublishPipeline:
         token = uuid.uuid4().hex
         await self._register_upload(header.sha256, token, header.size_bytes)
         check = BlobCheck(header.size_bytes, training_state=False)
+        refused = False
 
         def verify() -> None:
-            check.finish()
-            self._check_blob_matches(adapter, check)
+            nonlocal refused
+            if trailer.allowed and trailer.expected() != record.sha256:
+                self._check_same_content(record, header.idempotency_key, trailer.expected(), "trailer.sha256")
+            try:
+                check.finish()
+                self._check_blob_matches(adapter, check)
+            except errors.InvalidArgument:
+                refused = True
+                raise
 
         try:
             if not await self.store.blobs.exists(header.sha256):
                 try:
-                    await self.store.blobs.upload(self._checked_chunks(items, check, _Trailer(header.sha256)),
+                    await self.store.blobs.upload(self._checked_chunks(items, check, trailer),
                                                   header.size_bytes, header.sha256, verify)
                 except errors.InvalidArgument as exc:
-                    if exc.field == "chunk":  # the content was refused, not the stream cut short
+                    if refused:  # the content, not the stream (cut short, too long)
                         try:
                             await self.store.delete_version(adapter.name, record.version, caller=caller)
                         except errors.LoraplaneError as gone:
@@ -327,8 +350,9 @@ class PublishPipeline:
             await self._forget(header.sha256, token)
         if not stored:
             await self.store.collect_freed([header.sha256])  # the version went while its bytes arrived
-            raise errors.NotFound(f"header.reserved_version: adapter {shown(adapter.name)} has no version "
-                                  f"{record.version} any more", field="header.reserved_version")
+            which = "header.reserved_version" if header.reserved_version else "header.idempotency_key"
+            raise errors.NotFound(f"{which}: adapter {shown(adapter.name)} has no version {record.version} any "
+                                  "more (deleted while its bytes arrived)", field=which)
         record.pending = False
         return PublishResult(record, deduplicated=True)
 

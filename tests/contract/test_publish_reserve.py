@@ -149,3 +149,76 @@ def test_only_a_service_key_reserves_and_uploads_later(isolated_settings, backgr
     finally:
         keys.close()
         live.close()
+
+
+def test_reserving_a_blob_a_stored_version_holds_commits_it_stored(registry_stub):
+    create_adapter(registry_stub, "dup")
+    blob = adapter_blob(3_000, seed=11)
+    first = reserve(registry_stub, "dup", blob, idempotency_key="a").version
+    # Two reservations of bytes nobody stored yet: both pending (a reservation does not store the blob).
+    second = reserve(registry_stub, "dup", blob, idempotency_key="b").version
+    assert first.pending and second.pending
+    publish(registry_stub, "dup", blob, reserved_version=first.version)
+    assert not get(registry_stub, "dup", first.version).pending
+    assert get(registry_stub, "dup", second.version).pending  # its own bytes are still owed
+    # Now that a stored version holds the blob, a reservation of it is stored at once and downloads at once.
+    third = reserve(registry_stub, "dup", blob, idempotency_key="c").version
+    assert not third.pending and not get(registry_stub, "dup", third.version).pending
+    assert download(registry_stub, "dup", version=third.version)[1] == blob
+    # Deleting every stored version leaves only the pending one: a new reservation is pending again.
+    for version in (first.version, third.version):
+        registry_stub.DeleteVersion(registry_pb2.DeleteVersionRequest(adapter="dup", version=version))
+    assert reserve(registry_stub, "dup", blob, idempotency_key="d").version.pending
+
+
+def test_an_ordinary_publish_under_the_reservations_key_stores_its_bytes(registry_stub):
+    create_adapter(registry_stub, "plain")
+    blob = adapter_blob(3_000, seed=12)
+    version = reserve(registry_stub, "plain", blob, idempotency_key="k").version.version
+    stored = publish(registry_stub, "plain", blob, idempotency_key="k")
+    assert (stored.version.version, stored.version.pending) == (version, False)
+    assert download(registry_stub, "plain", version=version)[1] == blob
+
+    # The same with the digest in a trailer: the bytes and the trailer must both match the reservation.
+    other = adapter_blob(3_000, seed=13)
+    version = reserve(registry_stub, "plain", other, idempotency_key="t").version.version
+
+    def trailed(data: bytes, digest: str):
+        yield registry_pb2.PublishVersionRequest(header=registry_pb2.PublishVersionHeader(
+            adapter="plain", size_bytes=len(data), idempotency_key="t"))
+        yield registry_pb2.PublishVersionRequest(chunk=data)
+        yield registry_pb2.PublishVersionRequest(trailer=registry_pb2.PublishVersionTrailer(sha256=digest))
+
+    with rpc_error(grpc.StatusCode.DATA_LOSS, "header.sha256"):  # same length, not the reserved bytes
+        registry_stub.PublishVersion(trailed(blob[:len(other)].ljust(len(other), b"\0"), sha256_hex(other)))
+    assert get(registry_stub, "plain", version).pending
+    reply = registry_stub.PublishVersion(trailed(other, sha256_hex(other)))
+    assert (reply.version.version, reply.version.pending) == (version, False)
+    assert download(registry_stub, "plain", version=version)[1] == other
+
+
+def test_bytes_that_miss_the_reserved_digest_leave_it_pending_and_refused_content_deletes_it(registry, registry_stub):
+    create_adapter(registry_stub, "chk")
+    blob = adapter_blob(300_000, seed=14)
+    version = reserve(registry_stub, "chk", blob).version.version
+    wrong = adapter_blob(300_000, seed=15)
+    assert len(wrong) == len(blob)
+    # The header names the reserved digest but the bytes are others (a corrupted transfer): refused, still pending,
+    # nothing stored, and the right bytes are still taken.
+    with rpc_error(grpc.StatusCode.DATA_LOSS, "header.sha256"):
+        publish(registry_stub, "chk", wrong, sha256=sha256_hex(blob), reserved_version=version)
+    assert get(registry_stub, "chk", version).pending
+    assert not [key for key in bucket_objects(registry.settings) if sha256_hex(blob) in key]
+    assert not publish(registry_stub, "chk", blob, reserved_version=version).version.pending
+
+    # Bytes that hash right but that the adapter can never load (another base model): the version is deleted.
+    alien = adapter_blob(3_000, seed=16, base_model="another-model")
+    doomed = reserve(registry_stub, "chk", alien, idempotency_key="alien").version.version
+    with rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "base model"):
+        publish(registry_stub, "chk", alien, reserved_version=doomed)
+    with rpc_error(grpc.StatusCode.NOT_FOUND):
+        get(registry_stub, "chk", doomed)
+    assert not [key for key in bucket_objects(registry.settings) if sha256_hex(alien) in key]
+    deleted = [e.version for e in all_events(registry_stub, adapter="chk")
+               if e.type == registry_pb2.EVENT_TYPE_VERSION_DELETED]
+    assert deleted == [doomed]
