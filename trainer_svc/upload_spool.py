@@ -3,10 +3,13 @@
 With `publish_ack = "pushed"` (loraplane/config.py) a trainer that pushes a version to its samplers answers
 PublishWeights once the registry has reserved the version (`RegistryClient.reserve`: committed, `pending`, its event
 sent) and the samplers hold the bytes; the S3 upload goes on beside. What keeps that acknowledged version from being
-lost if the trainer dies before the upload lands is this spool: the blob and a small record of the publish are
-written here before the answer (the blob first, the record last, so a record always has its whole blob), removed once
-the registry has the bytes, and a restarted trainer (`recover`) reserves each recorded version again (idempotent: the
-same version comes back) and uploads it. docs/architecture.md, "Which path a version took".
+lost if the trainer (or its host) dies before the upload lands is this spool: the blob and a small record of the
+publish are written and fsynced here before the answer (the blob first, the record last, so a record always has its
+whole blob), the version number added to the record once reserved, both removed once the registry has the bytes. A
+restarted trainer (`recover`) uploads each recorded version in the background: to the recorded version (a version
+deleted meanwhile stays deleted), or, when the record has none yet (the trainer died before the reservation's answer
+was written), reserving it again first (idempotent: the same version comes back). docs/architecture.md, "Which path
+a version took".
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class SpooledPublish:
     training_step: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     aliases: list[str] = field(default_factory=list)
+    # The reserved version, once known (0 = not recorded yet: recovery reserves again under the idempotency key).
+    version: int = 0
 
     @property
     def stem(self) -> str:
@@ -56,28 +61,44 @@ class UploadSpool:
         self.registry = registry
         self.max_backoff_s = max_backoff_s
         self._uploads: set[asyncio.Task] = set()
+        # Spooled versions a recovery has still to start (it uploads them one at a time, each blob in memory).
+        self._recovering = 0
 
     @property
     def pending(self) -> int:
-        """Versions acknowledged whose bytes the registry does not hold yet (this process's)."""
-        return len(self._uploads)
+        """Versions acknowledged whose bytes the registry does not hold yet (this process's, and those recovered)."""
+        return len(self._uploads) + self._recovering
 
     # ------------------------------------------------------------------ before the answer
 
     def write(self, entry: SpooledPublish, blob: StreamedBlob) -> None:
-        """Writes the made blob, then its record (call off the event loop). Written to the page cache, not synced:
-        a dead process loses nothing, a host that loses power before the upload lands can (then fsynced beside the
-        upload, see `upload`)."""
+        """Writes the made blob, then its record, each fsynced (call off the event loop): once this returns, the
+        version survives a power loss of this host, not only the death of this process."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        data, record = self._paths(entry)
+        data, _ = self._paths(entry)
         with open(_part(data), "wb") as out:
             index = 0
             while (piece := blob.made(index)) is not None:
                 out.write(piece)
                 index += 1
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(_part(data), data)
-        _part(record).write_text(json.dumps(asdict(entry)))
+        self._write_record(entry)
+
+    def _write_record(self, entry: SpooledPublish) -> None:
+        _, record = self._paths(entry)
+        with open(_part(record), "w") as out:
+            out.write(json.dumps(asdict(entry)))
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(_part(record), record)
+        # The renames themselves are durable only once the directory is.
+        directory = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
     def discard(self, entry: SpooledPublish) -> None:
         for path in self._paths(entry):
@@ -95,17 +116,26 @@ class UploadSpool:
         return task
 
     async def _upload(self, entry: SpooledPublish, version: int, blob: StreamedBlob) -> None:
-        await asyncio.to_thread(self._sync, entry)
+        if entry.version != version:
+            entry.version = version
+            # Recorded so that a recovery uploads to this version and never reserves a new one for bytes whose
+            # version was deleted meanwhile. Best effort: without it recovery reserves under the idempotency key.
+            try:
+                await asyncio.to_thread(self._write_record, entry)
+            except OSError as exc:
+                log.warning("spooled %s v%d: its version not recorded (%s)", entry.adapter, version, exc)
         backoff = 0.2
         while True:
             try:
                 await self.registry.publish(entry.adapter, blob, reserved_version=version,
                                             training_step=entry.training_step)
+                log.info("%s v%d stored in the registry (acknowledged before its upload)", entry.adapter, version)
                 break
             except errors.NotFound:
                 log.info("%s v%d was deleted before its upload landed; its bytes are dropped", entry.adapter, version)
                 break
-            except (errors.Unavailable, errors.DeadlineExceeded, errors.Aborted) as exc:
+            except (errors.Unavailable, errors.DeadlineExceeded, errors.Aborted, errors.DataLoss) as exc:
+                # DataLoss: the bytes arrived damaged (the registry keeps the version pending); send them again.
                 log.warning("upload of %s v%d: %s; retrying in %.1f s", entry.adapter, version, exc.message, backoff)
             except errors.LoraplaneError as exc:
                 # Refused for good (the registry deleted the version if it refused the content): retrying cannot help.
@@ -114,11 +144,6 @@ class UploadSpool:
             await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
             backoff = min(backoff * 2, self.max_backoff_s)
         await asyncio.to_thread(self.discard, entry)
-
-    def _sync(self, entry: SpooledPublish) -> None:
-        for path in self._paths(entry):
-            with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
-                os.fsync(handle.fileno())
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """Waits for the uploads in flight (at most `timeout_s`); what is left stays spooled for `recover`."""
@@ -132,12 +157,14 @@ class UploadSpool:
     # ------------------------------------------------------------------ after a restart
 
     async def recover(self) -> list[tuple[str, int]]:
-        """Starts the upload of every spooled version (reserving it again first: the same version comes back);
-        returns (adapter, version) of each. Leftovers of publishes never acknowledged (a blob without its record)
-        are removed."""
+        """Starts uploading every spooled version in the background, one at a time; returns (adapter, version) of
+        each (version 0: not recorded, reserved again under its idempotency key first). Leftovers of publishes
+        never acknowledged (a blob without its record) are removed."""
         if not self.directory.is_dir():
             return []
-        started: list[tuple[str, int]] = []
+        for part in self.directory.glob("*.part"):
+            part.unlink(missing_ok=True)
+        entries: list[SpooledPublish] = []
         for record in sorted(self.directory.glob("*.json")):
             try:
                 entry = SpooledPublish(**json.loads(record.read_text()))
@@ -148,27 +175,55 @@ class UploadSpool:
             if not data.is_file() or data.stat().st_size != entry.size_bytes:
                 log.error("spooled publish %s has no whole blob; left in place", record)
                 continue
+            entries.append(entry)
+        for data in self.directory.glob("*.blob"):
+            if not data.with_suffix(".json").exists():
+                data.unlink(missing_ok=True)
+        if entries:
+            self._recovering = len(entries)
+            task = asyncio.create_task(self._recover(entries), name="upload spooled versions")
+            self._uploads.add(task)
+            task.add_done_callback(self._uploads.discard)
+        return [(entry.adapter, entry.version) for entry in entries]
+
+    async def _recover(self, entries: list[SpooledPublish]) -> None:
+        try:
+            for entry in entries:
+                try:
+                    version = entry.version or await self._reserve_again(entry)
+                    if version:
+                        data, _ = self._paths(entry)
+                        blob = StreamedBlob(entry.size_bytes, _pieces(data))
+                        await asyncio.to_thread(blob.make)
+                        if blob.sha256 != entry.sha256:
+                            log.error("spooled blob %s does not hash to %s; left in place", data, entry.sha256)
+                            continue
+                        await self._upload(entry, version, blob)
+                except (OSError, ValueError, errors.LoraplaneError) as exc:
+                    log.error("spooled %s: %s; left in place for the next start", entry.adapter, exc)
+                finally:
+                    self._recovering -= 1
+        finally:
+            self._recovering = 0
+
+    async def _reserve_again(self, entry: SpooledPublish) -> int:
+        """The version reserved for `entry` (the same one the first reservation made, if it still exists), 0 when
+        its adapter is gone (then the spooled files are removed)."""
+        backoff = 0.2
+        while True:
             try:
                 reserved = await self.registry.reserve(
                     entry.adapter, entry.sha256, entry.size_bytes, idempotency_key=entry.idempotency_key,
                     training_step=entry.training_step, metadata=entry.metadata, aliases=entry.aliases)
+                return reserved.version
             except errors.NotFound:
                 log.info("spooled %s: its adapter is gone; dropped", entry.adapter)
-                self.discard(entry)
-                continue
-            blob = StreamedBlob(entry.size_bytes, _pieces(data))
-            await asyncio.to_thread(blob.make)
-            if blob.sha256 != entry.sha256:
-                log.error("spooled blob %s does not hash to %s; left in place", data, entry.sha256)
-                continue
-            self.upload(entry, reserved.version, blob)
-            started.append((entry.adapter, reserved.version))
-        for part in self.directory.glob("*.part"):
-            part.unlink(missing_ok=True)
-        for data in self.directory.glob("*.blob"):
-            if not data.with_suffix(".json").exists():
-                data.unlink(missing_ok=True)
-        return started
+                await asyncio.to_thread(self.discard, entry)
+                return 0
+            except (errors.Unavailable, errors.DeadlineExceeded, errors.Aborted) as exc:
+                log.warning("reserving spooled %s again: %s; retrying in %.1f s", entry.adapter, exc.message, backoff)
+            await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
+            backoff = min(backoff * 2, self.max_backoff_s)
 
     def _paths(self, entry: SpooledPublish) -> tuple[Path, Path]:
         return self.directory / f"{entry.stem}.blob", self.directory / f"{entry.stem}.json"
@@ -206,6 +261,9 @@ async def publish_before_upload(registry: RegistryClient, handoff: Handoff, spoo
     upload = spool.upload(entry, version.version, blob) if version.pending else None
     if upload is None:
         await asyncio.to_thread(spool.discard, entry)
+    else:
+        log.info("%s v%d (%s, %d bytes) acknowledged before upload: pushed, reserved and spooled; the upload goes on "
+                 "beside", adapter, version.version, blob.sha256[:12], blob.size)
     await handoff.settle(push, committed=True)
     return version, upload
 

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from loraplane.local.processes import free_port
+from loraplane.registry_client import CHUNK_BYTES, RegistryClient, StreamedBlob
 from loraplane.v1 import common_pb2, registry_pb2, trainer_pb2, trainer_pb2_grpc
 from tests.e2e.test_handoff import (
     IDS,
@@ -33,7 +34,9 @@ from tests.e2e.test_handoff import (
     start_fleet,
     train_and_publish,
 )
+from tests.fixtures.registry import adapter_blob, bucket_objects, create_adapter, download, sha256_hex
 from tests.fixtures.sampler import start_live_sampler
+from trainer_svc.upload_spool import UploadSpool, spooled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -198,3 +201,47 @@ def test_a_trainer_killed_before_the_upload_lands_uploads_the_version_after_its_
             proc.wait(10)
         for live in samplers.values():
             live.close()
+
+
+def test_a_recovered_spool_uploads_to_its_recorded_versions_and_never_revives_a_deleted_one(
+        registry, background_loop, tmp_path):
+    """What a restarted trainer finds in its spool: a version recorded there is uploaded to that version; one
+    deleted while the trainer was down stays deleted (its bytes dropped, no new version); one whose number the
+    trainer never recorded (it died before the reservation's answer) is reserved again under its idempotency key,
+    which brings the same version back."""
+    stub = registry.stub()
+    create_adapter(stub, "sp")
+    client = RegistryClient(registry.address)
+    blobs = {key: adapter_blob(3_000, seed=seed) for key, seed in (("kept", 21), ("gone", 22), ("unrecorded", 23))}
+
+    async def spool_them(spool: UploadSpool) -> dict[str, int]:
+        versions = {}
+        for key, data in blobs.items():
+            blob = StreamedBlob(len(data), iter([data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]))
+            blob.make()
+            entry = spooled("sp", blob, key, 1, {}, [])
+            spool.write(entry, blob)
+            versions[key] = (await client.reserve("sp", blob.sha256, blob.size, idempotency_key=key)).version
+            if key != "unrecorded":
+                entry.version = versions[key]
+                spool._write_record(entry)
+        return versions
+
+    directory = tmp_path / "spool"
+    versions = background_loop.run(spool_them(UploadSpool(directory, client)), timeout=30)
+    assert all(version_record(registry, "sp", v).pending for v in versions.values())
+    stub.DeleteVersion(registry_pb2.DeleteVersionRequest(adapter="sp", version=versions["gone"]))
+
+    restarted = UploadSpool(directory, client)
+    started = background_loop.run(restarted.recover(), timeout=30)
+    assert sorted(started) == sorted([("sp", versions["kept"]), ("sp", versions["gone"]), ("sp", 0)])
+    deadline = time.monotonic() + 30
+    while restarted.pending or list(directory.iterdir()):
+        assert time.monotonic() < deadline, ("the spool was not drained", restarted.pending, list(directory.iterdir()))
+        time.sleep(0.05)
+    listed = stub.ListVersions(registry_pb2.ListVersionsRequest(adapter="sp")).versions
+    assert sorted((v.version, v.pending) for v in listed) == [(versions["kept"], False), (versions["unrecorded"], False)]
+    for key in ("kept", "unrecorded"):
+        assert download(stub, "sp", version=versions[key])[1] == blobs[key]
+    assert not [k for k in bucket_objects(registry.settings) if sha256_hex(blobs["gone"]) in k]
+    background_loop.run(client.close(), timeout=10)
