@@ -50,6 +50,12 @@ def s3_stopped(seaweed):
         os.killpg(seaweed.process.pid, signal.SIGCONT)
 
 
+def expect_rpc_error(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value
+
+
 def version_record(registry, name: str, version: int) -> common_pb2.AdapterVersion:
     return registry.stub().GetVersion(registry_pb2.GetVersionRequest(
         ref=common_pb2.AdapterRef(name=name, version=version)), timeout=10).version
@@ -245,3 +251,36 @@ def test_a_recovered_spool_uploads_to_its_recorded_versions_and_never_revives_a_
         assert download(stub, "sp", version=versions[key])[1] == blobs[key]
     assert not [k for k in bucket_objects(registry.settings) if sha256_hex(blobs["gone"]) in k]
     background_loop.run(client.close(), timeout=10)
+
+
+def test_an_on_demand_load_of_a_pending_version_staged_here_never_downloads(registry, sampler):
+    """A sample naming a version still pending (its bytes not in S3) is served from bytes pushed here without any
+    download: the sampler asks the registry only for the version's digest. The control: the same for a version whose
+    bytes are not staged here fails once the (shortened) wait for the upload runs out."""
+    from tests.fixtures.sampler import adapter_blob as sampler_blob
+
+    sampler.create_adapter("od")
+    sampler.manager.preloads = lambda adapter: False  # nothing on the event: the sample's own load must do it
+    sampler.manager.registry.pending_wait_s = 1.0  # a download of a pending version gives up after 1 s
+
+    def reserve(blob: bytes, key: str) -> int:
+        reply = registry.stub().PublishVersion(iter([registry_pb2.PublishVersionRequest(
+            header=registry_pb2.PublishVersionHeader(adapter="od", sha256=sha256_hex(blob), size_bytes=len(blob),
+                                                     idempotency_key=key, upload_later=True))]), timeout=30)
+        assert reply.version.pending
+        return reply.version.version
+
+    staged, missing = sampler_blob(31), sampler_blob(32)
+    version, other = reserve(staged, "staged"), reserve(missing, "missing")
+
+    async def stage() -> None:
+        staging = sampler.manager.staging
+        await staging.finish(staging.begin("od", sha256_hex(staged), len(staged)), staged)
+
+    sampler.loop.run(stage(), timeout=30)
+    assert sample(sampler, "od", version).served_version == version
+    assert (entry(sampler, f"od@v{version}").path, entry(sampler, f"od@v{version}").sha256) \
+        == ("push", sha256_hex(staged))
+    assert version_record(registry, "od", version).pending  # nothing was stored that could have been downloaded
+    error = expect_rpc_error(lambda: sample(sampler, "od", other))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "still being uploaded" in error.details()
