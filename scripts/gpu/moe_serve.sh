@@ -87,7 +87,7 @@ case "$mode" in
     exit "$rc" ;;
   families)
     reap /tmp/lp-family-tests
-    timeout -k 20 540 python3 -m pytest tests/gpu/test_sglang_families.py -m gpu -o addopts="" -p no:cacheprovider -q \
+    timeout -k 20 300 python3 -m pytest tests/gpu/test_sglang_families.py -m gpu -o addopts="" -p no:cacheprovider -q \
       -rA --basetemp /tmp/lp-family-tests ${1:+-k "$1"} 2>&1 | filter | tee "$OUT/sglang_families_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert"
     rc=${PIPESTATUS[0]}

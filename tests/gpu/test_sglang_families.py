@@ -4,7 +4,8 @@
 Per family, one small random checkpoint in SGLang-sized shapes (head_dim 64; Gated DeltaNet / Mamba-2 heads its
 kernels take), built with the family's own transformers classes on the GPU and saved in bf16 with `tiny`'s byte
 tokenizer; one SGLang server launched by sampler_svc's SGLangEngine for it (`--lora-target-modules all`, CUDA graphs
-off), stopped before the next family's. A real trainer (torch backend, bf16 on the same GPU) trains one adapter on
+off; gpt-oss on the triton MoE runner), stopped before the next family's. Nemotron-H's adapter leaves out the Mamba
+in_proj, which SGLang 0.5.17 cannot serve whole (UNSERVED below). A real trainer (torch backend, bf16 on the same GPU) trains one adapter on
 the targets SGLang serves for the family (its `sglang` map) and publishes it through a real registry (Valkey +
 SeaweedFS); sampler_svc serves it on SGLang. Asserted per family:
 - sampled logprobs equal the trainer's Forward of the same version within the bounds of tests/gpu/test_sglang_moe.py
@@ -23,6 +24,7 @@ Results (per family: stats, server arguments) go to $OUT/sglang_families_results
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
 from pathlib import Path
 
@@ -53,19 +55,29 @@ pytestmark = [
 
 RANK = 8
 SERVER_ARGS = ["--mem-fraction-static", "0.25", "--disable-cuda-graph"]
+# gpt-oss: on Hopper SGLang picks the triton_kernel MoE runner for it (arg_groups/overrides.py _gpt_oss_overrides),
+# and `--lora-target-modules all` wraps its FusedMoE in FusedMoEWithLoRA, which raises NotImplementedError for any
+# runner but triton/marlin (lora/layers.py FusedMoEWithLoRA.__init__): the plain triton runner, as Qwen-MoE uses.
+FAMILY_SERVER_ARGS = {"gpt_oss": ["--moe-runner-backend", "triton"]}
+# Nemotron-H's Mamba in_proj: SGLang 0.5.17 gives LoRA to its first two partitions only (z | x: get_stacked_multiply
+# "in_proj" 2, NemotronHForCausalLM.get_hidden_dim "in_proj" 2 d_inner) while ours spans z | x | B | C | dt, so the
+# load would fail the buffer shape assert (lora/mem_pool.py): not served, left out here (the family's sglang map
+# still lists it: a library fix, see the helper's report).
+UNSERVED = {"nemotron_h": {"mixer.in_proj"}}
 record = recorder("sglang_families_results.json")
 
 
 def _qwen3_5_text(vocab_size: int, **extra) -> dict:
     # 4 layers (three Gated DeltaNet, one gated full attention), GQA 8/2 of head_dim 64, GDN 4 key heads / 8 value
-    # heads of 64, partial RoPE as released.
+    # heads of 64, partial RoPE as released. SGLang reads the layer kinds from full_attention_interval, not
+    # layer_types (sglang/srt/configs/qwen3_next.py layers_block_type), and transformers does not write it: set both.
     return dict(vocab_size=vocab_size, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                 num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4,
                 linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
                 max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
                 layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
                 rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-                bos_token_id=1, eos_token_id=4, pad_token_id=0, **extra)
+                full_attention_interval=4, bos_token_id=1, eos_token_id=4, pad_token_id=0, **extra)
 
 
 def qwen3_5_config(vocab_size: int):
@@ -96,12 +108,14 @@ def gpt_oss_config(vocab_size: int):
 
 
 def nemotron_h_config(vocab_size: int):
+    # n_groups 8: SGLang's mixer reads mamba_n_groups (default 8) and its state cache n_groups
+    # (sglang/srt/configs/nemotron_h.py, models/nemotron_h.py): equal whichever name a transformers version writes.
     from transformers import NemotronHConfig
 
     return NemotronHConfig(
         vocab_size=vocab_size, hidden_size=512, layers_block_type=["mamba", "moe", "attention", "mlp"],
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1024, mamba_num_heads=8,
-        mamba_head_dim=64, ssm_state_size=64, n_groups=2, conv_kernel=4, chunk_size=128, expand=1,
+        mamba_head_dim=64, ssm_state_size=64, n_groups=8, conv_kernel=4, chunk_size=128, expand=1,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
         n_group=1, topk_group=1, max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=4, pad_token_id=0)
@@ -126,7 +140,20 @@ def write_checkpoint(family: str, directory: Path, device: str = "cuda", dtype=t
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     del model
+    if family == "nemotron_h":
+        sglang_nemotron_config(directory / "config.json")
     return directory
+
+
+def sglang_nemotron_config(path: Path) -> None:
+    """SGLang 0.5.17's NemotronHConfig accepts layer kinds mamba/attention/moe/mlp only (newer transformers write
+    linear_attention/full_attention) and reads mamba_n_groups; transformers reads both forms back the same."""
+    config = json.loads(path.read_text())
+    names = {"linear_attention": "mamba", "full_attention": "attention"}
+    config["layers_block_type"] = [names.get(kind, kind) for kind in config["layers_block_type"]]
+    config.pop("mtp_layers_block_type", None)  # unused without MTP layers; SGLang validates it in its own names
+    config["mamba_n_groups"] = config["n_groups"]
+    path.write_text(json.dumps(config, indent=2))
 
 
 def sglang_targets(model_type: str, config) -> list[str]:
@@ -134,7 +161,11 @@ def sglang_targets(model_type: str, config) -> list[str]:
     from loraplane.models.families import FAMILIES
 
     family = FAMILIES[model_type]
-    return sorted(set(family.sglang) & set(family.lora_targets(config)))
+    return sorted((set(family.sglang) & set(family.lora_targets(config))) - UNSERVED.get(model_type, set()))
+
+
+def server_args(family: str) -> list[str]:
+    return SERVER_ARGS + FAMILY_SERVER_ARGS.get(family, [])
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -147,7 +178,7 @@ def served(request, tmp_path_factory):
     loop = BackgroundLoop(f"sglang-{family}")
     engine = SGLangEngine(str(directory), launch_servers=1, work_dir=tmp_path_factory.mktemp(f"sglang-{family}"),
                           max_lora_rank=16, max_loras_per_batch=3, max_loaded_loras=8, startup_timeout_s=300,
-                          extra_server_args=SERVER_ARGS)
+                          extra_server_args=server_args(family))
     try:
         loop.run(engine.start(), timeout=360)
     except BaseException:
@@ -211,7 +242,7 @@ def test_sampler_serves_each_family_as_the_trainer_computes_it(served, registry,
             base = base_client.compute_logprobs(ModelInput.from_ints(full)).result(300)[len(prompt):]
             base_diffs.extend(abs(a - b) for a, b in zip(learner, base, strict=True))
         ordered = sorted(diffs)
-        stats = {"targets": targets, "server_args": SERVER_ARGS, "tokens": len(diffs), "losses": losses,
+        stats = {"targets": targets, "server_args": server_args(family), "tokens": len(diffs), "losses": losses,
                  "mean": statistics.fmean(diffs), "p90": ordered[int(0.9 * (len(ordered) - 1))], "max": ordered[-1],
                  "base_vs_adapter_mean": statistics.fmean(base_diffs)}
 
