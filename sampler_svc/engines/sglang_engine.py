@@ -156,6 +156,9 @@ class SGLangEngine(Engine):
         self.transport.checkpoint_dtype = str(getattr(base.config, "dtype", None)
                                               or getattr(base.config, "torch_dtype", "")).removeprefix("torch.")
         self.transport.family = base.family
+        family_args = list(getattr(base.family, "sglang_server_args", ()))
+        if family_args and family_args[0] not in self.launcher.extra_server_args:  # an operator's own choice wins
+            self.launcher.extra_server_args.extend(family_args)
         self._vocab_size = base.vocab_size
         self._max_context = base.max_context_length
         self.generation.eos = list(base.eos_token_ids)

@@ -111,16 +111,22 @@ def test_the_peft_export_loads_in_hf_peft_with_the_trainers_logits(checkpoint, b
                               call_kwargs={"use_cache": False})
 
 
-def test_sglang_gets_every_target_but_the_routed_experts(backend):
-    from loraplane.adapter_format import to_sglang
+def test_sglang_gets_every_target_but_the_routed_experts_and_the_mamba_in_proj(backend):
+    from loraplane.adapter_format import sglang_modules, to_sglang
 
     base = backend.base
     family = base.family
-    assert set(family.sglang) == set(base.module_dims) - set(NONGATED_EXPERT_TARGETS)
-    spec = LoraSpec.create(4, 8, list(BLOCK_ATTENTION_TARGETS) + ["mixer.in_proj"], seed=1,
+    assert set(family.sglang) == set(base.module_dims) - set(NONGATED_EXPERT_TARGETS) - {"mixer.in_proj"}
+    spec = LoraSpec.create(4, 8, list(BLOCK_ATTENTION_TARGETS) + ["mixer.out_proj"], seed=1,
                            available=tuple(base.module_dims))
+    assert sglang_modules(spec, family)["mixer.out_proj"] == "out_proj"
     tensors, _ = to_sglang(trained_like(base, spec, 1), spec)
-    assert any(".mixer.in_proj." in k for k in tensors)
+    assert any(".mixer.out_proj." in k for k in tensors)
+    # SGLang 0.5.17 gives LoRA to in_proj's z and x parts only; our pair spans all of it: refused before sending.
+    in_proj = LoraSpec.create(4, 8, ["mixer.in_proj"], seed=1, available=tuple(base.module_dims))
+    with pytest.raises(FailedPrecondition) as refused:
+        sglang_modules(in_proj, family)
+    assert "mixer.in_proj" in refused.value.message
     routed = LoraSpec.create(4, 8, list(NONGATED_EXPERT_TARGETS), seed=1, available=tuple(base.module_dims))
     with pytest.raises(InvalidArgument) as info:
         to_sglang(trained_like(base, routed, 1), routed)

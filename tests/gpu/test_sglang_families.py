@@ -4,9 +4,9 @@
 Per family, one small random checkpoint in SGLang-sized shapes (head_dim 64; Gated DeltaNet / Mamba-2 heads its
 kernels take), built with the family's own transformers classes on the GPU and saved in bf16 with `tiny`'s byte
 tokenizer; one SGLang server launched by sampler_svc's SGLangEngine for it (`--lora-target-modules all`, CUDA graphs
-off; gpt-oss on the triton MoE runner), stopped before the next family's. Nemotron-H's adapter leaves out the Mamba
-in_proj, which SGLang 0.5.17 cannot serve whole (UNSERVED below). A real trainer (torch backend, bf16 on the same GPU) trains one adapter on
-the targets SGLang serves for the family (its `sglang` map) and publishes it through a real registry (Valkey +
+off; the family's own server arguments, gpt-oss's triton MoE runner, added by the engine), stopped before the next
+family's. A real trainer (torch backend, bf16 on the same GPU) trains one adapter on the targets SGLang serves for
+the family (its `sglang` map; Nemotron-H's Mamba in_proj is not among them) and publishes it through a real registry (Valkey +
 SeaweedFS); sampler_svc serves it on SGLang. Asserted per family:
 - sampled logprobs equal the trainer's Forward of the same version within the bounds of tests/gpu/test_sglang_moe.py
   (derived there: two independent bf16 implementations, ~20 roundings per token, routing flips on MoE layers): mean
@@ -55,15 +55,6 @@ pytestmark = [
 
 RANK = 8
 SERVER_ARGS = ["--mem-fraction-static", "0.25", "--disable-cuda-graph"]
-# gpt-oss: on Hopper SGLang picks the triton_kernel MoE runner for it (arg_groups/overrides.py _gpt_oss_overrides),
-# and `--lora-target-modules all` wraps its FusedMoE in FusedMoEWithLoRA, which raises NotImplementedError for any
-# runner but triton/marlin (lora/layers.py FusedMoEWithLoRA.__init__): the plain triton runner, as Qwen-MoE uses.
-FAMILY_SERVER_ARGS = {"gpt_oss": ["--moe-runner-backend", "triton"]}
-# Nemotron-H's Mamba in_proj: SGLang 0.5.17 gives LoRA to its first two partitions only (z | x: get_stacked_multiply
-# "in_proj" 2, NemotronHForCausalLM.get_hidden_dim "in_proj" 2 d_inner) while ours spans z | x | B | C | dt, so the
-# load would fail the buffer shape assert (lora/mem_pool.py): not served, left out here (the family's sglang map
-# still lists it: a library fix, see the helper's report).
-UNSERVED = {"nemotron_h": {"mixer.in_proj"}}
 record = recorder("sglang_families_results.json")
 
 
@@ -161,11 +152,11 @@ def sglang_targets(model_type: str, config) -> list[str]:
     from loraplane.models.families import FAMILIES
 
     family = FAMILIES[model_type]
-    return sorted((set(family.sglang) & set(family.lora_targets(config))) - UNSERVED.get(model_type, set()))
+    return sorted(set(family.sglang) & set(family.lora_targets(config)))
 
 
 def server_args(family: str) -> list[str]:
-    return SERVER_ARGS + FAMILY_SERVER_ARGS.get(family, [])
+    return list(SERVER_ARGS)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -308,6 +308,28 @@ async def test_a_shared_outer_engine_sends_the_shared_factors_once_and_refuses_p
         fake.stop()
 
 
+async def test_the_engine_adds_the_base_models_family_server_arguments(tmp_path):
+    """gpt-oss's experts need SGLang's plain triton MoE runner once LoRA covers them (the family module says so);
+    a Qwen3-MoE base adds nothing, and an operator's own --moe-runner-backend is kept."""
+    from tests.fixtures.models import build_checkpoint
+
+    checkpoint = build_checkpoint("gpt_oss", tmp_path / "gpt-oss")
+    fake = FakeProcess()
+    try:
+        for base, given, expected in [
+                (str(checkpoint), [], ["--moe-runner-backend", "triton"]),
+                (str(checkpoint), ["--moe-runner-backend", "marlin"], ["--moe-runner-backend", "marlin"]),
+                ("tiny-moe", [], [])]:
+            engine = SGLangEngine(base, urls=[fake.url], work_dir=tmp_path / "w", extra_server_args=given)
+            await engine.start()
+            try:
+                assert engine.launcher.extra_server_args == expected
+            finally:
+                await engine.stop()
+    finally:
+        fake.stop()
+
+
 async def test_launched_servers_share_memory_url_servers_only_when_asked(tmp_path):
     fake = FakeProcess()
     engine = SGLangEngine("tiny-moe", urls=[fake.url], work_dir=tmp_path, adapter_transport="tensors")

@@ -169,6 +169,8 @@ class ModelFamily:
     # Our target -> SGLang's module name for it, for the families SGLang serves with LoRA (None: as PEFT names it);
     # targets absent here SGLang cannot serve.
     sglang: Mapping[str, str] | None = None
+    # Arguments a launched SGLang server needs for this family with LoRA on (the sampler's engine adds them).
+    sglang_server_args: tuple[str, ...] = ()
     # A tiny random config of this family (tests/fixtures/models.py builds checkpoints from it).
     tiny: Callable[[int], object] | None = None
     # Patches the HF model for packed rows (several datums end to end in one row), or None when attention

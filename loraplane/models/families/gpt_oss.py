@@ -227,6 +227,10 @@ FAMILY = GptOssFamily(
     mixer_targets={"attention": ATTENTION_TARGETS},
     mlp_targets={"moe": EXPERT_TARGETS},
     sglang=_SGLANG,
+    # On Hopper SGLang 0.5.17 runs gpt-oss's experts on its triton_kernel MoE runner, whose LoRA wrapper raises
+    # NotImplementedError at start-up once --lora-target-modules covers the MoE layers ("all"); the plain triton
+    # runner takes LoRA.
+    sglang_server_args=("--moe-runner-backend", "triton"),
     tiny=tiny_config,
     packing=enable_packing,
     attn_implementation="eager",

@@ -73,8 +73,10 @@ _WEIGHTS = {
 }
 
 # Our target -> the module SGLang 0.5.17's NemotronHForCausalLM applies it to (its LoRA modules: in_proj,
-# out_proj, qkv_proj, o_proj, up_proj, gate_up_proj, down_proj; q/k/v stacked by SGLang itself).
-_SGLANG = {"mixer.in_proj": "in_proj", "mixer.out_proj": "out_proj", "mixer.q_proj": "qkv_proj",
+# out_proj, qkv_proj, o_proj, up_proj, gate_up_proj, down_proj; q/k/v stacked by SGLang itself). Not the Mamba
+# in_proj: SGLang gives LoRA to its z and x parts only (lora/mem_pool.py's buffer for in_proj), while our pair spans
+# all of its rows (z, x, B, C, dt), which SGLang's load refuses; the sampler refuses such a version up front.
+_SGLANG = {"mixer.out_proj": "out_proj", "mixer.q_proj": "qkv_proj",
            "mixer.k_proj": "qkv_proj", "mixer.v_proj": "qkv_proj", "mixer.o_proj": "o_proj",
            "mixer.up_proj": "up_proj", "mixer.down_proj": "down_proj",
            "mixer.shared_experts.up_proj": "up_proj", "mixer.shared_experts.down_proj": "down_proj"}
