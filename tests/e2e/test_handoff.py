@@ -260,9 +260,11 @@ def test_pushed_bytes_the_registry_did_not_commit_are_never_served(registry, bac
         loaded = entry(live, f"mix@v{version}")
         assert (loaded.path, loaded.sha256) == ("registry", hashlib.sha256(committed).hexdigest())
         # Unclaimed bytes go once their time is up.
+        ttl = live.manager.staging.ttl_s
         live.manager.staging.ttl_s = 0.0
         live.loop.run(_sweep(live.manager.staging), timeout=10)
         assert staged_nothing(live) and live.manager.staging.dropped == 1
+        live.manager.staging.ttl_s = ttl  # else the next push could be swept before its load claims it
 
         # An on-demand load (this sampler does not preload the adapter) uses pushed bytes only once the registry's
         # GetVersion says the requested version has them.
