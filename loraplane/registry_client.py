@@ -223,11 +223,7 @@ class StreamedBlob:
             while index >= len(self._made) and self._pieces is not None:
                 piece = next(self._pieces, None)
                 if piece is None:
-                    self._pieces = None
-                    if self._made_bytes != self.size:
-                        raise ValueError(f"the blob's pieces hold {self._made_bytes} bytes, not the announced "
-                                         f"{self.size}")
-                    self.sha256 = self._hasher.hexdigest()
+                    self._finished()
                 else:
                     self._hasher.update(piece)
                     self._made.append(piece)
@@ -255,11 +251,15 @@ class StreamedBlob:
                         self._made_bytes += len(piece)
                     if hashed is not None:
                         hashed.result()
-                self._pieces = None
-                if self._made_bytes != self.size:
-                    raise ValueError(f"the blob's pieces hold {self._made_bytes} bytes, not the announced {self.size}")
-                self.sha256 = self._hasher.hexdigest()
+                self._finished()
         return self.sha256
+
+    def _finished(self) -> None:
+        """Under the lock, every piece made and hashed: the blob's size checked, its digest set."""
+        self._pieces = None
+        if self._made_bytes != self.size:
+            raise ValueError(f"the blob's pieces hold {self._made_bytes} bytes, not the announced {self.size}")
+        self.sha256 = self._hasher.hexdigest()
 
     def getvalue(self) -> bytes:
         """The whole blob (made now if it was not yet)."""

@@ -61,7 +61,9 @@ class UploadSpool:
         self.registry = registry
         self.max_backoff_s = max_backoff_s
         self._uploads: set[asyncio.Task] = set()
-        # Spooled versions a recovery has still to start (it uploads them one at a time, each blob in memory).
+        # The recovery of a restart's spool (it uploads the versions one at a time, each blob in memory) and how
+        # many of them it has still to finish.
+        self._recovery: asyncio.Task | None = None
         self._recovering = 0
 
     @property
@@ -141,18 +143,24 @@ class UploadSpool:
                 # Refused for good (the registry deleted the version if it refused the content): retrying cannot help.
                 log.error("upload of %s v%d refused: %s", entry.adapter, version, exc.message)
                 break
-            await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
-            backoff = min(backoff * 2, self.max_backoff_s)
+            backoff = await self._pause(backoff)
         await asyncio.to_thread(self.discard, entry)
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """Waits for the uploads in flight (at most `timeout_s`); what is left stays spooled for `recover`."""
-        if self._uploads:
-            await asyncio.wait(set(self._uploads), timeout=timeout_s)
-        for task in list(self._uploads):
+        running = self._running()
+        if running:
+            await asyncio.wait(running, timeout=timeout_s)
+        for task in self._running():
             task.cancel()
-        if self._uploads:
-            await asyncio.wait(set(self._uploads), timeout=5.0)
+        if self._running():
+            await asyncio.wait(self._running(), timeout=5.0)
+
+    def _running(self) -> set[asyncio.Task]:
+        tasks = set(self._uploads)
+        if self._recovery is not None and not self._recovery.done():
+            tasks.add(self._recovery)
+        return tasks
 
     # ------------------------------------------------------------------ after a restart
 
@@ -181,9 +189,7 @@ class UploadSpool:
                 data.unlink(missing_ok=True)
         if entries:
             self._recovering = len(entries)
-            task = asyncio.create_task(self._recover(entries), name="upload spooled versions")
-            self._uploads.add(task)
-            task.add_done_callback(self._uploads.discard)
+            self._recovery = asyncio.create_task(self._recover(entries), name="upload spooled versions")
         return [(entry.adapter, entry.version) for entry in entries]
 
     async def _recover(self, entries: list[SpooledPublish]) -> None:
@@ -222,8 +228,12 @@ class UploadSpool:
                 return 0
             except (errors.Unavailable, errors.DeadlineExceeded, errors.Aborted) as exc:
                 log.warning("reserving spooled %s again: %s; retrying in %.1f s", entry.adapter, exc.message, backoff)
-            await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
-            backoff = min(backoff * 2, self.max_backoff_s)
+            backoff = await self._pause(backoff)
+
+    async def _pause(self, backoff: float) -> float:
+        """Sleeps about `backoff` seconds (jittered, so restarted trainers do not retry in step); the next one."""
+        await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
+        return min(backoff * 2, self.max_backoff_s)
 
     def _paths(self, entry: SpooledPublish) -> tuple[Path, Path]:
         return self.directory / f"{entry.stem}.blob", self.directory / f"{entry.stem}.json"

@@ -104,11 +104,11 @@ class AdapterTransport:
         status, body = None, None
         if tensors:
             status, body = await self.load_tensors(server, key, blob)
-            if _no_tensor_endpoint(status, body) and self.tensor_expert_form == SGLANG_SHARED_OUTER:
-                raise errors.FailedPrecondition(
-                    f"SGLang {server.url} takes no adapter tensors (HTTP {status}), and its shared-outer expert "
-                    f"LoRA cannot go to it as a PEFT directory: {str(body)[:200]}", field="adapter")
             if _no_tensor_endpoint(status, body):
+                if self.tensor_expert_form == SGLANG_SHARED_OUTER:
+                    raise errors.FailedPrecondition(
+                        f"SGLang {server.url} takes no adapter tensors (HTTP {status}), and its shared-outer expert "
+                        f"LoRA cannot go to it as a PEFT directory: {str(body)[:200]}", field="adapter")
                 log.warning("SGLang %s has no usable /load_lora_adapter_from_tensors (HTTP %s: %s); adapter versions "
                             "go to it as files from now on", server.url, status, str(body)[:200])
                 server.tensor_loads = False
