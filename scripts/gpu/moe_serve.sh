@@ -27,6 +27,9 @@
 #                                                         2) after one warm-up per path; the path each version took,
 #                                                         and a nonzero exit when one took another; no version
 #                                                         starts after 430 s
+#   bash scripts/gpu/moe_serve.sh push-compact [ITER] [LAYERS]  the same for the shared-outer adapter only, served
+#                                                         by SGLang's own shared-outer expert LoRA (the compact
+#                                                         factors sent as they are); shared memory and registry
 #   bash scripts/gpu/moe_serve.sh e2e [ITER]              python -m tests.production_e2e --moe: torch
 #                                                         trainer + SGLang sampler (eager) on a 3-layer random
 #                                                         Qwen3-MoE, two tenants' GRPO loop (ITER 12)
@@ -60,7 +63,7 @@ reap() {
 }
 qwen3moe_bench() {  # MODE (load | push) JSON_NAME WORKDIR SERVER_LOG [ITER] [LAYERS]: bench/sampler.py --shape qwen3moe
   local mode=$1 json=$2 work=$3 server=$4 iterations=${5:-2} layers=${6:-0} push=() rc
-  [ "$mode" = push ] && push=(--push)
+  [ "$mode" = push ] && push=(--push "${PUSH_ARGS[@]}")
   reap /tmp/lp-model-qwen3moe
   # The versions reach SGLang through /dev/shm (and the colocated push maps its segment there).
   df -h /dev/shm /tmp | tee -a "$OUT/env.log"
@@ -98,6 +101,11 @@ case "$mode" in
   load)
     qwen3moe_bench load sampler_sglang_load_qwen3moe /tmp/lp-bench-load-qwen3moe sglang_server_qwen3moe "$@" ;;
   push)
+    PUSH_ARGS=()
+    qwen3moe_bench push sampler_push_qwen3moe /tmp/lp-bench-push-qwen3moe sglang_server_push_qwen3moe "$@" ;;
+  push-compact)
+    # The compact shared-outer adapter as it is (SGLang's --experts-shared-outer-loras), not expanded per expert.
+    PUSH_ARGS=(--expert-layouts shared_outer --push-paths push:shared_memory registry --sglang-expert-form shared_outer)
     qwen3moe_bench push sampler_push_qwen3moe /tmp/lp-bench-push-qwen3moe sglang_server_push_qwen3moe "$@" ;;
   e2e)
     stop_e2e_cluster() {  # what a killed run left: the supervised cluster (trainer on the GPU) and SGLang
