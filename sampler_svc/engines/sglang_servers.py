@@ -7,7 +7,8 @@ throttle below SGLang's own batch size: a 20-thread pool once held it to a third
 
 Logprobs: SGLang returns logprobs of the temperature-scaled distribution unless the server runs with
 SGLANG_RETURN_ORIGINAL_LOGPROB=True; servers launched here get it, so logprobs mean the same as the torch engine's
-(unmodified distribution). Servers given by URL must be started with it.
+(unmodified distribution). Servers given by URL must be started with it, and with
+SGLANG_EXTERNAL_MODEL_PACKAGE=sampler_svc.engines.sglang_models for LoRA on a text-only Qwen3.5 checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from pathlib import Path
 from loraplane import errors
 
 log = logging.getLogger(__name__)
+
+# The model classes launched servers load in place of SGLang's own (sampler_svc/engines/sglang_models), importable
+# there from the project's root whatever the server's working directory.
+EXTERNAL_MODELS = "sampler_svc.engines.sglang_models"
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass
@@ -174,6 +180,9 @@ class ServerLauncher:
                 "--incremental-streaming-output", *self.extra_server_args]
         env = dict(os.environ, SGLANG_RETURN_ORIGINAL_LOGPROB="True")
         env.setdefault("CUDA_VISIBLE_DEVICES", str(index))
+        if "SGLANG_EXTERNAL_MODEL_PACKAGE" not in env:  # an operator's own package wins
+            env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = EXTERNAL_MODELS
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
         log_path = self.work_dir / f"server-{index}.log"
         with open(log_path, "ab") as out:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -152,3 +152,10 @@ def test_an_unsupported_nemotron_h_variant_is_refused_naming_every_feature(check
     for piece in ("MLP biases",
                   "attention biases including o_proj (attention_bias=True) (not part of the nemotron_h family)"):
         assert piece in message, piece
+
+
+def test_loaded_without_reaching_for_hub_kernels(checkpoint, backend):
+    # As released, config.json asks for the Mamba kernels; transformers would fetch them from the Hub at construction
+    # wherever the `kernels` package is installed (the GPU image's SGLang wheels bring it), which fails offline.
+    assert json.loads((checkpoint / "config.json").read_text()).get("use_mamba_kernels", True) is True
+    assert backend.base.model.config.use_mamba_kernels is False

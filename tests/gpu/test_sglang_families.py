@@ -4,8 +4,9 @@
 Per family, one small random checkpoint in SGLang-sized shapes (head_dim 64; Gated DeltaNet / Mamba-2 heads its
 kernels take), built with the family's own transformers classes on the GPU and saved in bf16 with `tiny`'s byte
 tokenizer; one SGLang server launched by sampler_svc's SGLangEngine for it (`--lora-target-modules all`, CUDA graphs
-off; the family's own server arguments, gpt-oss's triton MoE runner, added by the engine), stopped before the next
-family's. A real trainer (torch backend, bf16 on the same GPU) trains one adapter on the targets SGLang serves for
+off; the family's own server arguments, gpt-oss's triton MoE runner, added by the engine; the text-only Qwen3.5
+classes with LoRA hooks from sampler_svc/engines/sglang_models, which the launcher hands SGLang), stopped before the
+next family's. gpt-oss's config.json names swiglu_limit and Nemotron-H's asks for the Mamba kernels, as released. A real trainer (torch backend, bf16 on the same GPU) trains one adapter on the targets SGLang serves for
 the family (its `sglang` map; Nemotron-H's Mamba in_proj is not among them) and publishes it through a real registry (Valkey +
 SeaweedFS); sampler_svc serves it on SGLang. Asserted per family:
 - sampled logprobs equal the trainer's Forward of the same version within the bounds of tests/gpu/test_sglang_moe.py
@@ -109,7 +110,7 @@ def nemotron_h_config(vocab_size: int):
         mamba_head_dim=64, ssm_state_size=64, n_groups=8, conv_kernel=4, chunk_size=128, expand=1,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
         n_group=1, topk_group=1, max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=4, pad_token_id=0)
+        eos_token_id=4, pad_token_id=0, use_mamba_kernels=False)  # built here without the Hub's kernels
 
 
 # family -> (config builder, model_type the family registry knows it by)
@@ -133,7 +134,17 @@ def write_checkpoint(family: str, directory: Path, device: str = "cuda", dtype=t
     del model
     if family == "nemotron_h":
         sglang_nemotron_config(directory / "config.json")
+    if family == "gpt_oss":
+        released_gpt_oss_config(directory / "config.json")
     return directory
+
+
+def released_gpt_oss_config(path: Path) -> None:
+    """The released config.json names the clamped SwiGLU's limit (swiglu_limit 7.0), which SGLang 0.5.17 reads; the
+    transformers it carries (5.12) hard-codes the limit and does not write it."""
+    config = json.loads(path.read_text())
+    config.setdefault("swiglu_limit", 7.0)
+    path.write_text(json.dumps(config, indent=2))
 
 
 def sglang_nemotron_config(path: Path) -> None:
@@ -144,6 +155,8 @@ def sglang_nemotron_config(path: Path) -> None:
     config["layers_block_type"] = [names.get(kind, kind) for kind in config["layers_block_type"]]
     config.pop("mtp_layers_block_type", None)  # unused without MTP layers; SGLang validates it in its own names
     config["mamba_n_groups"] = config["n_groups"]
+    # As released: the trainer's loader must not let transformers fetch the Mamba kernels from the Hub for it.
+    config["use_mamba_kernels"] = True
     path.write_text(json.dumps(config, indent=2))
 
 

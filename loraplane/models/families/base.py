@@ -187,6 +187,8 @@ class ModelFamily:
     # The sampler's torch engine runs transformers' own forward with its cache, one row at a time, instead of its
     # own Llama-layout decode loop (which computes neither sinks, windows nor recurrent mixer state).
     hf_decode: bool = False
+    # Config attributes set on the text config before transformers builds the model from a checkpoint.
+    loading_overrides: Mapping[str, object] = field(default_factory=dict)
 
     # -------------------------------------------------------------- layers and targets
 

@@ -210,4 +210,8 @@ FAMILY = NemotronHFamily(
     tiny=tiny_config,
     packing=enable_packing,
     hf_decode=True,
+    # transformers' Mamba-2 mixer otherwise fetches causal-conv1d and mamba-ssm from the Hugging Face Hub at
+    # construction whenever the `kernels` package is installed (SGLang's wheels bring it): a network call at run
+    # time, refused offline. loraplane runs the mixer's torch path on packed rows in any case.
+    loading_overrides={"use_mamba_kernels": False},
 )
