@@ -13,7 +13,18 @@ and after the step. Then the engines' own time for the same work, in a fresh pro
 gets here: the sampler's engine generating every group's rollouts (all queued at once) and the trainer backend's
 forward_backward of the same datum lengths + optim_step, called directly. ours / engines is the step's ratio.
 
+Two shapes:
+  CPU (default): model `tiny`, the torch engine and the torch backend on CPU.
+  GPU (--engine sglang --device cuda): random bf16 weights in SmolLM2-135M's real shape (bench/sampler.py's
+      `smollm2` shape, written to --model-dir once), the sampler on an SGLang server it launches, the trainer's
+      torch backend on CUDA (the trainer service's own dtype: fp32 weights). The engines' own sampling time is
+      SGLang driven directly while the cluster is still up: its /generate (bench/stream_clients.py's raw client,
+      each group one request of group_size samples, all groups at once, same max_tokens, temperature 1) with the
+      newest adapter version the sampler loaded, loaded again from its PEFT directory under a name of its own.
+      The trainer side is the torch backend on CUDA after the cluster is down.
+
     .venv/bin/python bench/rl_step.py [--model tiny] [--steps 3] [--groups 32] [--group-size 16] [--max-tokens 5]
+    python3 bench/rl_step.py --engine sglang --device cuda --work-dir /tmp/lp-rl-step --steps 3   # GPU (rl_step.sh)
 
 Sample rows sum over the concurrent calls (the route's own wall time is the SDK column). The trainer orders
 optim_step after forward_backward, so its OptimStep RPC time includes that wait.
@@ -24,8 +35,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import json
 import multiprocessing
 import re
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -43,6 +57,10 @@ from loraplane_cli.local_cluster import start_cluster, stop_cluster
 
 _SUM = re.compile(r'^loraplane_rpc_seconds_sum\{([^}]*)\}\s+(\S+)$')
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+# The adapter rank of the step (the tinker client's, SGLang's --max-lora-rank, the anchors').
+RANK = 8
+# bench/sampler.py's name for SmolLM2-135M's shape (the issue measured SmolLM2; random weights are fine for speed).
+GPU_SHAPE = "smollm2"
 
 
 def rpc_seconds(metrics_urls: dict[str, str]) -> dict[str, float]:
@@ -100,21 +118,63 @@ async def one_step(training, step: int, groups: int, group_size: int, max_tokens
     return times, data
 
 
-def run(model: str, steps: int, groups: int, group_size: int, max_tokens: int, workdir: Path) -> dict:
+def prepare_model(args: argparse.Namespace) -> str:
+    """--model as given; else `tiny` on CPU, and on a GPU the SmolLM2-135M-shaped random bf16 checkpoint (bench/
+    sampler.py writes it with the byte tokenizer: requests carry token ids), kept in --model-dir across runs."""
+    if args.model:
+        return args.model
+    if args.device == "cpu":
+        return "tiny"
+    from bench.sampler import write_shape_dir
+
+    directory = Path(args.model_dir).resolve()
+    write_shape_dir(GPU_SHAPE, directory)
+    # The absolute path is the model's name for trainer, sampler and gateway alike, and the --model-path SGLang is
+    # launched with (rl_step.sh finds leftover servers by it).
+    return str(directory)
+
+
+def service_commands(args: argparse.Namespace, model: str) -> dict[str, list[str]] | None:
+    """The sampler on a launched SGLang server, as tests/production_e2e.py starts it; the trainer stays `python -m
+    trainer_svc` (torch backend) on LORAPLANE_DEVICE."""
+    if args.engine != "sglang":
+        return None
+    sampler = [sys.executable, "-m", "sampler_svc", "--base-model", model, "--engine", "sglang", "--sglang-launch", "1",
+               "--sglang-max-lora-rank", str(RANK),
+               # SGLang's share of the GPU it shares with the trainer.
+               f"--sglang-arg=--mem-fraction-static={args.mem_fraction_static}",
+               # Requests carry token ids, and the random model samples ids past the byte tokenizer's 261: SGLang
+               # must not detokenize them (bench/sampler.py's smollm2 shape runs the same way).
+               "--sglang-arg=--skip-tokenizer-init"]
+    if args.sglang_eager:
+        sampler.append("--sglang-arg=--disable-cuda-graph")
+    return {"sampler": sampler}
+
+
+def run(args: argparse.Namespace, model: str, workdir: Path) -> dict:
     import random
 
     import tinker
 
+    steps, groups, group_size, max_tokens = args.steps, args.groups, args.group_size, args.max_tokens
     settings = Settings(data_dir=workdir, base_model=model)
     gateway_metrics = free_port()
-    state, _started = start_cluster(settings, extra_env={"LORAPLANE_BASE_MODEL": model, "TINKER_TELEMETRY": "0",
-                                                         "LORAPLANE_GATEWAY_METRICS_PORT": str(gateway_metrics)},
-                                    gateway=True)
+    env = {"LORAPLANE_BASE_MODEL": model, "TINKER_TELEMETRY": "0",
+           "LORAPLANE_GATEWAY_METRICS_PORT": str(gateway_metrics)}
+    if args.device != "cpu":
+        env["LORAPLANE_DEVICE"] = args.device  # the trainer's torch backend (and a torch engine's) on the GPU
+    started = time.perf_counter()
+    state, _started = start_cluster(settings, extra_env=env, gateway=True, commands=service_commands(args, model),
+                                    on_progress=lambda m: print(f"[cluster +{time.perf_counter() - started:.0f}s] {m}",
+                                                                flush=True))
+    startup_s = time.perf_counter() - started
+    print(f"[cluster] up in {startup_s:.0f} s", flush=True)
+    sglang_times = None
     try:
         metrics = {c.name: c.metrics for c in state.components if getattr(c, "metrics", None)}
         metrics["gateway"] = f"http://127.0.0.1:{gateway_metrics}/metrics"
         service = tinker.ServiceClient(base_url=state.component("gateway").endpoint, api_key="tml-bench")
-        training = service.create_lora_training_client(base_model=model, rank=8, seed=0).result()
+        training = service.create_lora_training_client(base_model=model, rank=RANK, seed=0).result()
         rng = random.Random(0)
         prompts = [[rng.randrange(5, 200) for _ in range(24)] for _ in range(groups)]
         rows = []
@@ -125,24 +185,109 @@ def run(model: str, steps: int, groups: int, group_size: int, max_tokens: int, w
             wall = time.perf_counter() - start
             after = rpc_seconds(metrics)
             server = {k: round(after[k] - before.get(k, 0.0), 4) for k in after if after[k] - before.get(k, 0.0) > 0}
+            print(f"step {step}{' (warm-up)' if not step else ''}: {1000 * wall:.0f} ms, "
+                  + ", ".join(f"{k} {1000 * v:.0f}" for k, v in times.items()), flush=True)
             if step:
                 rows.append({"step": step, "wall_s": round(wall, 4), "datums": len(data),
                              "sdk_route_s": {k: round(v, 4) for k, v in times.items()}, "server_rpc_s": server})
+        if args.engine == "sglang":
+            # SGLang alone, on the cluster's own server (same flags, same GPU beside the idle trainer), while it is up.
+            url, adapter_dir = sglang_target(state, workdir)
+            print(f"engines' own sampling: SGLang {url} directly, adapter {adapter_dir.name}", flush=True)
+            with _spawn_pool() as pool:
+                sglang_times = pool.submit(sglang_sample_anchor, url, str(adapter_dir), steps, groups, group_size,
+                                           max_tokens, prompts).result()
     finally:
         stop_cluster(state)
+    lengths = [len(d.model_input.to_ints()) for d in data]
     # In a fresh process, as each service runs in its own: this one's SDK threads slow torch down many times over.
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        engines = pool.submit(engines_anchor, model, steps, groups, group_size, max_tokens, prompts,
-                              [len(d.model_input.to_ints()) for d in data]).result()
-    return {"model": model, "groups": groups, "group_size": group_size, "max_tokens": max_tokens,
+    with _spawn_pool() as pool:
+        engines = pool.submit(engines_anchor, model, args.device, steps, groups, group_size, max_tokens, prompts,
+                              lengths, sglang_times).result()
+    return {"model": model, "engine": args.engine, "device": args.device, "groups": groups,
+            "group_size": group_size, "max_tokens": max_tokens, "rank": RANK, "cluster_startup_s": round(startup_s, 1),
+            "sglang": ({"mem_fraction_static": args.mem_fraction_static, "cuda_graph": not args.sglang_eager}
+                       if args.engine == "sglang" else None),
             "steps": rows, "engines": engines, "environment": environment()}
 
 
-def engines_anchor(model: str, steps: int, groups: int, group_size: int, max_tokens: int,
-                   prompts: list[list[int]], lengths: list[int]) -> list[dict]:
+def _spawn_pool() -> concurrent.futures.ProcessPoolExecutor:
+    return concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+
+def sglang_target(state, data_dir: Path) -> tuple[str, Path]:
+    """The SGLang server the cluster's sampler launched, and a copy of the PEFT directory of the newest adapter
+    version on it (the last step's): the sampler loads each version as `<adapter>@v<N>` from data_dir/sglang/
+    adapters (sampler_svc/engines/sglang_transport.py, the file transport of a server it launched)."""
+    from loraplane.client.addresses import client_security
+    from loraplane.rpc import sync_channel
+    from loraplane.v1 import sampler_pb2, sampler_pb2_grpc
+
+    channel = sync_channel(state.component("sampler").endpoint, client_security(data_dir))
+    try:
+        status = sampler_pb2_grpc.SamplerServiceStub(channel).GetStatus(sampler_pb2.GetStatusRequest(), timeout=30)
+    finally:
+        channel.close()
+    if not status.engine_servers:
+        raise RuntimeError("the sampler names no SGLang server (GetStatus.engine_servers is empty)")
+    url = status.engine_servers[0]
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as reply:
+        models = json.load(reply).get("data", [])
+    versions = {m["id"]: int(match.group(1)) for m in models
+                if m.get("parent") and (match := re.search(r"@v(\d+)$", m.get("id", "")))}
+    if not versions:
+        raise RuntimeError(f"no adapter version loaded on SGLang {url}: /v1/models lists {[m.get('id') for m in models]}")
+    newest = max(versions, key=versions.get)
+    source = Path(state.data_dir) / "sglang" / "adapters" / newest.replace("/", "__")
+    if not (source / "adapter_config.json").is_file():
+        raise RuntimeError(f"{newest} is loaded on SGLang but its PEFT directory {source} is not there")
+    # A copy of its own: the sampler removes its directory when it unloads the version.
+    target = data_dir / "anchor-adapter"
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+    return url, target
+
+
+def sglang_sample_anchor(url: str, adapter_dir: str, steps: int, groups: int, group_size: int, max_tokens: int,
+                         prompts: list[list[int]]) -> list[float]:
+    """Every group's rollouts from SGLang's /generate directly, all groups at once (one request of group_size
+    samples per group, as a user of SGLang sends them), with the adapter loaded from `adapter_dir` under the raw
+    client's name for adapter 0; steps + 1 rounds, the first a warm-up. Seconds per measured round."""
+    from bench.stream_clients import Raw, adapter_key
+
+    name = adapter_key(0)
+
+    async def post(raw, path: str, body: dict) -> None:
+        async with raw.session.post(f"{url}{path}", json=body) as reply:
+            text = await reply.text()
+            if reply.status != 200 or '"success":false' in text.replace(" ", ""):
+                raise RuntimeError(f"SGLang {path} failed with HTTP {reply.status}: {text[:500]}")
+
+    async def rounds() -> list[float]:
+        raw = Raw(url)
+        try:
+            await post(raw, "/load_lora_adapter", {"lora_name": name, "lora_path": adapter_dir})
+            times = []
+            for _ in range(steps + 1):
+                start = time.perf_counter()
+                tokens = await asyncio.gather(*(raw.unary(0, p, max_tokens, group_size) for p in prompts[:groups]))
+                times.append(time.perf_counter() - start)
+                if sum(tokens) < groups * group_size:
+                    raise RuntimeError(f"SGLang returned {sum(tokens)} tokens for {groups * group_size} rollouts")
+            await post(raw, "/unload_lora_adapter", {"lora_name": name})
+            return times[1:]
+        finally:
+            await raw.close()
+
+    return asyncio.run(rounds())
+
+
+def engines_anchor(model: str, device: str, steps: int, groups: int, group_size: int, max_tokens: int,
+                   prompts: list[list[int]], lengths: list[int], sample_times: list[float] | None = None) -> list[dict]:
     """The same work on the engines alone, in this process: the sampler's engine generating every group's rollouts
     at once (one request per group, as the service hands them over, all queued together), and the trainer backend's
-    forward_backward of the same datums + optim_step on one adapter."""
+    forward_backward of the same datums + optim_step on one adapter. `sample_times`: the sampling already measured
+    on SGLang (sglang_sample_anchor); without them the torch engine samples here."""
     import random
 
     import torch
@@ -158,6 +303,11 @@ def engines_anchor(model: str, steps: int, groups: int, group_size: int, max_tok
 
     # Each engine with the threads its service gets on this host (`loraplane up` splits the cores between them).
     torch.set_num_threads(thread_shares(host_cores(), 2)[-1])
+    cuda = device.startswith("cuda")
+
+    def synchronize() -> None:
+        if cuda:  # kernels run asynchronously: a step's time is until the GPU has finished it
+            torch.cuda.synchronize()
 
     async def sample_all(engine) -> None:
         options = SamplingOptions(max_tokens=max_tokens, temperature=1.0)
@@ -171,24 +321,27 @@ def engines_anchor(model: str, steps: int, groups: int, group_size: int, max_tok
         await asyncio.gather(*(one(p) for p in prompts[:groups]))
 
     async def sampler_rounds() -> list[float]:
-        engine = TorchEngine(model)  # the sampler service's defaults (max_batch_rows 16)
+        engine = TorchEngine(model, device=device)  # the sampler service's defaults (max_batch_rows 16)
         await engine.start()
         try:
-            await engine.load_adapter("anchor@v1", random_adapter_blob(engine.base, seed=1, rank=8))
+            await engine.load_adapter("anchor@v1", random_adapter_blob(engine.base, seed=1, rank=RANK))
             times = []
             for _ in range(steps + 1):
                 start = time.perf_counter()
                 await sample_all(engine)
+                synchronize()
                 times.append(time.perf_counter() - start)
             return times[1:]
         finally:
             await engine.stop()
 
-    sample_times = asyncio.run(sampler_rounds())
+    if sample_times is None:
+        sample_times = asyncio.run(sampler_rounds())
 
-    backend = TorchBackend(model)
+    # As the trainer service builds it (trainer_svc/backends/__init__.py: the model and device, its default dtype).
+    backend = TorchBackend(model, device=device)
     # Tinker's alpha 32 and every target the model offers, as the gateway's create_model gives it.
-    spec = LoraSpec.create(8, 32.0, seed=0, available=list(backend.description.module_dims))
+    spec = LoraSpec.create(RANK, 32.0, seed=0, available=list(backend.description.module_dims))
     # Leaves that take gradients, as the trainer's pool makes them: without requires_grad the backend's loss has
     # no graph and its "forward_backward" is a forward alone (the anchor measured 132 ms for ~1 s of work).
     params = {k: v.requires_grad_(True) for k, v in backend.init_params(spec).items()}
@@ -205,8 +358,10 @@ def engines_anchor(model: str, steps: int, groups: int, group_size: int, max_tok
     for i in range(steps + 1):
         start = time.perf_counter()
         backend.run([BatchItem(state, data, "importance_sampling", {})], backward=True)
+        synchronize()
         fb = time.perf_counter() - start
         backend.optim_step(state, AdamHyper(learning_rate=1e-4))
+        synchronize()
         optim = time.perf_counter() - start - fb
         if i:
             rows.append({"sample_s": round(sample_times[i - 1], 4), "forward_backward_s": round(fb, 4),
@@ -271,18 +426,49 @@ def print_summary(summary: dict) -> None:
                     [[k, ms(v)] for k, v in summary["other_rpcs_s"].items()])
 
 
+def _exit_on_sigterm(_signum, _frame) -> None:
+    # A timeout's SIGTERM unwinds like an error, so the cluster (and the SGLang server its sampler launched) is
+    # stopped on the way out instead of left running.
+    raise SystemExit(143)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="",
+                        help="base model (default: tiny on CPU; on a GPU random bf16 weights in SmolLM2-135M's shape, "
+                             "written to --model-dir)")
+    parser.add_argument("--engine", choices=["torch", "sglang"], default="torch",
+                        help="the sampler's engine (sglang: a server the sampler launches; needs --device cuda)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="the trainer's torch backend (and a torch engine's) device")
+    parser.add_argument("--model-dir", default="/tmp/lp-rl-step-smollm2",
+                        help="where the GPU shape's random SmolLM2-135M-shaped checkpoint is written (kept across runs)")
+    parser.add_argument("--work-dir", default="",
+                        help="the cluster's data dir, emptied first (logs, SGLang's server log under sglang/); "
+                             "default: a temporary directory")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.4,
+                        help="SGLang's share of the GPU it shares with the trainer")
+    parser.add_argument("--sglang-eager", action="store_true", help="SGLang without CUDA graphs")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=5)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="lp-rl-step-") as work:
-        results = run(args.model, args.steps, args.groups, args.group_size, args.max_tokens, Path(work))
+    if args.engine == "sglang" and args.device == "cpu":
+        parser.error("--engine sglang shares the GPU with the trainer: add --device cuda")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    model = prepare_model(args)
+    if args.work_dir:
+        work = Path(args.work_dir).resolve()
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        results = run(args, model, work)
+    else:
+        with tempfile.TemporaryDirectory(prefix="lp-rl-step-") as work:
+            results = run(args, model, Path(work))
     results["summary"] = summarize(results)
-    path = write_results("rl_step", results)
+    name = "rl_step" if (args.engine, args.device) == ("torch", "cpu") else f"rl_step_{args.engine}_{args.device}"
+    path = write_results(name, results)
     print_summary(results["summary"])
     print(f"results: {path}")
 

@@ -34,6 +34,7 @@ from loraplane.client import (
     parse_path,
     split_into_chunks,
 )
+from loraplane.client._runtime import runtime
 from loraplane.rpc import GrpcServer, map_servicer_errors
 from loraplane.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from trainer_svc.losses import supported_losses
@@ -170,6 +171,9 @@ def recording(background_loop):
                             retry=FAST_RETRY)
     yield service, trainer, sampler
     background_loop.run(server.stop(0))
+    # The process shares channels per address: a later test's server may get this port, and a channel left in
+    # reconnect backoff towards the stopped one would refuse its first calls for longer than FAST_RETRY waits.
+    runtime().close_channels([server.address])
 
 
 def sequence_datum(length: int, start: int = 1) -> Datum:
