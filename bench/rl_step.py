@@ -25,6 +25,7 @@ Two shapes:
 
     .venv/bin/python bench/rl_step.py [--model tiny] [--steps 3] [--groups 32] [--group-size 16] [--max-tokens 5]
     python3 bench/rl_step.py --engine sglang --device cuda --work-dir /tmp/lp-rl-step --steps 3   # GPU (rl_step.sh)
+    .venv/bin/python bench/rl_step.py --engine sglang --sglang-url http://127.0.0.1:P --steps 1  # dry run, no GPU
 
 Sample rows sum over the concurrent calls (the route's own wall time is the SDK column). The trainer orders
 optim_step after forward_backward, so its OptimStep RPC time includes that wait.
@@ -139,7 +140,9 @@ def service_commands(args: argparse.Namespace, model: str) -> dict[str, list[str
     trainer_svc` (torch backend) on LORAPLANE_DEVICE."""
     if args.engine != "sglang":
         return None
-    sampler = [sys.executable, "-m", "sampler_svc", "--base-model", model, "--engine", "sglang", "--sglang-launch", "1",
+    # A server given by URL (a dry run against bench/synthetic_sglang.py) instead of one launched on the GPU.
+    server = ["--sglang-url", args.sglang_url] if args.sglang_url else ["--sglang-launch", "1"]
+    sampler = [sys.executable, "-m", "sampler_svc", "--base-model", model, "--engine", "sglang", *server,
                "--sglang-max-lora-rank", str(RANK),
                # SGLang's share of the GPU it shares with the trainer.
                f"--sglang-arg=--mem-fraction-static={args.mem_fraction_static}",
@@ -169,7 +172,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> dict:
                                                                 flush=True))
     startup_s = time.perf_counter() - started
     print(f"[cluster] up in {startup_s:.0f} s", flush=True)
-    sglang_times = None
+    sglang_times, anchor_version = None, ""
     try:
         metrics = {c.name: c.metrics for c in state.components if getattr(c, "metrics", None)}
         metrics["gateway"] = f"http://127.0.0.1:{gateway_metrics}/metrics"
@@ -192,8 +195,9 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> dict:
                              "sdk_route_s": {k: round(v, 4) for k, v in times.items()}, "server_rpc_s": server})
         if args.engine == "sglang":
             # SGLang alone, on the cluster's own server (same flags, same GPU beside the idle trainer), while it is up.
-            url, adapter_dir = sglang_target(state, workdir)
-            print(f"engines' own sampling: SGLang {url} directly, adapter {adapter_dir.name}", flush=True)
+            url, adapter_dir, anchor_version = sglang_target(state, workdir)
+            print(f"engines' own sampling: SGLang {url} directly, {anchor_version} (the last step's) from {adapter_dir}",
+                  flush=True)
             with _spawn_pool() as pool:
                 sglang_times = pool.submit(sglang_sample_anchor, url, str(adapter_dir), steps, groups, group_size,
                                            max_tokens, prompts).result()
@@ -206,7 +210,8 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> dict:
                               lengths, sglang_times).result()
     return {"model": model, "engine": args.engine, "device": args.device, "groups": groups,
             "group_size": group_size, "max_tokens": max_tokens, "rank": RANK, "cluster_startup_s": round(startup_s, 1),
-            "sglang": ({"mem_fraction_static": args.mem_fraction_static, "cuda_graph": not args.sglang_eager}
+            "sglang": ({"mem_fraction_static": args.mem_fraction_static, "cuda_graph": not args.sglang_eager,
+                        "url": args.sglang_url or "launched", "anchor_version": anchor_version}
                        if args.engine == "sglang" else None),
             "steps": rows, "engines": engines, "environment": environment()}
 
@@ -215,7 +220,7 @@ def _spawn_pool() -> concurrent.futures.ProcessPoolExecutor:
     return concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
 
-def sglang_target(state, data_dir: Path) -> tuple[str, Path]:
+def sglang_target(state, data_dir: Path) -> tuple[str, Path, str]:
     """The SGLang server the cluster's sampler launched, and a copy of the PEFT directory of the newest adapter
     version on it (the last step's): the sampler loads each version as `<adapter>@v<N>` from data_dir/sglang/
     adapters (sampler_svc/engines/sglang_transport.py, the file transport of a server it launched)."""
@@ -238,14 +243,17 @@ def sglang_target(state, data_dir: Path) -> tuple[str, Path]:
     if not versions:
         raise RuntimeError(f"no adapter version loaded on SGLang {url}: /v1/models lists {[m.get('id') for m in models]}")
     newest = max(versions, key=versions.get)
-    source = Path(state.data_dir) / "sglang" / "adapters" / newest.replace("/", "__")
+    # SGLang lists a LoRA's path as its root; the transport's own naming where it does not.
+    root = next((m.get("root") or "" for m in models if m["id"] == newest), "")
+    source = (Path(root) if root and Path(root).is_dir()
+              else Path(state.data_dir) / "sglang" / "adapters" / newest.replace("/", "__"))
     if not (source / "adapter_config.json").is_file():
         raise RuntimeError(f"{newest} is loaded on SGLang but its PEFT directory {source} is not there")
     # A copy of its own: the sampler removes its directory when it unloads the version.
     target = data_dir / "anchor-adapter"
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(source, target)
-    return url, target
+    return url, target, newest
 
 
 def sglang_sample_anchor(url: str, adapter_dir: str, steps: int, groups: int, group_size: int, max_tokens: int,
@@ -449,13 +457,17 @@ def main() -> None:
     parser.add_argument("--mem-fraction-static", type=float, default=0.4,
                         help="SGLang's share of the GPU it shares with the trainer")
     parser.add_argument("--sglang-eager", action="store_true", help="SGLang without CUDA graphs")
+    parser.add_argument("--sglang-url", default="",
+                        help="--engine sglang on a running server instead of one the sampler launches (a dry run of "
+                             "the GPU shape's plumbing: python bench/synthetic_sglang.py --port P, then --engine "
+                             "sglang --sglang-url http://127.0.0.1:P)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=5)
     args = parser.parse_args()
-    if args.engine == "sglang" and args.device == "cpu":
-        parser.error("--engine sglang shares the GPU with the trainer: add --device cuda")
+    if args.engine == "sglang" and args.device == "cpu" and not args.sglang_url:
+        parser.error("--engine sglang launches its server on the GPU the trainer uses: add --device cuda")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     model = prepare_model(args)
     if args.work_dir:
