@@ -122,7 +122,7 @@ def load_base_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.f
                 field="base_model",
             )
         family = check_checkpoint(path, backend, name)
-        model, tokenizer = _load_hf_dir(path, dtype, family)
+        model, tokenizer = _load_hf_dir(path, dtype, family.attn_implementation)
     return _wrap(name, model, tokenizer, torch.device(device), dtype, backend)
 
 
@@ -157,27 +157,26 @@ def from_hf_model(name: str, model: PreTrainedModel, tokenizer, device: str = "c
     return _wrap(name, model, tokenizer, torch.device(device), dtype, backend)
 
 
-def _load_hf_dir(directory: Path, dtype: torch.dtype, family: families.ModelFamily | None = None):
+def _load_hf_dir(directory: Path, dtype: torch.dtype, attn_implementation: str = "sdpa"):
     from loraplane.models import mxfp4
 
-    attn_implementation = family.attn_implementation if family is not None else "sdpa"
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     if mxfp4.quantization_method(directory) == "mxfp4":
         # gpt-oss's released experts: dequantized by us at load (loraplane.models.mxfp4).
         return mxfp4.load_mxfp4_model(directory, dtype, attn_implementation), tokenizer
     model = AutoModelForCausalLM.from_pretrained(
-        directory, config=_text_loading_config(directory, family), dtype=dtype, local_files_only=True,
+        directory, config=loading_config(directory), dtype=dtype, local_files_only=True,
         attn_implementation=attn_implementation
     )
     return model, tokenizer
 
 
-def _text_loading_config(directory: Path, family: families.ModelFamily | None = None):
-    """The checkpoint's config, ready for loading its text decoder alone. A vision-language checkpoint (Qwen3.5)
-    says whether lm_head is tied to the embeddings at its top level (Qwen3.5-4B: tie_word_embeddings true) while
-    its text_config, which transformers' causal LM is built from, says false or nothing: carried over, lm_head is
-    the embedding matrix as in the full model, not a newly initialised random one (the checkpoint has no
-    lm_head.weight)."""
+def loading_config(directory: Path):
+    """The checkpoint's config, ready for building its text decoder alone (weights or the meta device). A
+    vision-language checkpoint (Qwen3.5) says whether lm_head is tied to the embeddings at its top level (Qwen3.5-4B:
+    tie_word_embeddings true) while its text_config, which transformers' causal LM is built from, says false or
+    nothing: carried over, lm_head is the embedding matrix as in the full model, not a newly initialised random one
+    (the checkpoint has no lm_head.weight). The family's loading_overrides are applied."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -185,6 +184,7 @@ def _text_loading_config(directory: Path, family: families.ModelFamily | None = 
     tie = getattr(config, "tie_word_embeddings", None)
     if text is not config and tie is not None:
         text.tie_word_embeddings = bool(tie)
+    family = families.lookup(config)
     for key, value in (family.loading_overrides if family is not None else {}).items():
         setattr(text, key, value)
     return config

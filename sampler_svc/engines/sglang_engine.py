@@ -204,15 +204,15 @@ def _base_model_facts(name: str):
     read as `load_base_model` reads them). A model built in memory (`tiny`) is loaded whole: it is small and its
     weights are what SGLang is given."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from loraplane.models import load_base_model
-    from loraplane.models.base import checkpoint_directory, from_hf_model
+    from loraplane.models.base import checkpoint_directory, from_hf_model, loading_config
 
     directory = checkpoint_directory(name)
     if directory is None:
         return load_base_model(name, "cpu")
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    config = loading_config(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

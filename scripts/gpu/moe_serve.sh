@@ -7,7 +7,7 @@
 #   bash scripts/gpu/moe_serve.sh families [PYTEST -k EXPR] tests/gpu/test_sglang_families.py: Qwen3.5 dense and
 #                                                         MoE, gpt-oss and Nemotron-H (small random checkpoints)
 #                                                         served by SGLang, sampler vs the trainer's Forward,
-#                                                         version exactness (issues 32, 33; not yet run)
+#                                                         version exactness (issues 32, 33)
 #   bash scripts/gpu/moe_serve.sh load [ITER] [LAYERS]    bench/sampler.py --shape qwen3moe: publish -> first
 #                                                         sample of a Qwen3-30B-A3B rank-32 expert adapter (dummy
 #                                                         weights, one SGLang server): both expert layouts
@@ -90,8 +90,8 @@ case "$mode" in
     exit "$rc" ;;
   families)
     reap /tmp/lp-family-tests
-    timeout -k 20 300 python3 -m pytest tests/gpu/test_sglang_families.py -m gpu -o addopts="" -p no:cacheprovider -q \
-      -rA --basetemp /tmp/lp-family-tests ${1:+-k "$1"} 2>&1 | filter | tee "$OUT/sglang_families_tests.log" \
+    timeout -k 20 520 python3 -m pytest tests/gpu/test_sglang_families.py -m gpu -o addopts="" -p no:cacheprovider -v \
+      -rA --tb=short --basetemp /tmp/lp-family-tests ${1:+-k "$1"} 2>&1 | filter | tee "$OUT/sglang_families_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert"
     rc=${PIPESTATUS[0]}
     reap /tmp/lp-family-tests

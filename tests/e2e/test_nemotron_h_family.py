@@ -159,3 +159,7 @@ def test_loaded_without_reaching_for_hub_kernels(checkpoint, backend):
     # wherever the `kernels` package is installed (the GPU image's SGLang wheels bring it), which fails offline.
     assert json.loads((checkpoint / "config.json").read_text()).get("use_mamba_kernels", True) is True
     assert backend.base.model.config.use_mamba_kernels is False
+    # The SGLang engine's facts of the same checkpoint (its module tree built on the meta device) likewise.
+    from sampler_svc.engines.sglang_engine import _base_model_facts
+
+    assert _base_model_facts(str(checkpoint)).model.config.use_mamba_kernels is False

@@ -162,3 +162,28 @@ def test_sink_attention_as_an_extra_key_equals_transformers_eager(window):
     for name, a, b in zip(("q", "k", "v", "sinks"), fused_grads, eager_grads):
         assert torch.allclose(a, b, atol=TOL, rtol=0), (name, float((a - b).abs().max()))
     assert float(module.sinks.grad.abs().max()) > 0
+
+
+@pytest.mark.parametrize("backend", ["qwen3_5", "qwen3_5_moe"], indirect=True)
+@pytest.mark.parametrize("impl", [packed.EXACT, packed.BATCHED])
+def test_qwen3_5_without_transformers_conv_kernel_gives_the_same_row(backend, impl, monkeypatch):
+    """transformers 5.12 (SGLang 0.5.17's pin) leaves Qwen3.5's causal_conv1d_fn None without the causal-conv1d
+    package (this one always has a function there): set to None as 5.12 leaves it (the test says so), the row's
+    logits and gradients stay those of the function's path."""
+    import sys
+
+    modeling = next(sys.modules[type(m).__module__] for m in backend.base.model.modules()
+                    if type(m).__name__.endswith("GatedDeltaNet"))
+    rows = rows_of([9, 12, 5])
+    tenants = adapters(backend.base, 2)
+    assign = [tenants[i % 2] for i in range(len(rows))]
+    want_logits, want_grads = step(backend, rows, assign, impl)
+    assert modeling.causal_conv1d_fn is not None
+    monkeypatch.setattr(modeling, "causal_conv1d_fn", None)
+    got_logits, got_grads = step(backend, rows, assign, impl)
+    for a, b in zip(want_logits, got_logits):
+        assert torch.allclose(a, b, atol=TOL, rtol=0), float((a - b).abs().max())
+    for mine, theirs in zip(want_grads, got_grads):
+        for key in mine:
+            scale = float(mine[key].abs().max())
+            assert torch.allclose(mine[key], theirs[key], atol=GRAD_TOL * scale, rtol=0), key

@@ -153,12 +153,21 @@ def _split_heads(module, x: torch.Tensor, repeat: bool):
     return query, key, value
 
 
+def _causal_conv1d(module, x: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal conv1d and its activation over ``x [batch, channels, length]``, by the function
+    transformers picked; transformers before 5.17 (SGLang 0.5.17 pins 5.12) leaves it None without the
+    causal-conv1d package and runs the layer's own Conv1d then, as here."""
+    kernel = getattr(sys.modules[type(module).__module__], "causal_conv1d_fn", None)
+    if kernel is not None:
+        return kernel(x, module.conv1d.weight.squeeze(1), module.conv1d.bias, activation=module.activation)
+    return getattr(torch.nn.functional, module.activation)(module.conv1d(x)[..., :x.shape[-1]])
+
+
 def _exact_core(module, lengths, mixed_qkv, z, b, a) -> torch.Tensor:
     """Per datum, on the datum's own contiguous tensors (the CPU's bit-exact path)."""
     # The kernels transformers picked (hub kernels when installed, else its torch reference implementations).
     modeling = sys.modules[type(module).__module__]
     batch = mixed_qkv.shape[0]
-    weight = module.conv1d.weight.squeeze(1)
     outputs = []
     start = 0
     for length in lengths:
@@ -167,8 +176,7 @@ def _exact_core(module, lengths, mixed_qkv, z, b, a) -> torch.Tensor:
         # Elementwise transcendental ops too: a vectorised kernel treats a tensor's tail elements apart, so the
         # same value could round differently at another position of a longer row.
         g, beta = _gate_beta(module, b[:, start:end].contiguous(), a[:, start:end].contiguous())
-        x = mixed_qkv[:, start:end].transpose(1, 2).contiguous()
-        x = modeling.causal_conv1d_fn(x, weight, module.conv1d.bias, activation=module.activation)
+        x = _causal_conv1d(module, mixed_qkv[:, start:end].transpose(1, 2).contiguous())
         query, key, value = _split_heads(module, x.transpose(1, 2), repeat=True)
         out, _ = modeling.torch_chunk_gated_delta_rule(
             query.contiguous(), key.contiguous(), value.contiguous(),
@@ -189,9 +197,7 @@ def _batched_core(module, layout, mixed_qkv, b, a) -> torch.Tensor:
     reference, also where transformers itself picked fla: this path is the one for when fla cannot run."""
     modeling = sys.modules[type(module).__module__]
     delta_rule = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
-    x = layout.pad(mixed_qkv).transpose(1, 2)
-    x = modeling.causal_conv1d_fn(x, module.conv1d.weight.squeeze(1), module.conv1d.bias,
-                                  activation=module.activation)
+    x = _causal_conv1d(module, layout.pad(mixed_qkv).transpose(1, 2))
     query, key, value = _split_heads(module, x.transpose(1, 2), repeat=True)
     g, beta = _gate_beta(module, layout.pad(b), layout.pad(a))
     out, _ = delta_rule(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
