@@ -164,22 +164,26 @@ def test_sink_attention_as_an_extra_key_equals_transformers_eager(window):
     assert float(module.sinks.grad.abs().max()) > 0
 
 
-@pytest.mark.parametrize("backend", ["qwen3_5", "qwen3_5_moe"], indirect=True)
+@pytest.mark.parametrize("backend", ["qwen3_5", "qwen3_5_moe", "nemotron_h"], indirect=True)
 @pytest.mark.parametrize("impl", [packed.EXACT, packed.BATCHED])
-def test_qwen3_5_without_transformers_conv_kernel_gives_the_same_row(backend, impl, monkeypatch):
-    """transformers 5.12 (SGLang 0.5.17's pin) leaves Qwen3.5's causal_conv1d_fn None without the causal-conv1d
-    package (this one always has a function there): set to None as 5.12 leaves it (the test says so), the row's
-    logits and gradients stay those of the function's path."""
+def test_older_transformers_without_the_helpers_gives_the_same_row(backend, impl, monkeypatch):
+    """transformers 5.12 (SGLang 0.5.17's pin) leaves causal_conv1d_fn None without the causal-conv1d package and
+    has no mamba2_chunk_scan (Nemotron-H's scan is inline in the mixer's forward there); this transformers has both.
+    That one cannot be installed beside this one, so it is simulated here (the test says so): the conv function set
+    to None and the scan removed, as 5.12 has them; a packed row never calls transformers' own mixer forward. The
+    row's logits and gradients stay those of the helpers' path."""
     import sys
 
     modeling = next(sys.modules[type(m).__module__] for m in backend.base.model.modules()
-                    if type(m).__name__.endswith("GatedDeltaNet"))
+                    if type(m).__name__.endswith(("GatedDeltaNet", "Mamba2Mixer")))
     rows = rows_of([9, 12, 5])
     tenants = adapters(backend.base, 2)
     assign = [tenants[i % 2] for i in range(len(rows))]
     want_logits, want_grads = step(backend, rows, assign, impl)
     assert modeling.causal_conv1d_fn is not None
     monkeypatch.setattr(modeling, "causal_conv1d_fn", None)
+    if backend.base.family.model_type == "nemotron_h":
+        monkeypatch.delattr(modeling, "mamba2_chunk_scan")
     got_logits, got_grads = step(backend, rows, assign, impl)
     for a, b in zip(want_logits, got_logits):
         assert torch.allclose(a, b, atol=TOL, rtol=0), float((a - b).abs().max())
@@ -187,3 +191,22 @@ def test_qwen3_5_without_transformers_conv_kernel_gives_the_same_row(backend, im
         for key in mine:
             scale = float(mine[key].abs().max())
             assert torch.allclose(mine[key], theirs[key], atol=GRAD_TOL * scale, rtol=0), key
+
+
+def test_the_recurrent_scan_equals_transformers_chunked_scan():
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    from loraplane.models.families.nemotron_h import recurrent_scan
+
+    generator = torch.Generator().manual_seed(7)
+    batch, length, heads, head_dim, groups, state = 2, 37, 4, 8, 2, 16
+    x = torch.randn(batch, length, heads, head_dim, generator=generator)
+    dt = torch.randn(batch, length, heads, generator=generator)
+    A = -torch.rand(heads, generator=generator) * 2
+    B, C = (torch.randn(batch, length, groups, state, generator=generator) for _ in range(2))
+    D, dt_bias = torch.randn(heads, generator=generator), torch.randn(heads, generator=generator)
+    kwargs = {"D": D, "dt_bias": dt_bias, "dt_softplus": True, "dt_limit": (0.0, 10.0)}
+    want = mamba2_chunk_scan(x, dt, A, B, C, chunk_size=16, **kwargs)
+    got = recurrent_scan(x, dt, A, B, C, chunk_size=16, **kwargs)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4 * float(want.abs().max()), rtol=0), float((got - want).abs().max())

@@ -157,17 +157,50 @@ def _scan(module, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
     modeling = sys.modules[type(module).__module__]
     batch, length, _ = xbc.shape
     groups = module.n_groups * module.ssm_state_size
-    x = modeling.causal_conv1d_fn(xbc.transpose(1, 2).contiguous(), module.conv1d.weight.squeeze(1),
-                                  module.conv1d.bias, activation=module.activation)
+    x = xbc.transpose(1, 2).contiguous()
+    conv = getattr(modeling, "causal_conv1d_fn", None)
+    if conv is not None:
+        x = conv(x, module.conv1d.weight.squeeze(1), module.conv1d.bias, activation=module.activation)
+    else:  # transformers before 5.17 (SGLang 0.5.17 pins 5.12) without the causal-conv1d package
+        x = getattr(torch.nn.functional, module.activation)(module.conv1d(x)[..., :length])
     x = x.transpose(1, 2)
     states, B, C = torch.split(x, [module.intermediate_size, groups, groups], dim=-1)
-    out = modeling.mamba2_chunk_scan(
+    chunk_scan = getattr(modeling, "mamba2_chunk_scan", None) or recurrent_scan
+    out = chunk_scan(
         states.reshape(batch, length, module.num_heads, module.head_dim), dt, -torch.exp(module.A_log.float()),
         B.reshape(batch, length, module.n_groups, module.ssm_state_size),
         C.reshape(batch, length, module.n_groups, module.ssm_state_size), chunk_size=module.chunk_size,
         D=module.D, z=None, return_final_states=False, dt_bias=module.dt_bias, dt_softplus=True,
         initial_states=None, dt_limit=module.time_step_limit)
     return out.reshape(batch, length, -1)
+
+
+def recurrent_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, z=None, return_final_states=False,
+                   dt_bias=None, dt_softplus=False, initial_states=None, dt_limit=(0.0, float("inf"))):
+    """The Mamba-2 SSM scan from a zero state, one position at a time, in fp32, taking transformers'
+    ``mamba2_chunk_scan`` arguments (``hidden_states [b, T, heads, head_dim]``, ``dt [b, T, heads]``, ``A [heads]``,
+    ``B``/``C [b, T, groups, state]``) -> ``[b, T, heads, head_dim]``. transformers before 5.17 (SGLang 0.5.17 pins
+    5.12) has the chunked scan only inline in the mixer's forward; this is the same recurrence, a loop over
+    positions (slow on long rows, exact to rounding: the chunked form is an algebraic regrouping of it)."""
+    if z is not None or return_final_states or initial_states is not None:
+        raise NotImplementedError("recurrent_scan computes the scan from a zero state, without a gate")
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).float()
+    x = hidden_states.float()
+    batch, length, heads, head_dim = x.shape
+    B = B.float().repeat_interleave(heads // B.shape[2], dim=2)
+    C = C.float().repeat_interleave(heads // C.shape[2], dim=2)
+    decay = torch.exp(dt * A.float())
+    state = x.new_zeros(batch, heads, head_dim, B.shape[-1])
+    outputs = []
+    for t in range(length):
+        state = state * decay[:, t, :, None, None] + (x[:, t] * dt[:, t, :, None])[..., None] * B[:, t, :, None, :]
+        outputs.append((state * C[:, t, :, None, :]).sum(-1))
+    y = torch.stack(outputs, dim=1)
+    return y if D is None else y + D.float()[:, None] * x
 
 
 def enable_packing(model) -> None:
