@@ -571,6 +571,28 @@ def sglang_modules(spec: LoraSpec, family) -> dict[str, str]:
     return modules
 
 
+# SGLang 0.5.17 checks an adapter config's target_modules against its LoRA buffers after mapping each name's last
+# part through this table (sglang/srt/lora/utils.py, get_normalized_target_modules); other names stay as they are.
+_SGLANG_NORMALIZED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                      "up_proj": "gate_up_proj"}
+
+
+def sglang_target_modules(target_modules, family) -> list[str]:
+    """An adapter config's ``target_modules`` as SGLang must read them on a model of `family`: a target that is part
+    of a fused module SGLang names otherwise (Qwen3.5's in_proj_z, in SGLang's in_proj_qkvz) goes by that module's
+    name, or SGLang refuses the adapter as not fitting its LoRA buffers; every other name as given (the weights
+    themselves load by their PEFT keys whatever the config lists)."""
+    table = family.sglang or _SGLANG_LLAMA_LAYOUT
+    names = set()
+    for target in target_modules:
+        module = table.get(target)
+        leaf = target.split(".")[-1]
+        renamed = (module and module != "experts"
+                   and _SGLANG_NORMALIZED.get(leaf, leaf) != _SGLANG_NORMALIZED.get(module, module))
+        names.add(module if renamed else target)
+    return sorted(names)
+
+
 def sglang_expert_key(layer: int, expert: int, proj: str, which: str) -> str:
     return f"{PEFT_PREFIX}.{layer}.mlp.experts.{expert}.{proj}.lora_{which}.weight"
 

@@ -38,6 +38,7 @@ from loraplane.adapter_format import (
     peft_adapter_config,
     sglang_modules,
     sglang_packing,
+    sglang_target_modules,
 )
 from sampler_svc.engines.base import LoadedAdapterInfo
 from sampler_svc.engines.sglang_servers import SGLangHTTP, SGLangServer
@@ -117,7 +118,7 @@ class AdapterTransport:
                 server.tensor_loads = server.tensor_loads or status == 200
         if status is None:
             directory = self.adapter_dir(key)
-            await asyncio.to_thread(write_peft_dir, blob, directory, header)
+            await asyncio.to_thread(write_peft_dir, blob, directory, header, self.family)
             status, body = await self.load_call(server, key, "/load_lora_adapter",
                                                 {"lora_name": key, "lora_path": str(directory)})
             if status != 200 or (isinstance(body, dict) and body.get("success") is False):
@@ -207,6 +208,8 @@ class AdapterTransport:
             packed.release()  # its bytes are in the pickle
         config.pop("loraplane_seed", None)
         config.pop("loraplane_expert_layout", None)
+        if self.family is not None:
+            config["target_modules"] = sglang_target_modules(config["target_modules"], self.family)
         head = json.dumps({"lora_name": key, "config_dict": config}).encode()[:-1]
         copies = b",".join([b'"' + encoded + b'"'] * server.tp_size)
         return head + b', "serialized_named_tensors": [' + copies + b"]}", packed
@@ -218,21 +221,29 @@ class AdapterTransport:
         await asyncio.to_thread(shutil.rmtree, self.adapter_dir(key), True)
 
 
-def write_peft_dir(blob: bytes, directory: Path, header: tuple | None = None) -> Path:
+def write_peft_dir(blob: bytes, directory: Path, header: tuple | None = None, family=None) -> Path:
     """The PEFT directory SGLang loads. A float32 or bfloat16 blob already is the adapter_model.safetensors SGLang
     reads (PEFT tensor names; its extra metadata is ignored; SGLang casts to the server's dtype, which is exact from
     either), so its bytes are written as they are, without parsing and re-serializing them (for an 8B-shape
     rank-32 adapter, 335 MB, that pair cost as much as SGLang's load; a bf16 version stays half of it). Other
     dtypes go through materialize_peft_dir, which writes float32. ``header``: the blob's ``adapter_header`` where the
-    caller already read it."""
+    caller already read it. ``family``: the served model's, whose names for fused modules the config then uses
+    (sglang_target_modules)."""
     spec, base_name, dtypes = header or adapter_header(blob)
-    if spec.has_experts:
-        return materialize_sglang_dir(blob, directory)  # per-expert keys: the expert layout SGLang serves
-    if any(dtype not in ("F32", "BF16") for dtype in dtypes.values()):
-        return materialize_peft_dir(blob, directory)
+    if spec.has_experts or any(dtype not in ("F32", "BF16") for dtype in dtypes.values()):
+        # per-expert keys (the expert layout SGLang serves), or float32 from another dtype
+        written = (materialize_sglang_dir if spec.has_experts else materialize_peft_dir)(blob, directory)
+        if family is not None:
+            path = directory / "adapter_config.json"
+            config = json.loads(path.read_text())
+            config["target_modules"] = sglang_target_modules(config["target_modules"], family)
+            path.write_text(json.dumps(config, indent=2, sort_keys=True))
+        return written
     directory.mkdir(parents=True, exist_ok=True)
     config = peft_adapter_config(spec, base_name)
     config.pop("loraplane_seed", None)
+    if family is not None:
+        config["target_modules"] = sglang_target_modules(config["target_modules"], family)
     for name, data in (("adapter_model.safetensors", blob),
                        ("adapter_config.json", json.dumps(config, indent=2, sort_keys=True).encode())):
         temporary = directory / f".{name}.tmp"

@@ -147,8 +147,16 @@ class Secured:
             r.close()
         admin = self.registry_stub("admin")
         adapters = admin.ListAdapters(registry_pb2.ListAdaptersRequest(prefix="acme/", page_size=1000)).adapters
-        versions = {a.name: [v.SerializeToString(deterministic=True) for v in admin.ListVersions(
-            registry_pb2.ListVersionsRequest(adapter=a.name, page_size=1000)).versions] for a in adapters}
+        # A version published before its upload (the trainer pushes to its samplers first) turns from pending to
+        # stored when the upload lands, whenever that is: wait for it, as for the sampler above.
+        deadline = time.monotonic() + 60
+        while True:
+            listed = {a.name: admin.ListVersions(registry_pb2.ListVersionsRequest(adapter=a.name, page_size=1000))
+                      .versions for a in adapters}
+            if not any(v.pending for vs in listed.values() for v in vs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        versions = {name: [v.SerializeToString(deterministic=True) for v in vs] for name, vs in listed.items()}
         trainer = self.trainer_stub(A).ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest(page_size=1000))
         loaded = self.sampler_stub(A).ListLoadedAdapters(sampler_pb2.ListLoadedAdaptersRequest(page_size=1000))
         return {"gateway": gw, "registry": [a.SerializeToString(deterministic=True) for a in adapters],

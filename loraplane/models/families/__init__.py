@@ -117,7 +117,7 @@ def sliding_window_in_use(config) -> str:
     if layer_types:
         # What transformers itself consults per layer (Qwen2/3 only slide from max_window_layers on).
         # Nemotron-H's layer_types also name its MLP / MoE blocks.
-        other = sorted(set(layer_types) - {"full_attention", "linear_attention", "mlp", "moe"})
+        other = sorted(set(layer_types) - {"full_attention", "attention", "linear_attention", "mamba", "mlp", "moe"})
         return f"layer_types {other}" if other else ""
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True):
