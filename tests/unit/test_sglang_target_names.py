@@ -59,3 +59,16 @@ def test_tensors_for_sglang_name_in_proj_qkvz(qwen3_5, tmp_path):
     head = json.loads(body.split(b', "serialized_named_tensors"')[0] + b"}")
     assert "in_proj_qkvz" in head["config_dict"]["target_modules"]
     assert "in_proj_z" not in head["config_dict"]["target_modules"]
+
+
+def test_older_layer_kind_names_are_not_windows():
+    """transformers 5.12 (SGLang 0.5.17's pin) exposes Nemotron-H's layers_block_type as layer_types in the older
+    names (mamba / attention / moe / mlp), which SGLang's own config also requires; they are no sliding windows
+    (the refusal a Nemotron-H checkpoint met in the GPU run), while a windowed layer kind still is one."""
+    from types import SimpleNamespace
+
+    from loraplane.models.families import sliding_window_in_use
+
+    assert sliding_window_in_use(SimpleNamespace(layer_types=["mamba", "moe", "attention", "mlp"])) == ""
+    assert "sliding_attention" in sliding_window_in_use(SimpleNamespace(layer_types=["sliding_attention",
+                                                                                    "full_attention"]))
