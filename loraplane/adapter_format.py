@@ -557,8 +557,8 @@ def sglang_modules(spec: LoraSpec, family) -> dict[str, str]:
     """Each target of `spec` -> the module SGLang 0.5.17 applies it to on a model of `family` (a
     ``loraplane.models.families.ModelFamily``: its ``sglang`` map). An adapter with a target SGLang cannot serve
     there would load with that target silently dropped, or not at all: FailedPrecondition naming every such target
-    and the ones it can serve, before the adapter reaches SGLang (Qwen3.5: Tinker's in_proj_q/k/v, three pairs on
-    the fused in_proj_qkv, and in_proj_b/a, on SGLang's in_proj_ba which takes no LoRA)."""
+    and the ones it can serve, before the adapter reaches SGLang (Qwen3.5: in_proj_b/a, on SGLang's in_proj_ba
+    which takes no LoRA; and in_proj_q/k/v/z unless all four are there, which SGLang stacks into in_proj_qkvz)."""
     table = family.sglang or _SGLANG_LLAMA_LAYOUT
     modules = {target: table.get(target) for target in spec.target_modules}
     refused = [target for target, module in modules.items() if not module]
@@ -568,6 +568,14 @@ def sglang_modules(spec: LoraSpec, family) -> dict[str, str]:
             f"adapter targets {refused} cannot be served by SGLang on a {family.model_type} model (SGLang 0.5.17 "
             f"applies LoRA to {sorted(set(filter(None, table.values())))} there); sample it with the torch engine, "
             f"or train with target_modules among {servable}", field="adapter")
+    for group in family.sglang_together:
+        present = [t for t in spec.target_modules if t in group]
+        if present and len(present) < len(group):
+            missing = [t for t in TARGETS if t in group and t not in present]
+            raise FailedPrecondition(
+                f"adapter targets {present} are served by SGLang on a {family.model_type} model only together with "
+                f"{missing} (SGLang 0.5.17 stacks {sorted(group)} into one fused module's LoRA and drops a part "
+                f"alone); sample it with the torch engine, or train with all of them", field="adapter")
     return modules
 
 

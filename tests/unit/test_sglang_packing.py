@@ -4,10 +4,10 @@ sent, and an adapter with a target SGLang cannot serve refused FAILED_PRECONDITI
 before anything reaches a server.
 
 Qwen3.5 (SGLang's Qwen3_5ForCausalLM.supported_lora_modules: qkv_proj, o_proj, out_proj, in_proj_qkvz,
-gate_up_proj, down_proj, lm_head): q/k/v stack into qkv_proj and gate/up into gate_up_proj; in_proj_z is the fourth
-slice of the fused in_proj_qkvz (Q | K | V | Z, a LoRA pair per slice: a pair on in_proj_z alone is that layout with
-the Q, K and V slices zero); Tinker's in_proj_q/k/v (three pairs on the fused in_proj_qkv) and in_proj_b/a (SGLang's
-in_proj_ba takes no LoRA) are not served.
+gate_up_proj, down_proj, lm_head): q/k/v stack into qkv_proj and gate/up into gate_up_proj; Tinker's in_proj_q/k/v
+(three pairs on the fused in_proj_qkv) and in_proj_z stack into the fused in_proj_qkvz (Q | K | V | Z, a LoRA pair per
+slice), all four or none: SGLang stacks them only when all four are there and drops a lone in_proj_z pair
+(sglang/srt/lora/lora.py, _normalize_in_proj_qkvz); in_proj_b/a (SGLang's in_proj_ba takes no LoRA) are not served.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from tests.fixtures.sampler import adapter_blob
 
 QWEN3_5_SERVED = {
     "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+    "in_proj_q": "in_proj_qkvz", "in_proj_k": "in_proj_qkvz", "in_proj_v": "in_proj_qkvz",
     "in_proj_z": "in_proj_qkvz", "out_proj": "out_proj",
     "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
 }
-QWEN3_5_REFUSED = ["in_proj_q", "in_proj_k", "in_proj_v", "in_proj_b", "in_proj_a"]
+QWEN3_5_REFUSED = ["in_proj_b", "in_proj_a"]
+GDN_SLICES = ["in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z"]
 
 
 def offered(family) -> tuple[str, ...]:
@@ -54,6 +56,18 @@ def test_qwen3_5_targets_map_to_the_modules_sglang_serves():
         assert f"adapter targets {QWEN3_5_REFUSED} cannot be served by SGLang on a {family.model_type}" in message
         assert "in_proj_qkvz" in message and "in_proj_z" in message.split("among")[1]
         assert caught.value.field == "adapter"
+
+
+@pytest.mark.parametrize("part", [["in_proj_z"], ["in_proj_q", "in_proj_k", "in_proj_v"], ["in_proj_k", "in_proj_z"]])
+def test_qwen3_5_gated_deltanet_slices_are_served_all_four_or_refused(part):
+    family = families.FAMILIES["qwen3_5"]
+    with pytest.raises(errors.FailedPrecondition) as caught:
+        sglang_modules(LoraSpec.create(4, 8, ["q_proj", *part], 1), family)
+    missing = [t for t in GDN_SLICES if t not in part]
+    assert f"adapter targets {[t for t in GDN_SLICES if t in part]} are served by SGLang" in caught.value.message
+    assert f"only together with {missing}" in caught.value.message
+    assert set(sglang_modules(LoraSpec.create(4, 8, ["q_proj", *GDN_SLICES], 1), family).values()) == {
+        "qkv_proj", "in_proj_qkvz"}
 
 
 @pytest.mark.parametrize("model_type", sorted(families.FAMILIES))
@@ -94,7 +108,9 @@ def test_the_tensors_sglang_gets_for_a_qwen3_5_adapter(qwen_base):
     assert tuple(z_a.shape) == (4, hidden) and tuple(z_b.shape) == (value_dim, 4)
     assert tuple(tensors[f"{prefix}.0.linear_attn.out_proj.lora_A.weight"].shape) == (4, value_dim)
     assert tuple(tensors[f"{prefix}.2.self_attn.q_proj.lora_B.weight"].shape) == (128, 4)  # query | gate
-    assert not any("in_proj_qkv" in k or "in_proj_q." in k or "in_proj_b" in k for k in tensors)
+    q_b = tensors[f"{prefix}.0.linear_attn.in_proj_q.lora_B.weight"]
+    assert tuple(q_b.shape) == (2 * 8, 4)  # the Q part of in_proj_qkv: 2 key heads x 8
+    assert not any("in_proj_qkv." in k or "in_proj_b" in k for k in tensors)
     # Each layer: its own mixer's targets only.
     assert f"{prefix}.0.self_attn.q_proj.lora_A.weight" not in tensors
     assert f"{prefix}.2.linear_attn.in_proj_z.lora_A.weight" not in tensors
@@ -103,17 +119,17 @@ def test_the_tensors_sglang_gets_for_a_qwen3_5_adapter(qwen_base):
         assert tuple(tensors[f"{prefix}.1.mlp.experts.7.gate_proj.lora_A.weight"].shape) == (4, hidden)
         assert tuple(tensors[f"{prefix}.1.mlp.experts.7.up_proj.lora_B.weight"].shape) == (32, 4)
         assert tuple(tensors[f"{prefix}.1.mlp.experts.7.down_proj.lora_B.weight"].shape) == (hidden, 4)
-        assert {"gate_proj", "up_proj", "down_proj", "in_proj_z"} <= set(config["target_modules"])
+        assert {"gate_proj", "up_proj", "down_proj", *GDN_SLICES} <= set(config["target_modules"])
     else:
         assert tuple(tensors[f"{prefix}.1.mlp.gate_proj.lora_A.weight"].shape) == (4, hidden)
 
 
 def test_the_transport_refuses_an_adapter_sglang_cannot_serve_before_calling_it(qwen_base, tmp_path):
-    blob = adapter_blob(3, base=qwen_base, targets=("q_proj", "in_proj_q", "in_proj_b"))
+    blob = adapter_blob(3, base=qwen_base, targets=("q_proj", "in_proj_a", "in_proj_b"))
     transport = AdapterTransport(SGLangHTTP(), qwen_base.name, tmp_path, family=qwen_base.family)
     # No server listens there: reaching it would fail otherwise (and the HTTP session is not even open).
     server = SGLangServer(url="http://127.0.0.1:9")
     with pytest.raises(errors.FailedPrecondition) as caught:
         asyncio.run(transport.load(server, "tenant/a@v1", blob))
-    assert "['in_proj_q', 'in_proj_b'] cannot be served by SGLang" in caught.value.message
+    assert "['in_proj_b', 'in_proj_a'] cannot be served by SGLang" in caught.value.message
     assert not transport.adapter_dir("tenant/a@v1").exists()

@@ -1,8 +1,9 @@
 """The target_modules an adapter's config lists when it goes to SGLang. SGLang 0.5.17 accepts an adapter only if
 every listed name (its last part mapped through SGLang's own table: q/k/v_proj -> qkv_proj, gate/up_proj ->
-gate_up_proj) is one of its LoRA buffers; Qwen3.5's in_proj_z has no buffer of its own but is part of SGLang's
-in_proj_qkvz, and an adapter listing it was refused on a real server ("incompatible with the current LoRA memory
-pool configuration", H200 run s35). The config names that module; every other family's names stay as PEFT's."""
+gate_up_proj) is one of its LoRA buffers; Qwen3.5's in_proj_q/k/v/z have no buffers of their own but are the slices
+of SGLang's in_proj_qkvz, and an adapter listing in_proj_z was refused on a real server ("incompatible with the
+current LoRA memory pool configuration", H200 run s35). The config names that module; every other family's names
+stay as PEFT's."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from sampler_svc.engines.sglang_transport import write_peft_dir
 from tests.fixtures.models import build_checkpoint
 from tests.fixtures.sampler import adapter_blob
 
-QWEN3_5_TARGETS = ("q_proj", "o_proj", "in_proj_z", "out_proj", "gate_proj", "down_proj")
+QWEN3_5_TARGETS = ("q_proj", "o_proj", "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "out_proj", "gate_proj",
+                   "down_proj")
 
 
 @pytest.mark.parametrize("model_type, given, sent", [
-    ("qwen3_5", ["in_proj_z", "q_proj", "out_proj", "gate_proj"], ["gate_proj", "in_proj_qkvz", "out_proj", "q_proj"]),
+    ("qwen3_5", ["in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "q_proj", "out_proj", "gate_proj"],
+     ["gate_proj", "in_proj_qkvz", "out_proj", "q_proj"]),
     ("qwen3_5_moe", ["in_proj_z", "shared_expert.up_proj", "experts.gate_up_proj"],
      ["experts.gate_up_proj", "in_proj_qkvz", "shared_expert.up_proj"]),
     ("llama", ["q_proj", "k_proj", "up_proj", "down_proj"], ["down_proj", "k_proj", "q_proj", "up_proj"]),
@@ -43,10 +46,11 @@ def test_a_peft_directory_for_sglang_names_in_proj_qkvz(qwen3_5, tmp_path):
     _, base = qwen3_5
     blob = adapter_blob(3, base=base, targets=QWEN3_5_TARGETS)
     plain = json.loads((write_peft_dir(blob, tmp_path / "plain") / "adapter_config.json").read_text())
-    assert "in_proj_z" in plain["target_modules"]  # a PEFT directory as PEFT names it
+    assert {"in_proj_q", "in_proj_z"} <= set(plain["target_modules"])  # a PEFT directory as PEFT names it
     served = write_peft_dir(blob, tmp_path / "served", family=base.family)
     config = json.loads((served / "adapter_config.json").read_text())
-    assert "in_proj_qkvz" in config["target_modules"] and "in_proj_z" not in config["target_modules"]
+    assert "in_proj_qkvz" in config["target_modules"]
+    assert not {"in_proj_q", "in_proj_z"} & set(config["target_modules"])
     assert (served / "adapter_model.safetensors").read_bytes() == blob  # the weights keep their PEFT keys
 
 

@@ -169,6 +169,8 @@ class ModelFamily:
     # Our target -> SGLang's module name for it, for the families SGLang serves with LoRA (None: as PEFT names it);
     # targets absent here SGLang cannot serve.
     sglang: Mapping[str, str] | None = None
+    # Groups of targets SGLang serves only all together (it stacks them into one fused module's LoRA).
+    sglang_together: tuple[frozenset[str], ...] = ()
     # Arguments a launched SGLang server needs for this family with LoRA on (the sampler's engine adds them).
     sglang_server_args: tuple[str, ...] = ()
     # A tiny random config of this family (tests/fixtures/models.py builds checkpoints from it).

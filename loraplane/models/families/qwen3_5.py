@@ -79,13 +79,17 @@ _IMPLIED = {
 }
 # Our target -> the module SGLang 0.5.17's Qwen3_5ForCausalLM applies it to (its supported_lora_modules: qkv_proj,
 # o_proj, out_proj, in_proj_qkvz, gate_up_proj, down_proj, lm_head); the adapter keeps HF's names and SGLang stacks
-# q/k/v and gate/up itself. Absent: in_proj_q/k/v (SGLang's in_proj_qkvz takes ONE rank-r pair on the fused
-# in_proj_qkv, which three separate pairs are not) and in_proj_b/a (in_proj_ba takes no LoRA).
+# q/k/v, gate/up and Tinker's in_proj_q/k/v with in_proj_z (one pair per slice of its in_proj_qkvz) itself. Absent:
+# in_proj_b/a (in_proj_ba takes no LoRA).
 _SGLANG = {
     "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+    "in_proj_q": "in_proj_qkvz", "in_proj_k": "in_proj_qkvz", "in_proj_v": "in_proj_qkvz",
     "in_proj_z": "in_proj_qkvz", "out_proj": "out_proj",
     "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
 }
+# SGLang stacks the four Q | K | V | Z pairs of a Gated DeltaNet layer into its in_proj_qkvz LoRA only when all four
+# are there (sglang/srt/lora/lora.py, _normalize_in_proj_qkvz); a lone in_proj_z pair would be dropped silently.
+_SGLANG_TOGETHER = (frozenset({"in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z"}),)
 _SGLANG_MOE = {**_SGLANG, "shared_expert.gate_proj": "gate_up_proj", "shared_expert.up_proj": "gate_up_proj",
                "shared_expert.down_proj": "down_proj", "experts.gate_up_proj": "experts",
                "experts.down_proj": "experts"}
@@ -310,8 +314,8 @@ DENSE = HybridFamily(
     hf_weights={**COMMON_WEIGHTS, **QK_NORM_WEIGHTS, **_LINEAR_WEIGHTS, **DENSE_MLP_WEIGHTS},
     lacks=("moe",), implied=_IMPLIED,
     checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS, backend_lacks_features=_MEGATRON_UNCHECKED,
-    mlp_targets={"dense": DENSE_MLP_TARGETS}, sglang=_SGLANG, tiny=tiny_dense_config, packing=enable_packing,
-    hf_decode=True, notes="q_proj's output is [query | gate] per head (2 x heads x head_dim rows)")
+    mlp_targets={"dense": DENSE_MLP_TARGETS}, sglang=_SGLANG, sglang_together=_SGLANG_TOGETHER,
+    tiny=tiny_dense_config, packing=enable_packing, hf_decode=True, notes="q_proj's output is [query | gate] per head (2 x heads x head_dim rows)")
 
 MOE_FAMILY = HybridFamily(
     model_type="qwen3_5_moe", config_types=("qwen3_5_moe_text",),
@@ -321,7 +325,7 @@ MOE_FAMILY = HybridFamily(
     hf_weights={**COMMON_WEIGHTS, **QK_NORM_WEIGHTS, **_LINEAR_WEIGHTS, **_SHARED_EXPERT_WEIGHTS},
     moe=True, implied=_IMPLIED,
     checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS, backend_lacks_features=_MEGATRON_UNCHECKED,
-    mlp_targets={"moe": SHARED_EXPERT_TARGETS + EXPERT_TARGETS}, sglang=_SGLANG_MOE, tiny=tiny_moe_config,
-    packing=enable_packing, hf_decode=True)
+    mlp_targets={"moe": SHARED_EXPERT_TARGETS + EXPERT_TARGETS}, sglang=_SGLANG_MOE,
+    sglang_together=_SGLANG_TOGETHER, tiny=tiny_moe_config, packing=enable_packing, hf_decode=True)
 
 FAMILIES = (DENSE, MOE_FAMILY)
