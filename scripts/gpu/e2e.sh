@@ -105,17 +105,9 @@ install_all() {
 collect_logs() {  # [data dir] [archive name]
   tar czf "$OUT/${2:-e2e_logs.tgz}" -C "${1:-/tmp/e2e-data}" logs sglang/server-0.log 2>/dev/null
 }
-reap_cluster() {  # what a run killed by its timeout left behind: the cluster of that data dir, SGLang's processes too
-  local dir=$1 pid
-  timeout -k 5 40 python3 -c "from loraplane_cli import app; app()" down --data-dir "$dir" >/dev/null 2>&1
-  # Every process the cluster started carries its data dir in LORAPLANE_DATA_DIR (SGLang's server and schedulers
-  # inherit it from the sampler), which no other process here has.
-  for pid in $(grep -l -a -x -F "LORAPLANE_DATA_DIR=$dir" --null-data /proc/[0-9]*/environ 2>/dev/null \
-               | cut -d/ -f3); do
-    [ "$pid" = "$$" ] && continue
-    echo "reaping $pid: $(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -c1-100)"
-    kill -9 "$pid" 2>/dev/null
-  done
+. "$(dirname "$0")/reap.sh"
+reap_cluster_and_gpus() {  # reap_cluster (reap.sh), then the GPUs must be empty for the next run
+  reap_cluster "$1"
   for _ in $(seq 30); do  # the next run must find its GPUs empty
     [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
     sleep 1
@@ -134,7 +126,7 @@ run_shape() {  # label trainer_gpus sampler_gpus timeout_s: one production_e2e r
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "$label: killed by its $4 s timeout"
   [ "$rc" = 0 ] || tail -25 "$OUT/production_e2e_$label.log"
-  reap_cluster "$dir"
+  reap_cluster_and_gpus "$dir"
   collect_logs "$dir" "e2e_logs_$label.tgz"
   echo "=== $label: exit $rc ($(date +%T))"
   return "$rc"

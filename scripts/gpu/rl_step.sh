@@ -48,16 +48,10 @@ MODEL=/tmp/lp-rl-step-smollm2   # the random checkpoint, kept across runs; SGLan
 # then every process still carrying that data dir (SGLang's server and schedulers inherit it from the sampler), then
 # SGLang servers of this model path (they run in a session of their own) by SIGTERM, which SGLang answers by ending
 # its whole process tree.
+. "$(dirname "$0")/reap.sh"
 reap() {
-  local pid pids
-  [ -d "$WORK" ] && timeout -k 5 25 python3 -c "from loraplane_cli import app; app()" down --data-dir "$WORK" \
-    >/dev/null 2>&1
-  for pid in $(grep -l -a -x -F "LORAPLANE_DATA_DIR=$WORK" --null-data /proc/[0-9]*/environ 2>/dev/null \
-               | cut -d/ -f3); do
-    [ "$pid" = "$$" ] && continue
-    echo "reaping $pid: $(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -c1-100)"
-    kill -9 "$pid" 2>/dev/null
-  done
+  local pids
+  reap_cluster "$WORK"
   pids=$(pgrep -f "sglang.launch_server --model-path $MODEL" 2>/dev/null)
   [ -n "$pids" ] || return 0
   echo "stopping SGLang servers left by a run: $pids"
