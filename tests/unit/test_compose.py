@@ -99,6 +99,8 @@ def test_gpu_profile_runs_megatron_and_sglang(compose):
     assert sampler[sampler.index("--engine") + 1] == "sglang"
     assert sampler[sampler.index("--sglang-url") + 1] == "http://sglang:30000"
     assert "--enable-lora" in services["sglang"]["command"]
+    # Logprobs of the unscaled distribution, as the sampler serves them (sampler_svc/engines/sglang_servers.py).
+    assert services["sglang"]["environment"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "True"
     for name in ("trainer-gpu", "sglang"):
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"], name

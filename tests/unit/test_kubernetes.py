@@ -739,6 +739,8 @@ def test_sglang_sidecar_matches_the_sampler(variant, rendered, monkeypatch):
         _named_port(main, "grpc"), _named_port(main, "metrics")}
     for kind in ("startupProbe", "livenessProbe"):
         assert sglang[kind]["httpGet"] == {"path": "/health", "port": int(flag("--port"))}
+    # Logprobs of the unscaled distribution, as the sampler serves them (sampler_svc/engines/sglang_servers.py).
+    assert {"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "True"} in sglang["env"]
 
 
 def test_bundled_redis_keeps_an_aof_with_fsync_always(rendered):
