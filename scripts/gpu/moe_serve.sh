@@ -7,7 +7,9 @@
 #   bash scripts/gpu/moe_serve.sh families [PYTEST -k EXPR] tests/gpu/test_sglang_families.py: Qwen3.5 dense and
 #                                                         MoE, gpt-oss and Nemotron-H (small random checkpoints)
 #                                                         served by SGLang, sampler vs the trainer's Forward,
-#                                                         version exactness (issues 32, 33)
+#                                                         version exactness (issues 32, 33); a family takes
+#                                                         1.5-2 min: two calls, -k "gpt_oss or nemotron" and
+#                                                         -k qwen3_5
 #   bash scripts/gpu/moe_serve.sh load [ITER] [LAYERS]    bench/sampler.py --shape qwen3moe: publish -> first
 #                                                         sample of a Qwen3-30B-A3B rank-32 expert adapter (dummy
 #                                                         weights, one SGLang server): both expert layouts
