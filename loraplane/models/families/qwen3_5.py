@@ -315,7 +315,8 @@ DENSE = HybridFamily(
     lacks=("moe",), implied=_IMPLIED,
     checkpoint_prefix="model.language_model.", mixer_targets=_MIXERS, backend_lacks_features=_MEGATRON_UNCHECKED,
     mlp_targets={"dense": DENSE_MLP_TARGETS}, sglang=_SGLANG, sglang_together=_SGLANG_TOGETHER,
-    tiny=tiny_dense_config, packing=enable_packing, hf_decode=True, notes="q_proj's output is [query | gate] per head (2 x heads x head_dim rows)")
+    tiny=tiny_dense_config, packing=enable_packing, hf_decode=True,
+    notes="q_proj's output is [query | gate] per head (2 x heads x head_dim rows)")
 
 MOE_FAMILY = HybridFamily(
     model_type="qwen3_5_moe", config_types=("qwen3_5_moe_text",),
