@@ -6,9 +6,10 @@ kernels take), built with the family's own transformers classes on the GPU and s
 tokenizer; one SGLang server launched by sampler_svc's SGLangEngine for it (`--lora-target-modules all`, CUDA graphs
 off; the family's own server arguments, gpt-oss's triton MoE runner, added by the engine; the text-only Qwen3.5
 classes with LoRA hooks from sampler_svc/engines/sglang_models, which the launcher hands SGLang), stopped before the
-next family's. gpt-oss's config.json names swiglu_limit and Nemotron-H's asks for the Mamba kernels, as released. A real trainer (torch backend, bf16 on the same GPU) trains one adapter on the targets SGLang serves for
-the family (its `sglang` map; Nemotron-H's Mamba in_proj is not among them) and publishes it through a real registry (Valkey +
-SeaweedFS); sampler_svc serves it on SGLang. Asserted per family:
+next family's. gpt-oss's config.json names swiglu_limit and Nemotron-H's asks for the Mamba kernels, as released.
+A real trainer (torch backend, bf16 on the same GPU) trains one adapter on the targets SGLang serves for the family
+(its `sglang` map: Qwen3.5's four Gated DeltaNet slices together; Nemotron-H's Mamba in_proj is not among them) and
+publishes it through a real registry (Valkey + SeaweedFS); sampler_svc serves it on SGLang. Asserted per family:
 - sampled logprobs equal the trainer's Forward of the same version within the bounds of tests/gpu/test_sglang_moe.py
   (derived there: two independent bf16 implementations, ~20 roundings per token, routing flips on MoE layers): mean
   <= MEAN_BOUND, 90th percentile <= P90_BOUND; and the base model differs from the adapter by more than
