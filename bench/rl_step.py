@@ -137,7 +137,7 @@ def prepare_model(args: argparse.Namespace) -> str:
 
 def service_commands(args: argparse.Namespace, model: str) -> dict[str, list[str]] | None:
     """The sampler on a launched SGLang server, as tests/production_e2e.py starts it; the trainer stays `python -m
-    trainer_svc` (torch backend) on LORAPLANE_DEVICE."""
+    trainer_svc` (torch backend) on LORAPLANE_DEVICE, in LORAPLANE_TRAINER_DTYPE."""
     if args.engine != "sglang":
         return None
     # A server given by URL (a dry run against bench/synthetic_sglang.py) instead of one launched on the GPU.
@@ -154,6 +154,10 @@ def service_commands(args: argparse.Namespace, model: str) -> dict[str, list[str
     return {"sampler": sampler}
 
 
+def trainer_dtype(args: argparse.Namespace) -> str:
+    return "float32" if args.device == "cpu" else "bfloat16"
+
+
 def run(args: argparse.Namespace, model: str, workdir: Path) -> dict:
     import random
 
@@ -166,6 +170,8 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> dict:
            "LORAPLANE_GATEWAY_METRICS_PORT": str(gateway_metrics)}
     if args.device != "cpu":
         env["LORAPLANE_DEVICE"] = args.device  # the trainer's torch backend (and a torch engine's) on the GPU
+    # Its base weights in bf16 on a GPU (its LoRA state stays fp32), as a user's PEFT loop runs there.
+    env["LORAPLANE_TRAINER_DTYPE"] = trainer_dtype(args)
     started = time.perf_counter()
     state, _started = start_cluster(settings, extra_env=env, gateway=True, commands=service_commands(args, model),
                                     on_progress=lambda m: print(f"[cluster +{time.perf_counter() - started:.0f}s] {m}",
@@ -206,7 +212,8 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> dict:
     lengths = [len(d.model_input.to_ints()) for d in data]
     # In a fresh process, as each service runs in its own: this one's SDK threads slow torch down many times over.
     with _spawn_pool() as pool:
-        engines = pool.submit(engines_anchor, model, args.device, steps, groups, group_size, max_tokens, prompts,
+        engines = pool.submit(engines_anchor, model, args.device, trainer_dtype(args), steps, groups, group_size,
+                              max_tokens, prompts,
                               lengths, sglang_times).result()
     return {"model": model, "engine": args.engine, "device": args.device, "groups": groups,
             "group_size": group_size, "max_tokens": max_tokens, "rank": RANK, "cluster_startup_s": round(startup_s, 1),
@@ -290,7 +297,7 @@ def sglang_sample_anchor(url: str, adapter_dir: str, steps: int, groups: int, gr
     return asyncio.run(rounds())
 
 
-def engines_anchor(model: str, device: str, steps: int, groups: int, group_size: int, max_tokens: int,
+def engines_anchor(model: str, device: str, dtype: str, steps: int, groups: int, group_size: int, max_tokens: int,
                    prompts: list[list[int]], lengths: list[int], sample_times: list[float] | None = None) -> list[dict]:
     """The same work on the engines alone, in this process: the sampler's engine generating every group's rollouts
     at once (one request per group, as the service hands them over, all queued together), and the trainer backend's
@@ -346,8 +353,8 @@ def engines_anchor(model: str, device: str, steps: int, groups: int, group_size:
     if sample_times is None:
         sample_times = asyncio.run(sampler_rounds())
 
-    # As the trainer service builds it (trainer_svc/backends/__init__.py: the model and device, its default dtype).
-    backend = TorchBackend(model, device=device)
+    # As the trainer service builds it (trainer_svc/backends/__init__.py: the model, device and --dtype).
+    backend = TorchBackend(model, device=device, dtype=getattr(torch, dtype))
     # Tinker's alpha 32 and every target the model offers, as the gateway's create_model gives it.
     spec = LoraSpec.create(RANK, 32.0, seed=0, available=list(backend.description.module_dims))
     # Leaves that take gradients, as the trainer's pool makes them: without requires_grad the backend's loss has

@@ -591,14 +591,14 @@ def sglang_target_modules(target_modules, family) -> list[str]:
     name, or SGLang refuses the adapter as not fitting its LoRA buffers; every other name as given (the weights
     themselves load by their PEFT keys whatever the config lists)."""
     table = family.sglang or _SGLANG_LLAMA_LAYOUT
-    names = set()
+    names: dict[str, None] = {}  # in the given order: a config with nothing to rename stays as it was
     for target in target_modules:
         module = table.get(target)
         leaf = target.split(".")[-1]
         renamed = (module and module != "experts"
                    and _SGLANG_NORMALIZED.get(leaf, leaf) != _SGLANG_NORMALIZED.get(module, module))
-        names.add(module if renamed else target)
-    return sorted(names)
+        names[module if renamed else target] = None
+    return list(names)
 
 
 def sglang_expert_key(layer: int, expert: int, proj: str, which: str) -> str:

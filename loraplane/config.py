@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     # tests choose the random `tiny` model explicitly (tests/conftest.py).
     base_model: str = "smollm2-135m-instruct"
     device: str = "cpu"
+    # The torch backend's base weights (python -m trainer_svc --dtype, so also `loraplane up`'s trainer): float32
+    # (the CPU's bit-exact reference) or bfloat16 (a GPU's); LoRA masters, gradients and moments stay float32.
+    trainer_dtype: Literal["float32", "bfloat16"] = "float32"
     # What `python -m sampler_svc` (so also `loraplane up`) samples with: a name of the engine registry
     # (sampler_svc/engines/__init__.py, ENGINES; checked there at start-up, since this library may not import the
     # sampler): the in-process torch engine, or SGLang (servers the sampler launches, one per GPU, unless

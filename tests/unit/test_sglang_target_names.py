@@ -24,13 +24,13 @@ QWEN3_5_TARGETS = ("q_proj", "o_proj", "in_proj_q", "in_proj_k", "in_proj_v", "i
 
 
 @pytest.mark.parametrize("model_type, given, sent", [
-    ("qwen3_5", ["in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "q_proj", "out_proj", "gate_proj"],
-     ["gate_proj", "in_proj_qkvz", "out_proj", "q_proj"]),
+    ("qwen3_5", ["q_proj", "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "out_proj", "gate_proj"],
+     ["q_proj", "in_proj_qkvz", "out_proj", "gate_proj"]),
     ("qwen3_5_moe", ["in_proj_z", "shared_expert.up_proj", "experts.gate_up_proj"],
-     ["experts.gate_up_proj", "in_proj_qkvz", "shared_expert.up_proj"]),
-    ("llama", ["q_proj", "k_proj", "up_proj", "down_proj"], ["down_proj", "k_proj", "q_proj", "up_proj"]),
+     ["in_proj_qkvz", "shared_expert.up_proj", "experts.gate_up_proj"]),
+    ("llama", ["q_proj", "k_proj", "up_proj", "down_proj"], ["q_proj", "k_proj", "up_proj", "down_proj"]),
     ("qwen3_moe", ["q_proj", "experts.gate_up_proj", "experts.down_proj"],
-     ["experts.down_proj", "experts.gate_up_proj", "q_proj"]),
+     ["q_proj", "experts.gate_up_proj", "experts.down_proj"]),
 ])
 def test_only_a_part_of_a_module_sglang_names_otherwise_is_renamed(model_type, given, sent):
     assert sglang_target_modules(given, families.FAMILIES[model_type]) == sent

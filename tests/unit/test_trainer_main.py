@@ -37,7 +37,7 @@ def test_the_registry_names_every_backend_with_its_launcher_and_refuses_an_unkno
 def test_both_entry_points_share_the_options_and_the_defaults():
     limits = TrainerLimits()
     plain, megatron, torchrun = parse_args([]), parse_args(["--backend", "megatron"]), torchrun_args([])
-    assert plain.backend == "torch" and plain.backend_options == ()
+    assert plain.backend == "torch" and plain.backend_options == ("dtype",) and plain.dtype == "float32"
     assert megatron.backend == torchrun.backend == "megatron"
     assert vars(megatron) == vars(torchrun)
     assert "tensor_parallel_size" in torchrun.backend_options and "dtype" in torchrun.backend_options
@@ -57,6 +57,28 @@ def test_the_torch_entry_builds_its_backend_and_hands_it_to_serve():
 
     backend_entry("torch").launch(BackendConfig("tiny"), serve)
     assert len(served) == 1 and isinstance(served[0], TorchBackend) and served[0].base.name == "tiny"
+
+
+def test_the_torch_backend_loads_its_base_in_the_dtype_asked_and_keeps_lora_in_float32():
+    import torch
+
+    from loraplane.lora import LoraSpec
+
+    args = parse_args(["--dtype", "bfloat16"])
+    backend = build_backend("torch", "tiny", options={name: getattr(args, name) for name in args.backend_options})
+    assert {p.dtype for p in backend.base.model.parameters()} == {torch.bfloat16}
+    params = backend.init_params(LoraSpec.create(4, 8, ["q_proj"], seed=1,
+                                                 available=tuple(backend.base.module_dims)))
+    assert params and {p.dtype for p in params.values()} == {torch.float32}
+    assert {p.dtype for p in build_backend("torch", "tiny").base.model.parameters()} == {torch.float32}
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "float16"])
+
+
+def test_the_torch_dtype_defaults_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LORAPLANE_TRAINER_DTYPE", "bfloat16")  # how `loraplane up` hands it to its trainer
+    assert parse_args([]).dtype == "bfloat16"
+    assert parse_args(["--dtype", "float32"]).dtype == "float32"
 
 
 def test_nothing_under_backends_imports_the_trainer_above_it():

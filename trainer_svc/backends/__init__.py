@@ -78,9 +78,25 @@ class BackendEntry:
 
 
 def _torch(config: BackendConfig) -> TrainerBackend:
+    import torch
+
     from trainer_svc.backends.torch_backend import TorchBackend
 
-    return TorchBackend(config.base_model, device=config.device)
+    dtype = getattr(torch, config.options.get("dtype") or "float32")
+    return TorchBackend(config.base_model, device=config.device, dtype=dtype)
+
+
+def _torch_arguments(parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    from loraplane.config import Settings
+
+    group = parser.add_argument_group("torch backend")
+    actions = [
+        group.add_argument("--dtype", choices=["float32", "bfloat16"], default=Settings().trainer_dtype,
+                           help="the base model's weights (LoRA masters, gradients and AdamW moments stay float32): "
+                                "bfloat16 on a GPU halves their memory and runs its bf16 kernels, as a PEFT loop "
+                                "in bf16 does; float32 is the CPU's bit-exact reference (LORAPLANE_TRAINER_DTYPE)"),
+    ]
+    return tuple(action.dest for action in actions)
 
 
 def _megatron(config: BackendConfig) -> TrainerBackend:
@@ -103,7 +119,7 @@ def _megatron_arguments(parser: argparse.ArgumentParser) -> tuple[str, ...]:
 
 BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
     BackendEntry("torch", "HF transformers models in this process, CPU or GPU (the default)", _torch,
-                 lacks=("tensor, pipeline and expert parallelism across GPUs",)),
+                 add_arguments=_torch_arguments, lacks=("tensor, pipeline and expert parallelism across GPUs",)),
     BackendEntry("megatron", "megatron-core GPTModel, tensor/data/expert parallel, one process per GPU under torchrun",
                  _megatron, launcher=TORCHRUN, launch_with=_megatron_launch, add_arguments=_megatron_arguments,
                  needs=("CUDA GPUs", "the megatron extra (megatron-core)"),
