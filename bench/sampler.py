@@ -300,9 +300,13 @@ async def sglang_load_paths(shape: str, iterations: int, workdir: Path, ways: Se
                                         workdir, model_dir, model_write_s, list(ways))
 
 
-def sglang_engine_options(shape: str, expert_form: str = "per_expert") -> dict:
+def sglang_engine_options(shape: str, expert_form: str = "per_expert", server_args: Sequence[str] = ()) -> dict:
     """SGLangEngine keyword arguments of the load benchmark's one server for a shape (`expert_form`: how expert
-    LoRA reaches a MoE shape's server; shared_outer runs it with --experts-shared-outer-loras)."""
+    LoRA reaches a MoE shape's server; shared_outer runs it with --experts-shared-outer-loras; `server_args`: more
+    SGLang arguments, after the shape's own)."""
+    if server_args:
+        options = sglang_engine_options(shape, expert_form)
+        return {**options, "extra_server_args": [*options["extra_server_args"], *server_args]}
     if shape in MOE_SHAPES and expert_form != "per_expert":
         return {**sglang_engine_options(shape), "expert_form": expert_form}
     if shape in MOE_SHAPES:
@@ -714,7 +718,7 @@ def push_variants(moe: bool, layouts: Sequence[str], paths: Sequence[str]) -> li
 
 async def push_to_first_sample(engine_name: str, shape: str, iterations: int, workdir: Path, paths: Sequence[str],
                                layouts: Sequence[str], dtype: str, layers: int = 0, deadline_s: float = 0.0,
-                               expert_form: str = "per_expert") -> dict:
+                               expert_form: str = "per_expert", server_args: Sequence[str] = ()) -> dict:
     """publish -> first sample of each version, published as the trainer's PublishWeights does (the blob made and
     hashed, pushed by trainer_svc.handoff.Handoff to the deployment's sampler while the registry reserves the
     version, answered then, the upload beside: trainer_svc/upload_spool.py), alternated with versions that are not
@@ -733,12 +737,14 @@ async def push_to_first_sample(engine_name: str, shape: str, iterations: int, wo
         settings = storage.model_copy(update={"data_dir": workdir, "sampler_fleet": PUSH_FLEET})
         return await _push_to_first_sample(settings, engine_name, shape, model, rank, iterations, workdir,
                                            list(paths), list(layouts), dtype,
-                                           started + deadline_s if deadline_s else float("inf"), expert_form)
+                                           started + deadline_s if deadline_s else float("inf"), expert_form,
+                                           server_args)
 
 
 async def _push_to_first_sample(settings, engine_name: str, shape: str, model: str, rank: int, iterations: int,
                                 workdir: Path, paths: list[str], layouts: list[str], dtype: str,
-                                deadline: float, expert_form: str = "per_expert") -> dict:
+                                deadline: float, expert_form: str = "per_expert", server_args: Sequence[str] = ()
+                                ) -> dict:
     from loraplane.adapter_format import COMPACT_FORMAT, FORMAT_VERSION_KEY, adapter_writer, blob_metadata
     from loraplane.lora import LoraSpec
     from loraplane.membership import Membership
@@ -753,7 +759,7 @@ async def _push_to_first_sample(settings, engine_name: str, shape: str, model: s
         from sampler_svc.engines.sglang_engine import SGLangEngine, _base_model_facts
 
         engine = SGLangEngine(model, launch_servers=1, work_dir=workdir / "sglang",
-                              **sglang_engine_options(shape, expert_form))
+                              **sglang_engine_options(shape, expert_form, server_args))
         # A MoE version is GBs: one kept per adapter (SGLang holds at most 4 in host memory).
         keep, max_loaded = (1, 3) if moe else (2, 6)
         base = _base_model_facts(model)
@@ -1042,6 +1048,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default="per_expert",
                         help="--push on a MoE shape: how expert LoRA reaches SGLang (shared_outer: the server runs "
                              "--experts-shared-outer-loras and takes shared-outer adapters only)")
+    parser.add_argument("--sglang-server-arg", action="append", default=[], dest="sglang_server_args",
+                        help="--push: one more argument for the launched SGLang server (repeat; e.g. "
+                             "--sglang-server-arg=--enable-lora-overlap-loading)")
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="qwen3moe: start no version after this many seconds (0: no limit)")
     parser.add_argument("--sglang-url", default="",
@@ -1076,7 +1085,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
         result = asyncio.run(push_to_first_sample(args.engine, args.shape, args.iterations, workdir, args.push_paths,
                                                   args.expert_layouts, args.dtype, args.layers, args.deadline_s,
-                                                  args.sglang_expert_form))
+                                                  args.sglang_expert_form, args.sglang_server_args))
         result["layers"] = args.layers or None
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         result["environment"] = environment()

@@ -32,6 +32,7 @@
 #   bash scripts/gpu/moe_serve.sh push-compact [ITER] [LAYERS]  the same for the shared-outer adapter only, served
 #                                                         by SGLang's own shared-outer expert LoRA (the compact
 #                                                         factors sent as they are); shared memory and registry
+#   bash scripts/gpu/moe_serve.sh push-compact-overlap [ITER]   the same with SGLang's --enable-lora-overlap-loading
 #   bash scripts/gpu/moe_serve.sh e2e [ITER]              python -m tests.production_e2e --moe: torch
 #                                                         trainer + SGLang sampler (eager) on a 3-layer random
 #                                                         Qwen3-MoE, two tenants' GRPO loop (ITER 12)
@@ -105,9 +106,12 @@ case "$mode" in
   push)
     PUSH_ARGS=()
     qwen3moe_bench push sampler_push_qwen3moe /tmp/lp-bench-push-qwen3moe sglang_server_push_qwen3moe "$@" ;;
-  push-compact)
-    # The compact shared-outer adapter as it is (SGLang's --experts-shared-outer-loras), not expanded per expert.
+  push-compact|push-compact-overlap)
+    # The compact shared-outer adapter as it is (SGLang's --experts-shared-outer-loras), not expanded per expert;
+    # -overlap: SGLang pins an adapter's weights when it loads it and copies them in beside the batches
+    # (--enable-lora-overlap-loading) instead of pinning and copying at the adapter's first batch.
     PUSH_ARGS=(--expert-layouts shared_outer --push-paths push:shared_memory registry --sglang-expert-form shared_outer)
+    [ "$mode" = push-compact-overlap ] && PUSH_ARGS+=(--sglang-server-arg=--enable-lora-overlap-loading)
     qwen3moe_bench push sampler_push_qwen3moe /tmp/lp-bench-push-qwen3moe sglang_server_push_qwen3moe "$@" ;;
   e2e)
     stop_e2e_cluster() {  # what a killed run left: the supervised cluster (trainer on the GPU) and SGLang
