@@ -125,7 +125,20 @@ class Secured:
     def snapshot(self) -> dict:
         """Everything of A's: the gateway's records outside B's namespace (all of them, whatever their key layout,
         so a write by B into A's records shows up here however the store keys them), A's registry adapters and
-        versions (read by the admin), A's trainer adapters (their seq_ids) and what the sampler has loaded of A's."""
+        versions (read by the admin), A's trainer adapters (their seq_ids) and what the sampler has loaded of A's;
+        taken once two readings 0.1 s apart agree. Background work of A's own (an upload landing after its answer, the
+        sampler following a publish) settles on a loaded machine after a case has begun; a change B's request caused,
+        at once or later, still shows in the settled reading after it."""
+        deadline = time.monotonic() + 60
+        previous = self._snapshot_once()
+        while True:
+            time.sleep(0.1)
+            current = self._snapshot_once()
+            if current == previous or time.monotonic() > deadline:
+                return current
+            previous = current
+
+    def _snapshot_once(self) -> dict:
         # The sampler follows the registry in the background (an owner's publish in the previous case): let it
         # settle first, so the snapshot holds only what a request could have changed.
         self.sampler.loop.run(self.sampler.manager.wait_idle(), timeout=60)
