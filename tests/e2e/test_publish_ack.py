@@ -80,9 +80,11 @@ def publish_within(stub, name: str, seconds: float) -> int:
     return answered["version"]
 
 
-def spooled_files(settings, trainer_id: str = "trainer") -> list[str]:
+def spooled_files(settings, trainer_id: str = "trainer", *, parts: bool = False) -> list[str]:
+    """The spool's blobs and records; a record's `.part` only with `parts` (it exists while the spool rewrites the
+    record, its atomic replace, and may be caught at any moment; once the spool is done, none may be left)."""
     directory = Path(settings.data_dir) / "trainer-uploads" / trainer_id
-    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    return sorted(p.name for p in directory.iterdir() if parts or p.suffix != ".part") if directory.is_dir() else []
 
 
 @pytest.fixture
@@ -125,7 +127,7 @@ def test_a_pushed_version_is_served_while_s3_stalls_and_stored_once_it_is_back(p
     assert (entry(late, f"ack@v{version}").path, entry(late, f"ack@v{version}").sha256) == ("registry", stored.sha256)
     assert sample(late, "ack", version).sequences[0].logprobs == reply.sequences[0].logprobs
     deadline = time.monotonic() + 10
-    while trainer.service.spool.pending or spooled_files(trainer.settings):
+    while trainer.service.spool.pending or spooled_files(trainer.settings, parts=True):
         assert time.monotonic() < deadline, "the spool kept the uploaded version"
         time.sleep(0.05)
 
@@ -145,7 +147,7 @@ def test_with_publish_ack_stored_the_answer_waits_for_the_upload(registry, backg
             assert publisher.is_alive() and not answered, "answered before the upload"
         publisher.join(60)
         assert not version_record(registry, "slow", answered["version"]).pending
-        assert not spooled_files(trainer.settings)
+        assert not spooled_files(trainer.settings, parts=True)
 
 
 def test_a_trainer_killed_before_the_upload_lands_uploads_the_version_after_its_restart(
