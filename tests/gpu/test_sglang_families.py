@@ -43,11 +43,10 @@ from loraplane.client import (
     ServiceClient,
     datum_from_sequence,
 )
-from loraplane.rpc import BackgroundLoop
 from loraplane.v1 import common_pb2, trainer_pb2
 from tests.fixtures.sampler import start_live_sampler
 from tests.fixtures.trainer import start_live_trainer
-from tests.gpu.test_sglang_moe import MEAN_BOUND, P90_BOUND, prompts, recorder
+from tests.gpu.test_sglang_moe import MEAN_BOUND, P90_BOUND, launched_sglang, prompts, recorder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -169,34 +168,22 @@ def sglang_targets(model_type: str, config) -> list[str]:
     return sorted(set(family.sglang) & set(family.lora_targets(config)))
 
 
-def server_args(family: str) -> list[str]:
-    return list(SERVER_ARGS)
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def served(request, tmp_path_factory):
     """(family, checkpoint dir, SGLang server URL): one server per family, stopped after its tests."""
-    from sampler_svc.engines.sglang_engine import SGLangEngine
-
     family = request.param
     directory = write_checkpoint(family, tmp_path_factory.mktemp(family) / "model")
-    loop = BackgroundLoop(f"sglang-{family}")
-    engine = SGLangEngine(str(directory), launch_servers=1, work_dir=tmp_path_factory.mktemp(f"sglang-{family}"),
-                          max_lora_rank=16, max_loras_per_batch=3, max_loaded_loras=8, startup_timeout_s=300,
-                          extra_server_args=server_args(family))
+    started = False
     try:
-        loop.run(engine.start(), timeout=360)
+        with launched_sglang(directory, tmp_path_factory.mktemp(f"sglang-{family}"), f"sglang-{family}", 360,
+                             log_lines=80, max_lora_rank=16, max_loras_per_batch=3, max_loaded_loras=8,
+                             startup_timeout_s=300, extra_server_args=list(SERVER_ARGS)) as url:
+            started = True
+            yield family, directory, url
     except BaseException:
-        log = engine.work_dir / "server-0.log"
-        if log.is_file():
-            print("\n".join(log.read_text(errors="replace").splitlines()[-80:]))
-        record(f"{family}_server_start", "failed")
-        loop.run(engine.stop(), timeout=120)
-        loop.close()
+        if not started:
+            record(f"{family}_server_start", "failed")
         raise
-    yield family, directory, engine.servers[0].url
-    loop.run(engine.stop(), timeout=120)
-    loop.close()
 
 
 def test_sampler_serves_each_family_as_the_trainer_computes_it(served, registry, background_loop, tmp_path):
@@ -247,7 +234,7 @@ def test_sampler_serves_each_family_as_the_trainer_computes_it(served, registry,
             base = base_client.compute_logprobs(ModelInput.from_ints(full)).result(300)[len(prompt):]
             base_diffs.extend(abs(a - b) for a, b in zip(learner, base, strict=True))
         ordered = sorted(diffs)
-        stats = {"targets": targets, "server_args": server_args(family), "tokens": len(diffs), "losses": losses,
+        stats = {"targets": targets, "server_args": SERVER_ARGS, "tokens": len(diffs), "losses": losses,
                  "mean": statistics.fmean(diffs), "p90": ordered[int(0.9 * (len(ordered) - 1))], "max": ordered[-1],
                  "base_vs_adapter_mean": statistics.fmean(base_diffs)}
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import os
@@ -121,27 +122,36 @@ def moe_base(moe_dir):
     return load_base_model(str(moe_dir))
 
 
-@pytest.fixture(scope="module")
-def moe_url(moe_dir, tmp_path_factory):
+@contextlib.contextmanager
+def launched_sglang(model_dir: Path, work_dir: Path, name: str, start_timeout_s: float, log_lines: int = 60,
+                    **engine_options):
+    """One SGLang server launched by sampler_svc's SGLangEngine for `model_dir` on a loop of its own: its URL, the
+    server stopped afterwards. A failed start prints the tail of the server's log first."""
     from sampler_svc.engines.sglang_engine import SGLangEngine
 
-    loop = BackgroundLoop("sglang-moe-launcher")
-    engine = SGLangEngine(str(moe_dir), launch_servers=1, work_dir=tmp_path_factory.mktemp("sglang-moe"),
-                          max_lora_rank=MAX_RANK, max_loras_per_batch=SLOTS, max_loaded_loras=12,
-                          startup_timeout_s=420,
-                          extra_server_args=["--mem-fraction-static", "0.3", "--disable-cuda-graph"])
+    loop = BackgroundLoop(name)
+    engine = SGLangEngine(str(model_dir), launch_servers=1, work_dir=work_dir, **engine_options)
     try:
-        loop.run(engine.start(), timeout=480)
-    except BaseException:
-        log = engine.work_dir / "server-0.log"
-        if log.is_file():
-            print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+        try:
+            loop.run(engine.start(), timeout=start_timeout_s)
+        except BaseException:
+            log = engine.work_dir / "server-0.log"
+            if log.is_file():
+                print("\n".join(log.read_text(errors="replace").splitlines()[-log_lines:]))
+            raise
+        yield engine.servers[0].url
+    finally:
         loop.run(engine.stop(), timeout=120)
         loop.close()
-        raise
-    yield engine.servers[0].url
-    loop.run(engine.stop(), timeout=120)
-    loop.close()
+
+
+@pytest.fixture(scope="module")
+def moe_url(moe_dir, tmp_path_factory):
+    with launched_sglang(moe_dir, tmp_path_factory.mktemp("sglang-moe"), "sglang-moe-launcher", 480,
+                         max_lora_rank=MAX_RANK, max_loras_per_batch=SLOTS, max_loaded_loras=12,
+                         startup_timeout_s=420,
+                         extra_server_args=["--mem-fraction-static", "0.3", "--disable-cuda-graph"]) as url:
+        yield url
 
 
 def moe_sampler(registry, background_loop, url, moe_dir, tmp_path, **kwargs):
